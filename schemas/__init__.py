@@ -1,0 +1,1 @@
+"""The wire: msgspec Structs exchanged between mmpipe processes."""

@@ -1,0 +1,59 @@
+"""What flows back on a reply subject: token chunks, then one final chunk or an error."""
+
+from __future__ import annotations
+
+import enum
+
+import msgspec
+
+from schemas.errors import ErrorCode, MmpipeError
+
+
+class FinishReason(enum.StrEnum):
+    STOP = "stop"
+    LENGTH = "length"
+
+
+class Usage(msgspec.Struct, omit_defaults=True, forbid_unknown_fields=True):
+    prompt_tokens: int
+    completion_tokens: int
+
+    @property
+    def total_tokens(self) -> int:
+        return self.prompt_tokens + self.completion_tokens
+
+
+class TokenChunk(msgspec.Struct, tag="token", tag_field="kind", omit_defaults=True, forbid_unknown_fields=True):
+    request_id: str
+    # Index of this chunk's first token among all generated tokens: a relay
+    # drops any chunk whose seq it has already passed.
+    seq: int
+    token_ids: list[int]
+    text: str = ""
+    finish_reason: FinishReason | None = None
+    usage: Usage | None = None
+
+    @property
+    def end(self) -> int:
+        return self.seq + len(self.token_ids)
+
+
+class ErrorChunk(msgspec.Struct, tag="error", tag_field="kind", omit_defaults=True, forbid_unknown_fields=True):
+    request_id: str
+    code: ErrorCode
+    message: str
+    http_status: int
+    retryable: bool = False
+
+    @classmethod
+    def from_error(cls, request_id: str, error: MmpipeError) -> ErrorChunk:
+        return cls(
+            request_id=request_id,
+            code=error.code,
+            message=error.message,
+            http_status=error.http_status,
+            retryable=error.retryable,
+        )
+
+
+ReplyChunk = TokenChunk | ErrorChunk

@@ -1,0 +1,32 @@
+"""Control-plane messages: cancel, dead letters, worker liveness."""
+
+from __future__ import annotations
+
+import msgspec
+
+from schemas.errors import ErrorCode
+
+
+class Cancel(msgspec.Struct, omit_defaults=True, forbid_unknown_fields=True):
+    request_id: str
+    reason: str = "client disconnected"
+
+
+class DeadLetter(msgspec.Struct, omit_defaults=True, forbid_unknown_fields=True):
+    subject: str
+    code: ErrorCode
+    message: str
+    deliveries: int
+    request_id: str = ""
+    # The message as it arrived, so an operator can replay it.
+    payload: bytes = b""
+
+
+class WorkerInfo(msgspec.Struct, omit_defaults=True, forbid_unknown_fields=True):
+    """A worker's answer to a liveness ping on ``mmpipe.<ns>.ping.<role>``."""
+
+    role: str
+    worker_id: str
+    models: list[str] = []
+    inflight: int = 0
+    max_inflight: int = 0

@@ -1,0 +1,58 @@
+"""The generate request: what the bridge (or a NATS-native caller) publishes
+on ``mmpipe.<ns>.requests``."""
+
+from __future__ import annotations
+
+import msgspec
+
+
+class TextPart(msgspec.Struct, tag="text", tag_field="type", omit_defaults=True, forbid_unknown_fields=True):
+    text: str
+
+
+class ImageURL(msgspec.Struct, omit_defaults=True, forbid_unknown_fields=True):
+    url: str
+    detail: str | None = None
+
+
+class ImagePart(msgspec.Struct, tag="image_url", tag_field="type", omit_defaults=True, forbid_unknown_fields=True):
+    image_url: ImageURL
+
+
+ContentPart = TextPart | ImagePart
+
+
+class ChatMessage(msgspec.Struct, omit_defaults=True, forbid_unknown_fields=True):
+    role: str
+    content: str | list[ContentPart] = ""
+
+
+class SamplingParams(msgspec.Struct, omit_defaults=True, forbid_unknown_fields=True):
+    # None means "the server's default": the processor fills it in.
+    max_tokens: int | None = None
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    # The processor fixes a seed for every request so a takeover after a
+    # crash samples the same tokens.
+    seed: int | None = None
+    stop: list[str] = []
+    min_tokens: int = 0
+    ignore_eos: bool = False
+
+
+class GenerateRequest(msgspec.Struct, omit_defaults=True, forbid_unknown_fields=True):
+    request_id: str
+    model: str
+    messages: list[ChatMessage]
+    sampling: SamplingParams = msgspec.field(default_factory=SamplingParams)
+    stream: bool = True
+    # None: chunks go to mmpipe.<ns>.reply.<request_id>, captured by the reply
+    # stream (exactly-once relay). A caller's own subject gets core-NATS delivery.
+    reply_subject: str | None = None
+    # Absolute deadline, Unix seconds; 0 means none.
+    deadline: float = 0.0
+    # Hops to run, e.g. ["encode+prefill+decode"]; empty lets the processor
+    # choose from the deployment mode.
+    route: list[str] = []
+    created: float = 0.0
