@@ -1,0 +1,257 @@
+"""The OpenAI-compatible HTTP bridge: HTTP in, a ``GenerateRequest`` on
+``mmpipe.<ns>.requests``, ``TokenChunk``s back from the reply subject."""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+import msgspec
+import structlog
+from aiohttp import web
+from nats.aio.client import Client
+from nats.aio.subscription import Subscription
+from nats.errors import NoRespondersError
+from nats.errors import TimeoutError as NatsTimeoutError
+from nats.js import JetStreamContext
+from nats.js.errors import APIError, NoStreamResponseError
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from pipeline import metrics
+from pipeline.bridge import responses
+from pipeline.bridge.openai_types import REQUEST_DECODER, to_generate_request
+from pipeline.config import PipelineConfig
+from pipeline.replies import CHUNK_DECODER, ExactlyOnceRelay
+from pipeline.streams import ensure_streams
+from pipeline.worker import is_stream_full
+from schemas.chunk import ErrorChunk, ReplyChunk, TokenChunk
+from schemas.codec import CONTENT_TYPE, MSGPACK, Decoder, encode
+from schemas.control import Cancel, WorkerInfo
+from schemas.errors import (
+    Cancelled,
+    DeadlineExceeded,
+    InvalidRequest,
+    MmpipeError,
+    ModelNotFound,
+    NoWorkers,
+    Overloaded,
+    TooLarge,
+    Unauthorized,
+)
+from schemas.routes import MODES, PROCESSOR
+
+log = structlog.get_logger(__name__)
+
+_WORKER_INFO: Decoder[WorkerInfo] = Decoder(WorkerInfo)
+
+
+@dataclass(frozen=True)
+class BridgeSettings:
+    host: str = "127.0.0.1"
+    port: int = 8000
+    api_key: str | None = None
+    # Each request's deadline; a stage that picks it up later fails it with 504.
+    request_timeout_s: float = 300.0
+    max_body_bytes: int = 32 * 1024 * 1024
+    retry_after_s: int = 1
+    worker_cache_s: float = 1.0
+
+
+class Bridge:
+    def __init__(self, nc: Client, js: JetStreamContext, config: PipelineConfig, settings: BridgeSettings) -> None:
+        self.nc = nc
+        self.js = js
+        self.config = config
+        self.settings = settings
+        self.subjects = config.subjects
+        self._workers: dict[str, tuple[float, WorkerInfo | None]] = {}
+
+    # -- app -----------------------------------------------------------------
+
+    def app(self) -> web.Application:
+        app = web.Application(client_max_size=self.settings.max_body_bytes, middlewares=[self._errors])
+        app.router.add_post("/v1/chat/completions", self.chat_completions)
+        app.router.add_get("/v1/models", self.models)
+        app.router.add_get("/health", self.health)
+        app.router.add_get("/metrics", self.metrics)
+        app.on_startup.append(self._on_startup)
+        return app
+
+    async def _on_startup(self, app: web.Application) -> None:
+        await ensure_streams(self.js, self.config)
+
+    @web.middleware
+    async def _errors(self, request: web.Request, handler: Any) -> web.StreamResponse:
+        try:
+            response: web.StreamResponse = await handler(request)
+        except MmpipeError as exc:
+            response = responses.error(exc, self.settings.retry_after_s)
+        except web.HTTPRequestEntityTooLarge:
+            response = responses.error(TooLarge("request body too large"), self.settings.retry_after_s)
+        metrics.HTTP_REQUESTS.labels(request.path, str(response.status)).inc()
+        return response
+
+    # -- workers -------------------------------------------------------------
+
+    async def worker(self, role: str) -> WorkerInfo | None:
+        """Any live worker of a role (cached briefly: this sits on the request path)."""
+        cached = self._workers.get(role)
+        now = time.monotonic()
+        if cached and now - cached[0] < self.settings.worker_cache_s:
+            return cached[1]
+        try:
+            reply = await self.nc.request(self.subjects.ping(role), b"", timeout=0.5)
+            info: WorkerInfo | None = _WORKER_INFO.decode(reply.data)
+        except (NoRespondersError, NatsTimeoutError, TimeoutError):
+            info = None
+        self._workers[role] = (now, info)
+        return info
+
+    async def health(self, request: web.Request) -> web.Response:
+        roles = [PROCESSOR, *dict.fromkeys(MODES[self.config.mode])]
+        live = {role: (await self.worker(role)) is not None for role in roles}
+        ready = self.nc.is_connected and all(live.values())
+        body = {"status": "ready" if ready else "unavailable", "nats": self.nc.is_connected, "roles": live}
+        return web.json_response(body, status=200 if ready else 503)
+
+    async def metrics(self, request: web.Request) -> web.Response:
+        return web.Response(body=generate_latest(), headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+    async def models(self, request: web.Request) -> web.Response:
+        self._authorize(request)
+        info = await self.worker(PROCESSOR)
+        names = info.models if info else []
+        return web.json_response(responses.model_list(names))
+
+    def _authorize(self, request: web.Request) -> None:
+        key = self.settings.api_key
+        if key is None:
+            return
+        given = request.headers.get("Authorization", "")
+        if not hmac.compare_digest(given.encode(), f"Bearer {key}".encode()):
+            raise Unauthorized("a valid API key is required (Authorization: Bearer <key>)")
+
+    # -- chat completions ----------------------------------------------------
+
+    async def chat_completions(self, request: web.Request) -> web.StreamResponse:
+        self._authorize(request)
+        body_bytes = await request.read()
+        try:
+            body = REQUEST_DECODER.decode(body_bytes)
+        except (msgspec.ValidationError, msgspec.DecodeError) as exc:
+            raise InvalidRequest(f"invalid request body: {exc}") from None
+        now = time.time()
+        rid = f"chatcmpl-{uuid.uuid4().hex}"
+        gen = to_generate_request(body, rid, created=now, deadline=now + self.settings.request_timeout_s)
+        include_usage = bool(body.stream_options and body.stream_options.include_usage)
+        structlog.contextvars.bind_contextvars(request_id=rid)
+        try:
+            info = await self.worker(PROCESSOR)
+            if info is None:
+                raise NoWorkers("no processor worker is running")
+            if gen.model not in info.models:
+                raise ModelNotFound(f"model {gen.model!r} is not served; served: {', '.join(info.models)}")
+            sub = await self.nc.subscribe(self.subjects.reply(rid))
+            try:
+                await self._submit(rid, encode(gen))
+                chunks = self._chunks(sub, gen.deadline)
+                if gen.stream:
+                    return await self._stream(request, rid, gen.model, int(now), chunks, include_usage)
+                return await self._complete(rid, gen.model, int(now), chunks)
+            except (asyncio.CancelledError, ConnectionResetError):
+                # The client went away: stop the work wherever it is.
+                await self._cancel(rid)
+                raise
+            finally:
+                await sub.unsubscribe()
+        finally:
+            structlog.contextvars.unbind_contextvars("request_id")
+
+    async def _submit(self, rid: str, data: bytes) -> None:
+        headers = {CONTENT_TYPE: MSGPACK, "Nats-Msg-Id": f"{rid}:0:request"}
+        try:
+            await self.js.publish(self.subjects.requests, data, headers=headers, timeout=5.0)
+        except APIError as exc:
+            if is_stream_full(exc):
+                raise Overloaded("the request queue is full; retry later") from None
+            raise NoWorkers(f"could not queue the request: {exc.description}") from None
+        except (NoStreamResponseError, NatsTimeoutError, TimeoutError):
+            raise NoWorkers("JetStream did not take the request") from None
+
+    async def _cancel(self, rid: str) -> None:
+        try:
+            await self.nc.publish(self.subjects.cancel(rid), encode(Cancel(request_id=rid)))
+        except Exception as exc:
+            metrics.ERRORS.labels("bridge", "cancel_failed").inc()
+            log.error("cancel_publish_failed", error=repr(exc))
+
+    async def _chunks(self, sub: Subscription, deadline: float) -> AsyncIterator[ReplyChunk]:
+        relay = ExactlyOnceRelay()
+        while not relay.done:
+            remaining = deadline - time.time()
+            if remaining <= 0:
+                raise DeadlineExceeded("the request's deadline passed")
+            try:
+                msg = await sub.next_msg(timeout=min(remaining, 5.0))
+            except (NatsTimeoutError, TimeoutError):
+                continue
+            try:
+                chunk = CHUNK_DECODER.decode(msg.data, (msg.headers or {}).get(CONTENT_TYPE))
+            except (msgspec.ValidationError, msgspec.DecodeError) as exc:
+                metrics.ERRORS.labels("bridge", "bad_chunk").inc()
+                log.error("bad_reply_chunk", error=str(exc))
+                continue
+            accepted = relay.accept(chunk)
+            if accepted is not None:
+                yield accepted
+
+    async def _complete(
+        self, rid: str, model: str, created: int, chunks: AsyncIterator[ReplyChunk]
+    ) -> web.Response:
+        text: list[str] = []
+        last: TokenChunk | None = None
+        async for chunk in chunks:
+            if isinstance(chunk, ErrorChunk):
+                return responses.error_chunk(chunk, self.settings.retry_after_s)
+            text.append(chunk.text)
+            last = chunk
+        assert last is not None
+        return web.json_response(responses.completion(rid, model, created, "".join(text), last))
+
+    async def _stream(
+        self,
+        request: web.Request,
+        rid: str,
+        model: str,
+        created: int,
+        chunks: AsyncIterator[ReplyChunk],
+        include_usage: bool,
+    ) -> web.StreamResponse:
+        response: web.StreamResponse | None = None
+        first = True
+        async for chunk in chunks:
+            if isinstance(chunk, ErrorChunk):
+                if response is None:
+                    # Nothing sent yet: the client gets a proper HTTP error.
+                    return responses.error_chunk(chunk, self.settings.retry_after_s)
+                await response.write(responses.sse(responses.error_body_from_chunk(chunk)))
+                break
+            if response is None:
+                response = web.StreamResponse(
+                    headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
+                )
+                await response.prepare(request)
+            await response.write(responses.sse(responses.stream_chunk(rid, model, created, chunk, first=first)))
+            first = False
+            if chunk.finish_reason is not None and include_usage and chunk.usage is not None:
+                await response.write(responses.sse(responses.usage_chunk(rid, model, created, chunk.usage)))
+        if response is None:
+            raise Cancelled("the request ended without output")
+        await response.write(b"data: [DONE]\n\n")
+        await response.write_eof()
+        return response

@@ -1,0 +1,124 @@
+"""The OpenAI chat-completions request as the bridge accepts it, and its
+translation into a ``GenerateRequest``."""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+import msgspec
+
+from schemas.errors import InvalidRequest, UnsupportedMedia
+from schemas.request import ChatMessage, ContentPart, GenerateRequest, ImagePart, ImageURL, SamplingParams, TextPart
+
+
+class StreamOptions(msgspec.Struct, forbid_unknown_fields=True):
+    include_usage: bool = False
+    continuous_usage_stats: bool = False
+
+
+class OpenAIMessage(msgspec.Struct, forbid_unknown_fields=True):
+    role: str
+    content: str | list[dict[str, Any]] | None = None
+    name: str | None = None
+
+
+class ChatCompletionRequest(msgspec.Struct, forbid_unknown_fields=True):
+    """Unknown fields are refused (400) rather than silently ignored: a typo in
+    a sampling parameter should not pass unnoticed."""
+
+    model: str
+    messages: list[OpenAIMessage]
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    n: int = 1
+    min_tokens: int = 0
+    ignore_eos: bool = False
+    user: str | None = None
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    logprobs: bool = False
+    top_logprobs: int | None = None
+    response_format: dict[str, Any] | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
+
+
+REQUEST_DECODER = msgspec.json.Decoder(ChatCompletionRequest)
+
+_UNSUPPORTED_PART_TYPES = {"input_audio": "audio", "audio_url": "audio", "video_url": "video", "file": "file"}
+
+
+def _part(i: int, j: int, raw: dict[str, Any]) -> ContentPart:
+    kind = raw.get("type")
+    where = f"messages[{i}].content[{j}]"
+    if kind == "text":
+        text = raw.get("text")
+        if not isinstance(text, str):
+            raise InvalidRequest(f"{where}.text must be a string")
+        return TextPart(text)
+    if kind == "image_url":
+        image = raw.get("image_url")
+        url = image.get("url") if isinstance(image, dict) else image
+        if not isinstance(url, str) or not url:
+            raise InvalidRequest(f"{where}.image_url.url must be a non-empty string")
+        detail = image.get("detail") if isinstance(image, dict) else None
+        return ImagePart(ImageURL(url=url, detail=detail if isinstance(detail, str) else None))
+    if isinstance(kind, str) and kind in _UNSUPPORTED_PART_TYPES:
+        raise UnsupportedMedia(f"{where}: {_UNSUPPORTED_PART_TYPES[kind]} input is not enabled on this deployment")
+    raise InvalidRequest(f"{where}.type {kind!r} is not one of text, image_url")
+
+
+def _check_unsupported(body: ChatCompletionRequest) -> None:
+    if body.n != 1:
+        raise InvalidRequest("n must be 1")
+    if body.logprobs or body.top_logprobs:
+        raise InvalidRequest("logprobs are not supported")
+    if body.tools or body.tool_choice not in (None, "none"):
+        raise InvalidRequest("tools are not supported")
+    if body.frequency_penalty or body.presence_penalty:
+        raise InvalidRequest("frequency_penalty and presence_penalty are not supported")
+    if body.response_format and body.response_format.get("type") not in (None, "text"):
+        raise InvalidRequest("only the text response_format is supported")
+
+
+def to_generate_request(
+    body: ChatCompletionRequest, request_id: str, created: float, deadline: float
+) -> GenerateRequest:
+    _check_unsupported(body)
+    messages: list[ChatMessage] = []
+    for i, m in enumerate(body.messages):
+        if m.content is None or isinstance(m.content, str):
+            messages.append(ChatMessage(role=m.role, content=m.content or ""))
+        else:
+            messages.append(ChatMessage(role=m.role, content=[_part(i, j, p) for j, p in enumerate(m.content)]))
+    stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
+    sampling = SamplingParams(
+        max_tokens=body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens,
+        temperature=1.0 if body.temperature is None else body.temperature,
+        top_p=1.0 if body.top_p is None else body.top_p,
+        top_k=body.top_k or 0,
+        seed=body.seed,
+        stop=stop,
+        min_tokens=body.min_tokens,
+        ignore_eos=body.ignore_eos,
+    )
+    return GenerateRequest(
+        request_id=request_id,
+        model=body.model,
+        messages=messages,
+        sampling=sampling,
+        stream=body.stream,
+        deadline=deadline,
+        created=created,
+    )
+
+
+FinishReasonName = Literal["stop", "length"]

@@ -1,0 +1,106 @@
+"""OpenAI-shaped response bodies and error objects."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+from aiohttp import web
+
+from schemas.chunk import ErrorChunk, TokenChunk, Usage
+from schemas.errors import MmpipeError
+
+_json = msgspec.json.Encoder()
+
+
+def _error_type(status: int) -> str:
+    if status == 401:
+        return "authentication_error"
+    if status == 429:
+        return "rate_limit_error"
+    if status >= 500:
+        return "server_error"
+    return "invalid_request_error"
+
+
+def error_body(code: str, message: str, status: int) -> dict[str, Any]:
+    return {"error": {"message": message, "type": _error_type(status), "param": None, "code": code}}
+
+
+def _error_response(code: str, message: str, status: int, retry_after_s: int) -> web.Response:
+    headers = {"Retry-After": str(retry_after_s)} if status in (429, 503) else None
+    return web.json_response(error_body(code, message, status), status=status, headers=headers)
+
+
+def error(exc: MmpipeError, retry_after_s: int) -> web.Response:
+    return _error_response(exc.code.value, exc.message, exc.http_status, retry_after_s)
+
+
+def error_chunk(chunk: ErrorChunk, retry_after_s: int) -> web.Response:
+    return _error_response(chunk.code.value, chunk.message, chunk.http_status, retry_after_s)
+
+
+def error_body_from_chunk(chunk: ErrorChunk) -> dict[str, Any]:
+    return error_body(chunk.code.value, chunk.message, chunk.http_status)
+
+
+def sse(body: dict[str, Any]) -> bytes:
+    return b"data: " + _json.encode(body) + b"\n\n"
+
+
+def _usage(usage: Usage) -> dict[str, int]:
+    return {
+        "prompt_tokens": usage.prompt_tokens,
+        "completion_tokens": usage.completion_tokens,
+        "total_tokens": usage.total_tokens,
+    }
+
+
+def stream_chunk(rid: str, model: str, created: int, chunk: TokenChunk, first: bool) -> dict[str, Any]:
+    delta: dict[str, Any] = {"content": chunk.text}
+    if first:
+        delta["role"] = "assistant"
+    finish = chunk.finish_reason.value if chunk.finish_reason else None
+    return {
+        "id": rid,
+        "object": "chat.completion.chunk",
+        "created": created,
+        "model": model,
+        "choices": [{"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}],
+    }
+
+
+def usage_chunk(rid: str, model: str, created: int, usage: Usage) -> dict[str, Any]:
+    return {
+        "id": rid,
+        "object": "chat.completion.chunk",
+        "created": created,
+        "model": model,
+        "choices": [],
+        "usage": _usage(usage),
+    }
+
+
+def completion(rid: str, model: str, created: int, text: str, last: TokenChunk) -> dict[str, Any]:
+    return {
+        "id": rid,
+        "object": "chat.completion",
+        "created": created,
+        "model": model,
+        "choices": [
+            {
+                "index": 0,
+                "message": {"role": "assistant", "content": text},
+                "finish_reason": last.finish_reason.value if last.finish_reason else None,
+                "logprobs": None,
+            }
+        ],
+        "usage": _usage(last.usage) if last.usage else None,
+    }
+
+
+def model_list(names: list[str]) -> dict[str, Any]:
+    return {
+        "object": "list",
+        "data": [{"id": name, "object": "model", "created": 0, "owned_by": "mmpipe"} for name in names],
+    }

@@ -1,0 +1,158 @@
+"""The ``mmpipe`` command."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import sys
+from pathlib import Path
+
+from pipeline import logging as mm_logging
+from pipeline.bridge.app import BridgeSettings
+from pipeline.config import PipelineConfig
+from schemas.routes import MODES, ROLES
+
+DEFAULT_MODEL = "tiny-qwen2-vl"
+
+
+def _run(coro: object) -> None:
+    try:
+        import uvloop
+
+        uvloop.run(coro)  # type: ignore[arg-type]
+    except ImportError:
+        asyncio.run(coro)  # type: ignore[arg-type]
+
+
+def _common(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--nats-url", default=os.environ.get("MMPIPE_NATS_URL", "nats://127.0.0.1:4222"))
+    p.add_argument("--namespace", default=os.environ.get("MMPIPE_NAMESPACE", "default"))
+    p.add_argument("--mode", choices=sorted(MODES), default="epd")
+    p.add_argument("--log-level", default="INFO")
+
+
+def _model(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default=DEFAULT_MODEL, help="a built-in model name or a local checkpoint directory")
+    p.add_argument("--served-model-name", default=None)
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--allow-internal-media", action="store_true", help="allow http:// and internal media URLs")
+
+
+def _bridge(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--api-key", default=os.environ.get("MMPIPE_API_KEY"))
+    p.add_argument("--request-timeout", type=float, default=300.0)
+
+
+def parser() -> argparse.ArgumentParser:
+    root = argparse.ArgumentParser(prog="mmpipe", description="Multimodal LLM serving on NATS JetStream.")
+    sub = root.add_subparsers(dest="command", required=True)
+
+    up = sub.add_parser("up", help="embedded nats-server + every worker of a mode + the bridge")
+    _common(up)
+    _model(up)
+    _bridge(up)
+    up.add_argument("--data-dir", type=Path, default=Path(".mmpipe"))
+    up.add_argument("--nats-port", type=int, default=0, help="port of the embedded nats-server (0: any free one)")
+    up.add_argument("--workers", default="", help="workers per role, e.g. encode+prefill+decode=2")
+    up.add_argument("--external-nats", action="store_true", help="use --nats-url instead of an embedded server")
+
+    worker = sub.add_parser("worker", help="run one worker of a role")
+    worker.add_argument("role", choices=ROLES)
+    _common(worker)
+    _model(worker)
+    worker.add_argument("--max-inflight", type=int, default=8)
+
+    bridge = sub.add_parser("bridge", help="run the OpenAI-compatible HTTP bridge")
+    _common(bridge)
+    _bridge(bridge)
+
+    nats = sub.add_parser("nats", help="run the embedded nats-server with JetStream")
+    nats.add_argument("--data-dir", type=Path, default=Path(".mmpipe"))
+    nats.add_argument("--host", default="127.0.0.1")
+    nats.add_argument("--port", type=int, default=4222)
+    nats.add_argument("--log-level", default="INFO")
+
+    send = sub.add_parser("send", help="publish one request over NATS and print the stream")
+    _common(send)
+    send.add_argument("--model", default=DEFAULT_MODEL)
+    send.add_argument("--image", action="append", default=[], help="image URL (data:, https://); repeatable")
+    send.add_argument("--max-tokens", type=int, default=32)
+    send.add_argument("--temperature", type=float, default=0.0)
+    send.add_argument("--json", action="store_true", help="send JSON instead of msgpack")
+    send.add_argument("prompt")
+
+    model = sub.add_parser("model", help="built-in models")
+    msub = model.add_subparsers(dest="model_command", required=True)
+    build = msub.add_parser("build", help="build a built-in model into a directory")
+    build.add_argument("name")
+    build.add_argument("--out", type=Path, required=True)
+    path = msub.add_parser("path", help="print where a built-in model lives (built on first use)")
+    path.add_argument("name")
+    return root
+
+
+def _config(args: argparse.Namespace) -> PipelineConfig:
+    return PipelineConfig(nats_url=args.nats_url, namespace=args.namespace, mode=args.mode)
+
+
+def _bridge_settings(args: argparse.Namespace) -> BridgeSettings:
+    return BridgeSettings(
+        host=args.host, port=args.port, api_key=args.api_key or None, request_timeout_s=args.request_timeout
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    mm_logging.configure(getattr(args, "log_level", "INFO"))
+    if args.command == "worker":
+        from pipeline.serve import WorkerSettings, run_worker
+
+        settings = WorkerSettings(
+            model=args.model,
+            served_model_name=args.served_model_name,
+            device=args.device,
+            max_inflight=args.max_inflight,
+            allow_internal_media=args.allow_internal_media,
+        )
+        _run(run_worker(args.role, _config(args), settings))
+    elif args.command == "bridge":
+        from pipeline.serve import run_bridge
+
+        _run(run_bridge(_config(args), _bridge_settings(args)))
+    elif args.command == "nats":
+        from pipeline.launcher import run_nats
+
+        return run_nats(args.data_dir, args.host, args.port)
+    elif args.command == "up":
+        from pipeline.launcher import up
+
+        return up(args, _config(args), _bridge_settings(args))
+    elif args.command == "send":
+        from pipeline.send import send
+
+        return _run_send(send, args)
+    elif args.command == "model":
+        from stages.models import build_builtin, builtin_path
+
+        if args.model_command == "build":
+            print(build_builtin(args.name, args.out))
+        else:
+            print(builtin_path(args.name))
+    return 0
+
+
+def _run_send(send: object, args: argparse.Namespace) -> int:
+    result: list[int] = []
+
+    async def go() -> None:
+        result.append(await send(args, _config(args)))  # type: ignore[operator]
+
+    _run(go())
+    return result[0]
+
+
+if __name__ == "__main__":
+    sys.exit(main())

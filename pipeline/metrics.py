@@ -1,0 +1,20 @@
+"""Prometheus metrics of one process. Names follow ``mmpipe_<what>_<unit>``."""
+
+from __future__ import annotations
+
+from prometheus_client import Counter, Gauge, Histogram
+
+_LATENCY = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
+
+MESSAGES = Counter("mmpipe_messages_total", "Messages handled by a worker, by outcome", ["role", "outcome"])
+ERRORS = Counter("mmpipe_errors_total", "Errors by where they happened and their code", ["where", "code"])
+QUEUE_WAIT = Histogram("mmpipe_queue_wait_seconds", "Time a message waited in its stream", ["role"], buckets=_LATENCY)
+STAGE_TIME = Histogram("mmpipe_stage_seconds", "Time a worker spent on a message", ["role"], buckets=_LATENCY)
+INFLIGHT = Gauge("mmpipe_inflight", "Messages a worker is working on", ["role"])
+TOKENS = Counter("mmpipe_generated_tokens_total", "Tokens generated", ["role"])
+PROMPT_TOKENS = Counter("mmpipe_prompt_tokens_total", "Prompt tokens prefilled", ["role"])
+TTFT = Histogram("mmpipe_time_to_first_token_seconds", "Request created to first token", ["where"], buckets=_LATENCY)
+ITL = Histogram("mmpipe_inter_token_latency_seconds", "Time between chunks of one request", ["where"], buckets=_LATENCY)
+E2E = Histogram("mmpipe_request_seconds", "Request created to last chunk", ["where"], buckets=_LATENCY)
+HTTP_REQUESTS = Counter("mmpipe_http_requests_total", "Bridge HTTP requests by status", ["path", "status"])
+DEAD = Counter("mmpipe_dead_letters_total", "Messages recorded on the dead subject", ["role", "code"])

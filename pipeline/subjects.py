@@ -1,0 +1,81 @@
+"""Subject, stream and consumer names for one namespace."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+_TOKEN = re.compile(r"^[A-Za-z0-9_-]{1,128}$")
+
+from schemas.routes import PROCESSOR, ROLES
+
+
+def check_token(value: str, what: str) -> str:
+    """Subject tokens may not hold '.', '*', '>' or spaces."""
+    if not _TOKEN.match(value):
+        raise ValueError(f"{what} {value!r} must match {_TOKEN.pattern}")
+    return value
+
+
+def role_token(role: str) -> str:
+    if role not in ROLES:
+        raise ValueError(f"unknown role {role!r}; roles: {', '.join(ROLES)}")
+    # '+' is legal in a subject but not wanted in stream and consumer names.
+    return role.replace("+", "_")
+
+
+@dataclass(frozen=True)
+class Subjects:
+    namespace: str = "default"
+
+    def __post_init__(self) -> None:
+        check_token(self.namespace, "namespace")
+
+    @property
+    def prefix(self) -> str:
+        return f"mmpipe.{self.namespace}"
+
+    @property
+    def requests(self) -> str:
+        return f"{self.prefix}.requests"
+
+    def work(self, role: str) -> str:
+        """The work-queue subject a role consumes: the processor reads requests."""
+        if role == PROCESSOR:
+            return self.requests
+        return f"{self.prefix}.hop.{role_token(role)}"
+
+    def reply(self, request_id: str) -> str:
+        return f"{self.prefix}.reply.{request_id}"
+
+    @property
+    def replies(self) -> str:
+        return f"{self.prefix}.reply.>"
+
+    def cancel(self, request_id: str) -> str:
+        return f"{self.prefix}.cancel.{request_id}"
+
+    @property
+    def cancels(self) -> str:
+        return f"{self.prefix}.cancel.>"
+
+    @property
+    def dead(self) -> str:
+        return f"{self.prefix}.dead"
+
+    def ping(self, role: str) -> str:
+        return f"{self.prefix}.ping.{role_token(role)}"
+
+    def stream(self, role: str) -> str:
+        return f"MMPIPE_{self.namespace}_{role_token(role).upper()}"
+
+    @property
+    def reply_stream(self) -> str:
+        return f"MMPIPE_{self.namespace}_REPLY"
+
+    @property
+    def dead_stream(self) -> str:
+        return f"MMPIPE_{self.namespace}_DEAD"
+
+    def durable(self, role: str) -> str:
+        return f"mmpipe-{role_token(role)}"

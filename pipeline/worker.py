@@ -1,0 +1,344 @@
+"""The worker runtime: one durable pull consumer per role, a bounded number of
+messages in flight, ack only after every output is stored."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from typing import Any
+
+import msgspec
+import structlog
+from nats.aio.client import Client
+from nats.aio.msg import Msg
+from nats.errors import TimeoutError as NatsTimeoutError
+from nats.js import JetStreamContext
+from nats.js.errors import APIError
+
+from pipeline import metrics
+from pipeline.cancel import CancelRegistry
+from pipeline.config import PipelineConfig
+from pipeline.outcomes import Ack, Nak, Outcome, Reject, outcome_for
+from pipeline.replies import ReplyPublisher
+from pipeline.streams import ensure_consumer, ensure_streams
+from pipeline.subjects import check_token
+from schemas.chunk import ErrorChunk, TokenChunk
+from schemas.codec import CONTENT_TYPE, MSGPACK, Decoder, encode
+from schemas.control import DeadLetter, WorkerInfo
+from schemas.errors import (
+    Cancelled,
+    DeadlineExceeded,
+    InternalError,
+    InvalidRequest,
+    MmpipeError,
+    TransientError,
+)
+from schemas.processed import ProcessedRequest
+from schemas.request import GenerateRequest
+from stages.contract import HopContext, Stage
+
+log = structlog.get_logger(__name__)
+
+# JetStream API error codes for a stream at its max_msgs / max_bytes.
+_STREAM_FULL_CODES = {10077, 10078}
+_STREAM_FULL_TEXT = ("maximum messages exceeded", "maximum bytes exceeded")
+
+
+class _Envelope(msgspec.Struct):
+    """Just enough of any request to tell its client what went wrong when
+    the rest of it does not decode."""
+
+    request_id: str = ""
+    reply_subject: str | None = None
+    request: dict[str, Any] | None = None
+
+
+_ENVELOPE = Decoder(_Envelope)
+
+
+def is_stream_full(error: APIError) -> bool:
+    return error.err_code in _STREAM_FULL_CODES or any(t in (error.description or "") for t in _STREAM_FULL_TEXT)
+
+
+class Worker:
+    def __init__(
+        self,
+        nc: Client,
+        js: JetStreamContext,
+        config: PipelineConfig,
+        stage: Stage,
+        max_inflight: int = 4,
+        worker_id: str | None = None,
+        drain_grace_s: float = 30.0,
+    ) -> None:
+        self.nc = nc
+        self.js = js
+        self.config = config
+        self.stage = stage
+        self.role = stage.role
+        self.subjects = config.subjects
+        self.max_inflight = max_inflight
+        self.worker_id = worker_id or f"{self.role}-{uuid.uuid4().hex[:8]}"
+        self.drain_grace_s = drain_grace_s
+        self.replies = ReplyPublisher(nc, js, self.subjects)
+        self.cancels = CancelRegistry()
+        self._decoder: Decoder[GenerateRequest | ProcessedRequest] = Decoder(stage.input_type)
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._slot_free = asyncio.Event()
+        self._stopping = asyncio.Event()
+        self._draining: set[asyncio.Task[None]] = set()
+        self.ready = asyncio.Event()
+
+    # -- lifecycle -----------------------------------------------------------
+
+    async def run(self) -> None:
+        """Serve until ``stop()``; then drain: finish in-flight work within the
+        grace period and give back what cannot finish."""
+        await ensure_streams(self.js, self.config)
+        await ensure_consumer(self.js, self.config, self.role)
+        await self.stage.start()
+        await self.cancels.listen(self.nc, self.subjects)
+        ping = await self.nc.subscribe(self.subjects.ping(self.role), cb=self._on_ping)
+        psub = await self.js.pull_subscribe_bind(self.subjects.durable(self.role), self.subjects.stream(self.role))
+        log.info("worker_started", role=self.role, worker_id=self.worker_id, max_inflight=self.max_inflight)
+        self.ready.set()
+        try:
+            await self._fetch_loop(psub)
+        finally:
+            await self._drain()
+            await ping.unsubscribe()
+            await psub.unsubscribe()
+            await self.cancels.close()
+            await self.stage.close()
+            log.info("worker_stopped", role=self.role, worker_id=self.worker_id)
+
+    def stop(self) -> None:
+        self._stopping.set()
+        self._slot_free.set()
+
+    async def _fetch_loop(self, psub: Any) -> None:
+        while not self._stopping.is_set():
+            if len(self._tasks) >= self.max_inflight:
+                self._slot_free.clear()
+                await self._slot_free.wait()
+                continue
+            try:
+                # One message per fetch: a multi-message fetch that comes back
+                # short waits out its whole timeout, which would add latency.
+                # Only ever as many as there are free slots.
+                msgs = await psub.fetch(1, timeout=1.0)
+            except (TimeoutError, NatsTimeoutError):
+                continue
+            except Exception as exc:  # the connection is down; nats-py reconnects
+                if self._stopping.is_set():
+                    break
+                log.warning("fetch_failed", role=self.role, error=repr(exc))
+                await asyncio.sleep(0.5)
+                continue
+            for msg in msgs:
+                task = asyncio.create_task(self._handle(msg))
+                self._tasks.add(task)
+                task.add_done_callback(self._task_done)
+                metrics.INFLIGHT.labels(self.role).set(len(self._tasks))
+
+    def _task_done(self, task: asyncio.Task[None]) -> None:
+        self._tasks.discard(task)
+        metrics.INFLIGHT.labels(self.role).set(len(self._tasks))
+        self._slot_free.set()
+
+    async def _drain(self) -> None:
+        if not self._tasks:
+            return
+        log.info("worker_draining", role=self.role, inflight=len(self._tasks), grace_s=self.drain_grace_s)
+        _, pending = await asyncio.wait(set(self._tasks), timeout=self.drain_grace_s)
+        for task in pending:
+            # Marked so the handler naks (hands the message to another worker
+            # at once) instead of treating it as a client cancel.
+            self._draining.add(task)
+            task.cancel()
+        if pending:
+            await asyncio.wait(pending)
+
+    async def _on_ping(self, msg: Msg) -> None:
+        info = WorkerInfo(
+            role=self.role,
+            worker_id=self.worker_id,
+            models=self.stage.models,
+            inflight=len(self._tasks),
+            max_inflight=self.max_inflight,
+        )
+        await msg.respond(encode(info))
+
+    # -- one message ---------------------------------------------------------
+
+    async def _handle(self, msg: Msg) -> None:
+        started = time.monotonic()
+        meta = msg.metadata
+        deliveries = meta.num_delivered or 1
+        if meta.timestamp:
+            metrics.QUEUE_WAIT.labels(self.role).observe(max(0.0, time.time() - meta.timestamp.timestamp()))
+        content_type = (msg.headers or {}).get(CONTENT_TYPE)
+        try:
+            message = self._decoder.decode(msg.data, content_type)
+        except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+            await self._settle(msg, None, Reject(InvalidRequest(f"malformed message: {exc}")), deliveries)
+            return
+        request = message.request if isinstance(message, ProcessedRequest) else message
+        structlog.contextvars.bind_contextvars(request_id=request.request_id, stage=self.role)
+        try:
+            outcome = await self._run_stage(msg, message, request, deliveries)
+            await self._settle(msg, message, outcome, deliveries)
+        finally:
+            metrics.STAGE_TIME.labels(self.role).observe(time.monotonic() - started)
+            structlog.contextvars.unbind_contextvars("request_id", "stage")
+
+    async def _run_stage(
+        self, msg: Msg, message: GenerateRequest | ProcessedRequest, request: GenerateRequest, deliveries: int
+    ) -> Outcome:
+        task = asyncio.current_task()
+        assert task is not None
+        rid = request.request_id
+        try:
+            check_token(rid, "request_id")
+        except ValueError as exc:
+            return Reject(InvalidRequest(str(exc)))
+        if self.cancels.is_cancelled(rid):
+            return Ack()
+        if request.deadline and time.time() >= request.deadline:
+            return Reject(DeadlineExceeded("the request's deadline passed before work on it started"))
+        self.cancels.register(rid, task)
+        heartbeat = asyncio.create_task(self._heartbeat(msg))
+        try:
+            timeout = request.deadline - time.time() if request.deadline else None
+            async with asyncio.timeout(timeout):
+                await self._produce(message, request)
+            return Ack()
+        except TimeoutError:
+            return Reject(DeadlineExceeded("the request's deadline passed"))
+        except asyncio.CancelledError:
+            if task in self._draining:
+                self._draining.discard(task)
+                return Nak(TransientError("worker shutting down"), 0.0)
+            if self.cancels.is_cancelled(rid):
+                # The cancel is this request's, not the worker's: done with it.
+                log.info("request_aborted", role=self.role)
+                return Ack()
+            raise
+        except MmpipeError as exc:
+            return outcome_for(exc, deliveries, self.config.consumer.max_deliver)
+        except Exception as exc:
+            log.exception("stage_failed", role=self.role, error=repr(exc))
+            error = InternalError(f"{self.role} failed: {type(exc).__name__}: {exc}")
+            return outcome_for(error, deliveries, self.config.consumer.max_deliver)
+        finally:
+            heartbeat.cancel()
+            self.cancels.unregister(rid)
+
+    async def _produce(self, message: GenerateRequest | ProcessedRequest, request: GenerateRequest) -> None:
+        ctx = HopContext()
+        reply_subject = request.reply_subject or self.subjects.reply(request.request_id)
+        if self.stage.streams_tokens and self.replies.is_stored(request.request_id, reply_subject):
+            emitted = await self.replies.read_emitted(request.request_id)
+            if emitted.finished:
+                log.info("already_finished", role=self.role)
+                return
+            ctx.emitted = emitted.token_ids
+        async for out in self.stage.run(message, ctx):
+            if isinstance(out, ProcessedRequest):
+                await self._forward(out)
+            else:
+                await self.replies.publish(reply_subject, out)
+                if isinstance(out, TokenChunk):
+                    metrics.TOKENS.labels(self.role).inc(len(out.token_ids))
+
+    async def _forward(self, out: ProcessedRequest) -> None:
+        subject = self.subjects.work(out.route[0])
+        headers = {
+            CONTENT_TYPE: MSGPACK,
+            # A retried publish of this hop is dropped by the stream; a new
+            # attempt from the first hop is not.
+            "Nats-Msg-Id": f"{out.request.request_id}:{out.attempt}:{out.hop_index}",
+        }
+        data = encode(out)
+        deadline = time.monotonic() + self.config.full_stream_wait_s
+        while True:
+            try:
+                await self.js.publish(subject, data, headers=headers)
+                return
+            except APIError as exc:
+                if not is_stream_full(exc) or time.monotonic() >= deadline:
+                    raise TransientError(f"could not queue for {out.route[0]}: {exc.description}") from exc
+                await asyncio.sleep(0.05)
+
+    async def _heartbeat(self, msg: Msg) -> None:
+        # A third of ack_wait keeps a long generation from being redelivered.
+        interval = self.config.consumer.ack_wait_s / 3
+        while True:
+            await asyncio.sleep(interval)
+            try:
+                await msg.in_progress()
+            except Exception as exc:  # reconnecting: the next beat may get through
+                log.warning("heartbeat_failed", role=self.role, error=repr(exc))
+
+    # -- outcomes ------------------------------------------------------------
+
+    async def _settle(
+        self, msg: Msg, message: GenerateRequest | ProcessedRequest | None, outcome: Outcome, deliveries: int
+    ) -> None:
+        metrics.MESSAGES.labels(self.role, type(outcome).__name__.lower()).inc()
+        if isinstance(outcome, Ack):
+            await msg.ack()
+            return
+        error = outcome.error
+        metrics.ERRORS.labels(self.role, error.code.value).inc()
+        if isinstance(outcome, Nak):
+            log.warning("retrying", role=self.role, code=error.code.value, error=error.message, deliveries=deliveries)
+            await msg.nak(delay=outcome.delay_s)
+            return
+        log.warning("rejected", role=self.role, code=error.code.value, error=error.message, deliveries=deliveries)
+        request_id, reply_subject = self._reply_target(msg, message)
+        if reply_subject and not isinstance(error, Cancelled):
+            try:
+                await self.replies.publish(reply_subject, ErrorChunk.from_error(request_id, error))
+            except Exception as exc:
+                metrics.ERRORS.labels(self.role, "reply_failed").inc()
+                log.error("error_reply_failed", role=self.role, error=repr(exc))
+        dead = DeadLetter(
+            subject=msg.subject,
+            code=error.code,
+            message=error.message,
+            deliveries=deliveries,
+            request_id=request_id,
+            payload=msg.data,
+        )
+        try:
+            await self.js.publish(self.subjects.dead, encode(dead))
+            metrics.DEAD.labels(self.role, error.code.value).inc()
+        except Exception as exc:
+            metrics.ERRORS.labels(self.role, "dead_letter_failed").inc()
+            log.error("dead_letter_failed", role=self.role, error=repr(exc))
+        await msg.term()
+
+    def _reply_target(self, msg: Msg, message: GenerateRequest | ProcessedRequest | None) -> tuple[str, str | None]:
+        if isinstance(message, ProcessedRequest):
+            return message.request.request_id, message.reply_subject
+        if isinstance(message, GenerateRequest):
+            rid = message.request_id
+            return rid, message.reply_subject or self._stored_reply(rid)
+        try:
+            env = _ENVELOPE.decode(msg.data, (msg.headers or {}).get(CONTENT_TYPE))
+        except (msgspec.DecodeError, msgspec.ValidationError):
+            return "", None
+        if env.request and not env.request_id:
+            env = _Envelope(
+                request_id=str(env.request.get("request_id", "")), reply_subject=env.request.get("reply_subject")
+            )
+        return env.request_id, env.reply_subject or self._stored_reply(env.request_id)
+
+    def _stored_reply(self, request_id: str) -> str | None:
+        try:
+            check_token(request_id, "request_id")
+        except ValueError:
+            return None
+        return self.subjects.reply(request_id)

@@ -1,0 +1,33 @@
+"""Roles, hops and deployment modes. A mode is nothing but the route a
+request takes: the list of hops, each run by a worker role."""
+
+from __future__ import annotations
+
+PROCESSOR = "processor"
+HOP_ROLES = (
+    "encode",
+    "prefill",
+    "decode",
+    "encode+prefill",
+    "prefill+decode",
+    "encode+prefill+decode",
+)
+ROLES = (PROCESSOR, *HOP_ROLES)
+
+MODES: dict[str, tuple[str, ...]] = {
+    "epd": ("encode+prefill+decode",),
+    "e-pd": ("encode", "prefill+decode"),
+    "e-p-d": ("encode", "prefill", "decode"),
+    "ep-d": ("encode+prefill", "decode"),
+}
+
+
+def route_for(mode: str, has_media: bool) -> list[str]:
+    """Hops for a request; text-only requests skip a hop that only encodes."""
+    try:
+        hops = list(MODES[mode])
+    except KeyError:
+        raise ValueError(f"unknown mode {mode!r}; modes: {', '.join(MODES)}") from None
+    if not has_media and hops[0] == "encode":
+        hops = hops[1:]
+    return hops

@@ -1,0 +1,175 @@
+"""The processor: chat template, tokenization with one placeholder per media
+item, limits, the sampling seed and the route."""
+
+from __future__ import annotations
+
+import math
+import random
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+from schemas.errors import (
+    ContextLengthExceeded,
+    InvalidRequest,
+    ModelNotFound,
+    TooLarge,
+    UnsupportedMedia,
+)
+from schemas.processed import MediaItem, MediaKind, ProcessedRequest
+from schemas.request import ChatMessage, GenerateRequest, ImagePart, TextPart
+from schemas.routes import HOP_ROLES, route_for
+from stages.contract import HopContext, StageOutput
+
+_ROLES = ("system", "user", "assistant")
+_MEDIA_SCHEMES = ("data:", "https://", "http://", "file://")
+
+
+@dataclass(frozen=True)
+class ProcessorLimits:
+    max_images: int = 8
+    max_prompt_tokens: int = 32_768
+    # Used when a request gives no max_tokens (capped by what the context leaves).
+    default_max_tokens: int = 256
+    max_stop_strings: int = 8
+
+
+@dataclass(frozen=True)
+class ModelTraits:
+    """What the processor needs of a model: no weights."""
+
+    served_name: str
+    tokenizer: Any
+    image_token_id: int
+    max_model_len: int
+    # Fewest tokens one image can become: a request that cannot fit even then
+    # is refused here; the exact check happens at prefill.
+    min_tokens_per_image: int
+
+
+class Processor:
+    role = "processor"
+    input_type = GenerateRequest
+    streams_tokens = False
+
+    def __init__(self, model: ModelTraits, mode: str = "epd", limits: ProcessorLimits | None = None) -> None:
+        route_for(mode, True)  # fail at start on an unknown mode
+        self.model = model
+        self.mode = mode
+        self.limits = limits or ProcessorLimits()
+
+    @property
+    def models(self) -> list[str]:
+        return [self.model.served_name]
+
+    async def start(self) -> None:
+        pass
+
+    async def close(self) -> None:
+        pass
+
+    async def run(self, message: GenerateRequest | ProcessedRequest, ctx: HopContext) -> AsyncIterator[StageOutput]:
+        assert isinstance(message, GenerateRequest)
+        yield self.process(message)
+
+    def process(self, request: GenerateRequest) -> ProcessedRequest:
+        if request.model != self.model.served_name:
+            raise ModelNotFound(f"model {request.model!r} is not served here; served: {self.model.served_name}")
+        template_messages, media = self._template_messages(request.messages)
+        if len(media) > self.limits.max_images:
+            raise TooLarge(f"{len(media)} images in one request; the limit is {self.limits.max_images}")
+        prompt_ids = self._tokenize(template_messages)
+        placeholders = [i for i, t in enumerate(prompt_ids) if t == self.model.image_token_id]
+        if len(placeholders) != len(media):
+            raise InvalidRequest(
+                f"the prompt holds {len(placeholders)} image placeholders for {len(media)} images: "
+                "do not write image placeholder tokens in text"
+            )
+        if len(prompt_ids) > self.limits.max_prompt_tokens:
+            raise TooLarge(f"prompt of {len(prompt_ids)} tokens; the limit is {self.limits.max_prompt_tokens}")
+        max_tokens = self._max_tokens(request, len(prompt_ids), len(media))
+        self._check_sampling(request)
+        route = list(request.route) if request.route else route_for(self.mode, bool(media))
+        for hop in route:
+            if hop not in HOP_ROLES:
+                raise InvalidRequest(f"unknown hop {hop!r} in route; hops: {', '.join(HOP_ROLES)}")
+        seed = request.sampling.seed if request.sampling.seed is not None else random.getrandbits(63)
+        return ProcessedRequest(
+            request=request,
+            prompt_token_ids=prompt_ids,
+            media=[
+                MediaItem(kind=MediaKind.IMAGE, url=url, placeholder_index=i) for url, i in zip(media, placeholders)
+            ],
+            route=route,
+            reply_subject=request.reply_subject or "",
+            max_tokens=max_tokens,
+            seed=seed,
+        )
+
+    def _template_messages(self, messages: list[ChatMessage]) -> tuple[list[dict[str, Any]], list[str]]:
+        if not messages:
+            raise InvalidRequest("messages must not be empty")
+        out: list[dict[str, Any]] = []
+        media: list[str] = []
+        for i, message in enumerate(messages):
+            if message.role not in _ROLES:
+                raise InvalidRequest(f"messages[{i}].role {message.role!r} is not one of {', '.join(_ROLES)}")
+            if isinstance(message.content, str):
+                out.append({"role": message.role, "content": message.content})
+                continue
+            parts: list[dict[str, Any]] = []
+            for j, part in enumerate(message.content):
+                if isinstance(part, TextPart):
+                    parts.append({"type": "text", "text": part.text})
+                elif isinstance(part, ImagePart):
+                    if message.role != "user":
+                        raise InvalidRequest(f"messages[{i}]: images are only accepted in user messages")
+                    url = part.image_url.url
+                    if not url.startswith(_MEDIA_SCHEMES):
+                        raise UnsupportedMedia(
+                            f"messages[{i}].content[{j}]: image URL scheme not supported; use data:, https:// or http://"
+                        )
+                    parts.append({"type": "image"})
+                    media.append(url)
+            out.append({"role": message.role, "content": parts})
+        return out, media
+
+    def _tokenize(self, messages: list[dict[str, Any]]) -> list[int]:
+        text = self.model.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        ids = self.model.tokenizer(text, add_special_tokens=False)["input_ids"]
+        return [int(t) for t in ids]
+
+    def _max_tokens(self, request: GenerateRequest, prompt_len: int, images: int) -> int:
+        # Each placeholder becomes at least min_tokens_per_image tokens.
+        least_prompt = prompt_len + images * (self.model.min_tokens_per_image - 1)
+        room = self.model.max_model_len - least_prompt
+        if room < 1:
+            raise ContextLengthExceeded(
+                f"the prompt needs at least {least_prompt} tokens; the context is {self.model.max_model_len}"
+            )
+        asked = request.sampling.max_tokens
+        if asked is None:
+            return min(self.limits.default_max_tokens, room)
+        if asked < 1:
+            raise InvalidRequest(f"max_tokens must be at least 1, got {asked}")
+        if asked > room:
+            raise ContextLengthExceeded(
+                f"max_tokens {asked} plus a prompt of at least {least_prompt} tokens exceeds the "
+                f"context of {self.model.max_model_len} tokens"
+            )
+        return asked
+
+    def _check_sampling(self, request: GenerateRequest) -> None:
+        s = request.sampling
+        if not (math.isfinite(s.temperature) and 0.0 <= s.temperature <= 2.0):
+            raise InvalidRequest(f"temperature must be within [0, 2], got {s.temperature}")
+        if not (math.isfinite(s.top_p) and 0.0 < s.top_p <= 1.0):
+            raise InvalidRequest(f"top_p must be within (0, 1], got {s.top_p}")
+        if s.top_k < 0:
+            raise InvalidRequest(f"top_k must be 0 (off) or positive, got {s.top_k}")
+        if s.min_tokens < 0 or (s.max_tokens is not None and s.min_tokens > s.max_tokens):
+            raise InvalidRequest(f"min_tokens must be within [0, max_tokens], got {s.min_tokens}")
+        if len(s.stop) > self.limits.max_stop_strings:
+            raise InvalidRequest(f"at most {self.limits.max_stop_strings} stop strings, got {len(s.stop)}")
+        if s.seed is not None and not (0 <= s.seed < 2**63):
+            raise InvalidRequest(f"seed must be within [0, 2**63), got {s.seed}")

@@ -1,0 +1,144 @@
+"""The decode loop: every in-flight sequence advances in one engine step;
+sequences join and leave between steps (continuous batching). Engine calls
+run on one thread so the event loop stays free for NATS traffic."""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+import structlog
+
+log = structlog.get_logger(__name__)
+
+T = TypeVar("T")
+
+
+class EngineThread:
+    """One thread owns the engine: calls are serialized in submission order,
+    so a release queued after a step never races it."""
+
+    def __init__(self) -> None:
+        self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine")
+
+    async def call(self, fn: Callable[..., T], *args: Any) -> T:
+        return await asyncio.wrap_future(self._pool.submit(fn, *args))
+
+    async def call_or_release(self, release: Callable[[T], Any], fn: Callable[[], T]) -> T:
+        """``call`` for work that allocates: if the caller is cancelled while
+        the thread runs it, the result is released once it exists."""
+        future = self._pool.submit(fn)
+        try:
+            return await asyncio.shield(asyncio.wrap_future(future))
+        except asyncio.CancelledError:
+            future.add_done_callback(lambda f: f.exception() is None and self._pool.submit(release, f.result()))
+            raise
+
+    def submit(self, fn: Callable[..., Any], *args: Any) -> None:
+        """Fire and forget (for releases from a cancelled task)."""
+        self._pool.submit(fn, *args)
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True, cancel_futures=False)
+
+
+_END = object()
+
+
+@dataclass
+class _Running:
+    seq: Any
+    # Decided on the loop, before the next step: a finished sequence never
+    # takes a step (or a cache slot) it has no use for.
+    is_last: Callable[[int], bool]
+    queue: asyncio.Queue[Any] = field(default_factory=asyncio.Queue)
+    # Set by the consumer when it wants no more tokens (finished or gone).
+    done: bool = False
+
+
+class DecodeScheduler:
+    """Owns the sequences being decoded; ``stream()`` yields one sequence's
+    tokens as the shared loop produces them."""
+
+    def __init__(self, engine: Any, thread: EngineThread, max_batch: int = 32) -> None:
+        self._engine = engine
+        self._thread = thread
+        self._max_batch = max_batch
+        self._running: list[_Running] = []
+        self._waiting: list[_Running] = []
+        self._wake = asyncio.Event()
+        self._loop_task: asyncio.Task[None] | None = None
+
+    def start(self) -> None:
+        if self._loop_task is None:
+            self._loop_task = asyncio.create_task(self._loop(), name="decode-loop")
+
+    async def close(self) -> None:
+        if self._loop_task is not None:
+            self._loop_task.cancel()
+            try:
+                await self._loop_task
+            except asyncio.CancelledError:
+                pass
+            self._loop_task = None
+
+    @property
+    def active(self) -> int:
+        return len(self._running) + len(self._waiting)
+
+    async def stream(self, seq: Any, is_last: Callable[[int], bool]) -> AsyncIterator[int]:
+        """Tokens of a prefilled sequence as the shared loop produces them, up
+        to the one ``is_last`` accepts, or until the caller stops iterating."""
+        entry = _Running(seq, is_last)
+        self._waiting.append(entry)
+        self._wake.set()
+        try:
+            while True:
+                item = await entry.queue.get()
+                if item is _END:
+                    return
+                if isinstance(item, BaseException):
+                    raise item
+                yield item
+        finally:
+            entry.done = True
+            self._wake.set()
+
+    async def _loop(self) -> None:
+        while True:
+            self._drop_done()
+            room = self._max_batch - len(self._running)
+            if room > 0 and self._waiting:
+                self._running += self._waiting[:room]
+                del self._waiting[:room]
+            if not self._running:
+                self._wake.clear()
+                await self._wake.wait()
+                continue
+            batch = list(self._running)
+            try:
+                tokens = await self._thread.call(self._engine.step, [e.seq for e in batch])
+            except Exception as exc:
+                log.exception("decode_step_failed", batch=len(batch))
+                for entry in batch:
+                    entry.queue.put_nowait(exc)
+                    entry.done = True
+                continue
+            for entry, token in zip(batch, tokens):
+                if entry.done:
+                    continue
+                entry.queue.put_nowait(token)
+                if entry.is_last(token):
+                    entry.queue.put_nowait(_END)
+                    entry.done = True
+            # Let consumers take their token (and say whether they are done)
+            # before the next step.
+            await asyncio.sleep(0)
+
+    def _drop_done(self) -> None:
+        for entry in [e for e in self._running + self._waiting if e.done]:
+            (self._running if entry in self._running else self._waiting).remove(entry)
+            self._thread.submit(self._engine.release, entry.seq)

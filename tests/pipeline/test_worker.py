@@ -1,0 +1,243 @@
+"""Contract tests of the worker runtime against a real nats-server, with a
+small stage whose behaviour each request picks (no model needed)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+import pytest
+
+from pipeline.config import ConsumerSettings, PipelineConfig
+from pipeline.connection import connect
+from pipeline.replies import CHUNK_DECODER
+from pipeline.streams import ensure_streams
+from pipeline.worker import Worker
+from schemas.chunk import ErrorChunk, FinishReason, ReplyChunk, TokenChunk
+from schemas.codec import CONTENT_TYPE, Decoder, encode
+from schemas.control import DeadLetter
+from schemas.errors import ErrorCode, InvalidMedia, TransientError
+from schemas.processed import ProcessedRequest
+from schemas.request import ChatMessage, GenerateRequest
+from stages.contract import HopContext, StageOutput
+
+
+class ScriptStage:
+    """Streams one token per word of the prompt; words starting with '!'
+    are commands: !bad, !retry, !sleep=S (between tokens)."""
+
+    role = "processor"
+    input_type = GenerateRequest
+    streams_tokens = True
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[str, list[int]]] = []
+        self.running = 0
+        self.peak = 0
+        self.finished: list[str] = []
+
+    @property
+    def models(self) -> list[str]:
+        return ["script"]
+
+    async def start(self) -> None:
+        pass
+
+    async def close(self) -> None:
+        pass
+
+    async def run(self, message: GenerateRequest | ProcessedRequest, ctx: HopContext) -> AsyncIterator[StageOutput]:
+        assert isinstance(message, GenerateRequest)
+        self.calls.append((message.request_id, list(ctx.emitted)))
+        self.running += 1
+        self.peak = max(self.peak, self.running)
+        try:
+            words = str(message.messages[0].content).split()
+            sleep = 0.0
+            for w in words:
+                if w == "!bad":
+                    raise InvalidMedia("the image is corrupt")
+                if w == "!retry":
+                    raise TransientError("try again")
+                if w.startswith("!sleep="):
+                    sleep = float(w.split("=")[1])
+            tokens = [len(w) for w in words if not w.startswith("!")]
+            for i in range(len(ctx.emitted), len(tokens)):
+                await asyncio.sleep(sleep)
+                last = i == len(tokens) - 1
+                yield TokenChunk(
+                    message.request_id, i, [tokens[i]], f"w{i} ", FinishReason.STOP if last else None
+                )
+            self.finished.append(message.request_id)
+        finally:
+            self.running -= 1
+
+
+def request(rid: str, text: str, **kw: Any) -> GenerateRequest:
+    return GenerateRequest(request_id=rid, model="script", messages=[ChatMessage("user", text)], **kw)
+
+
+async def collect(sub: Any, timeout: float = 10.0) -> list[ReplyChunk]:
+    chunks: list[ReplyChunk] = []
+    while True:
+        msg = await sub.next_msg(timeout=timeout)
+        chunk = CHUNK_DECODER.decode(msg.data, msg.headers.get(CONTENT_TYPE))
+        chunks.append(chunk)
+        if isinstance(chunk, ErrorChunk) or chunk.finish_reason is not None:
+            return chunks
+
+
+@pytest.fixture
+async def running(pipeline_config: PipelineConfig) -> AsyncIterator[Any]:
+    started: list[tuple[Worker, asyncio.Task[None], Any]] = []
+    nc, js = await connect(pipeline_config.nats_url, "test-client")
+
+    async def start(stage: ScriptStage, config: PipelineConfig = pipeline_config, **kw: Any) -> Worker:
+        wnc, wjs = await connect(config.nats_url, "test-worker")
+        worker = Worker(wnc, wjs, config, stage, **kw)
+        task = asyncio.create_task(worker.run())
+        started.append((worker, task, wnc))
+        ready = asyncio.create_task(worker.ready.wait())
+        await asyncio.wait([ready, task], timeout=10, return_when=asyncio.FIRST_COMPLETED)
+        if task.done():
+            task.result()  # raises what stopped the worker
+        assert ready.done()
+        return worker
+
+    start.nc, start.js = nc, js  # type: ignore[attr-defined]
+    yield start
+    for worker, task, wnc in started:
+        worker.stop()
+        await asyncio.wait_for(task, 20)
+        await wnc.close()
+    await nc.close()
+
+
+async def publish(js: Any, config: PipelineConfig, req: GenerateRequest) -> None:
+    await js.publish(config.subjects.requests, encode(req))
+
+
+async def dead_letters(js: Any, config: PipelineConfig) -> list[DeadLetter]:
+    info = await js.stream_info(config.subjects.dead_stream)
+    decoder = Decoder(DeadLetter)
+    out = []
+    for seq in range(info.state.first_seq, info.state.last_seq + 1) if info.state.messages else []:
+        out.append(decoder.decode((await js.get_msg(config.subjects.dead_stream, seq)).data))
+    return out
+
+
+async def test_streams_chunks_in_order_and_acks(running: Any, pipeline_config: PipelineConfig) -> None:
+    stage = ScriptStage()
+    await running(stage)
+    sub = await running.nc.subscribe(pipeline_config.subjects.reply("r1"))
+    await publish(running.js, pipeline_config, request("r1", "a bb ccc"))
+    chunks = await collect(sub)
+    assert [(c.seq, c.token_ids) for c in chunks if isinstance(c, TokenChunk)] == [(0, [1]), (1, [2]), (2, [3])]
+    await asyncio.sleep(0.2)
+    info = await running.js.stream_info(pipeline_config.subjects.stream("processor"))
+    assert info.state.messages == 0  # acked: the work queue let it go
+
+
+async def test_bad_input_is_dead_lettered_once_and_worker_keeps_serving(
+    running: Any, pipeline_config: PipelineConfig
+) -> None:
+    stage = ScriptStage()
+    await running(stage)
+    subjects = pipeline_config.subjects
+    sub_bad = await running.nc.subscribe(subjects.reply("bad1"))
+    await publish(running.js, pipeline_config, request("bad1", "x !bad"))
+    [err] = await collect(sub_bad)
+    assert isinstance(err, ErrorChunk)
+    assert (err.code, err.http_status) == (ErrorCode.INVALID_MEDIA, 400)
+    # Not even decodable: recorded, terminated, never redelivered.
+    await running.js.publish(subjects.requests, b"\xc1 not msgpack", headers={CONTENT_TYPE: "application/msgpack"})
+    sub_ok = await running.nc.subscribe(subjects.reply("ok1"))
+    await publish(running.js, pipeline_config, request("ok1", "still here"))
+    assert len(await collect(sub_ok)) == 2
+    await asyncio.sleep(0.3)
+    dead = await dead_letters(running.js, pipeline_config)
+    assert sorted(d.code for d in dead) == [ErrorCode.INVALID_MEDIA, ErrorCode.INVALID_REQUEST]
+    assert [c[0] for c in stage.calls].count("bad1") == 1
+
+
+async def test_retryable_failure_is_retried_then_dead_lettered(running: Any, pipeline_config: PipelineConfig) -> None:
+    config = PipelineConfig(
+        nats_url=pipeline_config.nats_url,
+        namespace=pipeline_config.namespace,
+        consumer=ConsumerSettings(max_deliver=3),
+    )
+    stage = ScriptStage()
+    await running(stage, config)
+    sub = await running.nc.subscribe(config.subjects.reply("flaky"))
+    await publish(running.js, config, request("flaky", "x !retry"))
+    [err] = await collect(sub, timeout=20)
+    assert isinstance(err, ErrorChunk) and err.retryable
+    assert [c[0] for c in stage.calls].count("flaky") == 3
+    [dead] = await dead_letters(running.js, config)
+    assert (dead.request_id, dead.deliveries) == ("flaky", 3)
+
+
+async def test_cancel_stops_the_stage_mid_stream(running: Any, pipeline_config: PipelineConfig) -> None:
+    stage = ScriptStage()
+    await running(stage)
+    subjects = pipeline_config.subjects
+    sub = await running.nc.subscribe(subjects.reply("c1"))
+    await publish(running.js, pipeline_config, request("c1", "!sleep=0.1 " + "w " * 100))
+    await sub.next_msg(timeout=5)
+    await running.nc.publish(subjects.cancel("c1"), b"")
+    await asyncio.sleep(0.5)
+    assert stage.running == 0 and "c1" not in stage.finished
+    info = await running.js.stream_info(subjects.stream("processor"))
+    assert info.state.messages == 0  # a cancelled request is done with, not retried
+
+
+async def test_fetches_no_more_than_its_free_slots(running: Any, pipeline_config: PipelineConfig) -> None:
+    stage = ScriptStage()
+    await running(stage, max_inflight=2)
+    subs = []
+    for i in range(6):
+        subs.append(await running.nc.subscribe(pipeline_config.subjects.reply(f"bp{i}")))
+        await publish(running.js, pipeline_config, request(f"bp{i}", "!sleep=0.05 a b c"))
+    for sub in subs:
+        await collect(sub)
+    assert stage.peak == 2
+
+
+async def test_expired_deadline_fails_without_work(running: Any, pipeline_config: PipelineConfig) -> None:
+    stage = ScriptStage()
+    await running(stage)
+    sub = await running.nc.subscribe(pipeline_config.subjects.reply("late"))
+    await publish(running.js, pipeline_config, request("late", "a b", deadline=time.time() - 1))
+    [err] = await collect(sub)
+    assert isinstance(err, ErrorChunk) and (err.code, err.http_status) == (ErrorCode.DEADLINE_EXCEEDED, 504)
+    assert stage.calls == []
+
+
+async def test_takeover_resumes_after_what_was_emitted(running: Any, pipeline_config: PipelineConfig) -> None:
+    subjects = pipeline_config.subjects
+    await ensure_streams(running.js, pipeline_config)
+    # What a crashed worker left on the reply stream: two of four tokens.
+    for i in range(2):
+        await running.js.publish(subjects.reply("tk"), encode(TokenChunk("tk", i, [i + 1], f"w{i} ")))
+    stage = ScriptStage()
+    await running(stage)
+    sub = await running.nc.subscribe(subjects.reply("tk"))
+    await publish(running.js, pipeline_config, request("tk", "a bb ccc dddd"))
+    chunks = await collect(sub)
+    assert stage.calls == [("tk", [1, 2])]
+    assert [c.seq for c in chunks] == [2, 3]
+
+
+async def test_drain_hands_unfinished_work_to_another_worker(running: Any, pipeline_config: PipelineConfig) -> None:
+    first, second = ScriptStage(), ScriptStage()
+    worker = await running(first, drain_grace_s=0.2)
+    sub = await running.nc.subscribe(pipeline_config.subjects.reply("d1"))
+    await publish(running.js, pipeline_config, request("d1", "!sleep=0.05 " + "w " * 40))
+    await sub.next_msg(timeout=5)
+    worker.stop()
+    await running(second)
+    chunks = await collect(sub, timeout=20)
+    assert chunks[-1].finish_reason == FinishReason.STOP  # type: ignore[union-attr]
+    assert second.calls and second.calls[0][0] == "d1" and len(second.calls[0][1]) >= 1

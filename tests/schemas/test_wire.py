@@ -1,0 +1,79 @@
+from __future__ import annotations
+
+import msgspec
+import pytest
+
+from schemas.chunk import ErrorChunk, FinishReason, ReplyChunk, TokenChunk, Usage
+from schemas.codec import JSON, MSGPACK, Decoder, encode
+from schemas.control import Cancel, DeadLetter
+from schemas.errors import ErrorCode, TooLarge
+from schemas.processed import MediaItem, MediaKind, ProcessedRequest
+from schemas.request import ChatMessage, GenerateRequest, ImagePart, ImageURL, SamplingParams, TextPart
+from schemas.routes import route_for
+
+REQUEST = GenerateRequest(
+    request_id="r1",
+    model="tiny-qwen2-vl",
+    messages=[
+        ChatMessage(role="system", content="be brief"),
+        ChatMessage(role="user", content=[ImagePart(ImageURL("data:image/png;base64,AAAA")), TextPart("what?")]),
+    ],
+    sampling=SamplingParams(max_tokens=8, temperature=0.0, stop=["\n"], seed=7),
+    deadline=123.5,
+    route=["encode+prefill+decode"],
+)
+
+
+@pytest.mark.parametrize("content_type", [MSGPACK, JSON])
+def test_every_message_round_trips(content_type: str) -> None:
+    messages: list[tuple[object, object]] = [
+        (REQUEST, GenerateRequest),
+        (
+            ProcessedRequest(
+                request=REQUEST,
+                prompt_token_ids=[1, 2, 3],
+                media=[MediaItem(MediaKind.IMAGE, "data:x", 1)],
+                route=["encode+prefill+decode"],
+                reply_subject="mmpipe.x.reply.r1",
+                max_tokens=8,
+                seed=7,
+            ),
+            ProcessedRequest,
+        ),
+        (TokenChunk("r1", 3, [5, 6], "hi", FinishReason.STOP, Usage(10, 5)), ReplyChunk),
+        (ErrorChunk.from_error("r1", TooLarge("big")), ReplyChunk),
+        (Cancel("r1"), Cancel),
+        (DeadLetter("s", ErrorCode.INVALID_MEDIA, "bad", 1, "r1", b"\x00\x01"), DeadLetter),
+    ]
+    for message, type_ in messages:
+        assert Decoder(type_).decode(encode(message, content_type), content_type) == message
+
+
+def test_json_is_accepted_without_a_header() -> None:
+    raw = b'{"request_id":"r2","model":"m","messages":[{"role":"user","content":"hi"}]}'
+    decoded = Decoder(GenerateRequest).decode(raw, None)
+    assert decoded.messages[0].content == "hi"
+    assert decoded.sampling == SamplingParams()
+
+
+def test_error_chunk_carries_code_and_status() -> None:
+    chunk = ErrorChunk.from_error("r1", TooLarge("12 images"))
+    assert (chunk.code, chunk.http_status, chunk.retryable) == (ErrorCode.TOO_LARGE, 413, False)
+    assert msgspec.json.decode(encode(chunk, JSON))["kind"] == "error"
+
+
+def test_unknown_fields_and_wrong_types_are_named() -> None:
+    decoder = Decoder(GenerateRequest)
+    with pytest.raises(msgspec.ValidationError, match="bogus"):
+        decoder.decode(b'{"request_id":"r","model":"m","messages":[],"bogus":1}', JSON)
+    with pytest.raises(msgspec.ValidationError, match=r"\$.sampling.max_tokens"):
+        decoder.decode(b'{"request_id":"r","model":"m","messages":[],"sampling":{"max_tokens":"x"}}', JSON)
+
+
+def test_routes_of_every_mode() -> None:
+    assert route_for("epd", True) == ["encode+prefill+decode"]
+    assert route_for("e-p-d", True) == ["encode", "prefill", "decode"]
+    assert route_for("e-p-d", False) == ["prefill", "decode"]
+    assert route_for("ep-d", False) == ["encode+prefill", "decode"]
+    with pytest.raises(ValueError, match="unknown mode"):
+        route_for("pd", True)
