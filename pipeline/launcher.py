@@ -112,7 +112,10 @@ def up(args: argparse.Namespace, config: PipelineConfig, bridge: BridgeSettings)
             print("mmpipe failed to start; see the log above", file=sys.stderr, flush=True)
             return 1
         workers = ", ".join(f"{role}×{n}" for role, n in counts.items())
-        print(f"mmpipe ready: {base}/v1  mode={config.mode} model={spec.served_name} nats={nats_url} workers: {workers}", flush=True)
+        print(
+            f"mmpipe ready: {base}/v1  mode={config.mode} model={spec.served_name} nats={nats_url} workers: {workers}",
+            flush=True,
+        )
         while not stop.requested:
             for child in children:
                 if child.poll() is not None:

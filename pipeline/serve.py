@@ -40,7 +40,7 @@ def build_stage(role: str, config: PipelineConfig, settings: WorkerSettings, spe
     bridge never needs it."""
     spec = spec or resolve_model(settings.model, settings.served_model_name)
     if role == PROCESSOR:
-        from stages.models import load_traits
+        from stages.models.traits import load_traits
         from stages.processor import Processor
 
         return Processor(load_traits(spec), mode=config.mode)

@@ -5,9 +5,9 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-_TOKEN = re.compile(r"^[A-Za-z0-9_-]{1,128}$")
-
 from schemas.routes import PROCESSOR, ROLES
+
+_TOKEN = re.compile(r"^[A-Za-z0-9_-]{1,128}$")
 
 
 def check_token(value: str, what: str) -> str:

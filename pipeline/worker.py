@@ -54,7 +54,7 @@ class _Envelope(msgspec.Struct):
     request: dict[str, Any] | None = None
 
 
-_ENVELOPE = Decoder(_Envelope)
+_ENVELOPE: Decoder[_Envelope] = Decoder(_Envelope)
 
 
 def is_stream_full(error: APIError) -> bool:
@@ -321,11 +321,9 @@ class Worker:
         await msg.term()
 
     def _reply_target(self, msg: Msg, message: GenerateRequest | ProcessedRequest | None) -> tuple[str, str | None]:
-        if isinstance(message, ProcessedRequest):
-            return message.request.request_id, message.reply_subject
-        if isinstance(message, GenerateRequest):
-            rid = message.request_id
-            return rid, message.reply_subject or self._stored_reply(rid)
+        if message is not None:
+            request = message.request if isinstance(message, ProcessedRequest) else message
+            return request.request_id, request.reply_subject or self._stored_reply(request.request_id)
         try:
             env = _ENVELOPE.decode(msg.data, (msg.headers or {}).get(CONTENT_TYPE))
         except (msgspec.DecodeError, msgspec.ValidationError):

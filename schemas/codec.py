@@ -33,9 +33,9 @@ class Decoder(Generic[T]):
     def decode(self, data: bytes, content_type: str | None = None) -> T:
         """Raises ``msgspec.ValidationError`` / ``msgspec.DecodeError`` on bad input."""
         if content_type is not None and "json" in content_type:
-            return self._json.decode(data)  # type: ignore[no-any-return]
+            return self._json.decode(data)
         if content_type is None and data[:1] in (b"{", b" ", b"\n"):
             # No header (e.g. `nats pub` without -H): a JSON object starts with
             # '{'; a msgpack map never does (0x7b is a positive fixint).
-            return self._json.decode(data)  # type: ignore[no-any-return]
-        return self._msgpack.decode(data)  # type: ignore[no-any-return]
+            return self._json.decode(data)
+        return self._msgpack.decode(data)

@@ -30,7 +30,6 @@ class ProcessedRequest(msgspec.Struct, omit_defaults=True, forbid_unknown_fields
     media: list[MediaItem]
     # Hops still to run, the current one first.
     route: list[str]
-    reply_subject: str
     max_tokens: int
     seed: int
     attempt: int = 0

@@ -146,6 +146,4 @@ class _ChunkEmitter:
 
     def _chunk(self, seq: int, tokens: list[int], text: str, finish: FinishReason | None) -> TokenChunk:
         usage = Usage(self._prompt_len, seq + len(tokens)) if finish is not None else None
-        return TokenChunk(
-            request_id=self._rid, seq=seq, token_ids=tokens, text=text, finish_reason=finish, usage=usage
-        )
+        return TokenChunk(request_id=self._rid, seq=seq, token_ids=tokens, text=text, finish_reason=finish, usage=usage)

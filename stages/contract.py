@@ -26,9 +26,11 @@ class HopContext:
 
 class Stage(Protocol):
     role: str
-    input_type: type[GenerateRequest] | type[ProcessedRequest]
     # True when the stage streams tokens (it runs the decode step).
     streams_tokens: bool
+
+    @property
+    def input_type(self) -> type[GenerateRequest] | type[ProcessedRequest]: ...
 
     @property
     def models(self) -> list[str]: ...

@@ -98,10 +98,10 @@ class Processor:
             request=request,
             prompt_token_ids=prompt_ids,
             media=[
-                MediaItem(kind=MediaKind.IMAGE, url=url, placeholder_index=i) for url, i in zip(media, placeholders)
+                MediaItem(kind=MediaKind.IMAGE, url=url, placeholder_index=i)
+                for url, i in zip(media, placeholders, strict=True)
             ],
             route=route,
-            reply_subject=request.reply_subject or "",
             max_tokens=max_tokens,
             seed=seed,
         )

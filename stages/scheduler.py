@@ -127,7 +127,7 @@ class DecodeScheduler:
                     entry.queue.put_nowait(exc)
                     entry.done = True
                 continue
-            for entry, token in zip(batch, tokens):
+            for entry, token in zip(batch, tokens, strict=True):
                 if entry.done:
                     continue
                 entry.queue.put_nowait(token)

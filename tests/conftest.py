@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import uuid
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
@@ -37,3 +38,23 @@ async def nats_client(nats_server: NatsServer) -> AsyncIterator[tuple[object, ob
     nc, js = await connect(nats_server.url, name="test")
     yield nc, js
     await nc.close()
+
+
+@pytest.fixture(scope="session", autouse=True)
+def mmpipe_home(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    """Built-in models and caches go to a temp dir, never the user's home."""
+    home = tmp_path_factory.mktemp("mmpipe-home")
+    old = os.environ.get("MMPIPE_HOME")
+    os.environ["MMPIPE_HOME"] = str(home)
+    yield home
+    if old is None:
+        del os.environ["MMPIPE_HOME"]
+    else:
+        os.environ["MMPIPE_HOME"] = old
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(mmpipe_home: Path) -> Path:
+    from stages.models import builtin_path
+
+    return builtin_path("tiny-qwen2-vl")

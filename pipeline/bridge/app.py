@@ -210,9 +210,7 @@ class Bridge:
             if accepted is not None:
                 yield accepted
 
-    async def _complete(
-        self, rid: str, model: str, created: int, chunks: AsyncIterator[ReplyChunk]
-    ) -> web.Response:
+    async def _complete(self, rid: str, model: str, created: int, chunks: AsyncIterator[ReplyChunk]) -> web.Response:
         text: list[str] = []
         last: TokenChunk | None = None
         async for chunk in chunks:

@@ -67,9 +67,7 @@ class ScriptStage:
             for i in range(len(ctx.emitted), len(tokens)):
                 await asyncio.sleep(sleep)
                 last = i == len(tokens) - 1
-                yield TokenChunk(
-                    message.request_id, i, [tokens[i]], f"w{i} ", FinishReason.STOP if last else None
-                )
+                yield TokenChunk(message.request_id, i, [tokens[i]], f"w{i} ", FinishReason.STOP if last else None)
             self.finished.append(message.request_id)
         finally:
             self.running -= 1
@@ -79,10 +77,10 @@ def request(rid: str, text: str, **kw: Any) -> GenerateRequest:
     return GenerateRequest(request_id=rid, model="script", messages=[ChatMessage("user", text)], **kw)
 
 
-async def collect(sub: Any, timeout: float = 10.0) -> list[ReplyChunk]:
+async def collect(sub: Any, wait_s: float = 10.0) -> list[ReplyChunk]:
     chunks: list[ReplyChunk] = []
     while True:
-        msg = await sub.next_msg(timeout=timeout)
+        msg = await sub.next_msg(timeout=wait_s)
         chunk = CHUNK_DECODER.decode(msg.data, msg.headers.get(CONTENT_TYPE))
         chunks.append(chunk)
         if isinstance(chunk, ErrorChunk) or chunk.finish_reason is not None:
@@ -119,8 +117,14 @@ async def publish(js: Any, config: PipelineConfig, req: GenerateRequest) -> None
     await js.publish(config.subjects.requests, encode(req))
 
 
-async def dead_letters(js: Any, config: PipelineConfig) -> list[DeadLetter]:
-    info = await js.stream_info(config.subjects.dead_stream)
+async def dead_letters(js: Any, config: PipelineConfig, expect: int) -> list[DeadLetter]:
+    """The dead letters, once ``expect`` of them are there (the client hears
+    of an error before the worker records it)."""
+    for _ in range(100):
+        info = await js.stream_info(config.subjects.dead_stream)
+        if info.state.messages >= expect:
+            break
+        await asyncio.sleep(0.05)
     decoder = Decoder(DeadLetter)
     out = []
     for seq in range(info.state.first_seq, info.state.last_seq + 1) if info.state.messages else []:
@@ -157,7 +161,7 @@ async def test_bad_input_is_dead_lettered_once_and_worker_keeps_serving(
     await publish(running.js, pipeline_config, request("ok1", "still here"))
     assert len(await collect(sub_ok)) == 2
     await asyncio.sleep(0.3)
-    dead = await dead_letters(running.js, pipeline_config)
+    dead = await dead_letters(running.js, pipeline_config, 2)
     assert sorted(d.code for d in dead) == [ErrorCode.INVALID_MEDIA, ErrorCode.INVALID_REQUEST]
     assert [c[0] for c in stage.calls].count("bad1") == 1
 
@@ -172,10 +176,10 @@ async def test_retryable_failure_is_retried_then_dead_lettered(running: Any, pip
     await running(stage, config)
     sub = await running.nc.subscribe(config.subjects.reply("flaky"))
     await publish(running.js, config, request("flaky", "x !retry"))
-    [err] = await collect(sub, timeout=20)
+    [err] = await collect(sub, wait_s=20)
     assert isinstance(err, ErrorChunk) and err.retryable
     assert [c[0] for c in stage.calls].count("flaky") == 3
-    [dead] = await dead_letters(running.js, config)
+    [dead] = await dead_letters(running.js, config, 1)
     assert (dead.request_id, dead.deliveries) == ("flaky", 3)
 
 
@@ -238,6 +242,6 @@ async def test_drain_hands_unfinished_work_to_another_worker(running: Any, pipel
     await sub.next_msg(timeout=5)
     worker.stop()
     await running(second)
-    chunks = await collect(sub, timeout=20)
+    chunks = await collect(sub, wait_s=20)
     assert chunks[-1].finish_reason == FinishReason.STOP  # type: ignore[union-attr]
     assert second.calls and second.calls[0][0] == "d1" and len(second.calls[0][1]) >= 1

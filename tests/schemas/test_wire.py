@@ -34,7 +34,6 @@ def test_every_message_round_trips(content_type: str) -> None:
                 prompt_token_ids=[1, 2, 3],
                 media=[MediaItem(MediaKind.IMAGE, "data:x", 1)],
                 route=["encode+prefill+decode"],
-                reply_subject="mmpipe.x.reply.r1",
                 max_tokens=8,
                 seed=7,
             ),

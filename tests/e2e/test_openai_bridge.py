@@ -1,0 +1,240 @@
+"""The official openai client against the bridge, over a real nats-server and
+the real tiny model; every answer must equal transformers ``generate()``."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import io
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import openai
+import pytest
+from PIL import Image
+from transformers import AutoTokenizer
+
+from pipeline import metrics
+from pipeline.config import PipelineConfig
+from schemas.codec import Decoder
+from schemas.control import DeadLetter
+from stages.engine.reference import load_reference_model, reference_generate
+from stages.models import ModelSpec
+from tests.e2e.conftest import Stack, gradient, png_data_url, start_stack
+
+N = 12
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_model_dir: Path) -> Any:
+    model = load_reference_model(tiny_model_dir)
+    tokenizer = AutoTokenizer.from_pretrained(str(tiny_model_dir))
+
+    def generate(content: list[dict[str, Any]] | str, images: list[Image.Image], n: int = N) -> tuple[list[int], str]:
+        if isinstance(content, str):
+            messages: list[dict[str, Any]] = [{"role": "user", "content": content}]
+        else:
+            parts = [{"type": "image"} if p["type"] == "image_url" else p for p in content]
+            messages = [{"role": "user", "content": parts}]
+        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        prompt = tokenizer(text, add_special_tokens=False)["input_ids"]
+        tokens = reference_generate(tiny_model_dir, prompt, images, max_new_tokens=n, min_new_tokens=n, model=model)
+        return tokens, tokenizer.decode(tokens, skip_special_tokens=True)
+
+    return generate
+
+
+def client(stack: Stack, **kw: Any) -> openai.AsyncOpenAI:
+    return openai.AsyncOpenAI(base_url=f"{stack.base_url}/v1", api_key="unused", max_retries=0, **kw)
+
+
+def image_content(url: str, text: str = "Describe the picture.") -> list[dict[str, Any]]:
+    return [{"type": "image_url", "image_url": {"url": url}}, {"type": "text", "text": text}]
+
+
+async def ask(c: openai.AsyncOpenAI, content: Any, stream: bool, n: int = N) -> tuple[str, int]:
+    messages = [{"role": "user", "content": content}]
+    extra = {"min_tokens": n}
+    if not stream:
+        r = await c.chat.completions.create(
+            model="tiny-qwen2-vl",
+            messages=messages,
+            max_tokens=n,
+            temperature=0,
+            extra_body=extra,  # type: ignore[arg-type]
+        )
+        assert r.choices[0].finish_reason == "length"
+        assert r.usage is not None
+        return r.choices[0].message.content or "", r.usage.completion_tokens
+    s = await c.chat.completions.create(
+        model="tiny-qwen2-vl",
+        messages=messages,  # type: ignore[arg-type]
+        max_tokens=n,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
+        extra_body=extra,
+    )
+    text, usage, finish = [], 0, None
+    async for chunk in s:
+        if chunk.choices:
+            text.append(chunk.choices[0].delta.content or "")
+            finish = chunk.choices[0].finish_reason or finish
+        if chunk.usage:
+            usage = chunk.usage.completion_tokens
+    assert finish == "length"
+    return "".join(text), usage
+
+
+@pytest.mark.e2e
+async def test_image_by_data_url_streamed_and_not_equals_generate(stack: Stack, reference: Any) -> None:
+    image = gradient(64, 48, 1)
+    content = image_content(png_data_url(image))
+    _, expected = reference(content, [image])
+    async with client(stack) as c:
+        assert await ask(c, content, stream=True) == (expected, N)
+        assert await ask(c, content, stream=False) == (expected, N)
+
+
+@pytest.mark.e2e
+async def test_image_by_http_url_and_text_only(stack: Stack, reference: Any, image_server: str) -> None:
+    image = gradient(40, 56, 0)  # what image_server serves as /img0.png
+    content = image_content(f"{image_server}/img0.png")
+    _, expected = reference(content, [image])
+    _, expected_text = reference("Say something.", [])
+    async with client(stack) as c:
+        assert await ask(c, content, stream=True) == (expected, N)
+        assert await ask(c, "Say something.", stream=False) == (expected_text, N)
+
+
+@pytest.mark.e2e
+async def test_eight_concurrent_requests_get_their_own_answers(stack: Stack, reference: Any, image_server: str) -> None:
+    contents, expected = [], []
+    for i in range(8):
+        image = gradient(40 + 16 * i, 56 + 8 * i, i)
+        content = image_content(f"{image_server}/img{i}.png", f"Picture {i}?")
+        contents.append(content)
+        expected.append((reference(content, [image])[1], N))
+    async with client(stack) as c:
+        got = await asyncio.gather(*(ask(c, content, stream=i % 2 == 0) for i, content in enumerate(contents)))
+    assert got == expected
+    assert len(set(expected)) > 1  # the images really differ in what they give
+
+
+def _bad(url: str) -> list[dict[str, Any]]:
+    return image_content(url)
+
+
+def _gif() -> str:
+    buf = io.BytesIO()
+    Image.new("RGB", (8, 8)).save(buf, format="GIF")
+    return "data:image/gif;base64," + base64.b64encode(buf.getvalue()).decode()
+
+
+@pytest.mark.e2e
+async def test_bad_input_gets_its_status_and_code_and_the_worker_keeps_serving(
+    pipeline_config: PipelineConfig, model_spec: ModelSpec, reference: Any
+) -> None:
+    stack, stop = await start_stack(pipeline_config, model_spec, allow_internal=False)
+    cases: list[tuple[str, Any, dict[str, Any], int, str]] = [
+        ("malformed base64", _bad("data:image/png;base64,@@not-base64@@"), {}, 400, "invalid_media"),
+        (
+            "not an image",
+            _bad("data:image/png;base64," + base64.b64encode(b"hello world" * 10).decode()),
+            {},
+            400,
+            "invalid_media",
+        ),
+        ("gif", _bad(_gif()), {}, 422, "unsupported_media"),
+        ("private address", _bad("http://127.0.0.1:9/x.png"), {}, 400, "url_not_allowed"),
+        ("private https", _bad("https://10.1.2.3/x.png"), {}, 400, "url_not_allowed"),
+        ("max_tokens beyond context", "hi", {"max_tokens": 10**7}, 400, "context_length_exceeded"),
+        ("temperature", "hi", {"temperature": 7.0}, 400, "invalid_request"),
+    ]
+    try:
+        async with client(stack) as c:
+            for name, content, kw, status, code in cases:
+                with pytest.raises(openai.APIStatusError) as info:
+                    await c.chat.completions.create(
+                        model="tiny-qwen2-vl",
+                        messages=[{"role": "user", "content": content}],
+                        **{"max_tokens": 4, **kw},
+                    )
+                assert (info.value.status_code, info.value.body["code"]) == (status, code), name  # type: ignore[index]
+            with pytest.raises(openai.NotFoundError) as nf:
+                await c.chat.completions.create(model="no-such-model", messages=[{"role": "user", "content": "hi"}])
+            assert nf.value.body["code"] == "model_not_found"  # type: ignore[index]
+            # Still serving, and right.
+            _, expected = reference("Say something.", [])
+            assert await ask(c, "Say something.", stream=True) == (expected, N)
+        js = stack.nc.jetstream()
+        info = await js.stream_info(pipeline_config.subjects.dead_stream)
+        decoder = Decoder(DeadLetter)
+        dead = [
+            decoder.decode((await js.get_msg(pipeline_config.subjects.dead_stream, s)).data)
+            for s in range(info.state.first_seq, info.state.last_seq + 1)
+        ]
+        # Each bad request was dead-lettered exactly once, after one delivery.
+        assert len(dead) == len(cases) and len({d.request_id for d in dead}) == len(cases)
+        assert all(d.deliveries == 1 for d in dead)
+        for role in ("processor", "encode+prefill+decode"):
+            state = (await js.stream_info(pipeline_config.subjects.stream(role))).state
+            assert state.messages == 0, role
+    finally:
+        await stop()
+
+
+@pytest.mark.e2e
+async def test_client_disconnect_cancels_generation(stack: Stack) -> None:
+    stage = stack.workers[1].stage
+    async with client(stack) as c:
+        s = await c.chat.completions.create(
+            model="tiny-qwen2-vl",
+            messages=[{"role": "user", "content": "Tell a long story."}],
+            max_tokens=2000,
+            temperature=0,
+            stream=True,
+            extra_body={"ignore_eos": True},
+        )
+        async for _ in s:
+            break
+        await s.close()
+    js = stack.nc.jetstream()
+    hop_stream = stack.config.subjects.stream("encode+prefill+decode")
+    for _ in range(200):
+        # Cancelled work leaves the decode loop and is acked, not redelivered.
+        pending = (await js.stream_info(hop_stream)).state.messages
+        if stage.scheduler.active == 0 and pending == 0:  # type: ignore[attr-defined]
+            break
+        await asyncio.sleep(0.05)
+    assert stage.scheduler.active == 0  # type: ignore[attr-defined]
+    assert pending == 0
+    tokens = metrics.TOKENS.labels("encode+prefill+decode")._value.get()
+    await asyncio.sleep(0.3)
+    assert metrics.TOKENS.labels("encode+prefill+decode")._value.get() == tokens  # nothing is generated any more
+
+
+@pytest.mark.e2e
+async def test_models_health_and_metrics(stack: Stack) -> None:
+    async with client(stack) as c:
+        models = await c.models.list()
+    assert [m.id for m in models.data] == ["tiny-qwen2-vl"]
+    async with aiohttp.ClientSession() as http:
+        async with http.get(f"{stack.base_url}/health") as r:
+            body = await r.json()
+            assert r.status == 200 and body["status"] == "ready"
+        async with http.get(f"{stack.base_url}/metrics") as r:
+            assert r.status == 200 and "mmpipe_http_requests_total" in await r.text()
+        async with http.post(f"{stack.base_url}/v1/chat/completions", data=b"{not json") as r:
+            assert r.status == 400 and (await r.json())["error"]["code"] == "invalid_request"
+        async with http.post(
+            f"{stack.base_url}/v1/chat/completions", json={"model": "tiny-qwen2-vl", "messages": [], "bogus": 1}
+        ) as r:
+            assert r.status == 400 and "bogus" in (await r.json())["error"]["message"]
+    # With no worker of the route alive, health says so.
+    for worker in stack.workers:
+        worker.stop()
+    await asyncio.sleep(1.5)
+    async with aiohttp.ClientSession() as http, http.get(f"{stack.base_url}/health") as r:
+        assert r.status == 503

@@ -1,0 +1,225 @@
+"""TorchEngine on tiny-qwen2-vl: greedy tokens equal transformers generate() exactly.
+
+Uses tests/conftest.py's session fixtures mmpipe_home (a temporary MMPIPE_HOME)
+and tiny_model_dir (the built-in, built there once).
+"""
+
+from __future__ import annotations
+
+import inspect
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from schemas.errors import ContextLengthExceeded, InvalidRequest
+from stages.engine.reference import load_reference_model, reference_generate
+from stages.engine.sampling import SamplingConfig, select_token, token_seed
+from stages.engine.torch_engine import EncodedImage, Sequence, TorchEngine
+
+N_NEW = 24
+
+
+@pytest.fixture(scope="session")
+def model_dir(tiny_model_dir: Path) -> Path:
+    # tests/conftest.py: builtin_path("tiny-qwen2-vl") under a temporary MMPIPE_HOME, once per session.
+    return tiny_model_dir
+
+
+@pytest.fixture(scope="session")
+def engine(model_dir: Path) -> TorchEngine:
+    return TorchEngine(model_dir)
+
+
+@pytest.fixture(scope="session")
+def ref_model(model_dir: Path) -> Any:
+    return load_reference_model(model_dir)
+
+
+@pytest.fixture(scope="session")
+def images() -> list[Image.Image]:
+    rng = np.random.default_rng(0)
+    # Two sizes: 300x200 -> grid 12x18 (54 tokens), 60x90 -> grid 6x4 (6 tokens).
+    return [
+        Image.fromarray(rng.integers(0, 256, (200, 300, 3), dtype=np.uint8)),
+        Image.fromarray(rng.integers(0, 256, (90, 60, 3), dtype=np.uint8)),
+    ]
+
+
+def _prompt(engine: TorchEngine, n_images: int, text: str = "Describe what you see, please. 你好 😀") -> list[int]:
+    content: list[dict[str, str]] = [{"type": "image"}] * n_images + [{"type": "text", "text": text}]
+    ids = engine.tokenizer.apply_chat_template(
+        [{"role": "user", "content": content}], add_generation_prompt=True, return_dict=False
+    )
+    return list(ids)
+
+
+@pytest.fixture(scope="session")
+def cases(engine: TorchEngine, ref_model: Any, model_dir: Path, images: list[Image.Image]) -> dict[int, Any]:
+    """n_images -> (prompt, images, reference tokens)."""
+    out = {}
+    for n in (0, 1, 2):
+        prompt = _prompt(engine, n)
+        out[n] = (prompt, images[:n], reference_generate(model_dir, prompt, images[:n], N_NEW, model=ref_model))
+    return out
+
+
+def _greedy(max_tokens: int = N_NEW) -> SamplingConfig:
+    return SamplingConfig(temperature=0.0, max_tokens=max_tokens, min_tokens=max_tokens)
+
+
+def _run(engine: TorchEngine, seq: Sequence, first: int, n: int) -> list[int]:
+    out = [first]
+    while len(out) < n:
+        out += engine.step([seq])
+    return out
+
+
+def test_engine_attributes(engine: TorchEngine) -> None:
+    assert engine.eos_token_ids == frozenset({151645, 151643})
+    assert engine.max_model_len == 4096
+    assert engine.image_token_id == 151655
+    assert engine.tokenizer.convert_tokens_to_ids("<|image_pad|>") == 151655
+
+
+def test_encode_shapes(engine: TorchEngine, images: list[Image.Image]) -> None:
+    encoded = engine.encode(images)
+    assert [e.grid_thw for e in encoded] == [(1, 12, 18), (1, 6, 4)]
+    assert [e.num_tokens for e in encoded] == [54, 6]
+    assert all(e.embeddings.shape[1] == 64 for e in encoded)
+    assert engine.encode([]) == []
+
+
+@pytest.mark.parametrize("n_images", [0, 1, 2])
+def test_greedy_matches_generate(engine: TorchEngine, cases: dict[int, Any], n_images: int) -> None:
+    prompt, imgs, expected = cases[n_images]
+    [(seq, first)] = engine.prefill([prompt], [engine.encode(imgs)], [_greedy()])
+    tokens = _run(engine, seq, first, N_NEW)
+    assert tokens == expected
+    assert seq.output_token_ids == expected and seq.num_generated == N_NEW
+    assert seq.reached_max_tokens
+    engine.release(seq)
+    assert seq.released
+
+
+def test_outputs_depend_on_images(cases: dict[int, Any]) -> None:
+    # Guards the equality tests against a model that ignores its input.
+    assert len({tuple(c[2]) for c in cases.values()}) == 3
+    assert all(len(set(c[2])) > 3 for c in cases.values())
+
+
+def test_batched_calls_match_generate(engine: TorchEngine, cases: dict[int, Any]) -> None:
+    order = [2, 0, 1]
+    prompts = [cases[n][0] for n in order]
+    encoded = [engine.encode(cases[n][1]) for n in order]
+    results = engine.prefill(prompts, encoded, [_greedy()] * 3)
+    seqs = [seq for seq, _ in results]
+    outputs = [[tok] for _, tok in results]
+    for _ in range(N_NEW - 1):
+        for out, tok in zip(outputs, engine.step(seqs), strict=True):
+            out.append(tok)
+    assert outputs == [cases[n][2] for n in order]
+
+
+@pytest.mark.parametrize(("n_images", "k"), [(2, 1), (2, 11), (0, 5), (1, N_NEW - 1)])
+def test_resume_matches_generate(engine: TorchEngine, cases: dict[int, Any], n_images: int, k: int) -> None:
+    prompt, imgs, expected = cases[n_images]
+    [(seq, nxt)] = engine.prefill([prompt], [engine.encode(imgs)], [_greedy()], emitted=[expected[:k]])
+    assert seq.num_generated == k + 1
+    assert _run(engine, seq, nxt, N_NEW - k) == expected[k:]
+
+
+def test_positions_match_transformers_rope_index(
+    engine: TorchEngine, ref_model: Any, cases: dict[int, Any], images: list[Image.Image]
+) -> None:
+    get_rope_index = ref_model.model.get_rope_index
+    if "mm_token_type_ids" not in inspect.signature(get_rope_index).parameters:
+        pytest.skip("get_rope_index of this transformers release has another signature")
+    prompt = cases[2][0]
+    encoded = engine.encode(images)
+    ids = engine.family.expand_placeholders(prompt, [e.num_tokens for e in encoded])
+    positions, delta = engine.family.prompt_positions(ids, [e.grid_thw for e in encoded])
+    input_ids = torch.tensor([ids])
+    ref_positions, ref_delta = get_rope_index(
+        input_ids,
+        mm_token_type_ids=(input_ids == engine.image_token_id).int(),
+        image_grid_thw=torch.tensor([e.grid_thw for e in encoded]),
+    )
+    assert torch.equal(positions, ref_positions[:, 0])
+    assert delta == int(ref_delta) and delta < 0
+
+
+def test_request_errors(engine: TorchEngine, cases: dict[int, Any], images: list[Image.Image]) -> None:
+    prompt = cases[1][0]
+    encoded = engine.encode(images)
+    with pytest.raises(InvalidRequest, match="placeholders"):
+        engine.prefill([prompt], [encoded], [_greedy()])
+    with pytest.raises(InvalidRequest, match="placeholders"):
+        engine.prefill([cases[2][0]], [encoded[:1]], [_greedy()])
+    bad = EncodedImage(embeddings=encoded[0].embeddings[:5], grid_thw=encoded[0].grid_thw)
+    with pytest.raises(InvalidRequest, match="does not match"):
+        engine.prefill([prompt], [[bad]], [_greedy()])
+    with pytest.raises(InvalidRequest, match="vocabulary"):
+        engine.prefill([[1, 2, 10**7]], [[]], [_greedy()])
+    with pytest.raises(ContextLengthExceeded):
+        engine.prefill([[100] * 4096], [[]], [_greedy()])
+    with pytest.raises(InvalidRequest):
+        SamplingConfig(temperature=-1.0)
+    with pytest.raises(InvalidRequest):
+        SamplingConfig(top_p=0.0)
+
+
+def _sample(engine: TorchEngine, prompt: list[int], enc: list[EncodedImage], cfg: SamplingConfig) -> list[int]:
+    [(seq, first)] = engine.prefill([prompt], [enc], [cfg])
+    out = _run(engine, seq, first, cfg.max_tokens)
+    engine.release(seq)
+    return out
+
+
+def test_sampling_reproducible_and_resumable(engine: TorchEngine, cases: dict[int, Any]) -> None:
+    prompt, imgs, greedy_tokens = cases[1]
+    enc = engine.encode(imgs)
+    cfg = SamplingConfig(temperature=1.0, top_p=0.95, top_k=200, seed=7, max_tokens=16, min_tokens=16)
+    first = _sample(engine, prompt, enc, cfg)
+    assert _sample(engine, prompt, enc, cfg) == first
+    other = _sample(engine, prompt, enc, SamplingConfig(**{**cfg.__dict__, "seed": 8}))
+    assert other != first
+    assert first != greedy_tokens[:16]
+    # A takeover that resumes at index 6 draws the same continuation.
+    [(seq, nxt)] = engine.prefill([prompt], [enc], [cfg], emitted=[first[:6]])
+    assert _run(engine, seq, nxt, 10) == first[6:]
+    # top_k=1 is greedy whatever the temperature.
+    top1 = SamplingConfig(temperature=1.5, top_k=1, seed=3, max_tokens=8, min_tokens=8)
+    assert _sample(engine, prompt, enc, top1) == greedy_tokens[:8]
+
+
+def test_select_token_rules() -> None:
+    eos = torch.tensor([5, 6])
+    logits = torch.zeros(10)
+    logits[5] = 9.0
+    logits[3] = 4.0
+    greedy = SamplingConfig(min_tokens=2)
+    assert select_token(logits, greedy, index=1, eos_token_ids=eos) == 3  # EOS masked below min_tokens
+    assert select_token(logits, greedy, index=2, eos_token_ids=eos) == 5
+    assert torch.equal(logits[5], torch.tensor(9.0))  # caller's logits untouched
+    # Sampling: same (seed, index) -> same token; the draws vary with the index.
+    cfg = SamplingConfig(temperature=1.0, seed=11)
+    flat = torch.zeros(1000)
+    assert select_token(flat, cfg, 4) == select_token(flat, cfg, 4)
+    assert len({select_token(flat, cfg, i) for i in range(20)}) > 10
+    assert token_seed(11, 4) != token_seed(11, 5) != token_seed(12, 4)
+    # top_p keeps the smallest prefix reaching p: here only the top token.
+    peaked = torch.tensor([0.0, 10.0, 0.0, 0.0])
+    assert {select_token(peaked, SamplingConfig(temperature=1.0, top_p=0.5, seed=s), 0) for s in range(20)} == {1}
+
+
+def test_stop_tokens(engine: TorchEngine, cases: dict[int, Any]) -> None:
+    prompt = cases[0][0]
+    [(seq, _)] = engine.prefill([prompt], [[]], [SamplingConfig(max_tokens=4)])
+    assert engine.is_stop_token(seq, 151645) and engine.is_stop_token(seq, 151643)
+    assert not engine.is_stop_token(seq, 100)
+    [(seq2, _)] = engine.prefill([prompt], [[]], [SamplingConfig(max_tokens=4, ignore_eos=True)])
+    assert not engine.is_stop_token(seq2, 151645)
