@@ -4,6 +4,7 @@ messages in flight, ack only after every output is stored."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 import uuid
 from typing import Any
@@ -244,13 +245,16 @@ class Worker:
                 log.info("already_finished", role=self.role)
                 return
             ctx.emitted = emitted.token_ids
-        async for out in self.stage.run(message, ctx):
-            if isinstance(out, ProcessedRequest):
-                await self._forward(out)
-            else:
-                await self.replies.publish(reply_subject, out)
-                if isinstance(out, TokenChunk):
-                    metrics.TOKENS.labels(self.role).inc(len(out.token_ids))
+        # aclosing: a cancel that lands while we await a publish must still
+        # run the stage's cleanup (free its sequence), not leave it suspended.
+        async with contextlib.aclosing(self.stage.run(message, ctx)) as outputs:
+            async for out in outputs:
+                if isinstance(out, ProcessedRequest):
+                    await self._forward(out)
+                else:
+                    await self.replies.publish(reply_subject, out)
+                    if isinstance(out, TokenChunk):
+                        metrics.TOKENS.labels(self.role).inc(len(out.token_ids))
 
     async def _forward(self, out: ProcessedRequest) -> None:
         subject = self.subjects.work(out.route[0])

@@ -5,7 +5,7 @@ module sequences them for one request and turns tokens into chunks."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 from typing import Any
 
 from schemas.chunk import FinishReason, TokenChunk, Usage
@@ -50,7 +50,9 @@ class AggregatedStage:
         await self.fetcher.close()
         self.thread.close()
 
-    async def run(self, message: GenerateRequest | ProcessedRequest, ctx: HopContext) -> AsyncIterator[StageOutput]:
+    async def run(
+        self, message: GenerateRequest | ProcessedRequest, ctx: HopContext
+    ) -> AsyncGenerator[StageOutput, None]:
         assert isinstance(message, ProcessedRequest)
         async for chunk in self.generate(message, ctx.emitted):
             yield chunk

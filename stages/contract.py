@@ -3,7 +3,7 @@ an async generator from one input Struct to output Structs, testable alone."""
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -39,4 +39,4 @@ class Stage(Protocol):
 
     async def close(self) -> None: ...
 
-    def run(self, message: StageInput, ctx: HopContext) -> AsyncIterator[StageOutput]: ...
+    def run(self, message: StageInput, ctx: HopContext) -> AsyncGenerator[StageOutput, None]: ...

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import math
 import random
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from dataclasses import dataclass
 from typing import Any
 
@@ -68,7 +68,9 @@ class Processor:
     async def close(self) -> None:
         pass
 
-    async def run(self, message: GenerateRequest | ProcessedRequest, ctx: HopContext) -> AsyncIterator[StageOutput]:
+    async def run(
+        self, message: GenerateRequest | ProcessedRequest, ctx: HopContext
+    ) -> AsyncGenerator[StageOutput, None]:
         assert isinstance(message, GenerateRequest)
         yield self.process(message)
 

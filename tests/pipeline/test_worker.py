@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 from typing import Any
 
 import pytest
@@ -48,7 +48,9 @@ class ScriptStage:
     async def close(self) -> None:
         pass
 
-    async def run(self, message: GenerateRequest | ProcessedRequest, ctx: HopContext) -> AsyncIterator[StageOutput]:
+    async def run(
+        self, message: GenerateRequest | ProcessedRequest, ctx: HopContext
+    ) -> AsyncGenerator[StageOutput, None]:
         assert isinstance(message, GenerateRequest)
         self.calls.append((message.request_id, list(ctx.emitted)))
         self.running += 1

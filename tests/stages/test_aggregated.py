@@ -1,0 +1,110 @@
+"""The aggregated stage as a plain async function: no NATS."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from schemas.chunk import FinishReason, TokenChunk
+from schemas.request import ChatMessage, GenerateRequest, ImagePart, ImageURL, SamplingParams, TextPart
+from stages.aggregated import AggregatedStage
+from stages.engine import TorchEngine
+from stages.engine.reference import reference_generate
+from stages.models import resolve_model
+from stages.models.traits import load_traits
+from stages.processor import Processor
+from tests.e2e.conftest import gradient, png_data_url
+
+
+@pytest.fixture
+async def stage(tiny_model_dir: Path) -> AsyncIterator[AggregatedStage]:
+    s = AggregatedStage(TorchEngine(tiny_model_dir), "tiny")
+    await s.start()
+    yield s
+    await s.close()
+
+
+@pytest.fixture(scope="module")
+def processor(tiny_model_dir: Path) -> Processor:
+    return Processor(load_traits(resolve_model(str(tiny_model_dir), "tiny")))
+
+
+def image_request(n: int, **sampling: Any) -> GenerateRequest:
+    content = [ImagePart(ImageURL(png_data_url(gradient(60, 44, 3)))), TextPart("What is it?")]
+    return GenerateRequest(
+        "r1", "tiny", [ChatMessage("user", content)], SamplingParams(max_tokens=n, min_tokens=n, **sampling)
+    )
+
+
+async def run(stage: AggregatedStage, processed: Any, emitted: list[int] | None = None) -> list[TokenChunk]:
+    return [c async for c in stage.generate(processed, emitted or [])]
+
+
+async def test_tokens_equal_generate_and_chunks_are_well_formed(
+    stage: AggregatedStage, processor: Processor, tiny_model_dir: Path
+) -> None:
+    processed = processor.process(image_request(10, temperature=0.0))
+    chunks = await run(stage, processed)
+    expected = reference_generate(tiny_model_dir, processed.prompt_token_ids, [gradient(60, 44, 3)], 10)
+    assert [t for c in chunks for t in c.token_ids] == expected
+    assert [c.seq for c in chunks] == list(range(10))
+    assert [c.finish_reason for c in chunks] == [None] * 9 + [FinishReason.LENGTH]
+    usage = chunks[-1].usage
+    assert usage is not None and usage.completion_tokens == 10
+    assert usage.prompt_tokens > len(processed.prompt_token_ids)  # the placeholder became the image's tokens
+    assert "".join(c.text for c in chunks) == stage.engine.tokenizer.decode(expected, skip_special_tokens=True)
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.9])
+async def test_a_takeover_continues_exactly_where_the_stream_stopped(
+    stage: AggregatedStage, processor: Processor, temperature: float
+) -> None:
+    processed = processor.process(image_request(9, temperature=temperature, seed=5))
+    full = await run(stage, processed)
+    tokens = [t for c in full for t in c.token_ids]
+    resumed = await run(stage, processed, emitted=tokens[:4])
+    assert [c.seq for c in resumed] == list(range(4, 9))
+    assert [t for c in resumed for t in c.token_ids] == tokens[4:]
+    assert "".join(c.text for c in full[:4]) + "".join(c.text for c in resumed) == "".join(c.text for c in full)
+    done = await run(stage, processed, emitted=tokens)
+    assert [(c.seq, c.token_ids, c.finish_reason) for c in done] == [(9, [], FinishReason.LENGTH)]
+
+
+async def test_leaving_mid_stream_frees_the_sequence(stage: AggregatedStage, processor: Processor) -> None:
+    processed = processor.process(
+        GenerateRequest("r2", "tiny", [ChatMessage("user", "go on")], SamplingParams(max_tokens=500, ignore_eos=True))
+    )
+    gen = stage.generate(processed, [])
+    await anext(gen)
+    await anext(gen)
+    assert stage.scheduler.active == 1
+    await gen.aclose()
+    for _ in range(50):
+        if stage.scheduler.active == 0:
+            break
+        await asyncio.sleep(0.02)
+    assert stage.scheduler.active == 0
+
+
+async def test_concurrent_requests_share_the_decode_loop(
+    stage: AggregatedStage, processor: Processor, tiny_model_dir: Path
+) -> None:
+    requests = [
+        processor.process(
+            GenerateRequest(
+                f"c{i}",
+                "tiny",
+                [ChatMessage("user", f"Count to {i}.")],
+                SamplingParams(max_tokens=6, min_tokens=6, temperature=0),
+            )
+        )
+        for i in range(4)
+    ]
+    results = await asyncio.gather(*(run(stage, p) for p in requests))
+    for p, chunks in zip(requests, results, strict=True):
+        expected = reference_generate(tiny_model_dir, p.prompt_token_ids, [], 6)
+        assert [t for c in chunks for t in c.token_ids] == expected
