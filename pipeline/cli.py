@@ -37,6 +37,16 @@ def _model(p: argparse.ArgumentParser) -> None:
     p.add_argument("--served-model-name", default=None)
     p.add_argument("--device", default="cpu")
     p.add_argument("--allow-internal-media", action="store_true", help="allow http:// and internal media URLs")
+    p.add_argument(
+        "--transport",
+        choices=("auto", "nixl", "nats"),
+        default=os.environ.get("MMPIPE_TRANSPORT", "auto"),
+        help="how tensors move between hops: NIXL, the NATS object store, or auto (NIXL if it imports)",
+    )
+    p.add_argument(
+        "--tensor-budget-mb", type=int, default=256, help="MiB of tensors a worker holds for readers at most"
+    )
+    p.add_argument("--tensor-ttl", type=float, default=60.0, help="seconds before unread tensors are freed")
 
 
 def _bridge(p: argparse.ArgumentParser) -> None:
@@ -109,6 +119,7 @@ def main(argv: list[str] | None = None) -> int:
     mm_logging.configure(getattr(args, "log_level", "INFO"))
     if args.command == "worker":
         from pipeline.serve import WorkerSettings, run_worker
+        from pipeline.transport.base import TransportSettings
 
         settings = WorkerSettings(
             model=args.model,
@@ -116,6 +127,8 @@ def main(argv: list[str] | None = None) -> int:
             device=args.device,
             max_inflight=args.max_inflight,
             allow_internal_media=args.allow_internal_media,
+            transport=args.transport,
+            tensor_settings=TransportSettings(budget_bytes=args.tensor_budget_mb << 20, ttl_s=args.tensor_ttl),
         )
         _run(run_worker(args.role, _config(args), settings))
     elif args.command == "bridge":

@@ -39,6 +39,9 @@ class PipelineConfig:
     # How long a stage waits for room in a full downstream stream before it
     # gives the message back.
     full_stream_wait_s: float = 5.0
+    # Attempts of a request from its first hop (a lost tensor restarts it)
+    # before it is given up as dead.
+    max_attempts: int = 3
 
     @property
     def subjects(self) -> Subjects:

@@ -92,6 +92,8 @@ def up(args: argparse.Namespace, config: PipelineConfig, bridge: BridgeSettings)
     common = ["--nats-url", nats_url, "--namespace", config.namespace, "--mode", config.mode]
     common += ["--log-level", args.log_level]
     model_args = ["--model", str(spec.path), "--served-model-name", spec.served_name, "--device", args.device]
+    model_args += ["--transport", args.transport, "--tensor-budget-mb", str(args.tensor_budget_mb)]
+    model_args += ["--tensor-ttl", str(args.tensor_ttl)]
     if args.allow_internal_media:
         model_args.append("--allow-internal-media")
     children: list[subprocess.Popen[bytes]] = []

@@ -18,3 +18,5 @@ ITL = Histogram("mmpipe_inter_token_latency_seconds", "Time between chunks of on
 E2E = Histogram("mmpipe_request_seconds", "Request created to last chunk", ["where"], buckets=_LATENCY)
 HTTP_REQUESTS = Counter("mmpipe_http_requests_total", "Bridge HTTP requests by status", ["path", "status"])
 DEAD = Counter("mmpipe_dead_letters_total", "Messages recorded on the dead subject", ["role", "code"])
+RESTARTS = Counter("mmpipe_restarts_total", "Requests restarted from their first hop (a tensor was gone)", ["role"])
+BACKPRESSURE = Counter("mmpipe_backpressure_waits_total", "Fetch loop waits for room, by reason", ["role", "reason"])

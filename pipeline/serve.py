@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 import signal
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import structlog
@@ -15,9 +15,10 @@ from aiohttp import web
 from pipeline.bridge.app import Bridge, BridgeSettings
 from pipeline.config import PipelineConfig
 from pipeline.connection import connect, shutdown
+from pipeline.transport import TensorTransport, TransportSettings, open_transport
 from pipeline.worker import Worker
-from schemas.routes import PROCESSOR
-from stages.contract import Stage
+from schemas.routes import HOP_ROLES, PROCESSOR
+from stages.contract import Stage, TensorStore
 from stages.media import MediaPolicy
 from stages.models import ModelSpec, resolve_model
 
@@ -33,9 +34,24 @@ class WorkerSettings:
     max_batch: int = 32
     allow_internal_media: bool = False
     drain_grace_s: float = 30.0
+    # "nixl", "nats" (the JetStream object store) or "auto": NIXL when it
+    # imports, else the object store with a warning.
+    transport: str = "auto"
+    tensor_settings: TransportSettings = field(default_factory=TransportSettings)
 
 
-def build_stage(role: str, config: PipelineConfig, settings: WorkerSettings, spec: ModelSpec | None = None) -> Stage:
+def needs_tensors(role: str) -> bool:
+    """Roles that end before decode or start after encode move tensors."""
+    return role != PROCESSOR and not (role.startswith("encode") and role.endswith("decode"))
+
+
+def build_stage(
+    role: str,
+    config: PipelineConfig,
+    settings: WorkerSettings,
+    spec: ModelSpec | None = None,
+    tensors: TensorStore | None = None,
+) -> Stage:
     """The stage of a role, with its model loaded. Imports torch lazily: the
     bridge never needs it."""
     spec = spec or resolve_model(settings.model, settings.served_model_name)
@@ -44,14 +60,14 @@ def build_stage(role: str, config: PipelineConfig, settings: WorkerSettings, spe
         from stages.processor import Processor
 
         return Processor(load_traits(spec), mode=config.mode)
-    if role == "encode+prefill+decode":
-        from stages.aggregated import AggregatedStage
-        from stages.engine import TorchEngine
+    if role not in HOP_ROLES:
+        raise SystemExit(f"unknown role {role!r}; roles: {PROCESSOR}, {', '.join(HOP_ROLES)}")
+    from stages.engine import TorchEngine
+    from stages.hop import HopStage
 
-        engine = TorchEngine(Path(spec.path), device=settings.device)
-        policy = MediaPolicy(allow_internal=settings.allow_internal_media)
-        return AggregatedStage(engine, spec.served_name, media_policy=policy, max_batch=settings.max_batch)
-    raise SystemExit(f"role {role!r} is not available yet; roles: {PROCESSOR}, encode+prefill+decode")
+    engine = TorchEngine(Path(spec.path), device=settings.device)
+    policy = MediaPolicy(allow_internal=settings.allow_internal_media)
+    return HopStage(role, engine, spec.served_name, tensors, media_policy=policy, max_batch=settings.max_batch)
 
 
 def _on_signals(stop: Callable[[], None]) -> None:
@@ -61,13 +77,28 @@ def _on_signals(stop: Callable[[], None]) -> None:
 
 
 async def run_worker(role: str, config: PipelineConfig, settings: WorkerSettings) -> None:
-    stage = build_stage(role, config, settings)
     nc, js = await connect(config.nats_url, name=f"mmpipe-{role}")
-    worker = Worker(nc, js, config, stage, max_inflight=settings.max_inflight, drain_grace_s=settings.drain_grace_s)
-    _on_signals(worker.stop)
+    tensors: TensorTransport | None = None
     try:
+        if needs_tensors(role):
+            tensors = await open_transport(
+                settings.transport, nc, js, config.namespace, settings.tensor_settings, role, settings.device
+            )
+        stage = build_stage(role, config, settings, tensors=tensors)
+        worker = Worker(
+            nc,
+            js,
+            config,
+            stage,
+            max_inflight=settings.max_inflight,
+            drain_grace_s=settings.drain_grace_s,
+            tensors=tensors,
+        )
+        _on_signals(worker.stop)
         await worker.run()
     finally:
+        if tensors is not None:
+            await tensors.close()
         await shutdown(nc)
 
 

@@ -14,13 +14,17 @@ from nats.js.api import (
     StorageType,
     StreamConfig,
 )
-from nats.js.errors import BadRequestError, NotFoundError
+from nats.js.errors import APIError, BadRequestError, NotFoundError
 
 from pipeline.config import PipelineConfig, StreamLimits
 from pipeline.subjects import Subjects
 from schemas.routes import HOP_ROLES, PROCESSOR
 
 log = structlog.get_logger(__name__)
+
+# JetStream API error codes for a stream at its max_msgs / max_bytes.
+_STREAM_FULL_CODES = {10077, 10078}
+_STREAM_FULL_TEXT = ("maximum messages exceeded", "maximum bytes exceeded")
 
 # JetStream API error code for "stream name already in use with a different configuration".
 _STREAM_EXISTS_DIFFERENT = 10058
@@ -114,3 +118,7 @@ async def consumer_exists(js: JetStreamContext, subjects: Subjects, role: str) -
     except NotFoundError:
         return False
     return True
+
+
+def is_stream_full(error: APIError) -> bool:
+    return error.err_code in _STREAM_FULL_CODES or any(t in (error.description or "") for t in _STREAM_FULL_TEXT)

@@ -22,8 +22,9 @@ from pipeline.cancel import CancelRegistry
 from pipeline.config import PipelineConfig
 from pipeline.outcomes import Ack, Nak, Outcome, Reject, outcome_for
 from pipeline.replies import ReplyPublisher
-from pipeline.streams import ensure_consumer, ensure_streams
+from pipeline.streams import ensure_consumer, ensure_streams, is_stream_full
 from pipeline.subjects import check_token
+from pipeline.transport import TensorGone, TensorTransport
 from schemas.chunk import ErrorChunk, TokenChunk
 from schemas.codec import CONTENT_TYPE, MSGPACK, Decoder, encode
 from schemas.control import DeadLetter, WorkerInfo
@@ -37,13 +38,10 @@ from schemas.errors import (
 )
 from schemas.processed import ProcessedRequest
 from schemas.request import GenerateRequest
+from schemas.tensors import TensorRef
 from stages.contract import HopContext, Stage
 
 log = structlog.get_logger(__name__)
-
-# JetStream API error codes for a stream at its max_msgs / max_bytes.
-_STREAM_FULL_CODES = {10077, 10078}
-_STREAM_FULL_TEXT = ("maximum messages exceeded", "maximum bytes exceeded")
 
 
 class _Envelope(msgspec.Struct):
@@ -58,8 +56,22 @@ class _Envelope(msgspec.Struct):
 _ENVELOPE: Decoder[_Envelope] = Decoder(_Envelope)
 
 
-def is_stream_full(error: APIError) -> bool:
-    return error.err_code in _STREAM_FULL_CODES or any(t in (error.description or "") for t in _STREAM_FULL_TEXT)
+def _for_role(message: ProcessedRequest, role: str) -> bool:
+    return 0 <= message.hop_index < len(message.route) and message.hop == role
+
+
+def _refs(message: ProcessedRequest) -> list[TensorRef]:
+    return [held.ref for held in (message.encoded, message.kv) if held is not None]
+
+
+def _trace(role: str, trace: dict[str, float]) -> None:
+    """The request's numbers for this hop: one log line, and the metrics."""
+    for direction in ("put", "get"):
+        nbytes, seconds = trace.get(f"{direction}_bytes"), trace.get(f"{direction}_s")
+        if nbytes and seconds:
+            trace[f"{direction}_gbps"] = round(nbytes / seconds / 1e9, 3)
+    if trace:
+        log.info("hop_trace", role=role, **{k: round(v, 6) for k, v in trace.items()})
 
 
 class Worker:
@@ -72,6 +84,7 @@ class Worker:
         max_inflight: int = 4,
         worker_id: str | None = None,
         drain_grace_s: float = 30.0,
+        tensors: TensorTransport | None = None,
     ) -> None:
         self.nc = nc
         self.js = js
@@ -82,6 +95,7 @@ class Worker:
         self.max_inflight = max_inflight
         self.worker_id = worker_id or f"{self.role}-{uuid.uuid4().hex[:8]}"
         self.drain_grace_s = drain_grace_s
+        self.tensors = tensors
         self.replies = ReplyPublisher(nc, js, self.subjects)
         self.cancels = CancelRegistry()
         self._decoder: Decoder[GenerateRequest | ProcessedRequest] = Decoder(stage.input_type)
@@ -90,6 +104,8 @@ class Worker:
         self._stopping = asyncio.Event()
         self._draining: set[asyncio.Task[None]] = set()
         self.ready = asyncio.Event()
+        # Messages taken from the queue, whatever their outcome.
+        self.handled = 0
 
     # -- lifecycle -----------------------------------------------------------
 
@@ -123,6 +139,12 @@ class Worker:
             if len(self._tasks) >= self.max_inflight:
                 self._slot_free.clear()
                 await self._slot_free.wait()
+                continue
+            if self.tensors is not None and not self.tensors.has_room():
+                # Held tensors at their byte budget: taking more work would
+                # only hold more. Readers (or the TTL) free room.
+                metrics.BACKPRESSURE.labels(self.role, "tensor_budget").inc()
+                await asyncio.sleep(0.05)
                 continue
             try:
                 # One message per fetch: a multi-message fetch that comes back
@@ -174,6 +196,7 @@ class Worker:
     # -- one message ---------------------------------------------------------
 
     async def _handle(self, msg: Msg) -> None:
+        self.handled += 1
         started = time.monotonic()
         meta = msg.metadata
         deliveries = meta.num_delivered or 1
@@ -188,7 +211,10 @@ class Worker:
         request = message.request if isinstance(message, ProcessedRequest) else message
         structlog.contextvars.bind_contextvars(request_id=request.request_id, stage=self.role)
         try:
-            outcome = await self._run_stage(msg, message, request, deliveries)
+            if isinstance(message, ProcessedRequest) and not _for_role(message, self.role):
+                outcome: Outcome = Reject(InvalidRequest(f"a message for hop {message.hop_index} reached {self.role}"))
+            else:
+                outcome = await self._run_stage(msg, message, request, deliveries)
             await self._settle(msg, message, outcome, deliveries)
         finally:
             metrics.STAGE_TIME.labels(self.role).observe(time.monotonic() - started)
@@ -226,6 +252,8 @@ class Worker:
                 log.info("request_aborted", role=self.role)
                 return Ack()
             raise
+        except TensorGone as exc:
+            return await self._restart(message, exc, deliveries)
         except MmpipeError as exc:
             return outcome_for(exc, deliveries, self.config.consumer.max_deliver)
         except Exception as exc:
@@ -236,10 +264,24 @@ class Worker:
             heartbeat.cancel()
             self.cancels.unregister(rid)
 
+    async def _restart(self, message: GenerateRequest | ProcessedRequest, exc: TensorGone, deliveries: int) -> Outcome:
+        """What an earlier hop made is gone (its holder died, or it expired):
+        run the request again from its first hop. Every message carries the
+        processed request, so nothing but compute is lost."""
+        if not isinstance(message, ProcessedRequest):
+            return outcome_for(exc, deliveries, self.config.consumer.max_deliver)
+        if message.attempt + 1 >= self.config.max_attempts:
+            return Reject(TensorGone(f"{exc.message}; gave up after {message.attempt + 1} attempts"))
+        again = message.restarted()
+        log.warning("restarting_from_first_hop", role=self.role, error=exc.message, attempt=again.attempt)
+        metrics.RESTARTS.labels(self.role).inc()
+        await self._forward(again)
+        return Ack()
+
     async def _produce(self, message: GenerateRequest | ProcessedRequest, request: GenerateRequest) -> None:
         ctx = HopContext()
         reply_subject = request.reply_subject or self.subjects.reply(request.request_id)
-        if self.stage.streams_tokens and self.replies.is_stored(request.request_id, reply_subject):
+        if self.stage.resumes_stream and self.replies.is_stored(request.request_id, reply_subject):
             emitted = await self.replies.read_emitted(request.request_id)
             if emitted.finished:
                 log.info("already_finished", role=self.role)
@@ -250,14 +292,27 @@ class Worker:
         async with contextlib.aclosing(self.stage.run(message, ctx)) as outputs:
             async for out in outputs:
                 if isinstance(out, ProcessedRequest):
-                    await self._forward(out)
+                    await self._forward_holding(out)
                 else:
                     await self.replies.publish(reply_subject, out)
                     if isinstance(out, TokenChunk):
                         metrics.TOKENS.labels(self.role).inc(len(out.token_ids))
 
+        _trace(self.role, ctx.trace)
+
+    async def _forward_holding(self, out: ProcessedRequest) -> None:
+        """Forward; if the next hop never gets the message, nobody will read
+        the tensors it refers to: free them now rather than at their TTL."""
+        try:
+            await self._forward(out)
+        except BaseException:
+            for ref in _refs(out):
+                if self.tensors is not None:
+                    await self.tensors.release(ref)
+            raise
+
     async def _forward(self, out: ProcessedRequest) -> None:
-        subject = self.subjects.work(out.route[0])
+        subject = self.subjects.work(out.hop)
         headers = {
             CONTENT_TYPE: MSGPACK,
             # A retried publish of this hop is dropped by the stream; a new
@@ -272,7 +327,7 @@ class Worker:
                 return
             except APIError as exc:
                 if not is_stream_full(exc) or time.monotonic() >= deadline:
-                    raise TransientError(f"could not queue for {out.route[0]}: {exc.description}") from exc
+                    raise TransientError(f"could not queue for {out.hop}: {exc.description}") from exc
                 await asyncio.sleep(0.05)
 
     async def _heartbeat(self, msg: Msg) -> None:

@@ -7,6 +7,7 @@ import enum
 import msgspec
 
 from schemas.request import GenerateRequest
+from schemas.tensors import TensorRef
 
 
 class MediaKind(enum.StrEnum):
@@ -22,15 +23,55 @@ class MediaItem(msgspec.Struct, omit_defaults=True, forbid_unknown_fields=True):
     placeholder_index: int
 
 
+class EncodedItem(msgspec.Struct, omit_defaults=True, forbid_unknown_fields=True):
+    """What prefill needs of one encoded media item besides its embeddings."""
+
+    num_tokens: int
+    # The patch grid (t, h, w) before the spatial merge: M-RoPE positions.
+    grid_thw: list[int]
+
+
+class EncodedMedia(msgspec.Struct, omit_defaults=True, forbid_unknown_fields=True):
+    """Encode → prefill: one embeddings tensor per item, held by the encode worker."""
+
+    ref: TensorRef
+    items: list[EncodedItem]
+
+
+class KvHandoff(msgspec.Struct, omit_defaults=True, forbid_unknown_fields=True):
+    """Prefill → decode: per-layer keys and values (``[k0, v0, k1, v1, …]``)
+    held by the prefill worker, and what decoding continues from."""
+
+    ref: TensorRef
+    # Prompt length with every placeholder expanded to its media tokens.
+    prompt_len: int
+    # Tokens after the prompt: those a client already had when prefill ran,
+    # then the one prefill selected (not yet in the cache).
+    output_ids: list[int]
+    # M-RoPE shift of text positions after media (Qwen-VL); 0 elsewhere.
+    rope_delta: int = 0
+
+
 class ProcessedRequest(msgspec.Struct, omit_defaults=True, forbid_unknown_fields=True):
     # The original request rides along so any hop can restart it from the
     # first hop (a new attempt) when a referenced tensor is gone.
     request: GenerateRequest
     prompt_token_ids: list[int]
     media: list[MediaItem]
-    # Hops still to run, the current one first.
+    # Every hop of the request, in order; hop_index is the one this message
+    # is queued for.
     route: list[str]
     max_tokens: int
     seed: int
     attempt: int = 0
     hop_index: int = 0
+    encoded: EncodedMedia | None = None
+    kv: KvHandoff | None = None
+
+    @property
+    def hop(self) -> str:
+        return self.route[self.hop_index]
+
+    def restarted(self) -> ProcessedRequest:
+        """A new attempt from the first hop: what earlier hops made is gone."""
+        return msgspec.structs.replace(self, attempt=self.attempt + 1, hop_index=0, encoded=None, kv=None)

@@ -5,11 +5,15 @@ from __future__ import annotations
 
 from collections.abc import AsyncGenerator
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from schemas.chunk import TokenChunk
 from schemas.processed import ProcessedRequest
 from schemas.request import GenerateRequest
+from schemas.tensors import TensorRef
+
+if TYPE_CHECKING:
+    import torch
 
 StageInput = GenerateRequest | ProcessedRequest
 # A ProcessedRequest goes to the next hop of its route; TokenChunks go to the
@@ -22,12 +26,27 @@ class HopContext:
     # Tokens an earlier attempt already streamed to the client (read back from
     # the reply stream on a takeover): generation resumes after them.
     emitted: list[int] = field(default_factory=list)
+    # What the stage did, for the request's trace line: tensor bytes and
+    # seconds moved in and out, step times.
+    trace: dict[str, float] = field(default_factory=dict)
+
+
+class TensorStore(Protocol):
+    """How a stage hands tensors to the next hop without putting them in a
+    message; the worker runtime supplies one (NIXL, or a fallback)."""
+
+    async def put(self, tensors: list[torch.Tensor], *, owner: str) -> TensorRef: ...
+
+    async def get(self, ref: TensorRef, device: torch.device | str = "cpu") -> list[torch.Tensor]: ...
+
+    async def release(self, ref: TensorRef) -> None: ...
 
 
 class Stage(Protocol):
     role: str
-    # True when the stage streams tokens (it runs the decode step).
-    streams_tokens: bool
+    # True when the stage continues a token stream a client may already hold
+    # part of: the runtime reads what was emitted before it runs.
+    resumes_stream: bool
 
     @property
     def input_type(self) -> type[GenerateRequest] | type[ProcessedRequest]: ...

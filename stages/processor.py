@@ -50,7 +50,7 @@ class ModelTraits:
 class Processor:
     role = "processor"
     input_type = GenerateRequest
-    streams_tokens = False
+    resumes_stream = False
 
     def __init__(self, model: ModelTraits, mode: str = "epd", limits: ProcessorLimits | None = None) -> None:
         route_for(mode, True)  # fail at start on an unknown mode

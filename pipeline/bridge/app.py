@@ -27,8 +27,7 @@ from pipeline.bridge import responses
 from pipeline.bridge.openai_types import REQUEST_DECODER, to_generate_request
 from pipeline.config import PipelineConfig
 from pipeline.replies import CHUNK_DECODER, ExactlyOnceRelay
-from pipeline.streams import ensure_streams
-from pipeline.worker import is_stream_full
+from pipeline.streams import ensure_streams, is_stream_full
 from schemas.chunk import ErrorChunk, ReplyChunk, TokenChunk
 from schemas.codec import CONTENT_TYPE, MSGPACK, Decoder, encode
 from schemas.control import Cancel, WorkerInfo

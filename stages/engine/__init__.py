@@ -8,6 +8,6 @@ tests and benchmarks.
 from __future__ import annotations
 
 from stages.engine.sampling import SamplingConfig, select_token
-from stages.engine.torch_engine import EncodedImage, Sequence, TorchEngine
+from stages.engine.torch_engine import EncodedImage, KvState, Sequence, TorchEngine
 
-__all__ = ["EncodedImage", "SamplingConfig", "Sequence", "TorchEngine", "select_token"]
+__all__ = ["EncodedImage", "KvState", "SamplingConfig", "Sequence", "TorchEngine", "select_token"]

@@ -41,25 +41,30 @@ class EncodedImage:
 
 @dataclass(eq=False)
 class Sequence:
-    """Per-request state between engine calls."""
+    """Per-request state between engine calls.
 
-    token_ids: list[int]  # expanded prompt + generated tokens
-    prompt_len: int
+    The prompt itself is not kept: decoding needs only its length (positions)
+    and the tokens generated since, so a decode worker can hold a sequence it
+    received as KV cache without the prompt ids.
+    """
+
+    prompt_len: int  # expanded: each image placeholder counted as its tokens
+    output_ids: list[int]  # generated so far; the last one is not yet in the cache
     sampling: SamplingConfig
     rope_delta: int
     cache: Any  # transformers Cache; None once released
 
     @property
-    def num_generated(self) -> int:
-        return len(self.token_ids) - self.prompt_len
+    def length(self) -> int:
+        return self.prompt_len + len(self.output_ids)
 
     @property
-    def prompt_token_ids(self) -> list[int]:
-        return self.token_ids[: self.prompt_len]
+    def num_generated(self) -> int:
+        return len(self.output_ids)
 
     @property
     def output_token_ids(self) -> list[int]:
-        return self.token_ids[self.prompt_len :]
+        return self.output_ids
 
     @property
     def reached_max_tokens(self) -> bool:
@@ -68,6 +73,16 @@ class Sequence:
     @property
     def released(self) -> bool:
         return self.cache is None
+
+
+@dataclass(frozen=True)
+class KvState:
+    """What travels with a sequence's KV cache to another engine: enough to
+    rebuild the sequence there (the per-layer tensors travel beside it)."""
+
+    prompt_len: int
+    output_ids: list[int]
+    rope_delta: int
 
 
 def _default_dtype(device: str) -> torch.dtype:
@@ -148,6 +163,65 @@ class TorchEngine:
     def release(self, seq: Sequence) -> None:
         seq.cache = None
 
+    # -- hand-off between engines ------------------------------------------
+
+    def export_kv(self, seq: Sequence) -> tuple[list[torch.Tensor], KvState]:
+        """Per-layer keys and values (``[k0, v0, k1, v1, ...]``, each
+        ``[1, kv_heads, length - 1, head_dim]``) and the state beside them.
+
+        The sequence's last token is not in the cache yet: the receiving
+        engine feeds it with its first step, as this one would have.
+        """
+        if seq.released:
+            raise ValueError("export of a released sequence")
+        tensors: list[torch.Tensor] = []
+        for layer in seq.cache.layers:
+            tensors += [layer.keys, layer.values]
+        return tensors, KvState(seq.prompt_len, list(seq.output_ids), seq.rope_delta)
+
+    def import_kv(self, tensors: list[torch.Tensor], state: KvState, sampling: SamplingConfig) -> Sequence:
+        """A sequence from another engine's ``export_kv``: checked against
+        this model's shape, moved to this engine's device and dtype."""
+        from transformers import DynamicCache
+
+        layers = self.family.num_hidden_layers
+        if len(tensors) != 2 * layers:
+            raise InvalidRequest(f"KV cache of {len(tensors) // 2} layers for a model of {layers}")
+        length = state.prompt_len + len(state.output_ids) - 1
+        want = (1, self.family.num_key_value_heads, length, self.family.head_dim)
+        for t in tensors:
+            if tuple(t.shape) != want:
+                raise InvalidRequest(f"KV tensor of shape {tuple(t.shape)}; this model and sequence need {want}")
+        if not state.output_ids or any(not 0 <= t < self.family.vocab_size for t in state.output_ids):
+            raise InvalidRequest("KV hand-off without a valid next token")
+        if length + 1 >= self.max_model_len:
+            raise ContextLengthExceeded(f"sequence of {length + 1} tokens fills the context of {self.max_model_len}")
+        moved = [t.to(self.device, self.dtype) for t in tensors]
+        cache = DynamicCache(ddp_cache_data=list(zip(moved[0::2], moved[1::2], strict=True)))
+        return Sequence(
+            prompt_len=state.prompt_len,
+            output_ids=list(state.output_ids),
+            sampling=sampling,
+            rope_delta=state.rope_delta,
+            cache=cache,
+        )
+
+    def resume(self, seq: Sequence, emitted: list[int]) -> int:
+        """Bring ``seq`` in line with the tokens a client already has and
+        select the next one.
+
+        ``emitted`` starts with the sequence's own outputs where the two
+        agree; from the first disagreement on, the client's tokens win: they
+        replace the sequence's pending token and are fed one step each.
+        """
+        done = seq.output_ids[:-1]
+        if emitted[: len(done)] != done:
+            raise ValueError("emitted tokens disagree with tokens already in the cache")
+        with self._lock, torch.inference_mode():
+            seq.output_ids[-1] = emitted[len(done)]
+            logits = self._decode_forward(seq)
+            return self._continue(seq, logits, emitted[len(done) + 1 :])
+
     def is_stop_token(self, seq: Sequence, token: int) -> bool:
         """Whether `token`, just returned for `seq`, ends it (EOS, unless ignore_eos).
 
@@ -179,17 +253,22 @@ class TorchEngine:
         with self._lock, torch.inference_mode():
             embeds = fam.embed_prompt(self.model, ids, [im.embeddings for im in images])
             logits, cache = fam.forward(self.model, positions, None, inputs_embeds=embeds)
-            seq = Sequence(token_ids=ids, prompt_len=len(ids), sampling=sampling, rope_delta=delta, cache=cache)
-            for tok in emitted:
-                seq.token_ids.append(tok)
-                logits = self._decode_forward(seq)
-            token = self._select(seq, logits)
-        return seq, token
+            seq = Sequence(prompt_len=len(ids), output_ids=[], sampling=sampling, rope_delta=delta, cache=cache)
+            return seq, self._continue(seq, logits, emitted)
+
+    def _continue(self, seq: Sequence, logits: torch.Tensor, emitted: list[int]) -> int:
+        # Emitted tokens go in one decode step each, not as one chunk: the
+        # state, and the token selected after them, are then bit-identical
+        # to the uninterrupted run's.
+        for tok in emitted:
+            seq.output_ids.append(tok)
+            logits = self._decode_forward(seq)
+        return self._select(seq, logits)
 
     def _step_one(self, seq: Sequence) -> int:
         if seq.released:
             raise ValueError("step on a released sequence")
-        if len(seq.token_ids) >= self.max_model_len:
+        if seq.length >= self.max_model_len:
             raise ContextLengthExceeded(f"sequence reached the model's context of {self.max_model_len} tokens")
         with self._lock, torch.inference_mode():
             logits = self._decode_forward(seq)
@@ -198,15 +277,15 @@ class TorchEngine:
     def _decode_forward(self, seq: Sequence) -> torch.Tensor:
         # Feed the last token (not yet in the cache); its position is its
         # index shifted by the rope delta, the same in all three M-RoPE rows.
-        index = len(seq.token_ids) - 1
+        index = seq.length - 1
         positions = torch.full((3, 1), index + seq.rope_delta, dtype=torch.long)
-        input_ids = torch.tensor([[seq.token_ids[-1]]], dtype=torch.long, device=self.device)
+        input_ids = torch.tensor([[seq.output_ids[-1]]], dtype=torch.long, device=self.device)
         logits, seq.cache = self.family.forward(self.model, positions, seq.cache, input_ids=input_ids)
         return logits
 
     def _select(self, seq: Sequence, logits: torch.Tensor) -> int:
         token = select_token(logits.float(), seq.sampling, seq.num_generated, self._eos_tensor)
-        seq.token_ids.append(token)
+        seq.output_ids.append(token)
         return token
 
 

@@ -47,6 +47,11 @@ class Qwen2VLFamily:
         self.hidden_size = int(text_config.hidden_size)
         self.vocab_size = int(text_config.vocab_size)
         self.max_position_embeddings = int(text_config.max_position_embeddings)
+        # The KV cache's shape, checked when one arrives from another worker.
+        self.num_hidden_layers = int(text_config.num_hidden_layers)
+        self.num_key_value_heads = int(text_config.num_key_value_heads)
+        heads = int(text_config.num_attention_heads)
+        self.head_dim = int(getattr(text_config, "head_dim", None) or self.hidden_size // heads)
 
     # -- images -------------------------------------------------------------
 

@@ -11,15 +11,20 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import openai
 import pytest
 from aiohttp import web
 from PIL import Image
+from transformers import AutoTokenizer
 
 from pipeline.bridge.app import Bridge, BridgeSettings
 from pipeline.config import PipelineConfig
 from pipeline.connection import connect
-from pipeline.serve import WorkerSettings, build_stage
+from pipeline.serve import WorkerSettings, build_stage, needs_tensors
+from pipeline.transport import TransportSettings, open_transport
 from pipeline.worker import Worker
+from schemas.routes import MODES, PROCESSOR
+from stages.engine.reference import load_reference_model, reference_generate
 from stages.models import ModelSpec, resolve_model
 
 
@@ -56,21 +61,39 @@ def model_spec(tiny_model_dir: Path) -> ModelSpec:
 
 
 async def start_stack(
-    config: PipelineConfig, spec: ModelSpec, allow_internal: bool = True, bridge_settings: BridgeSettings | None = None
+    config: PipelineConfig,
+    spec: ModelSpec,
+    allow_internal: bool = True,
+    bridge_settings: BridgeSettings | None = None,
+    transport: str = "nixl",
+    counts: dict[str, int] | None = None,
 ) -> tuple[Stack, Any]:
+    """Every role of ``config.mode`` (one worker each unless ``counts`` says
+    otherwise), each with its own NATS connection and, where it moves
+    tensors, its own transport, as separate processes would have."""
     tasks: list[asyncio.Task[None]] = []
     conns: list[Any] = []
+    transports: list[Any] = []
     stack = Stack(base_url="", config=config, spec=spec)
     settings = WorkerSettings(
         model=str(spec.path), served_model_name=spec.served_name, allow_internal_media=allow_internal
     )
-    for role in ("processor", "encode+prefill+decode"):
-        nc, js = await connect(config.nats_url, f"test-{role}")
-        conns.append(nc)
-        worker = Worker(nc, js, config, build_stage(role, config, settings, spec), max_inflight=8)
-        stack.workers.append(worker)
-        tasks.append(asyncio.create_task(worker.run()))
-        await asyncio.wait_for(worker.ready.wait(), 60)
+    roles = [PROCESSOR, *MODES[config.mode]]
+    for role in roles:
+        for _ in range((counts or {}).get(role, 1)):
+            nc, js = await connect(config.nats_url, f"test-{role}")
+            conns.append(nc)
+            tensors = None
+            if needs_tensors(role):
+                tensors = await open_transport(
+                    transport, nc, js, config.namespace, TransportSettings(budget_bytes=64 << 20), role, "cpu"
+                )
+                transports.append(tensors)
+            stage = build_stage(role, config, settings, spec, tensors=tensors)
+            worker = Worker(nc, js, config, stage, max_inflight=8, tensors=tensors)
+            stack.workers.append(worker)
+            tasks.append(asyncio.create_task(worker.run()))
+            await asyncio.wait_for(worker.ready.wait(), 60)
     nc, js = await connect(config.nats_url, "test-bridge")
     conns.append(nc)
     stack.nc = nc
@@ -87,6 +110,8 @@ async def start_stack(
         for worker in stack.workers:
             worker.stop()
         await asyncio.gather(*tasks)
+        for tensors in transports:
+            await tensors.close()
         for conn in conns:
             await conn.close()
 
@@ -122,3 +147,67 @@ async def image_server() -> AsyncIterator[str]:
     host, port = runner.addresses[0][:2]
     yield f"http://{host}:{port}"
     await runner.cleanup()
+
+
+N = 12
+
+
+@pytest.fixture(scope="session")
+def reference(tiny_model_dir: Path) -> Any:
+    model = load_reference_model(tiny_model_dir)
+    tokenizer = AutoTokenizer.from_pretrained(str(tiny_model_dir))
+
+    def generate(content: list[dict[str, Any]] | str, images: list[Image.Image], n: int = N) -> tuple[list[int], str]:
+        if isinstance(content, str):
+            messages: list[dict[str, Any]] = [{"role": "user", "content": content}]
+        else:
+            parts = [{"type": "image"} if p["type"] == "image_url" else p for p in content]
+            messages = [{"role": "user", "content": parts}]
+        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        prompt = tokenizer(text, add_special_tokens=False)["input_ids"]
+        tokens = reference_generate(tiny_model_dir, prompt, images, max_new_tokens=n, min_new_tokens=n, model=model)
+        return tokens, tokenizer.decode(tokens, skip_special_tokens=True)
+
+    return generate
+
+
+def client(stack: Stack, **kw: Any) -> openai.AsyncOpenAI:
+    return openai.AsyncOpenAI(base_url=f"{stack.base_url}/v1", api_key="unused", max_retries=0, **kw)
+
+
+def image_content(url: str, text: str = "Describe the picture.") -> list[dict[str, Any]]:
+    return [{"type": "image_url", "image_url": {"url": url}}, {"type": "text", "text": text}]
+
+
+async def ask(c: openai.AsyncOpenAI, content: Any, stream: bool, n: int = N) -> tuple[str, int]:
+    messages = [{"role": "user", "content": content}]
+    extra = {"min_tokens": n}
+    if not stream:
+        r = await c.chat.completions.create(
+            model="tiny-qwen2-vl",
+            messages=messages,
+            max_tokens=n,
+            temperature=0,
+            extra_body=extra,  # type: ignore[arg-type]
+        )
+        assert r.choices[0].finish_reason == "length"
+        assert r.usage is not None
+        return r.choices[0].message.content or "", r.usage.completion_tokens
+    s = await c.chat.completions.create(
+        model="tiny-qwen2-vl",
+        messages=messages,  # type: ignore[arg-type]
+        max_tokens=n,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
+        extra_body=extra,
+    )
+    text, usage, finish = [], 0, None
+    async for chunk in s:
+        if chunk.choices:
+            text.append(chunk.choices[0].delta.content or "")
+            finish = chunk.choices[0].finish_reason or finish
+        if chunk.usage:
+            usage = chunk.usage.completion_tokens
+    assert finish == "length"
+    return "".join(text), usage

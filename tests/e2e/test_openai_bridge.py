@@ -6,85 +6,19 @@ from __future__ import annotations
 import asyncio
 import base64
 import io
-from pathlib import Path
 from typing import Any
 
 import aiohttp
 import openai
 import pytest
 from PIL import Image
-from transformers import AutoTokenizer
 
 from pipeline import metrics
 from pipeline.config import PipelineConfig
 from schemas.codec import Decoder
 from schemas.control import DeadLetter
-from stages.engine.reference import load_reference_model, reference_generate
 from stages.models import ModelSpec
-from tests.e2e.conftest import Stack, gradient, png_data_url, start_stack
-
-N = 12
-
-
-@pytest.fixture(scope="module")
-def reference(tiny_model_dir: Path) -> Any:
-    model = load_reference_model(tiny_model_dir)
-    tokenizer = AutoTokenizer.from_pretrained(str(tiny_model_dir))
-
-    def generate(content: list[dict[str, Any]] | str, images: list[Image.Image], n: int = N) -> tuple[list[int], str]:
-        if isinstance(content, str):
-            messages: list[dict[str, Any]] = [{"role": "user", "content": content}]
-        else:
-            parts = [{"type": "image"} if p["type"] == "image_url" else p for p in content]
-            messages = [{"role": "user", "content": parts}]
-        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-        prompt = tokenizer(text, add_special_tokens=False)["input_ids"]
-        tokens = reference_generate(tiny_model_dir, prompt, images, max_new_tokens=n, min_new_tokens=n, model=model)
-        return tokens, tokenizer.decode(tokens, skip_special_tokens=True)
-
-    return generate
-
-
-def client(stack: Stack, **kw: Any) -> openai.AsyncOpenAI:
-    return openai.AsyncOpenAI(base_url=f"{stack.base_url}/v1", api_key="unused", max_retries=0, **kw)
-
-
-def image_content(url: str, text: str = "Describe the picture.") -> list[dict[str, Any]]:
-    return [{"type": "image_url", "image_url": {"url": url}}, {"type": "text", "text": text}]
-
-
-async def ask(c: openai.AsyncOpenAI, content: Any, stream: bool, n: int = N) -> tuple[str, int]:
-    messages = [{"role": "user", "content": content}]
-    extra = {"min_tokens": n}
-    if not stream:
-        r = await c.chat.completions.create(
-            model="tiny-qwen2-vl",
-            messages=messages,
-            max_tokens=n,
-            temperature=0,
-            extra_body=extra,  # type: ignore[arg-type]
-        )
-        assert r.choices[0].finish_reason == "length"
-        assert r.usage is not None
-        return r.choices[0].message.content or "", r.usage.completion_tokens
-    s = await c.chat.completions.create(
-        model="tiny-qwen2-vl",
-        messages=messages,  # type: ignore[arg-type]
-        max_tokens=n,
-        temperature=0,
-        stream=True,
-        stream_options={"include_usage": True},
-        extra_body=extra,
-    )
-    text, usage, finish = [], 0, None
-    async for chunk in s:
-        if chunk.choices:
-            text.append(chunk.choices[0].delta.content or "")
-            finish = chunk.choices[0].finish_reason or finish
-        if chunk.usage:
-            usage = chunk.usage.completion_tokens
-    assert finish == "length"
-    return "".join(text), usage
+from tests.e2e.conftest import N, Stack, ask, client, gradient, image_content, png_data_url, start_stack
 
 
 @pytest.mark.e2e

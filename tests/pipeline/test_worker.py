@@ -30,7 +30,7 @@ class ScriptStage:
 
     role = "processor"
     input_type = GenerateRequest
-    streams_tokens = True
+    resumes_stream = True
 
     def __init__(self) -> None:
         self.calls: list[tuple[str, list[int]]] = []

@@ -18,7 +18,7 @@ from PIL import Image
 from schemas.errors import ContextLengthExceeded, InvalidRequest
 from stages.engine.reference import load_reference_model, reference_generate
 from stages.engine.sampling import SamplingConfig, select_token, token_seed
-from stages.engine.torch_engine import EncodedImage, Sequence, TorchEngine
+from stages.engine.torch_engine import EncodedImage, KvState, Sequence, TorchEngine
 
 N_NEW = 24
 
@@ -223,3 +223,57 @@ def test_stop_tokens(engine: TorchEngine, cases: dict[int, Any]) -> None:
     assert not engine.is_stop_token(seq, 100)
     [(seq2, _)] = engine.prefill([prompt], [[]], [SamplingConfig(max_tokens=4, ignore_eos=True)])
     assert not engine.is_stop_token(seq2, 151645)
+
+
+@pytest.fixture(scope="session")
+def decode_engine(model_dir: Path) -> TorchEngine:
+    # A second instance: what a decode worker in another process holds.
+    return TorchEngine(model_dir)
+
+
+@pytest.mark.parametrize("n_images", [0, 2])
+def test_kv_handed_to_another_engine_continues_like_generate(
+    engine: TorchEngine, decode_engine: TorchEngine, cases: dict[int, Any], n_images: int
+) -> None:
+    prompt, imgs, expected = cases[n_images]
+    [(seq, first)] = engine.prefill([prompt], [engine.encode(imgs)], [_greedy()])
+    tensors, state = engine.export_kv(seq)
+    assert len(tensors) == 2 * engine.family.num_hidden_layers
+    assert state.output_ids == [first] and tensors[0].shape[2] == state.prompt_len
+    # Over the wire the tensors are bytes: copies, not views of prefill's cache.
+    received = [t.clone() for t in tensors]
+    engine.release(seq)
+    moved = decode_engine.import_kv(received, state, _greedy())
+    assert _run(decode_engine, moved, first, N_NEW) == expected
+    # Without rope_delta the positions are wrong and so are the tokens.
+    if n_images:
+        shifted = KvState(state.prompt_len, state.output_ids, 0)
+        wrong = decode_engine.import_kv([t.clone() for t in tensors], shifted, _greedy())
+        assert _run(decode_engine, wrong, first, N_NEW) != expected
+
+
+def test_resume_after_a_hand_off_takes_the_clients_tokens(
+    engine: TorchEngine, decode_engine: TorchEngine, cases: dict[int, Any]
+) -> None:
+    prompt, imgs, _ = cases[1]
+    cfg = SamplingConfig(temperature=0.9, seed=21, max_tokens=12, min_tokens=12)
+    reference = _sample(engine, prompt, engine.encode(imgs), cfg)
+    [(seq, _)] = engine.prefill([prompt], [engine.encode(imgs)], [cfg])
+    tensors, state = engine.export_kv(seq)
+    moved = decode_engine.import_kv(tensors, state, cfg)
+    # The client already holds 5 tokens from an earlier attempt.
+    nxt = decode_engine.resume(moved, reference[:5])
+    assert _run(decode_engine, moved, nxt, 7) == reference[5:]
+    with pytest.raises(ValueError, match="disagree"):
+        again = decode_engine.import_kv(tensors, state, cfg)
+        decode_engine.step([again])
+        decode_engine.resume(again, [reference[0] + 1, *reference[1:5]])
+
+
+def test_import_checks_the_shape(engine: TorchEngine, decode_engine: TorchEngine, cases: dict[int, Any]) -> None:
+    [(seq, _)] = engine.prefill([cases[0][0]], [[]], [_greedy()])
+    tensors, state = engine.export_kv(seq)
+    with pytest.raises(InvalidRequest, match="layers"):
+        decode_engine.import_kv(tensors[:2], state, _greedy())
+    with pytest.raises(InvalidRequest, match="shape"):
+        decode_engine.import_kv(tensors, KvState(state.prompt_len + 1, state.output_ids, 0), _greedy())

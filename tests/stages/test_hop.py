@@ -1,4 +1,4 @@
-"""The aggregated stage as a plain async function: no NATS."""
+"""The hop stage as a plain async function: no NATS."""
 
 from __future__ import annotations
 
@@ -11,18 +11,20 @@ import pytest
 
 from schemas.chunk import FinishReason, TokenChunk
 from schemas.request import ChatMessage, GenerateRequest, ImagePart, ImageURL, SamplingParams, TextPart
-from stages.aggregated import AggregatedStage
+from stages.contract import HopContext
 from stages.engine import TorchEngine
 from stages.engine.reference import reference_generate
+from stages.hop import HopStage
 from stages.models import resolve_model
 from stages.models.traits import load_traits
 from stages.processor import Processor
+from stages.scheduler import DecodeScheduler
 from tests.e2e.conftest import gradient, png_data_url
 
 
 @pytest.fixture
-async def stage(tiny_model_dir: Path) -> AsyncIterator[AggregatedStage]:
-    s = AggregatedStage(TorchEngine(tiny_model_dir), "tiny")
+async def stage(tiny_model_dir: Path) -> AsyncIterator[HopStage]:
+    s = HopStage("encode+prefill+decode", TorchEngine(tiny_model_dir), "tiny")
     await s.start()
     yield s
     await s.close()
@@ -33,6 +35,11 @@ def processor(tiny_model_dir: Path) -> Processor:
     return Processor(load_traits(resolve_model(str(tiny_model_dir), "tiny")))
 
 
+def scheduler(stage: HopStage) -> DecodeScheduler:
+    assert stage.scheduler is not None
+    return stage.scheduler
+
+
 def image_request(n: int, **sampling: Any) -> GenerateRequest:
     content = [ImagePart(ImageURL(png_data_url(gradient(60, 44, 3)))), TextPart("What is it?")]
     return GenerateRequest(
@@ -40,12 +47,12 @@ def image_request(n: int, **sampling: Any) -> GenerateRequest:
     )
 
 
-async def run(stage: AggregatedStage, processed: Any, emitted: list[int] | None = None) -> list[TokenChunk]:
-    return [c async for c in stage.generate(processed, emitted or [])]
+async def run(stage: HopStage, processed: Any, emitted: list[int] | None = None) -> list[TokenChunk]:
+    return [c async for c in stage.run(processed, HopContext(emitted=emitted or []))]  # type: ignore[misc]
 
 
 async def test_tokens_equal_generate_and_chunks_are_well_formed(
-    stage: AggregatedStage, processor: Processor, tiny_model_dir: Path
+    stage: HopStage, processor: Processor, tiny_model_dir: Path
 ) -> None:
     processed = processor.process(image_request(10, temperature=0.0))
     chunks = await run(stage, processed)
@@ -61,7 +68,7 @@ async def test_tokens_equal_generate_and_chunks_are_well_formed(
 
 @pytest.mark.parametrize("temperature", [0.0, 0.9])
 async def test_a_takeover_continues_exactly_where_the_stream_stopped(
-    stage: AggregatedStage, processor: Processor, temperature: float
+    stage: HopStage, processor: Processor, temperature: float
 ) -> None:
     processed = processor.process(image_request(9, temperature=temperature, seed=5))
     full = await run(stage, processed)
@@ -74,24 +81,24 @@ async def test_a_takeover_continues_exactly_where_the_stream_stopped(
     assert [(c.seq, c.token_ids, c.finish_reason) for c in done] == [(9, [], FinishReason.LENGTH)]
 
 
-async def test_leaving_mid_stream_frees_the_sequence(stage: AggregatedStage, processor: Processor) -> None:
+async def test_leaving_mid_stream_frees_the_sequence(stage: HopStage, processor: Processor) -> None:
     processed = processor.process(
         GenerateRequest("r2", "tiny", [ChatMessage("user", "go on")], SamplingParams(max_tokens=500, ignore_eos=True))
     )
-    gen = stage.generate(processed, [])
+    gen = stage.run(processed, HopContext())
     await anext(gen)
     await anext(gen)
-    assert stage.scheduler.active == 1
+    assert scheduler(stage).active == 1
     await gen.aclose()
     for _ in range(50):
-        if stage.scheduler.active == 0:
+        if scheduler(stage).active == 0:
             break
         await asyncio.sleep(0.02)
-    assert stage.scheduler.active == 0
+    assert scheduler(stage).active == 0
 
 
 async def test_concurrent_requests_share_the_decode_loop(
-    stage: AggregatedStage, processor: Processor, tiny_model_dir: Path
+    stage: HopStage, processor: Processor, tiny_model_dir: Path
 ) -> None:
     requests = [
         processor.process(

@@ -1,0 +1,112 @@
+"""The tensor transport interface, its settings and its errors.
+
+A worker ``put``s tensors and gets a small ``TensorRef`` to send along in its
+message; the next worker ``get``s them into its own memory, which tells the
+holder it may free them. Every transport behaves the same way towards the
+worker runtime, so a stage never knows whether NIXL or the NATS object store
+moved its tensors.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol, runtime_checkable
+
+import torch
+
+from schemas.errors import ErrorCode, MmpipeError
+from schemas.tensors import TensorRef
+
+
+class TensorGone(MmpipeError):
+    """The referenced tensors cannot be read any more: the holder died, or it
+    already freed them (read, released, expired). Retryable: the stage restarts
+    the request from its first hop, which makes them again."""
+
+    code = ErrorCode.INTERNAL
+    http_status = 503
+    retryable = True
+
+
+class TransportFull(MmpipeError):
+    """The holder's byte budget stayed exhausted for the whole bounded wait in
+    ``put``, or the tensors are larger than the whole budget. Retryable: the
+    message goes back to the queue and another worker (or this one, later) may
+    have room."""
+
+    code = ErrorCode.OVERLOADED
+    http_status = 503
+    retryable = True
+
+
+class TransportUnavailable(MmpipeError):
+    """The transport cannot run in this process (e.g. NIXL is not installed).
+    Not retryable: it is a deployment problem, fixed by installing or choosing
+    another transport."""
+
+    code = ErrorCode.INTERNAL
+    http_status = 500
+
+
+@dataclass(frozen=True)
+class TransportSettings:
+    # Bytes this process may hold for readers at once; for NIXL it is also the
+    # size of the one registered arena.
+    budget_bytes: int = 256 * 1024 * 1024
+    # NIXL: size of the registered arena a reader READs into; None = budget.
+    recv_bytes: int | None = None
+    # A region nobody read is freed after this long, so a dead reader leaks nothing.
+    ttl_s: float = 60.0
+    # How long put waits for room before it raises TransportFull.
+    put_wait_s: float = 5.0
+    # The longest a get may take in all, lookups and transfer included.
+    get_timeout_s: float = 10.0
+    # NIXL: how long a holder pins a region for a reader that asked to read it.
+    # Longer than get_timeout_s, so a reader always gives up first.
+    lease_s: float = 15.0
+    # Control-plane round trips (lease request, metadata lookup).
+    request_timeout_s: float = 2.0
+
+    def __post_init__(self) -> None:
+        if self.budget_bytes <= 0:
+            raise ValueError("budget_bytes must be positive")
+        if self.lease_s <= self.get_timeout_s:
+            raise ValueError("lease_s must be longer than get_timeout_s: a reader must give up before its lease ends")
+
+
+@runtime_checkable
+class TensorTransport(Protocol):
+    """Moves packed tensors between workers. Used from one asyncio loop."""
+
+    name: str
+    # (bytes, seconds) of this object's last completed put or get, for the
+    # caller's per-request trace line.
+    last_transfer: tuple[int, float]
+
+    async def start(self) -> None:
+        """Create what the transport needs (agent, arena, buckets) and publish it."""
+        ...
+
+    async def put(self, tensors: list[torch.Tensor], *, owner: str) -> TensorRef:
+        """Hold a copy of ``tensors`` for one reader. ``owner`` (a request id)
+        is for logs and metrics. Raises TransportFull."""
+        ...
+
+    async def get(self, ref: TensorRef, device: torch.device | str = "cpu") -> list[torch.Tensor]:
+        """Fresh tensors owned by the caller; the holder may then free its
+        copy. Raises TensorGone."""
+        ...
+
+    async def release(self, ref: TensorRef) -> None:
+        """Holder side: free now, e.g. the request was cancelled before anyone read it."""
+        ...
+
+    def has_room(self, nbytes: int = 0) -> bool:
+        """False when the held bytes (plus ``nbytes``) would exceed the budget:
+        the worker then stops fetching new messages."""
+        ...
+
+    @property
+    def held_bytes(self) -> int: ...
+
+    async def close(self) -> None: ...

@@ -1,0 +1,508 @@
+"""NIXL tensor transport: one-sided READs over UCX from the holder's arena.
+
+Why it looks the way it does:
+
+- Registering memory is slow, and peers only see memory registered before
+  they loaded our metadata. So each agent registers one arena (its byte
+  budget) and one receive arena at start, publishes its metadata once in a
+  JetStream KV bucket, and sub-allocates regions from the arenas.
+- A READ is one-sided: the holder cannot refuse it, and a reader holding a
+  stale ref would otherwise read whatever now lives at that address. So a
+  reader first asks the holder for a lease over core NATS
+  (``mmpipe.<ns>.tensor.<holder>``). The holder grants it only while the
+  region is held and unclaimed, and then pins the region until the READ's
+  notification comes back or the lease lapses. The reader accepts its bytes
+  only if the READ completed within the lease, measured from before it sent
+  the request, so the holder's lease (which starts later) still covered it.
+  A reader can therefore never get another request's bytes. As a bonus the
+  request tells a dead holder at once (no responders) instead of after a
+  transfer timeout, and a ref is read at most once.
+- The agent is not thread-safe (NIXL_THREAD_SYNC_NONE without a listener
+  thread), and UCX may finish a shared-memory READ inside ``transfer()``,
+  blocking its caller for the whole copy. So every agent call runs on one
+  dedicated thread, and the event loop only awaits it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib
+import itertools
+import logging
+import os
+import time
+import uuid
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from types import ModuleType
+from typing import Any, Final, Literal, TypeVar
+
+import msgspec
+import nats.errors
+import nats.js.errors
+import structlog
+import torch
+from nats.aio.client import Client
+from nats.aio.msg import Msg
+from nats.js import JetStreamContext
+from nats.js.kv import KeyValue
+
+from pipeline.subjects import check_token
+from pipeline.transport import metrics
+from pipeline.transport.arena import FirstFit
+from pipeline.transport.base import TensorGone, TransportFull, TransportSettings, TransportUnavailable
+from pipeline.transport.copy import copy_bytes
+from pipeline.transport.holder import HeldRegions
+from pipeline.transport.packing import check_specs, layout, pack_into, unpack
+from schemas.tensors import LeaseReply, LeaseRequest, TensorRef
+
+log = structlog.get_logger(__name__)
+T = TypeVar("T")
+
+NAME: Final = "nixl"
+_MODULES = ("nixl._api", "nixl_cu13._api", "nixl_cu12._api")
+# A reader trusts a lease for this share of its length: slack for clock drift
+# between hosts and for the holder noticing the lapse a little early.
+_LEASE_TRUST = 0.9
+
+
+def load_nixl() -> ModuleType:
+    """The NIXL python API: ``nixl._api`` comes with the ``nixl`` meta package,
+    ``nixl_cu13._api`` / ``nixl_cu12._api`` with one CUDA flavour alone."""
+    for name in _MODULES:
+        try:
+            module = importlib.import_module(name)
+        except ImportError:
+            continue
+        if not os.environ.get("NIXL_LOG_LEVEL"):
+            # NIXL logs plain text to stdout at INFO, which would break a JSON-lines log stream.
+            logging.getLogger("nixl").setLevel(logging.WARNING)
+        return module
+    raise TransportUnavailable(
+        "NIXL is not installed: pip install nixl-cu13 (CUDA 13 or CPU) or nixl-cu12 (CUDA 12); "
+        "or choose the 'nats' tensor transport"
+    )
+
+
+def agent_bucket(namespace: str) -> str:
+    return f"MMPIPE_{namespace}_AGENTS"
+
+
+def lease_subject(namespace: str, holder: str) -> str:
+    return f"mmpipe.{namespace}.tensor.{holder}"
+
+
+@dataclass
+class _Remote:
+    inflight: int = 0
+    # Set after a failed transfer: reload its metadata once nobody uses it.
+    stale: bool = False
+
+
+class NixlTransport:
+    """A NIXL agent (UCX backend) that holds tensors for readers and reads
+    those of others. Memory lives on ``device`` (CPU: DRAM, cuda:N: VRAM)."""
+
+    name = NAME
+
+    def __init__(
+        self,
+        nc: Client,
+        js: JetStreamContext,
+        namespace: str,
+        settings: TransportSettings | None = None,
+        role: str = "worker",
+        device: torch.device | str = "cpu",
+    ) -> None:
+        self._nixl = load_nixl()
+        self._nc = nc
+        self._js = js
+        self._ns = check_token(namespace, "namespace")
+        self.settings = settings or TransportSettings()
+        self.device = torch.device(device)
+        if self.device.type == "cuda" and self.device.index is None:
+            self.device = torch.device("cuda", torch.cuda.current_device())
+        self.mem: Literal["DRAM", "VRAM"] = "VRAM" if self.device.type == "cuda" else "DRAM"
+        self.device_id = self.device.index or 0
+        # Unique per process start: a restarted holder is a new agent, so refs
+        # to the old one fail cleanly instead of reaching new memory.
+        safe_role = "".join(c if c.isalnum() or c in "-_" else "_" for c in role)
+        self.agent_name = f"{safe_role}-{uuid.uuid4().hex[:12]}"
+        self.last_transfer: tuple[int, float] = (0, 0.0)
+        self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"nixl-{self.agent_name}")
+        self._agent: Any = None
+        self._reg: list[Any] = []
+        self._arena = torch.empty(0, dtype=torch.uint8)
+        self._recv = torch.empty(0, dtype=torch.uint8)
+        self._recv_alloc = FirstFit(0)
+        self._recv_freed = asyncio.Event()
+        self._quarantined: set[int] = set()
+        self._held = HeldRegions(NAME, self.settings.budget_bytes, self.settings.ttl_s)
+        self._leases = itertools.count(1)
+        self._remotes: dict[str, _Remote] = {}
+        self._kv: KeyValue | None = None
+        self._sub: Any = None
+        self._poller: asyncio.Task[None] | None = None
+        self._closed = False
+
+    # -- lifecycle -------------------------------------------------------
+
+    async def _call(self, fn: Callable[..., T], *args: Any) -> T:
+        return await asyncio.get_running_loop().run_in_executor(self._thread, fn, *args)
+
+    async def start(self) -> None:
+        api = self._nixl
+        config = api.nixl_agent_config(backends=["UCX"])
+        self._agent = await self._call(api.nixl_agent, self.agent_name, config)
+        if "UCX" not in self._agent.backends:
+            raise TransportUnavailable("NIXL has no UCX backend plugin here; choose the 'nats' tensor transport")
+        s = self.settings
+        self._arena = torch.empty(s.budget_bytes, dtype=torch.uint8, device=self.device)
+        recv_bytes = s.recv_bytes if s.recv_bytes is not None else s.budget_bytes
+        self._recv = torch.empty(recv_bytes, dtype=torch.uint8, device=self.device)
+        self._recv_alloc = FirstFit(recv_bytes)
+        self._reg = [await self._call(self._agent.register_memory, [self._arena, self._recv])]
+        await self._publish_metadata()
+        self._sub = await self._nc.subscribe(lease_subject(self._ns, self.agent_name), cb=self._on_lease)
+        self._poller = asyncio.create_task(self._poll(), name=f"nixl-holder-{self.agent_name}")
+        log.info("tensor_transport_started", transport=NAME, agent=self.agent_name, mem=self.mem, budget=s.budget_bytes)
+
+    async def _publish_metadata(self) -> None:
+        """Peers cannot READ memory registered after they loaded our metadata:
+        call again after every registration."""
+        metadata: bytes = await self._call(self._agent.get_agent_metadata)
+        js = self._js
+        bucket = agent_bucket(self._ns)
+        try:
+            self._kv = await js.key_value(bucket)
+        except nats.js.errors.BucketNotFoundError:
+            try:
+                self._kv = await js.create_key_value(bucket=bucket, history=1)
+            except nats.js.errors.BadRequestError:
+                self._kv = await js.key_value(bucket)  # another agent created it first
+        await self._kv.put(self.agent_name, metadata)
+
+    async def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        if self._sub is not None:
+            await self._sub.unsubscribe()  # no new leases from here on
+        # A reader with a lease may be mid-READ: give it its lease time before the arena goes.
+        deadline = time.monotonic() + self.settings.lease_s
+        poller = self._poller
+        while time.monotonic() < deadline:
+            if not self._held.any_leased() or poller is None or poller.done():
+                break
+            await asyncio.sleep(0.01)
+        if self._poller is not None:
+            self._poller.cancel()
+            await asyncio.gather(self._poller, return_exceptions=True)
+        self._held.clear()
+        if self._kv is not None:
+            try:
+                await self._kv.delete(self.agent_name)
+            except Exception as exc:
+                metrics.ERRORS.labels(NAME, "unpublish").inc()
+                log.warning("nixl_unpublish_failed", agent=self.agent_name, error=repr(exc))
+        if self._agent is not None:
+            agent, self._agent = self._agent, None
+            for reg in self._reg:
+                try:
+                    await self._call(agent.deregister_memory, reg)
+                except Exception as exc:
+                    metrics.ERRORS.labels(NAME, "deregister").inc()
+                    log.warning("nixl_deregister_failed", agent=self.agent_name, error=repr(exc))
+            # Drop the last reference on the agent's thread: its destructor tears UCX down.
+            doomed = [agent]
+            del agent
+            await self._call(doomed.clear)
+        self._thread.shutdown(wait=False)
+
+    # -- holder side -----------------------------------------------------
+
+    @property
+    def held_bytes(self) -> int:
+        return self._held.used_bytes
+
+    def has_room(self, nbytes: int = 0) -> bool:
+        return self._held.has_room(nbytes)
+
+    async def put(self, tensors: list[torch.Tensor], *, owner: str) -> TensorRef:
+        t0 = time.monotonic()
+        specs, nbytes = layout(tensors)
+        held = await self._held.reserve(nbytes, owner=owner, wait_s=self.settings.put_wait_s)
+        try:
+            region = self._arena[held.offset : held.offset + nbytes]
+            await copy_bytes(lambda: pack_into(region, tensors, specs), nbytes, self.device)
+        except BaseException:
+            self._held.free(held)
+            raise
+        self._held.publish(held)
+        dt = time.monotonic() - t0
+        self.last_transfer = (nbytes, dt)
+        metrics.BYTES.labels(NAME, "put").inc(nbytes)
+        return TensorRef(
+            transport=NAME,
+            holder=self.agent_name,
+            key=held.key,
+            addr=self._arena.data_ptr() + held.offset,
+            nbytes=nbytes,
+            mem=self.mem,
+            device_id=self.device_id,
+            tensors=specs,
+            expires=held.expires,
+        )
+
+    async def release(self, ref: TensorRef) -> None:
+        if ref.holder == self.agent_name:
+            self._held.release(ref.key)
+
+    async def _on_lease(self, msg: Msg) -> None:
+        try:
+            req = msgspec.msgpack.decode(msg.data, type=LeaseRequest)
+        except msgspec.DecodeError as exc:
+            metrics.ERRORS.labels(NAME, "bad_lease_request").inc()
+            log.warning("nixl_bad_lease_request", agent=self.agent_name, error=str(exc))
+            reply = LeaseReply(reason="bad request")
+        else:
+            if req.abort:
+                self._held.end_lease(req.key, req.lease, read=False)
+                return
+            reply = self._grant(req.key)
+        if msg.reply:
+            await msg.respond(msgspec.msgpack.encode(reply))
+
+    def _grant(self, key: str) -> LeaseReply:
+        lease = next(self._leases)
+        reason = self._held.lease(key, lease, self.settings.lease_s)
+        if reason:
+            return LeaseReply(reason=reason)
+        return LeaseReply(lease=lease, lease_s=self.settings.lease_s)
+
+    async def _poll(self) -> None:
+        """Frees regions whose READ notification came back, whose lease lapsed
+        after a read or release, or whose TTL passed."""
+        while True:
+            try:
+                if not self._held.count:
+                    await self._held.wait_for_put(idle_s=1.0)
+                    continue
+                notifs: dict[str, list[bytes]] = await self._call(self._agent.get_new_notifs)
+                for reader, messages in notifs.items():
+                    for message in messages:
+                        key, _, lease = message.decode(errors="replace").partition(":")
+                        if not self._held.end_lease(key, int(lease) if lease.isdigit() else -1, read=True):
+                            log.debug("nixl_late_notif", reader=reader, key=key)
+                self._held.sweep()
+                # Fast while a READ may be under way, so its region frees soon after.
+                await asyncio.sleep(0.002 if self._held.any_leased() else 0.02)
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:
+                metrics.ERRORS.labels(NAME, "poll").inc()
+                log.exception("nixl_poll_failed", agent=self.agent_name, error=repr(exc))
+                await asyncio.sleep(0.1)
+
+    # -- reader side -----------------------------------------------------
+
+    async def get(self, ref: TensorRef, device: torch.device | str = "cpu") -> list[torch.Tensor]:
+        t0 = time.monotonic()
+        if ref.transport != NAME:
+            raise ValueError(f"a {ref.transport!r} tensor ref was given to the {NAME!r} transport")
+        check_specs(ref.tensors, ref.nbytes)
+        if time.time() > ref.expires:
+            metrics.ERRORS.labels(NAME, "expired_ref").inc()
+            raise TensorGone(f"tensors {ref.key} of {ref.holder} expired before they were read")
+        out = torch.empty(ref.nbytes, dtype=torch.uint8, device=device)
+        if ref.holder == self.agent_name:
+            await self._get_local(ref, out)
+        else:
+            await self._get_remote(ref, out, deadline=t0 + self.settings.get_timeout_s)
+        dt = time.monotonic() - t0
+        self.last_transfer = (ref.nbytes, dt)
+        metrics.BYTES.labels(NAME, "get").inc(ref.nbytes)
+        metrics.TRANSFER_SECONDS.labels(NAME).observe(dt)
+        return unpack(out, ref.tensors)
+
+    async def _get_local(self, ref: TensorRef, out: torch.Tensor) -> None:
+        """A worker that runs two steps reads its own tensors without NIXL."""
+        lease = next(self._leases)
+        reason = self._held.lease(ref.key, lease, self.settings.lease_s)
+        if reason:
+            raise TensorGone(f"tensors {ref.key} are no longer held here ({reason})")
+        held = self._held.get(ref.key)
+        assert held is not None
+        try:
+            region = self._arena[held.offset : held.offset + ref.nbytes]
+            await copy_bytes(lambda: out.copy_(region), ref.nbytes, self.device, out.device)
+        finally:
+            self._held.end_lease(ref.key, lease, read=True)
+
+    async def _get_remote(self, ref: TensorRef, out: torch.Tensor, deadline: float) -> None:
+        n = max(ref.nbytes, 1)  # NIXL rejects empty descriptors; a held region is never empty
+        offset = await self._reserve_recv(n, deadline)
+        try:
+            # The lease first: it tells a dead holder at once, before UCX tries to connect to it.
+            lease, trusted_until = await self._claim(ref, deadline)
+            try:
+                remote = await self._ensure_remote(ref.holder, deadline)
+            except TensorGone:
+                await self._abort_lease(ref, lease)
+                raise
+            remote.inflight += 1
+            try:
+                await self._read(ref, offset, n, lease, min(deadline, trusted_until))
+            except TensorGone:
+                remote.stale = True
+                raise
+            finally:
+                remote.inflight -= 1
+            recv = self._recv[offset : offset + ref.nbytes]
+            await copy_bytes(lambda: out.copy_(recv), ref.nbytes, self.device, out.device)
+        finally:
+            if offset not in self._quarantined:
+                self._free_recv(offset)
+
+    def _free_recv(self, offset: int) -> None:
+        self._quarantined.discard(offset)
+        self._recv_alloc.free(offset)
+        self._recv_freed.set()
+
+    def _quarantine(self, offset: int, *, forever: bool) -> None:
+        """Keep a receive region out of use: a READ we gave up on may still write into it."""
+        self._quarantined.add(offset)
+        if not forever:
+            asyncio.get_running_loop().call_later(self.settings.lease_s, self._free_recv, offset)
+
+    async def _reserve_recv(self, n: int, deadline: float) -> int:
+        if n > self._recv_alloc.size:
+            raise TransportFull(f"{n} bytes do not fit this reader's receive arena of {self._recv_alloc.size} bytes")
+        while (offset := self._recv_alloc.alloc(n)) is None:
+            self._recv_freed.clear()
+            try:
+                async with asyncio.timeout(max(0.0, deadline - time.monotonic())):
+                    await self._recv_freed.wait()
+            except TimeoutError:
+                raise TransportFull(f"no room for {n} bytes in the receive arena within the get timeout") from None
+        return offset
+
+    async def _ensure_remote(self, holder: str, deadline: float) -> _Remote:
+        remote = self._remotes.get(holder)
+        if remote is not None and (not remote.stale or remote.inflight):
+            return remote
+        if remote is not None:
+            # The holder may have died or re-registered: forget it, load it afresh.
+            del self._remotes[holder]
+            await self._forget(holder)
+        assert self._kv is not None
+        try:
+            timeout = min(self.settings.request_timeout_s, max(0.001, deadline - time.monotonic()))
+            entry = await asyncio.wait_for(self._kv.get(holder), timeout)
+        except nats.js.errors.NotFoundError:
+            metrics.ERRORS.labels(NAME, "holder_unknown").inc()
+            raise TensorGone(f"tensor holder {holder} is gone (no agent metadata)") from None
+        except TimeoutError:
+            metrics.ERRORS.labels(NAME, "metadata_timeout").inc()
+            raise TensorGone(f"metadata of tensor holder {holder} did not arrive in time") from None
+        if entry.value is None:
+            raise TensorGone(f"tensor holder {holder} is gone (empty agent metadata)")
+        try:
+            loaded = await self._call(self._agent.add_remote_agent, entry.value)
+        except Exception as exc:
+            # NIXL connects while loading: an unreachable holder fails here.
+            metrics.ERRORS.labels(NAME, "add_remote_failed").inc()
+            log.warning("nixl_add_remote_failed", holder=holder, error=repr(exc))
+            raise TensorGone(f"tensor holder {holder} is unreachable: {exc!r}") from None
+        if (loaded.decode() if isinstance(loaded, bytes) else loaded) != holder:
+            raise TensorGone(f"agent metadata under {holder} names agent {loaded!r}")
+        remote = self._remotes[holder] = _Remote()
+        return remote
+
+    async def _forget(self, holder: str) -> None:
+        try:
+            await self._call(self._agent.remove_remote_agent, holder)
+        except Exception as exc:
+            log.debug("nixl_forget_failed", holder=holder, error=repr(exc))
+
+    async def _claim(self, ref: TensorRef, deadline: float) -> tuple[int, float]:
+        """Ask the holder to pin the region; returns the lease id and the
+        monotonic time until which a completed READ can be trusted."""
+        sent = time.monotonic()
+        timeout = min(self.settings.request_timeout_s, max(0.001, deadline - sent))
+        try:
+            msg = await self._nc.request(
+                lease_subject(self._ns, ref.holder), msgspec.msgpack.encode(LeaseRequest(key=ref.key)), timeout=timeout
+            )
+        except nats.errors.NoRespondersError:
+            metrics.ERRORS.labels(NAME, "holder_gone").inc()
+            raise TensorGone(f"tensor holder {ref.holder} is gone") from None
+        except nats.errors.TimeoutError:
+            metrics.ERRORS.labels(NAME, "lease_timeout").inc()
+            raise TensorGone(f"tensor holder {ref.holder} did not answer within {timeout:.1f}s") from None
+        reply = msgspec.msgpack.decode(msg.data, type=LeaseReply)
+        if not reply.lease:
+            metrics.ERRORS.labels(NAME, f"lease_{reply.reason or 'refused'}").inc()
+            raise TensorGone(f"tensors {ref.key} of {ref.holder} cannot be read: {reply.reason}")
+        return reply.lease, sent + reply.lease_s * _LEASE_TRUST
+
+    async def _read(self, ref: TensorRef, offset: int, n: int, lease: int, until: float) -> None:
+        """READ the region into the receive arena at ``offset``; the bytes
+        count only if the READ completed before ``until``."""
+        agent = self._agent
+        local = (self._recv.data_ptr() + offset, n, self.device_id)
+        remote = (ref.addr, n, ref.device_id)
+        notif = f"{ref.key}:{lease}".encode()
+
+        posted = False
+
+        def post() -> tuple[Any, str]:
+            nonlocal posted
+            local_descs = agent.get_xfer_descs([local], self.mem)
+            remote_descs = agent.get_xfer_descs([remote], ref.mem)
+            handle = agent.initialize_xfer("READ", local_descs, remote_descs, ref.holder, notif_msg=notif)
+            posted = True
+            try:
+                return handle, agent.transfer(handle)
+            except Exception:
+                handle.release()
+                raise
+
+        try:
+            handle, state = await asyncio.wait_for(self._call(post), max(0.001, until - time.monotonic()))
+        except Exception as exc:
+            timed_out = isinstance(exc, TimeoutError)
+            if posted or timed_out:
+                # After a timeout the thread may still be posting: keep the receive region out of use.
+                self._quarantine(offset, forever=False)
+            else:
+                await self._abort_lease(ref, lease)  # no READ was posted: another reader may have it now
+            metrics.ERRORS.labels(NAME, "post_timeout" if timed_out else "post_failed").inc()
+            log.warning("nixl_read_failed", holder=ref.holder, key=ref.key, error=repr(exc))
+            raise TensorGone(f"READ of {ref.key} from {ref.holder} failed: {exc!r}") from None
+        delay = 0.0001
+        while state == "PROC" and time.monotonic() < until:
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, 0.002)
+            state = await self._call(agent.check_xfer_state, handle)
+        done_in_time = state == "DONE" and time.monotonic() < until
+        if state == "PROC":
+            self._quarantine(offset, forever=False)
+        try:
+            await self._call(handle.release)
+        except Exception as exc:
+            metrics.ERRORS.labels(NAME, "xfer_not_cancelled").inc()
+            log.error("nixl_xfer_not_cancelled", holder=ref.holder, key=ref.key, error=repr(exc))
+            self._quarantine(offset, forever=True)
+        if not done_in_time:
+            metrics.ERRORS.labels(NAME, "xfer_" + state.lower()).inc()
+            log.warning("nixl_read_failed", holder=ref.holder, key=ref.key, state=state)
+            raise TensorGone(f"READ of {ref.key} from {ref.holder} ended {state} outside its lease")
+
+    async def _abort_lease(self, ref: TensorRef, lease: int) -> None:
+        try:
+            payload = msgspec.msgpack.encode(LeaseRequest(key=ref.key, abort=True, lease=lease))
+            await self._nc.publish(lease_subject(self._ns, ref.holder), payload)
+        except Exception as exc:
+            log.warning("nixl_lease_abort_failed", holder=ref.holder, key=ref.key, error=repr(exc))

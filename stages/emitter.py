@@ -1,0 +1,57 @@
+"""Tokens → ``TokenChunk``s: ``seq``, text deltas, stop strings, finish, usage."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from schemas.chunk import FinishReason, TokenChunk, Usage
+from schemas.processed import ProcessedRequest
+from stages.detokenizer import IncrementalDetokenizer, StopStringMatcher
+
+
+class ChunkEmitter:
+    """One request's chunks, from the token after ``emitted`` on.
+
+    Primed with what an earlier attempt emitted: the detokenizer then holds
+    back exactly what it held back then (a character cut in half), so the
+    text of a resumed stream joins the earlier text seamlessly.
+    """
+
+    def __init__(self, engine: Any, req: ProcessedRequest, prompt_len: int, emitted: list[int]) -> None:
+        self._eos = engine.eos_token_ids
+        self._ignore_eos = req.request.sampling.ignore_eos
+        self._max_tokens = req.max_tokens
+        self._rid = req.request.request_id
+        self._prompt_len = prompt_len
+        self._detok = IncrementalDetokenizer(engine.tokenizer)
+        for token in emitted:
+            self._detok.push(token)
+        self._stops = StopStringMatcher(req.request.sampling.stop)
+        self.index = len(emitted)
+
+    def is_eos(self, token: int) -> bool:
+        return token in self._eos and not self._ignore_eos
+
+    def push(self, token: int) -> TokenChunk:
+        seq = self.index
+        self.index += 1
+        finish: FinishReason | None = None
+        if self.is_eos(token):
+            finish = FinishReason.STOP
+        elif self.index >= self._max_tokens:
+            finish = FinishReason.LENGTH
+        text, hit_stop = self._stops.feed(self._detok.push(token))
+        if hit_stop:
+            finish = FinishReason.STOP
+        elif finish is not None:
+            more, hit_stop = self._stops.feed(self._detok.flush())
+            text += more if hit_stop else more + self._stops.flush()
+        return self._chunk(seq, [token], text, finish)
+
+    def finish_now(self) -> TokenChunk:
+        """The final chunk of a request whose every token was already emitted."""
+        return self._chunk(self.index, [], self._stops.feed(self._detok.flush())[0], FinishReason.LENGTH)
+
+    def _chunk(self, seq: int, tokens: list[int], text: str, finish: FinishReason | None) -> TokenChunk:
+        usage = Usage(self._prompt_len, seq + len(tokens)) if finish is not None else None
+        return TokenChunk(request_id=self._rid, seq=seq, token_ids=tokens, text=text, finish_reason=finish, usage=usage)

@@ -1,0 +1,359 @@
+"""Contract tests of the tensor transports against a real nats-server and
+real NIXL (UCX on host memory), in one process and across two."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import sys
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import pytest
+import structlog
+import torch
+
+from pipeline.connection import connect
+from pipeline.nats_server import NatsServer
+from pipeline.transport import (
+    TensorGone,
+    TensorTransport,
+    TransportFull,
+    TransportSettings,
+    TransportUnavailable,
+    open_transport,
+)
+from pipeline.transport.arena import FirstFit
+from pipeline.transport.nats_store import NatsTransport
+from pipeline.transport.nixl import NixlTransport
+from schemas.tensors import TensorRef
+from tests.pipeline.transport_peer import ANSWER, digests, make_tensors
+
+KINDS = ["nixl", "nats"]
+REPO = Path(__file__).resolve().parents[2]
+NIXL_MODULES = ("nixl", "nixl._api", "nixl_cu13", "nixl_cu13._api", "nixl_cu12", "nixl_cu12._api")
+MiB = 1 << 20
+
+Factory = Callable[..., Awaitable[TensorTransport]]
+
+
+@pytest.fixture
+async def make_transport(nats_server: NatsServer, namespace: str) -> AsyncIterator[Factory]:
+    """Started transports on their own connections, as separate workers would have."""
+    opened: list[tuple[TensorTransport, Any]] = []
+
+    async def make(kind: str, role: str = "worker", **settings: Any) -> TensorTransport:
+        nc, js = await connect(nats_server.url, name=f"test-{role}")
+        settings.setdefault("budget_bytes", 4 * MiB)
+        try:
+            transport = await open_transport(kind, nc, js, namespace, TransportSettings(**settings), role)
+        except BaseException:
+            await nc.close()
+            raise
+        opened.append((transport, nc))
+        return transport
+
+    yield make
+    for transport, nc in opened:
+        await transport.close()
+        await nc.close()
+
+
+class Peer:
+    """A transport in a child process (tests/pipeline/transport_peer.py)."""
+
+    def __init__(self, proc: asyncio.subprocess.Process) -> None:
+        self.proc = proc
+
+    async def send(self, **cmd: Any) -> None:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write((json.dumps(cmd) + "\n").encode())
+        await self.proc.stdin.drain()
+
+    async def answer(self, timeout: float = 30) -> list[str]:
+        assert self.proc.stdout is not None
+        async with asyncio.timeout(timeout):
+            while True:
+                line = (await self.proc.stdout.readline()).decode()
+                if not line:
+                    raise AssertionError(f"peer exited with {await self.proc.wait()}")
+                if line.startswith(ANSWER):
+                    return line.rstrip("\n").split(maxsplit=2)[1:]
+
+    async def put(self, seed: int) -> TensorRef:
+        await self.send(op="put", seed=seed)
+        kind, body = await self.answer()
+        assert kind == "ref", body
+        return msgspec.json.decode(body, type=TensorRef)
+
+    async def get(self, ref: TensorRef) -> list[str]:
+        await self.send(op="get", ref=msgspec.to_builtins(ref))
+        return await self.answer()
+
+    async def held(self) -> int:
+        await self.send(op="held")
+        kind, body = await self.answer()
+        return int(body)
+
+    def kill(self) -> None:
+        self.proc.send_signal(signal.SIGKILL)
+
+
+@pytest.fixture
+async def spawn_peer(nats_server: NatsServer, namespace: str) -> AsyncIterator[Callable[[str], Awaitable[Peer]]]:
+    peers: list[Peer] = []
+
+    async def spawn(kind: str) -> Peer:
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable,
+            "-m",
+            "tests.pipeline.transport_peer",
+            "--url",
+            nats_server.url,
+            "--namespace",
+            namespace,
+            "--transport",
+            kind,
+            cwd=REPO,
+            stdin=asyncio.subprocess.PIPE,
+            stdout=asyncio.subprocess.PIPE,
+            env={**os.environ, "NIXL_LOG_LEVEL": "WARN"},
+        )
+        peer = Peer(proc)
+        peers.append(peer)
+        assert await peer.answer() == ["ready", kind]
+        return peer
+
+    yield spawn
+    for peer in peers:
+        if peer.proc.returncode is None:
+            await peer.send(op="exit")
+            try:
+                async with asyncio.timeout(10):
+                    await peer.proc.wait()
+            except TimeoutError:
+                peer.kill()
+                await peer.proc.wait()
+        assert peer.proc.stdin is not None
+        peer.proc.stdin.close()
+
+
+async def eventually(check: Callable[[], bool], timeout: float = 2.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not check():
+        assert time.monotonic() < deadline, "condition not met in time"
+        await asyncio.sleep(0.01)
+
+
+def assert_same(got: list[torch.Tensor], want: list[torch.Tensor]) -> None:
+    assert len(got) == len(want)
+    for g, w in zip(got, want, strict=True):
+        assert g.dtype == w.dtype and g.shape == w.shape
+        assert torch.equal(g, w)
+    assert digests(got) == digests(want)  # bit-exact, NaN payloads and signed zeros included
+
+
+# -- across two OS processes -------------------------------------------------------
+
+
+@pytest.mark.parametrize("kind", KINDS)
+async def test_round_trip_between_processes(kind: str, make_transport: Factory, spawn_peer: Any) -> None:
+    peer = await spawn_peer(kind)
+    here = await make_transport(kind, "reader")
+
+    # The child holds, this process reads, and the child frees once read.
+    ref = await peer.put(seed=1)
+    assert ref.transport == kind
+    assert_same(await here.get(ref), make_tensors(1))
+    deadline = time.monotonic() + 2
+    while await peer.held() and time.monotonic() < deadline:
+        await asyncio.sleep(0.01)
+    assert await peer.held() == 0
+
+    # This process holds, the child reads.
+    ref = await here.put(make_tensors(2), owner="r2")
+    kind_, body = await peer.get(ref)
+    assert kind_ == "got", body
+    assert json.loads(body) == digests(make_tensors(2))
+    await eventually(lambda: here.held_bytes == 0)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+async def test_holder_killed(kind: str, make_transport: Factory, spawn_peer: Any) -> None:
+    peer = await spawn_peer(kind)
+    reader = await make_transport(kind, "reader", get_timeout_s=3, lease_s=4)
+    ref = await peer.put(seed=3)
+    peer.kill()
+    await peer.proc.wait()
+    started = time.monotonic()
+    if kind == "nixl":
+        # The bytes lived in the holder's memory: gone with it, and said so fast.
+        with pytest.raises(TensorGone):
+            await reader.get(ref)
+    else:
+        # The object store keeps the bytes in the server: the holder's death does not matter.
+        assert_same(await reader.get(ref), make_tensors(3))
+    assert time.monotonic() - started < 3 + 1
+
+
+async def test_nixl_holder_killed_between_lease_and_read(
+    make_transport: Factory, spawn_peer: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    peer = await spawn_peer("nixl")
+    reader = await make_transport("nixl", "reader", get_timeout_s=3, lease_s=4)
+    assert isinstance(reader, NixlTransport)
+    warm = await peer.put(seed=4)
+    await reader.get(warm)  # the UCX connection exists before the holder dies
+    ref = await peer.put(seed=5)
+    claim = reader._claim
+
+    async def claim_then_kill(ref: TensorRef, deadline: float) -> tuple[int, float]:
+        lease = await claim(ref, deadline)
+        peer.kill()
+        await peer.proc.wait()
+        return lease
+
+    monkeypatch.setattr(reader, "_claim", claim_then_kill)
+    started = time.monotonic()
+    with pytest.raises(TensorGone):
+        await reader.get(ref)
+    assert time.monotonic() - started < 3 + 1
+    assert reader._recv_alloc.used_bytes == 0 or reader._quarantined
+
+
+# -- one process -------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("kind", KINDS)
+async def test_freed_after_get_and_read_once(kind: str, make_transport: Factory) -> None:
+    holder = await make_transport(kind, "holder")
+    reader = await make_transport(kind, "reader")
+    tensors = make_tensors(6)
+    ref = await holder.put(tensors, owner="r6")
+    assert holder.held_bytes >= ref.nbytes > 0
+    assert_same(await reader.get(ref), tensors)
+    assert reader.last_transfer[0] == ref.nbytes and reader.last_transfer[1] > 0
+    await eventually(lambda: holder.held_bytes == 0)
+    with pytest.raises(TensorGone):
+        await reader.get(ref)
+
+
+async def test_nixl_stale_ref_never_reads_reused_memory(make_transport: Factory) -> None:
+    holder = await make_transport("nixl", "holder")
+    reader = await make_transport("nixl", "reader")
+    first = await holder.put([torch.full((1000,), 1.0)], owner="first")
+    await reader.get(first)
+    await eventually(lambda: holder.held_bytes == 0)
+    second = await holder.put([torch.full((1000,), 2.0)], owner="second")
+    assert second.addr == first.addr  # the region was reused
+    with pytest.raises(TensorGone):
+        await reader.get(first)
+    assert torch.equal((await reader.get(second))[0], torch.full((1000,), 2.0))
+
+
+async def test_nixl_reads_its_own_tensors_without_a_transfer(make_transport: Factory) -> None:
+    both = await make_transport("nixl", "encode_prefill")
+    ref = await both.put(make_tensors(7), owner="r7")
+    assert_same(await both.get(ref), make_tensors(7))
+    assert both.held_bytes == 0
+    with pytest.raises(TensorGone):
+        await both.get(ref)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+async def test_release_frees_at_once(kind: str, make_transport: Factory) -> None:
+    holder = await make_transport(kind, "holder")
+    reader = await make_transport(kind, "reader")
+    ref = await holder.put(make_tensors(8), owner="cancelled")
+    await holder.release(ref)
+    assert holder.held_bytes == 0
+    with pytest.raises(TensorGone):
+        await reader.get(ref)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+async def test_ttl_frees_unread(kind: str, make_transport: Factory) -> None:
+    holder = await make_transport(kind, "holder", ttl_s=0.3)
+    reader = await make_transport(kind, "reader")
+    ref = await holder.put(make_tensors(9), owner="nobody-reads")
+    await eventually(lambda: holder.held_bytes == 0, timeout=3)
+    with pytest.raises(TensorGone):
+        await reader.get(ref)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+async def test_budget(kind: str, make_transport: Factory) -> None:
+    holder = await make_transport(kind, "holder", budget_bytes=1 * MiB, put_wait_s=0.3)
+    reader = await make_transport(kind, "reader", budget_bytes=1 * MiB)
+    big = [torch.ones(600 * 1024, dtype=torch.uint8)]
+    assert holder.has_room(len(big[0]))
+
+    with pytest.raises(TransportFull, match="exceed the whole tensor budget"):
+        await holder.put([torch.ones(2 * MiB, dtype=torch.uint8)], owner="huge")
+
+    first = await holder.put(big, owner="first")
+    assert not holder.has_room(len(big[0]))
+    with pytest.raises(TransportFull, match="budget full"):
+        await holder.put(big, owner="no-room")  # nobody reads: gives up after put_wait_s
+
+    async def read_later() -> list[torch.Tensor]:
+        await asyncio.sleep(0.1)
+        return await reader.get(first)
+
+    put = asyncio.create_task(holder.put([torch.full((600 * 1024,), 7, dtype=torch.uint8)], owner="second"))
+    got = await read_later()
+    second = await put  # waited for the read to free the first region
+    assert torch.equal(got[0], big[0])
+    assert torch.equal((await reader.get(second))[0], torch.full((600 * 1024,), 7, dtype=torch.uint8))
+    await eventually(lambda: holder.held_bytes == 0)
+    assert holder.has_room(len(big[0]))
+
+
+async def test_nats_store_ignores_max_payload(make_transport: Factory) -> None:
+    # The embedded server allows 8 MiB per message; the object store chunks.
+    holder = await make_transport("nats", "holder", budget_bytes=32 * MiB)
+    reader = await make_transport("nats", "reader", budget_bytes=32 * MiB)
+    tensor = torch.randn(5 * MiB // 4 * 4)  # 20 MiB
+    ref = await holder.put([tensor], owner="large")
+    assert torch.equal((await reader.get(ref))[0], tensor)
+
+
+# -- choosing ----------------------------------------------------------------------
+
+
+async def test_select(make_transport: Factory, monkeypatch: pytest.MonkeyPatch) -> None:
+    assert isinstance(await make_transport("auto"), NixlTransport)
+    assert isinstance(await make_transport("nixl"), NixlTransport)
+    assert isinstance(await make_transport("nats"), NatsTransport)
+    with pytest.raises(ValueError, match="unknown tensor transport"):
+        await make_transport("carrier-pigeon")
+
+    for name in NIXL_MODULES:  # as on a host without NIXL
+        monkeypatch.setitem(sys.modules, name, None)
+    with structlog.testing.capture_logs() as logs:
+        assert isinstance(await make_transport("auto"), NatsTransport)
+    assert any(e["event"] == "tensor_transport_fallback" and e["log_level"] == "warning" for e in logs)
+    with pytest.raises(TransportUnavailable, match="pip install nixl-cu13"):
+        await make_transport("nixl")
+
+
+# -- pieces ------------------------------------------------------------------------
+
+
+def test_first_fit_reuses_and_coalesces() -> None:
+    arena = FirstFit(4096)
+    a, b, c = arena.alloc(100), arena.alloc(300), arena.alloc(256)
+    assert (a, b, c) == (0, 256, 768)
+    assert arena.alloc(4096) is None
+    arena.free(256)
+    assert arena.alloc(512) == 256  # the hole fits exactly
+    arena.free(0)
+    arena.free(256)
+    arena.free(768)
+    assert arena.used_bytes == 0
+    assert arena.alloc(4096) == 0  # all holes merged back into one
