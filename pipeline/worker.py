@@ -22,14 +22,14 @@ from pipeline.cancel import CancelRegistry
 from pipeline.config import PipelineConfig
 from pipeline.outcomes import Ack, Nak, Outcome, Reject, outcome_for
 from pipeline.replies import ReplyPublisher
+from pipeline.settle import Settler
 from pipeline.streams import ensure_consumer, ensure_streams, is_stream_full
 from pipeline.subjects import check_token
 from pipeline.transport import TensorGone, TensorTransport
-from schemas.chunk import ErrorChunk, TokenChunk
+from schemas.chunk import TokenChunk
 from schemas.codec import CONTENT_TYPE, MSGPACK, Decoder, encode
-from schemas.control import DeadLetter, WorkerInfo
+from schemas.control import WorkerInfo
 from schemas.errors import (
-    Cancelled,
     DeadlineExceeded,
     InternalError,
     InvalidRequest,
@@ -42,18 +42,6 @@ from schemas.tensors import TensorRef
 from stages.contract import HopContext, Stage
 
 log = structlog.get_logger(__name__)
-
-
-class _Envelope(msgspec.Struct):
-    """Just enough of any request to tell its client what went wrong when
-    the rest of it does not decode."""
-
-    request_id: str = ""
-    reply_subject: str | None = None
-    request: dict[str, Any] | None = None
-
-
-_ENVELOPE: Decoder[_Envelope] = Decoder(_Envelope)
 
 
 def _for_role(message: ProcessedRequest, role: str) -> bool:
@@ -97,6 +85,7 @@ class Worker:
         self.drain_grace_s = drain_grace_s
         self.tensors = tensors
         self.replies = ReplyPublisher(nc, js, self.subjects)
+        self.settler = Settler(js, self.replies, self.subjects, self.role)
         self.cancels = CancelRegistry()
         self._decoder: Decoder[GenerateRequest | ProcessedRequest] = Decoder(stage.input_type)
         self._tasks: set[asyncio.Task[None]] = set()
@@ -200,13 +189,15 @@ class Worker:
         started = time.monotonic()
         meta = msg.metadata
         deliveries = meta.num_delivered or 1
+        ctx = HopContext()
         if meta.timestamp:
-            metrics.QUEUE_WAIT.labels(self.role).observe(max(0.0, time.time() - meta.timestamp.timestamp()))
+            ctx.trace["queue_wait_s"] = max(0.0, time.time() - meta.timestamp.timestamp())
+            metrics.QUEUE_WAIT.labels(self.role).observe(ctx.trace["queue_wait_s"])
         content_type = (msg.headers or {}).get(CONTENT_TYPE)
         try:
             message = self._decoder.decode(msg.data, content_type)
         except (msgspec.DecodeError, msgspec.ValidationError) as exc:
-            await self._settle(msg, None, Reject(InvalidRequest(f"malformed message: {exc}")), deliveries)
+            await self.settler.settle(msg, None, Reject(InvalidRequest(f"malformed message: {exc}")), deliveries)
             return
         request = message.request if isinstance(message, ProcessedRequest) else message
         structlog.contextvars.bind_contextvars(request_id=request.request_id, stage=self.role)
@@ -214,14 +205,19 @@ class Worker:
             if isinstance(message, ProcessedRequest) and not _for_role(message, self.role):
                 outcome: Outcome = Reject(InvalidRequest(f"a message for hop {message.hop_index} reached {self.role}"))
             else:
-                outcome = await self._run_stage(msg, message, request, deliveries)
-            await self._settle(msg, message, outcome, deliveries)
+                outcome = await self._run_stage(msg, message, request, deliveries, ctx)
+            await self.settler.settle(msg, message, outcome, deliveries)
         finally:
             metrics.STAGE_TIME.labels(self.role).observe(time.monotonic() - started)
             structlog.contextvars.unbind_contextvars("request_id", "stage")
 
     async def _run_stage(
-        self, msg: Msg, message: GenerateRequest | ProcessedRequest, request: GenerateRequest, deliveries: int
+        self,
+        msg: Msg,
+        message: GenerateRequest | ProcessedRequest,
+        request: GenerateRequest,
+        deliveries: int,
+        ctx: HopContext,
     ) -> Outcome:
         task = asyncio.current_task()
         assert task is not None
@@ -239,7 +235,7 @@ class Worker:
         try:
             timeout = request.deadline - time.time() if request.deadline else None
             async with asyncio.timeout(timeout):
-                await self._produce(message, request)
+                await self._produce(message, request, ctx)
             return Ack()
         except TimeoutError:
             return Reject(DeadlineExceeded("the request's deadline passed"))
@@ -278,8 +274,9 @@ class Worker:
         await self._forward(again)
         return Ack()
 
-    async def _produce(self, message: GenerateRequest | ProcessedRequest, request: GenerateRequest) -> None:
-        ctx = HopContext()
+    async def _produce(
+        self, message: GenerateRequest | ProcessedRequest, request: GenerateRequest, ctx: HopContext
+    ) -> None:
         reply_subject = request.reply_subject or self.subjects.reply(request.request_id)
         if self.stage.resumes_stream and self.replies.is_stored(request.request_id, reply_subject):
             emitted = await self.replies.read_emitted(request.request_id)
@@ -339,63 +336,3 @@ class Worker:
                 await msg.in_progress()
             except Exception as exc:  # reconnecting: the next beat may get through
                 log.warning("heartbeat_failed", role=self.role, error=repr(exc))
-
-    # -- outcomes ------------------------------------------------------------
-
-    async def _settle(
-        self, msg: Msg, message: GenerateRequest | ProcessedRequest | None, outcome: Outcome, deliveries: int
-    ) -> None:
-        metrics.MESSAGES.labels(self.role, type(outcome).__name__.lower()).inc()
-        if isinstance(outcome, Ack):
-            await msg.ack()
-            return
-        error = outcome.error
-        metrics.ERRORS.labels(self.role, error.code.value).inc()
-        if isinstance(outcome, Nak):
-            log.warning("retrying", role=self.role, code=error.code.value, error=error.message, deliveries=deliveries)
-            await msg.nak(delay=outcome.delay_s)
-            return
-        log.warning("rejected", role=self.role, code=error.code.value, error=error.message, deliveries=deliveries)
-        request_id, reply_subject = self._reply_target(msg, message)
-        if reply_subject and not isinstance(error, Cancelled):
-            try:
-                await self.replies.publish(reply_subject, ErrorChunk.from_error(request_id, error))
-            except Exception as exc:
-                metrics.ERRORS.labels(self.role, "reply_failed").inc()
-                log.error("error_reply_failed", role=self.role, error=repr(exc))
-        dead = DeadLetter(
-            subject=msg.subject,
-            code=error.code,
-            message=error.message,
-            deliveries=deliveries,
-            request_id=request_id,
-            payload=msg.data,
-        )
-        try:
-            await self.js.publish(self.subjects.dead, encode(dead))
-            metrics.DEAD.labels(self.role, error.code.value).inc()
-        except Exception as exc:
-            metrics.ERRORS.labels(self.role, "dead_letter_failed").inc()
-            log.error("dead_letter_failed", role=self.role, error=repr(exc))
-        await msg.term()
-
-    def _reply_target(self, msg: Msg, message: GenerateRequest | ProcessedRequest | None) -> tuple[str, str | None]:
-        if message is not None:
-            request = message.request if isinstance(message, ProcessedRequest) else message
-            return request.request_id, request.reply_subject or self._stored_reply(request.request_id)
-        try:
-            env = _ENVELOPE.decode(msg.data, (msg.headers or {}).get(CONTENT_TYPE))
-        except (msgspec.DecodeError, msgspec.ValidationError):
-            return "", None
-        if env.request and not env.request_id:
-            env = _Envelope(
-                request_id=str(env.request.get("request_id", "")), reply_subject=env.request.get("reply_subject")
-            )
-        return env.request_id, env.reply_subject or self._stored_reply(env.request_id)
-
-    def _stored_reply(self, request_id: str) -> str | None:
-        try:
-            check_token(request_id, "request_id")
-        except ValueError:
-            return None
-        return self.subjects.reply(request_id)
