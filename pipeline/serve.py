@@ -15,7 +15,7 @@ from aiohttp import web
 from pipeline.bridge.app import Bridge, BridgeSettings
 from pipeline.config import PipelineConfig
 from pipeline.connection import connect, shutdown
-from pipeline.transport import TensorTransport, TransportSettings, open_transport
+from pipeline.transport.base import TensorTransport, TransportSettings
 from pipeline.worker import Worker
 from schemas.routes import HOP_ROLES, PROCESSOR
 from stages.contract import Stage, TensorStore
@@ -81,6 +81,8 @@ async def run_worker(role: str, config: PipelineConfig, settings: WorkerSettings
     tensors: TensorTransport | None = None
     try:
         if needs_tensors(role):
+            from pipeline.transport import open_transport
+
             tensors = await open_transport(
                 settings.transport, nc, js, config.namespace, settings.tensor_settings, role, settings.device
             )

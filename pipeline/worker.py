@@ -25,7 +25,7 @@ from pipeline.replies import ReplyPublisher
 from pipeline.settle import Settler
 from pipeline.streams import ensure_consumer, ensure_streams, is_stream_full
 from pipeline.subjects import check_token
-from pipeline.transport import TensorGone, TensorTransport
+from pipeline.transport.base import TensorGone, TensorTransport
 from schemas.chunk import TokenChunk
 from schemas.codec import CONTENT_TYPE, MSGPACK, Decoder, encode
 from schemas.control import WorkerInfo

@@ -10,12 +10,13 @@ moved its tensors.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol, runtime_checkable
-
-import torch
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 from schemas.errors import ErrorCode, MmpipeError
 from schemas.tensors import TensorRef
+
+if TYPE_CHECKING:  # the bridge imports this module and never needs torch
+    import torch
 
 
 class TensorGone(MmpipeError):
@@ -66,6 +67,10 @@ class TransportSettings:
     lease_s: float = 15.0
     # Control-plane round trips (lease request, metadata lookup).
     request_timeout_s: float = 2.0
+    # NIXL: run UCX's progress thread. NIXL 1.5.1 runs it without a delay, so
+    # it spins a whole core even when idle; without it, transfers progress when
+    # the reader polls its READ and the holder polls for notifications.
+    progress_thread: bool = False
 
     def __post_init__(self) -> None:
         if self.budget_bytes <= 0:

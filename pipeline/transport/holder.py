@@ -50,7 +50,7 @@ class HeldRegions:
         self._alloc = FirstFit(size)
         self._regions: dict[str, Held] = {}
         self._freed = asyncio.Event()
-        self._put = asyncio.Event()
+        self._wake = asyncio.Event()
         self._gauge = metrics.HELD_BYTES.labels(transport)
 
     @property
@@ -94,7 +94,7 @@ class HeldRegions:
     def publish(self, held: Held) -> None:
         held.expires = time.time() + self.ttl_s
         held.ready = True
-        self._put.set()
+        self._wake.set()
 
     def free(self, held: Held) -> None:
         if self._regions.pop(held.key, None) is None:
@@ -104,18 +104,21 @@ class HeldRegions:
         self._freed.set()
 
     def lease(self, key: str, lease: int, lease_s: float) -> str:
-        """Pin ``key`` for one reader; returns why not, or "" when granted."""
+        """Pin ``key`` for one reader; returns why not ("unknown": never held
+        or already freed, "read_or_released", "claimed" by another reader,
+        "expired"), or "" when granted."""
         held = self._regions.get(key)
         if held is None or not held.ready:
             return "unknown"
         if held.done:
-            return "already read or released"
+            return "read_or_released"
         if held.lease:
-            return "claimed by another reader"
+            return "claimed"
         if time.time() > held.expires:
             return "expired"
         held.lease = lease
         held.lease_until = time.monotonic() + lease_s
+        self._wake.set()  # the poller must drive UCX progress and catch the notification now
         return ""
 
     def end_lease(self, key: str, lease: int, *, read: bool) -> bool:
@@ -162,15 +165,14 @@ class HeldRegions:
                 )
                 self.free(held)
 
-    async def wait_for_put(self, idle_s: float) -> None:
-        self._put.clear()
-        if self._regions:
-            return
+    async def nap(self, seconds: float) -> None:
+        """Sleep up to ``seconds``; less when a put or a lease needs the poller."""
         try:
-            async with asyncio.timeout(idle_s):
-                await self._put.wait()
+            async with asyncio.timeout(seconds):
+                await self._wake.wait()
         except TimeoutError:
             pass
+        self._wake.clear()
 
     def clear(self) -> None:
         for held in list(self._regions.values()):

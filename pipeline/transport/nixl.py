@@ -17,26 +17,17 @@ Why it looks the way it does:
   A reader can therefore never get another request's bytes. As a bonus the
   request tells a dead holder at once (no responders) instead of after a
   transfer timeout, and a ref is read at most once.
-- The agent is not thread-safe (NIXL_THREAD_SYNC_NONE without a listener
-  thread), and UCX may finish a shared-memory READ inside ``transfer()``,
-  blocking its caller for the whole copy. So every agent call runs on one
-  dedicated thread, and the event loop only awaits it.
+- The agent itself (its thread, UCX progress) is in ``nixl_agent.py``.
 """
 
 from __future__ import annotations
 
 import asyncio
-import importlib
 import itertools
-import logging
-import os
 import time
 import uuid
-from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from types import ModuleType
-from typing import Any, Final, Literal, TypeVar
+from typing import Any, Final, Literal
 
 import msgspec
 import nats.errors
@@ -51,38 +42,19 @@ from nats.js.kv import KeyValue
 from pipeline.subjects import check_token
 from pipeline.transport import metrics
 from pipeline.transport.arena import FirstFit
-from pipeline.transport.base import TensorGone, TransportFull, TransportSettings, TransportUnavailable
+from pipeline.transport.base import TensorGone, TransportFull, TransportSettings
 from pipeline.transport.copy import copy_bytes
 from pipeline.transport.holder import HeldRegions
+from pipeline.transport.nixl_agent import Agent
 from pipeline.transport.packing import check_specs, layout, pack_into, unpack
 from schemas.tensors import LeaseReply, LeaseRequest, TensorRef
 
 log = structlog.get_logger(__name__)
-T = TypeVar("T")
 
 NAME: Final = "nixl"
-_MODULES = ("nixl._api", "nixl_cu13._api", "nixl_cu12._api")
 # A reader trusts a lease for this share of its length: slack for clock drift
 # between hosts and for the holder noticing the lapse a little early.
 _LEASE_TRUST = 0.9
-
-
-def load_nixl() -> ModuleType:
-    """The NIXL python API: ``nixl._api`` comes with the ``nixl`` meta package,
-    ``nixl_cu13._api`` / ``nixl_cu12._api`` with one CUDA flavour alone."""
-    for name in _MODULES:
-        try:
-            module = importlib.import_module(name)
-        except ImportError:
-            continue
-        if not os.environ.get("NIXL_LOG_LEVEL"):
-            # NIXL logs plain text to stdout at INFO, which would break a JSON-lines log stream.
-            logging.getLogger("nixl").setLevel(logging.WARNING)
-        return module
-    raise TransportUnavailable(
-        "NIXL is not installed: pip install nixl-cu13 (CUDA 13 or CPU) or nixl-cu12 (CUDA 12); "
-        "or choose the 'nats' tensor transport"
-    )
 
 
 def agent_bucket(namespace: str) -> str:
@@ -115,7 +87,6 @@ class NixlTransport:
         role: str = "worker",
         device: torch.device | str = "cpu",
     ) -> None:
-        self._nixl = load_nixl()
         self._nc = nc
         self._js = js
         self._ns = check_token(namespace, "namespace")
@@ -130,14 +101,14 @@ class NixlTransport:
         safe_role = "".join(c if c.isalnum() or c in "-_" else "_" for c in role)
         self.agent_name = f"{safe_role}-{uuid.uuid4().hex[:12]}"
         self.last_transfer: tuple[int, float] = (0, 0.0)
-        self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"nixl-{self.agent_name}")
-        self._agent: Any = None
-        self._reg: list[Any] = []
+        # Loads NIXL: raises TransportUnavailable when it is not installed.
+        self._agent = Agent(self.agent_name, self.device, progress_thread=self.settings.progress_thread)
         self._arena = torch.empty(0, dtype=torch.uint8)
         self._recv = torch.empty(0, dtype=torch.uint8)
         self._recv_alloc = FirstFit(0)
         self._recv_freed = asyncio.Event()
-        self._quarantined: set[int] = set()
+        # Receive regions kept out of use, with the timer that frees them (None: never).
+        self._quarantined: dict[int, asyncio.TimerHandle | None] = {}
         self._held = HeldRegions(NAME, self.settings.budget_bytes, self.settings.ttl_s)
         self._leases = itertools.count(1)
         self._remotes: dict[str, _Remote] = {}
@@ -145,33 +116,26 @@ class NixlTransport:
         self._sub: Any = None
         self._poller: asyncio.Task[None] | None = None
         self._closed = False
+        self._stopped = False
 
     # -- lifecycle -------------------------------------------------------
 
-    async def _call(self, fn: Callable[..., T], *args: Any) -> T:
-        return await asyncio.get_running_loop().run_in_executor(self._thread, fn, *args)
-
     async def start(self) -> None:
-        api = self._nixl
-        config = api.nixl_agent_config(backends=["UCX"])
-        self._agent = await self._call(api.nixl_agent, self.agent_name, config)
-        if "UCX" not in self._agent.backends:
-            raise TransportUnavailable("NIXL has no UCX backend plugin here; choose the 'nats' tensor transport")
         s = self.settings
+        # The arenas first: on CUDA this creates the context the agent's UCX needs.
         self._arena = torch.empty(s.budget_bytes, dtype=torch.uint8, device=self.device)
         recv_bytes = s.recv_bytes if s.recv_bytes is not None else s.budget_bytes
         self._recv = torch.empty(recv_bytes, dtype=torch.uint8, device=self.device)
         self._recv_alloc = FirstFit(recv_bytes)
-        self._reg = [await self._call(self._agent.register_memory, [self._arena, self._recv])]
-        await self._publish_metadata()
+        metadata = await self._agent.start([self._arena, self._recv])
+        await self._publish_metadata(metadata)
         self._sub = await self._nc.subscribe(lease_subject(self._ns, self.agent_name), cb=self._on_lease)
         self._poller = asyncio.create_task(self._poll(), name=f"nixl-holder-{self.agent_name}")
         log.info("tensor_transport_started", transport=NAME, agent=self.agent_name, mem=self.mem, budget=s.budget_bytes)
 
-    async def _publish_metadata(self) -> None:
+    async def _publish_metadata(self, metadata: bytes) -> None:
         """Peers cannot READ memory registered after they loaded our metadata:
-        call again after every registration."""
-        metadata: bytes = await self._call(self._agent.get_agent_metadata)
+        publish again after every registration."""
         js = self._js
         bucket = agent_bucket(self._ns)
         try:
@@ -196,9 +160,10 @@ class NixlTransport:
             if not self._held.any_leased() or poller is None or poller.done():
                 break
             await asyncio.sleep(0.01)
+        self._stopped = True
         if self._poller is not None:
             self._poller.cancel()
-            await asyncio.gather(self._poller, return_exceptions=True)
+            await asyncio.wait([self._poller], timeout=5)
         self._held.clear()
         if self._kv is not None:
             try:
@@ -206,19 +171,10 @@ class NixlTransport:
             except Exception as exc:
                 metrics.ERRORS.labels(NAME, "unpublish").inc()
                 log.warning("nixl_unpublish_failed", agent=self.agent_name, error=repr(exc))
-        if self._agent is not None:
-            agent, self._agent = self._agent, None
-            for reg in self._reg:
-                try:
-                    await self._call(agent.deregister_memory, reg)
-                except Exception as exc:
-                    metrics.ERRORS.labels(NAME, "deregister").inc()
-                    log.warning("nixl_deregister_failed", agent=self.agent_name, error=repr(exc))
-            # Drop the last reference on the agent's thread: its destructor tears UCX down.
-            doomed = [agent]
-            del agent
-            await self._call(doomed.clear)
-        self._thread.shutdown(wait=False)
+        await self._agent.close()
+        for timer in self._quarantined.values():
+            if timer is not None:
+                timer.cancel()
 
     # -- holder side -----------------------------------------------------
 
@@ -235,7 +191,8 @@ class NixlTransport:
         held = await self._held.reserve(nbytes, owner=owner, wait_s=self.settings.put_wait_s)
         try:
             region = self._arena[held.offset : held.offset + nbytes]
-            await copy_bytes(lambda: pack_into(region, tensors, specs), nbytes, self.device)
+            devices = {self.device, *(t.device for t in tensors)}
+            await copy_bytes(lambda: pack_into(region, tensors, specs), nbytes, *devices)
         except BaseException:
             self._held.free(held)
             raise
@@ -284,20 +241,19 @@ class NixlTransport:
     async def _poll(self) -> None:
         """Frees regions whose READ notification came back, whose lease lapsed
         after a read or release, or whose TTL passed."""
-        while True:
+        while not self._stopped:
             try:
-                if not self._held.count:
-                    await self._held.wait_for_put(idle_s=1.0)
-                    continue
-                notifs: dict[str, list[bytes]] = await self._call(self._agent.get_new_notifs)
-                for reader, messages in notifs.items():
-                    for message in messages:
-                        key, _, lease = message.decode(errors="replace").partition(":")
-                        if not self._held.end_lease(key, int(lease) if lease.isdigit() else -1, read=True):
-                            log.debug("nixl_late_notif", reader=reader, key=key)
-                self._held.sweep()
-                # Fast while a READ may be under way, so its region frees soon after.
-                await asyncio.sleep(0.002 if self._held.any_leased() else 0.02)
+                if self._held.count:
+                    notifs = await self._agent.notifications()
+                    for reader, messages in notifs.items():
+                        for message in messages:
+                            key, _, lease = message.decode(errors="replace").partition(":")
+                            if not self._held.end_lease(key, int(lease) if lease.isdigit() else -1, read=True):
+                                log.debug("nixl_late_notif", reader=reader, key=key)
+                    self._held.sweep()
+                # Fast while a READ may be under way: without UCX's progress
+                # thread this loop also drives the holder's side of the transfer.
+                await self._held.nap(0.0005 if self._held.any_leased() else 0.02 if self._held.count else 1.0)
             except asyncio.CancelledError:
                 raise
             except Exception as exc:
@@ -366,18 +322,20 @@ class NixlTransport:
                 self._free_recv(offset)
 
     def _free_recv(self, offset: int) -> None:
-        self._quarantined.discard(offset)
+        self._quarantined.pop(offset, None)
         self._recv_alloc.free(offset)
         self._recv_freed.set()
 
     def _quarantine(self, offset: int, *, forever: bool) -> None:
         """Keep a receive region out of use: a READ we gave up on may still write into it."""
-        self._quarantined.add(offset)
-        if not forever:
-            asyncio.get_running_loop().call_later(self.settings.lease_s, self._free_recv, offset)
+        timer = self._quarantined.get(offset)
+        if timer is not None:
+            timer.cancel()
+        later = asyncio.get_running_loop().call_later
+        self._quarantined[offset] = None if forever else later(self.settings.lease_s, self._free_recv, offset)
 
     async def _reserve_recv(self, n: int, deadline: float) -> int:
-        if n > self._recv_alloc.size:
+        if self._recv_alloc.region_size(n) > self._recv_alloc.size:
             raise TransportFull(f"{n} bytes do not fit this reader's receive arena of {self._recv_alloc.size} bytes")
         while (offset := self._recv_alloc.alloc(n)) is None:
             self._recv_freed.clear()
@@ -395,7 +353,7 @@ class NixlTransport:
         if remote is not None:
             # The holder may have died or re-registered: forget it, load it afresh.
             del self._remotes[holder]
-            await self._forget(holder)
+            await self._agent.forget(holder)
         assert self._kv is not None
         try:
             timeout = min(self.settings.request_timeout_s, max(0.001, deadline - time.monotonic()))
@@ -409,22 +367,16 @@ class NixlTransport:
         if entry.value is None:
             raise TensorGone(f"tensor holder {holder} is gone (empty agent metadata)")
         try:
-            loaded = await self._call(self._agent.add_remote_agent, entry.value)
+            loaded = await self._agent.connect(entry.value)
         except Exception as exc:
             # NIXL connects while loading: an unreachable holder fails here.
             metrics.ERRORS.labels(NAME, "add_remote_failed").inc()
             log.warning("nixl_add_remote_failed", holder=holder, error=repr(exc))
             raise TensorGone(f"tensor holder {holder} is unreachable: {exc!r}") from None
-        if (loaded.decode() if isinstance(loaded, bytes) else loaded) != holder:
+        if loaded != holder:
             raise TensorGone(f"agent metadata under {holder} names agent {loaded!r}")
         remote = self._remotes[holder] = _Remote()
         return remote
-
-    async def _forget(self, holder: str) -> None:
-        try:
-            await self._call(self._agent.remove_remote_agent, holder)
-        except Exception as exc:
-            log.debug("nixl_forget_failed", holder=holder, error=repr(exc))
 
     async def _claim(self, ref: TensorRef, deadline: float) -> tuple[int, float]:
         """Ask the holder to pin the region; returns the lease id and the
@@ -441,64 +393,36 @@ class NixlTransport:
         except nats.errors.TimeoutError:
             metrics.ERRORS.labels(NAME, "lease_timeout").inc()
             raise TensorGone(f"tensor holder {ref.holder} did not answer within {timeout:.1f}s") from None
-        reply = msgspec.msgpack.decode(msg.data, type=LeaseReply)
+        try:
+            reply = msgspec.msgpack.decode(msg.data, type=LeaseReply)
+        except msgspec.DecodeError as exc:
+            metrics.ERRORS.labels(NAME, "bad_lease_reply").inc()
+            raise TensorGone(f"tensor holder {ref.holder} sent a bad lease reply: {exc}") from None
         if not reply.lease:
             metrics.ERRORS.labels(NAME, f"lease_{reply.reason or 'refused'}").inc()
-            raise TensorGone(f"tensors {ref.key} of {ref.holder} cannot be read: {reply.reason}")
+            raise TensorGone(f"tensors {ref.key} of {ref.holder} cannot be read ({reply.reason})")
         return reply.lease, sent + reply.lease_s * _LEASE_TRUST
 
     async def _read(self, ref: TensorRef, offset: int, n: int, lease: int, until: float) -> None:
         """READ the region into the receive arena at ``offset``; the bytes
         count only if the READ completed before ``until``."""
-        agent = self._agent
         local = (self._recv.data_ptr() + offset, n, self.device_id)
         remote = (ref.addr, n, ref.device_id)
         notif = f"{ref.key}:{lease}".encode()
-
-        posted = False
-
-        def post() -> tuple[Any, str]:
-            nonlocal posted
-            local_descs = agent.get_xfer_descs([local], self.mem)
-            remote_descs = agent.get_xfer_descs([remote], ref.mem)
-            handle = agent.initialize_xfer("READ", local_descs, remote_descs, ref.holder, notif_msg=notif)
-            posted = True
-            try:
-                return handle, agent.transfer(handle)
-            except Exception:
-                handle.release()
-                raise
-
-        try:
-            handle, state = await asyncio.wait_for(self._call(post), max(0.001, until - time.monotonic()))
-        except Exception as exc:
-            timed_out = isinstance(exc, TimeoutError)
-            if posted or timed_out:
-                # After a timeout the thread may still be posting: keep the receive region out of use.
-                self._quarantine(offset, forever=False)
-            else:
-                await self._abort_lease(ref, lease)  # no READ was posted: another reader may have it now
-            metrics.ERRORS.labels(NAME, "post_timeout" if timed_out else "post_failed").inc()
-            log.warning("nixl_read_failed", holder=ref.holder, key=ref.key, error=repr(exc))
-            raise TensorGone(f"READ of {ref.key} from {ref.holder} failed: {exc!r}") from None
-        delay = 0.0001
-        while state == "PROC" and time.monotonic() < until:
-            await asyncio.sleep(delay)
-            delay = min(delay * 2, 0.002)
-            state = await self._call(agent.check_xfer_state, handle)
-        done_in_time = state == "DONE" and time.monotonic() < until
-        if state == "PROC":
-            self._quarantine(offset, forever=False)
-        try:
-            await self._call(handle.release)
-        except Exception as exc:
+        outcome = await self._agent.read(local, self.mem, remote, ref.mem, ref.holder, notif, until)
+        if outcome.state == "DONE" and time.monotonic() < until:
+            return
+        if not outcome.released:
             metrics.ERRORS.labels(NAME, "xfer_not_cancelled").inc()
-            log.error("nixl_xfer_not_cancelled", holder=ref.holder, key=ref.key, error=repr(exc))
             self._quarantine(offset, forever=True)
-        if not done_in_time:
-            metrics.ERRORS.labels(NAME, "xfer_" + state.lower()).inc()
-            log.warning("nixl_read_failed", holder=ref.holder, key=ref.key, state=state)
-            raise TensorGone(f"READ of {ref.key} from {ref.holder} ended {state} outside its lease")
+        elif outcome.state == "PROC":
+            self._quarantine(offset, forever=False)  # cancelled, but keep it out of use a while anyway
+        if not outcome.posted:
+            await self._abort_lease(ref, lease)  # no READ touched the region: another reader may have it now
+        metrics.ERRORS.labels(NAME, "read_" + outcome.state.lower()).inc()
+        log.warning("nixl_read_failed", holder=ref.holder, key=ref.key, state=outcome.state, error=outcome.error)
+        ended = "completed after its lease ran out" if outcome.state == "DONE" else f"ended {outcome.state}"
+        raise TensorGone(f"READ of {ref.key} from {ref.holder} {ended} {outcome.error}".rstrip())
 
     async def _abort_lease(self, ref: TensorRef, lease: int) -> None:
         try:

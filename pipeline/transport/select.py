@@ -36,12 +36,15 @@ async def open_transport(
     if kind not in TRANSPORTS:
         raise ValueError(f"unknown tensor transport {kind!r}; choose one of {', '.join(TRANSPORTS)}")
     if kind in ("auto", "nixl"):
+        nixl: NixlTransport | None = None
         try:
             nixl = NixlTransport(nc, js, namespace, settings, role, device)
             await nixl.start()
             return nixl
-        except TransportUnavailable as exc:
-            if kind == "nixl":
+        except BaseException as exc:
+            if nixl is not None:
+                await nixl.close()  # a half-started agent holds a thread and maybe a subscription
+            if kind == "nixl" or not isinstance(exc, TransportUnavailable):
                 raise
             metrics.ERRORS.labels("nixl", "unavailable").inc()
             log.warning("tensor_transport_fallback", wanted="nixl", using="nats", reason=exc.message)

@@ -45,7 +45,14 @@ def test_up_in_e_p_d_mode_serves_the_openai_client_and_stops_cleanly(
         children = psutil.Process(up.pid).children(recursive=True)
         roles = sorted(" ".join(c.cmdline()[3:5]) for c in children if "pipeline.cli" in c.cmdline())
         assert roles == sorted(
-            ["worker processor", "worker encode", "worker prefill", "worker decode", "worker decode", "bridge --nats-url"]
+            [
+                "worker processor",
+                "worker encode",
+                "worker prefill",
+                "worker decode",
+                "worker decode",
+                "bridge --nats-url",
+            ]
         )
         assert any("nats-server" in c.name() for c in children)
         image = gradient(64, 48, 1)

@@ -1,0 +1,175 @@
+"""One NIXL agent, driven from asyncio.
+
+The agent is not thread-safe (NIXL_THREAD_SYNC_NONE without a listener
+thread), and UCX may finish a shared-memory READ inside ``transfer()``,
+blocking its caller for the whole copy (512 MB took 0.27 s). So every agent
+call runs on one dedicated thread, and the event loop only awaits it.
+
+UCX's progress thread is off by default: NIXL 1.5.1 runs it without a delay,
+so it spins a whole core even when idle. Without it, a transfer progresses
+when its reader polls it and when its holder polls for notifications.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib
+import logging
+import os
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from types import ModuleType
+from typing import Any, TypeVar
+
+import structlog
+import torch
+
+from pipeline.transport.base import TransportUnavailable
+
+log = structlog.get_logger(__name__)
+T = TypeVar("T")
+
+_MODULES = ("nixl._api", "nixl_cu13._api", "nixl_cu12._api")
+Desc = tuple[int, int, int]  # (address, bytes, device id)
+
+
+def load_nixl() -> ModuleType:
+    """The NIXL python API: ``nixl._api`` comes with the ``nixl`` meta package,
+    ``nixl_cu13._api`` / ``nixl_cu12._api`` with one CUDA flavour alone."""
+    for name in _MODULES:
+        try:
+            module = importlib.import_module(name)
+        except ImportError:
+            continue
+        if not os.environ.get("NIXL_LOG_LEVEL"):
+            # NIXL logs plain text to stdout at INFO, which would break a JSON-lines log stream.
+            logging.getLogger("nixl").setLevel(logging.WARNING)
+        return module
+    raise TransportUnavailable(
+        "NIXL is not installed: pip install nixl-cu13 (CUDA 13 or CPU) or nixl-cu12 (CUDA 12); "
+        "or choose the 'nats' tensor transport"
+    )
+
+
+def _bind_thread(device: torch.device) -> None:
+    """UCX moves VRAM with the CUDA driver API, which needs the device's
+    context current on the calling thread: make it so on the NIXL thread."""
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+
+
+@dataclass
+class ReadOutcome:
+    # "DONE", "ERR", "PROC" (still running when we gave up) or "FAILED" (not started).
+    state: str
+    # A READ may have been started: its target memory may be written.
+    posted: bool
+    # The transfer handle is released, i.e. a running READ was cancelled.
+    released: bool
+    error: str = ""
+
+
+class Agent:
+    def __init__(self, name: str, device: torch.device, *, progress_thread: bool) -> None:
+        self.name = name
+        self._api = load_nixl()
+        self._progress_thread = progress_thread
+        self._thread = ThreadPoolExecutor(
+            max_workers=1, thread_name_prefix=f"nixl-{name}", initializer=_bind_thread, initargs=(device,)
+        )
+        self._agent: Any = None
+        self._registered: list[Any] = []
+
+    async def call(self, fn: Callable[..., T], *args: Any) -> T:
+        return await asyncio.get_running_loop().run_in_executor(self._thread, fn, *args)
+
+    async def start(self, memory: list[torch.Tensor]) -> bytes:
+        """Create the agent, register ``memory`` (tensors of one device) and
+        return the metadata peers need to READ it."""
+        config = self._api.nixl_agent_config(enable_prog_thread=self._progress_thread, backends=["UCX"])
+        try:
+            self._agent = await self.call(self._api.nixl_agent, self.name, config)
+        except RuntimeError as exc:  # e.g. "No plugins available for NIXL"
+            raise TransportUnavailable(f"NIXL could not create an agent: {exc}") from exc
+        if "UCX" not in self._agent.backends:
+            raise TransportUnavailable("NIXL has no UCX backend plugin here; choose the 'nats' tensor transport")
+        self._registered.append(await self.call(self._agent.register_memory, memory))
+        # Peers cannot READ memory registered after they loaded this: export it after every registration.
+        metadata: bytes = await self.call(self._agent.get_agent_metadata)
+        return metadata
+
+    async def notifications(self) -> dict[str, list[bytes]]:
+        """New READ notifications by reader; also drives UCX progress."""
+        notifs: dict[str, list[bytes]] = await self.call(self._agent.get_new_notifs)
+        return notifs
+
+    async def connect(self, metadata: bytes) -> str:
+        """Load a peer's metadata (NIXL connects now); returns its agent name."""
+        name = await self.call(self._agent.add_remote_agent, metadata)
+        return name.decode() if isinstance(name, bytes) else str(name)
+
+    async def forget(self, peer: str) -> None:
+        try:
+            await self.call(self._agent.remove_remote_agent, peer)
+        except Exception as exc:
+            log.debug("nixl_forget_failed", peer=peer, error=repr(exc))
+
+    async def read(
+        self, local: Desc, local_mem: str, remote: Desc, remote_mem: str, peer: str, notif: bytes, until: float
+    ) -> ReadOutcome:
+        """READ ``remote`` of ``peer`` into ``local``, polling until done or
+        the monotonic time ``until``; ``notif`` goes to the peer when done."""
+        agent = self._agent
+        posted = False
+
+        def post() -> tuple[Any, str]:
+            nonlocal posted
+            local_descs = agent.get_xfer_descs([local], local_mem)
+            remote_descs = agent.get_xfer_descs([remote], remote_mem)
+            handle = agent.initialize_xfer("READ", local_descs, remote_descs, peer, notif_msg=notif)
+            posted = True
+            try:
+                return handle, agent.transfer(handle)
+            except Exception:
+                handle.release()
+                raise
+
+        try:
+            handle, state = await asyncio.wait_for(self.call(post), max(0.001, until - time.monotonic()))
+        except TimeoutError:
+            # The thread may still be posting: count it as started and never cancelled.
+            return ReadOutcome("PROC", posted=True, released=False, error="post timed out")
+        except Exception as exc:
+            # transfer() failing (e.g. NIXL_ERR_REMOTE_DISCONNECT) released its handle.
+            return ReadOutcome("FAILED", posted=posted, released=True, error=repr(exc))
+        delay = 0.0001
+        error = ""
+        while state == "PROC" and time.monotonic() < until:
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, 0.002)
+            try:
+                state = await self.call(agent.check_xfer_state, handle)
+            except Exception as exc:  # e.g. the holder disconnected mid-READ
+                state, error = "ERR", repr(exc)
+        try:
+            await self.call(handle.release)
+        except Exception as exc:
+            log.error("nixl_xfer_not_cancelled", peer=peer, error=repr(exc))
+            return ReadOutcome(state, posted=True, released=False, error=repr(exc))
+        return ReadOutcome(state, posted=True, released=True, error=error)
+
+    async def close(self) -> None:
+        if self._agent is not None:
+            agent, self._agent = self._agent, None
+            for registered in self._registered:
+                try:
+                    await self.call(agent.deregister_memory, registered)
+                except Exception as exc:
+                    log.warning("nixl_deregister_failed", agent=self.name, error=repr(exc))
+            # Drop the last reference on the agent's thread: its destructor tears UCX down.
+            doomed = [agent]
+            del agent
+            await self.call(doomed.clear)
+        self._thread.shutdown(wait=False)
