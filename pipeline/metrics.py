@@ -20,3 +20,11 @@ HTTP_REQUESTS = Counter("mmpipe_http_requests_total", "Bridge HTTP requests by s
 DEAD = Counter("mmpipe_dead_letters_total", "Messages recorded on the dead subject", ["role", "code"])
 RESTARTS = Counter("mmpipe_restarts_total", "Requests restarted from their first hop (a tensor was gone)", ["role"])
 BACKPRESSURE = Counter("mmpipe_backpressure_waits_total", "Fetch loop waits for room, by reason", ["role", "reason"])
+_GBPS = (0.01, 0.05, 0.1, 0.25, 0.5, 1, 2, 4, 8, 16, 32, 64, 128)
+HOP_TENSOR_BYTES = Counter("mmpipe_hop_tensor_bytes_total", "Tensor bytes a hop put or got", ["role", "direction"])
+HOP_TRANSFER_SECONDS = Histogram(
+    "mmpipe_hop_transfer_seconds", "Time of a hop's tensor put or get", ["role", "direction"], buckets=_LATENCY
+)
+HOP_TRANSFER_GBPS = Histogram(
+    "mmpipe_hop_transfer_gbps", "Throughput of a hop's tensor put or get, GB/s", ["role", "direction"], buckets=_GBPS
+)

@@ -56,8 +56,13 @@ def _trace(role: str, trace: dict[str, float]) -> None:
     """The request's numbers for this hop: one log line, and the metrics."""
     for direction in ("put", "get"):
         nbytes, seconds = trace.get(f"{direction}_bytes"), trace.get(f"{direction}_s")
-        if nbytes and seconds:
-            trace[f"{direction}_gbps"] = round(nbytes / seconds / 1e9, 3)
+        if nbytes is None or seconds is None:
+            continue
+        metrics.HOP_TENSOR_BYTES.labels(role, direction).inc(nbytes)
+        metrics.HOP_TRANSFER_SECONDS.labels(role, direction).observe(seconds)
+        if seconds > 0:
+            trace[f"{direction}_gbps"] = nbytes / seconds / 1e9
+            metrics.HOP_TRANSFER_GBPS.labels(role, direction).observe(trace[f"{direction}_gbps"])
     if trace:
         log.info("hop_trace", role=role, **{k: round(v, 6) for k, v in trace.items()})
 

@@ -59,7 +59,11 @@ class TransportSettings:
     # A region nobody read is freed after this long, so a dead reader leaks nothing.
     ttl_s: float = 60.0
     # How long put waits for room before it raises TransportFull.
-    put_wait_s: float = 5.0
+    # As long as the TTL: within it every held region is read or expires, so
+    # a put that waits this long was not starved by readers but by a peer
+    # gone wrong. The worker's heartbeats keep the message meanwhile; giving
+    # it back sooner would spend a delivery of max_deliver on back-pressure.
+    put_wait_s: float = 60.0
     # The longest a get may take in all, lookups and transfer included.
     get_timeout_s: float = 10.0
     # NIXL: how long a holder pins a region for a reader that asked to read it.

@@ -53,6 +53,8 @@ class Stack:
     spec: ModelSpec
     workers: list[Worker] = field(default_factory=list)
     nc: Any = None
+    # add_worker(role, budget_bytes=...) -> Worker: one more worker, started.
+    add_worker: Any = None
 
 
 @pytest.fixture
@@ -78,22 +80,26 @@ async def start_stack(
     settings = WorkerSettings(
         model=str(spec.path), served_model_name=spec.served_name, allow_internal_media=allow_internal
     )
-    roles = [PROCESSOR, *MODES[config.mode]]
-    for role in roles:
+
+    async def add_worker(role: str, budget_bytes: int = 64 << 20) -> Worker:
+        nc, js = await connect(config.nats_url, f"test-{role}")
+        conns.append(nc)
+        tensors = None
+        if needs_tensors(role):
+            budget = TransportSettings(budget_bytes=budget_bytes)
+            tensors = await open_transport(transport, nc, js, config.namespace, budget, role, "cpu")
+            transports.append(tensors)
+        stage = build_stage(role, config, settings, spec, tensors=tensors)
+        worker = Worker(nc, js, config, stage, max_inflight=8, tensors=tensors)
+        stack.workers.append(worker)
+        tasks.append(asyncio.create_task(worker.run()))
+        await asyncio.wait_for(worker.ready.wait(), 60)
+        return worker
+
+    stack.add_worker = add_worker
+    for role in [PROCESSOR, *MODES[config.mode]]:
         for _ in range((counts or {}).get(role, 1)):
-            nc, js = await connect(config.nats_url, f"test-{role}")
-            conns.append(nc)
-            tensors = None
-            if needs_tensors(role):
-                tensors = await open_transport(
-                    transport, nc, js, config.namespace, TransportSettings(budget_bytes=64 << 20), role, "cpu"
-                )
-                transports.append(tensors)
-            stage = build_stage(role, config, settings, spec, tensors=tensors)
-            worker = Worker(nc, js, config, stage, max_inflight=8, tensors=tensors)
-            stack.workers.append(worker)
-            tasks.append(asyncio.create_task(worker.run()))
-            await asyncio.wait_for(worker.ready.wait(), 60)
+            await add_worker(role)
     nc, js = await connect(config.nats_url, "test-bridge")
     conns.append(nc)
     stack.nc = nc

@@ -13,12 +13,14 @@ from typing import Any
 
 import pytest
 
+from pipeline import metrics
 from pipeline.config import PipelineConfig
 from pipeline.connection import connect
 from pipeline.replies import CHUNK_DECODER
 from schemas.codec import encode
 from schemas.processed import KvHandoff, ProcessedRequest
 from schemas.request import ChatMessage, GenerateRequest, ImagePart, ImageURL, SamplingParams, TextPart
+from schemas.routes import MODES
 from schemas.tensors import TensorRef, TensorSpec
 from stages.models import ModelSpec
 from stages.models.traits import load_traits
@@ -46,11 +48,20 @@ async def make_stack(pipeline_config: PipelineConfig, model_spec: ModelSpec) -> 
         await stop()
 
 
+def hop_bytes(mode: str) -> dict[tuple[str, str], float]:
+    return {
+        (role, direction): metrics.HOP_TENSOR_BYTES.labels(role, direction)._value.get()
+        for role in MODES[mode]
+        for direction in ("put", "get")
+    }
+
+
 @pytest.mark.e2e
 @pytest.mark.parametrize("transport", ["nixl", "nats"])
 @pytest.mark.parametrize("mode", SPLIT_MODES)
 async def test_every_mode_equals_generate(make_stack: Any, reference: Any, mode: str, transport: str) -> None:
     stack = await make_stack(mode, transport)
+    before = hop_bytes(mode)
     image = gradient(64, 48, 1)
     content = image_content(png_data_url(image))
     _, expected = reference(content, [image])
@@ -60,6 +71,12 @@ async def test_every_mode_equals_generate(make_stack: Any, reference: Any, mode:
         assert await ask(c, content, stream=False) == (expected, N)
         # Text only: the encode hop is skipped (or does nothing, in ep-d).
         assert await ask(c, "Say something.", stream=True) == (expected_text, N)
+    # Each hop that moved tensors counted them, per role and direction.
+    after = hop_bytes(mode)
+    moved = {key: after[key] - before[key] for key in after}
+    for role, direction in [(r, "put") for r in MODES[mode][:-1]] + [(r, "get") for r in MODES[mode][1:]]:
+        assert moved[(role, direction)] > 0, (role, direction)
+    assert moved[(MODES[mode][0], "get")] == moved[(MODES[mode][-1], "put")] == 0
     # Every tensor handed on was read and freed by its holder.
     for worker in stack.workers:
         if worker.tensors is not None:
@@ -163,3 +180,32 @@ async def test_a_lost_kv_cache_restarts_the_request_from_its_first_hop(
     assert tokens == expected
     encode_worker = next(w for w in stack.workers if w.role == "encode")
     assert encode_worker.handled == 1  # the new attempt went through every hop again
+
+
+@pytest.mark.e2e
+async def test_a_full_tensor_budget_stops_fetching_until_a_reader_frees_it(make_stack: Any, reference: Any) -> None:
+    # No prefill worker yet: whatever the encode worker puts stays held.
+    stack = await make_stack("e-p-d", counts={"encode": 0, "prefill": 0})
+    image = gradient(56, 56, 2)  # a 4x4 patch grid: 4 tokens x 64 floats = 1 KiB of embeddings
+    encoder = await stack.add_worker("encode", budget_bytes=1024)
+    content = image_content(png_data_url(image))
+    _, expected = reference(content, [image])
+    async with client(stack) as c:
+        answers = [asyncio.create_task(ask(c, content, stream=True))]
+        for _ in range(200):
+            if encoder.tensors.held_bytes == 1024:
+                break
+            await asyncio.sleep(0.02)
+        # Budget full: at most the one fetch already waiting when it filled
+        # lands, and that request waits in put for room; the rest stay queued.
+        answers += [asyncio.create_task(ask(c, content, stream=True)) for _ in range(3)]
+        await asyncio.sleep(1.0)
+        assert encoder.tensors.held_bytes == 1024 and encoder.handled <= 2
+        subjects = stack.config.subjects
+        consumer = await stack.nc.jetstream().consumer_info(subjects.stream("encode"), subjects.durable("encode"))
+        assert consumer.num_pending == 4 - encoder.handled  # never delivered: still in the queue
+        await asyncio.sleep(0.5)
+        assert encoder.handled <= 2
+        await stack.add_worker("prefill")
+        assert await asyncio.gather(*answers) == [(expected, N)] * 4
+    assert encoder.handled == 4
