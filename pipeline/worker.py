@@ -44,6 +44,15 @@ from stages.contract import HopContext, Stage
 log = structlog.get_logger(__name__)
 
 
+def _raise_if_cancelled() -> None:
+    """nats-py swallows a CancelledError that lands inside a publish (its
+    flush path catches it), so a cancel, a drain or a deadline could be lost
+    mid-stream. The task still counts the request; honour it here."""
+    task = asyncio.current_task()
+    if task is not None and task.cancelling():
+        raise asyncio.CancelledError
+
+
 def _for_role(message: ProcessedRequest, role: str) -> bool:
     return 0 <= message.hop_index < len(message.route) and message.hop == role
 
@@ -299,6 +308,7 @@ class Worker:
                     await self.replies.publish(reply_subject, out)
                     if isinstance(out, TokenChunk):
                         metrics.TOKENS.labels(self.role).inc(len(out.token_ids))
+                _raise_if_cancelled()
 
         _trace(self.role, ctx.trace)
 
