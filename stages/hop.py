@@ -147,7 +147,7 @@ class HopStage:
         items = req.encoded.items
         if len(tensors) != len(items) or len(items) != len(req.media):
             raise InvalidRequest(f"{len(tensors)} embeddings for {len(items)} encoded and {len(req.media)} media items")
-        return [EncodedImage(t, (g[0], g[1], g[2])) for t, g in zip(tensors, (i.grid_thw for i in items), strict=True)]
+        return [EncodedImage(t, tuple(i.grid_thw)) for t, i in zip(tensors, items, strict=True)]
 
     # -- prefill --------------------------------------------------------------
 

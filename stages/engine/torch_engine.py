@@ -24,7 +24,7 @@ from PIL import Image
 
 from schemas.errors import ContextLengthExceeded, InvalidRequest
 from stages.engine.sampling import SamplingConfig, select_token
-from stages.families import family_for_architecture
+from stages.families import Grid, family_for_architecture
 
 
 @dataclass
@@ -32,7 +32,7 @@ class EncodedImage:
     """Vision tower output for one image: what encode gives and prefill takes."""
 
     embeddings: torch.Tensor  # [num_tokens, text_hidden]
-    grid_thw: tuple[int, int, int]  # patch grid before the spatial merge
+    grid_thw: Grid  # the family's layout of the item (Qwen-VL: patch grid before the merge)
 
     @property
     def num_tokens(self) -> int:
@@ -278,7 +278,7 @@ class TorchEngine:
         # Feed the last token (not yet in the cache); its position is its
         # index shifted by the rope delta, the same in all three M-RoPE rows.
         index = seq.length - 1
-        positions = torch.full((3, 1), index + seq.rope_delta, dtype=torch.long)
+        positions = self.family.decode_positions(index + seq.rope_delta)
         input_ids = torch.tensor([[seq.output_ids[-1]]], dtype=torch.long, device=self.device)
         logits, seq.cache = self.family.forward(self.model, positions, seq.cache, input_ids=input_ids)
         return logits

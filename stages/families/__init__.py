@@ -1,20 +1,21 @@
 """Model families: the architecture-specific part of running a checkpoint.
 
-A family adapter knows how a model of its architecture takes images
-(preprocessing, vision tower, placeholder expansion), positions and the
-language-model forward. The engine is generic over it.
+A family adapter knows how a model of its architecture takes media
+(preprocessing, the encoder, placeholder expansion), positions and the
+language-model forward. The engine is generic over it (``base.Family``).
 """
 
 from __future__ import annotations
 
-from stages.families.qwen2_vl import Qwen2VLFamily
+from stages.families.base import Family, Grid
+from stages.families.llava import LlavaFamily
+from stages.families.qwen2_vl import Qwen2VLFamily, Qwen25VLFamily
 
-FamilyAdapter = Qwen2VLFamily  # the one family so far; becomes a Protocol with the second
+_ADAPTERS: tuple[type[Family], ...] = (Qwen2VLFamily, Qwen25VLFamily, LlavaFamily)
+FAMILIES: dict[str, type[Family]] = {arch: cls for cls in _ADAPTERS for arch in cls.architectures}
 
-FAMILIES: dict[str, type[Qwen2VLFamily]] = {arch: Qwen2VLFamily for arch in Qwen2VLFamily.architectures}
 
-
-def family_for_architecture(architecture: str) -> type[Qwen2VLFamily]:
+def family_for_architecture(architecture: str) -> type[Family]:
     try:
         return FAMILIES[architecture]
     except KeyError:
@@ -23,4 +24,4 @@ def family_for_architecture(architecture: str) -> type[Qwen2VLFamily]:
         ) from None
 
 
-__all__ = ["FAMILIES", "FamilyAdapter", "Qwen2VLFamily", "family_for_architecture"]
+__all__ = ["FAMILIES", "Family", "Grid", "LlavaFamily", "Qwen2VLFamily", "Qwen25VLFamily", "family_for_architecture"]

@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import ipaddress
+import math
 import os
 import socket
 from pathlib import Path
@@ -58,10 +59,41 @@ class MediaPolicy:
     # CIDRs refused even with allow_internal (e.g. a control-plane range next to the cluster).
     denied_networks: tuple[str, ...] = ()
 
+    # Video (stages.media.video). A video costs far more than an image to decode, so it has its
+    # own caps. video_max_bytes is the inline (data:) cap; downloads are also held to max_bytes
+    # until MediaFetcher takes a per-call cap (see stages.media.video.fetch_capped).
+    video_max_bytes: int = 64 * MiB
+    video_max_duration_s: float = 600.0
+    # Most frames one video may yield, however it is sampled; also the default for max_frames.
+    video_max_frames: int = 32
+    # Sampling rate when a request gives neither num_frames nor fps (Qwen2-VL's default).
+    video_default_fps: float = 2.0
+    # Sampled frames larger than this are scaled down, aspect kept: model input, not archive.
+    video_max_pixels: int = 1280 * 720
+    # Frames larger than this are refused before any pixel is decoded (DCI 4K, either way round).
+    video_max_source_pixels: int = 4096 * 2160
+
+    # Audio (stages.media.audio). 30 s is the window Whisper-style encoders (Whisper, Qwen2-Audio)
+    # see; their feature extractors silently cut anything longer, so refuse it instead.
+    audio_max_bytes: int = 16 * MiB
+    audio_max_duration_s: float = 30.0
+
     def __post_init__(self) -> None:
-        for name in ("max_bytes", "max_pixels"):
+        for name in (
+            "max_bytes",
+            "max_pixels",
+            "video_max_bytes",
+            "video_max_frames",
+            "video_max_pixels",
+            "video_max_source_pixels",
+            "audio_max_bytes",
+        ):
             if getattr(self, name) <= 0:
                 raise ValueError(f"MediaPolicy.{name} must be positive")
+        for name in ("video_max_duration_s", "video_default_fps", "audio_max_duration_s"):
+            value = getattr(self, name)
+            if not (math.isfinite(value) and value > 0):
+                raise ValueError(f"MediaPolicy.{name} must be positive and finite")
         if self.fetch_timeout_s <= 0:
             raise ValueError("MediaPolicy.fetch_timeout_s must be positive")
         if self.max_redirects < 0:

@@ -48,10 +48,25 @@ def mmpipe_home() -> Path:
     return Path(os.environ.get("MMPIPE_HOME") or Path.home() / ".cache" / "mmpipe")
 
 
-def _build_qwen2_vl(out_dir: Path) -> None:
-    import torch
-    from transformers import GenerationConfig, Qwen2VLConfig, Qwen2VLForConditionalGeneration
+def _text_config(**extra: Any) -> dict[str, Any]:
+    return {
+        "vocab_size": _VOCAB_SIZE,
+        "hidden_size": _TEXT_HIDDEN,
+        "intermediate_size": 4 * _TEXT_HIDDEN,
+        "num_hidden_layers": 2,
+        "num_attention_heads": _TEXT_HEADS,
+        "num_key_value_heads": _TEXT_KV_HEADS,
+        "max_position_embeddings": _MAX_POSITIONS,
+        "rms_norm_eps": 1e-6,
+        "bos_token_id": QWEN2_ADDED_TOKEN_IDS["<|endoftext|>"],
+        "eos_token_id": QWEN2_ADDED_TOKEN_IDS["<|im_end|>"],
+        "pad_token_id": QWEN2_ADDED_TOKEN_IDS["<|endoftext|>"],
+        "tie_word_embeddings": True,
+        **extra,
+    }
 
+
+def _mrope_text_config() -> dict[str, Any]:
     head_dim = _TEXT_HIDDEN // _TEXT_HEADS
     # mrope_section splits the head_dim // 2 rotary frequencies between the
     # temporal, height and width positions (Qwen2-VL's ratio is 16:24:24 of 64).
@@ -59,44 +74,24 @@ def _build_qwen2_vl(out_dir: Path) -> None:
     temporal = half // 4
     height = (half - temporal) // 2
     mrope_section = [temporal, height, half - temporal - height]  # [4, 6, 6]
-    config = Qwen2VLConfig(
-        text_config={
-            "vocab_size": _VOCAB_SIZE,
-            "hidden_size": _TEXT_HIDDEN,
-            "intermediate_size": 4 * _TEXT_HIDDEN,
-            "num_hidden_layers": 2,
-            "num_attention_heads": _TEXT_HEADS,
-            "num_key_value_heads": _TEXT_KV_HEADS,
-            "max_position_embeddings": _MAX_POSITIONS,
-            "rms_norm_eps": 1e-6,
-            "rope_parameters": {"rope_type": "default", "rope_theta": 1_000_000.0, "mrope_section": mrope_section},
-            "bos_token_id": QWEN2_ADDED_TOKEN_IDS["<|endoftext|>"],
-            "eos_token_id": QWEN2_ADDED_TOKEN_IDS["<|im_end|>"],
-            "pad_token_id": QWEN2_ADDED_TOKEN_IDS["<|endoftext|>"],
-            "use_sliding_window": False,
-            "tie_word_embeddings": True,
-        },
-        vision_config={
-            "depth": 2,
-            "embed_dim": _VISION_EMBED,
-            "hidden_size": _TEXT_HIDDEN,
-            "mlp_ratio": 2,
-            "num_heads": _VISION_HEADS,
-            "patch_size": 14,
-            "spatial_merge_size": 2,
-            "temporal_patch_size": 2,
-        },
-        image_token_id=QWEN2_ADDED_TOKEN_IDS["<|image_pad|>"],
-        video_token_id=QWEN2_ADDED_TOKEN_IDS["<|video_pad|>"],
-        vision_start_token_id=QWEN2_ADDED_TOKEN_IDS["<|vision_start|>"],
-        vision_end_token_id=QWEN2_ADDED_TOKEN_IDS["<|vision_end|>"],
-        tie_word_embeddings=True,
-        architectures=["Qwen2VLForConditionalGeneration"],
-    )
-    model: Any = Qwen2VLForConditionalGeneration(config)
-    model = model.to(torch.float32)
-    # Our own seeded init (not transformers' _init_weights, which may change
-    # between versions): the weights are a function of SEED and the names.
+    rope = {"rope_type": "default", "rope_theta": 1_000_000.0, "mrope_section": mrope_section}
+    return _text_config(rope_parameters=rope, use_sliding_window=False)
+
+
+def _qwen_vl_tokens() -> dict[str, Any]:
+    return {
+        "image_token_id": QWEN2_ADDED_TOKEN_IDS["<|image_pad|>"],
+        "video_token_id": QWEN2_ADDED_TOKEN_IDS["<|video_pad|>"],
+        "vision_start_token_id": QWEN2_ADDED_TOKEN_IDS["<|vision_start|>"],
+        "vision_end_token_id": QWEN2_ADDED_TOKEN_IDS["<|vision_end|>"],
+    }
+
+
+def _seeded_init(model: Any, last_token_id: int) -> None:
+    """Our own seeded init (not transformers' _init_weights, which may change
+    between versions): the weights are a function of SEED and the names."""
+    import torch
+
     gen = torch.Generator().manual_seed(SEED)
     norm_params = {
         f"{mod_name}.{p_name}"
@@ -112,27 +107,43 @@ def _build_qwen2_vl(out_dir: Path) -> None:
                 param.copy_(torch.randn(param.shape, generator=gen) * 0.5)
                 # Rows past the tokenizer's last id stay zero so that (tied)
                 # logits never favour ids the tokenizer cannot decode.
-                param[max(QWEN2_ADDED_TOKEN_IDS.values()) + 1 :].zero_()
+                param[last_token_id + 1 :].zero_()
             else:
                 # Larger than the usual 0.02 so that attention and MLP depend
                 # visibly on context: greedy output must not collapse into one
                 # repeated token, or token-equality tests prove little.
                 fan_in = param.shape[-1] if param.ndim > 1 else _TEXT_HIDDEN
                 param.copy_(torch.randn(param.shape, generator=gen) * (1.5 / fan_in**0.5))
+
+
+def _save(model: Any, out_dir: Path, eos_token_ids: list[int], preprocessor: dict[str, Any]) -> None:
+    import torch
+    from transformers import GenerationConfig
+
+    model.to(torch.float32)
     model.generation_config = GenerationConfig(
         bos_token_id=QWEN2_ADDED_TOKEN_IDS["<|endoftext|>"],
-        eos_token_id=[QWEN2_ADDED_TOKEN_IDS["<|im_end|>"], QWEN2_ADDED_TOKEN_IDS["<|endoftext|>"]],
+        eos_token_id=eos_token_ids,
         pad_token_id=QWEN2_ADDED_TOKEN_IDS["<|endoftext|>"],
     )
     with _no_progress_bars():
         model.save_pretrained(out_dir)
-    preprocessor = {
+    (out_dir / "preprocessor_config.json").write_text(json.dumps(preprocessor, indent=2) + "\n")
+
+
+_QWEN_EOS = [QWEN2_ADDED_TOKEN_IDS["<|im_end|>"], QWEN2_ADDED_TOKEN_IDS["<|endoftext|>"]]
+_CLIP_MEAN = [0.48145466, 0.4578275, 0.40821073]
+_CLIP_STD = [0.26862954, 0.26130258, 0.27577711]
+
+
+def _qwen_vl_preprocessor() -> dict[str, Any]:
+    return {
         "do_convert_rgb": True,
         "do_normalize": True,
         "do_rescale": True,
         "do_resize": True,
-        "image_mean": [0.48145466, 0.4578275, 0.40821073],
-        "image_std": [0.26862954, 0.26130258, 0.27577711],
+        "image_mean": _CLIP_MEAN,
+        "image_std": _CLIP_STD,
         "image_processor_type": "Qwen2VLImageProcessor",
         "merge_size": 2,
         "patch_size": 14,
@@ -141,11 +152,140 @@ def _build_qwen2_vl(out_dir: Path) -> None:
         "size": {"longest_edge": _MAX_PIXELS, "shortest_edge": _MIN_PIXELS},
         "temporal_patch_size": 2,
     }
-    (out_dir / "preprocessor_config.json").write_text(json.dumps(preprocessor, indent=2) + "\n")
+
+
+def _build_qwen2_vl(out_dir: Path) -> None:
+    from transformers import Qwen2VLConfig, Qwen2VLForConditionalGeneration
+
+    config = Qwen2VLConfig(
+        text_config=_mrope_text_config(),
+        vision_config={
+            "depth": 2,
+            "embed_dim": _VISION_EMBED,
+            "hidden_size": _TEXT_HIDDEN,
+            "mlp_ratio": 2,
+            "num_heads": _VISION_HEADS,
+            "patch_size": 14,
+            "spatial_merge_size": 2,
+            "temporal_patch_size": 2,
+        },
+        tie_word_embeddings=True,
+        architectures=["Qwen2VLForConditionalGeneration"],
+        **_qwen_vl_tokens(),
+    )
+    model = Qwen2VLForConditionalGeneration(config)
+    _seeded_init(model, max(QWEN2_ADDED_TOKEN_IDS.values()))
+    _save(model, out_dir, _QWEN_EOS, _qwen_vl_preprocessor())
     _copy_tokenizer(out_dir, model_max_length=_MAX_POSITIONS)
 
 
-_BUILDERS: dict[str, Callable[[Path], None]] = {"tiny-qwen2-vl": _build_qwen2_vl}
+def _build_qwen2_5_vl(out_dir: Path) -> None:
+    from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
+
+    config = Qwen2_5_VLConfig(
+        text_config=_mrope_text_config(),
+        vision_config={
+            "depth": 2,
+            "hidden_size": _VISION_EMBED,
+            "intermediate_size": 2 * _VISION_EMBED,
+            "num_heads": _VISION_HEADS,
+            "out_hidden_size": _TEXT_HIDDEN,
+            "patch_size": 14,
+            "spatial_merge_size": 2,
+            "temporal_patch_size": 2,
+            # Windows of 2x2 merged patches; the last block attends globally,
+            # so both attention paths of the tower are exercised.
+            "window_size": 56,
+            "fullatt_block_indexes": [1],
+            "tokens_per_second": 2,
+        },
+        tie_word_embeddings=True,
+        architectures=["Qwen2_5_VLForConditionalGeneration"],
+        **_qwen_vl_tokens(),
+    )
+    model = Qwen2_5_VLForConditionalGeneration(config)
+    _seeded_init(model, max(QWEN2_ADDED_TOKEN_IDS.values()))
+    _save(model, out_dir, _QWEN_EOS, _qwen_vl_preprocessor())
+    _copy_tokenizer(out_dir, model_max_length=_MAX_POSITIONS)
+
+
+# LLaVA-1.5's own tokenizer (Llama's SentencePiece) cannot be had offline: the
+# tiny LLaVA uses Qwen's BPE vocabulary with LLaVA's "<image>" token added
+# after Qwen's special tokens, and LLaVA-1.5's chat template.
+LLAVA_IMAGE_TOKEN = "<image>"
+LLAVA_IMAGE_TOKEN_ID = max(QWEN2_ADDED_TOKEN_IDS.values()) + 1
+_LLAVA_IMAGE = 56
+_LLAVA_CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "{% if message['role'] != 'system' %}{{ message['role'].upper() + ': ' }}{% endif %}"
+    "{% if message['content'] is string %}{{ message['content'] + ' ' }}{% else %}"
+    "{% for content in message['content'] | selectattr('type', 'equalto', 'image') %}{{ '<image>\n' }}{% endfor %}"
+    "{% for content in message['content'] | selectattr('type', 'equalto', 'text') %}{{ content['text'] + ' ' }}"
+    "{% endfor %}{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}{{ 'ASSISTANT:' }}{% endif %}"
+)
+
+
+def _build_llava(out_dir: Path) -> None:
+    from transformers import AutoTokenizer, LlavaConfig, LlavaForConditionalGeneration
+
+    endoftext = QWEN2_ADDED_TOKEN_IDS["<|endoftext|>"]
+    tokens_per_image = (_LLAVA_IMAGE // 14) ** 2
+    config = LlavaConfig(
+        text_config={
+            "model_type": "llama",
+            **_text_config(eos_token_id=endoftext, rope_parameters={"rope_type": "default", "rope_theta": 10000.0}),
+        },
+        vision_config={
+            "model_type": "clip_vision_model",
+            "hidden_size": _VISION_EMBED,
+            "intermediate_size": 2 * _VISION_EMBED,
+            "num_hidden_layers": 2,
+            "num_attention_heads": _VISION_HEADS,
+            "image_size": _LLAVA_IMAGE,
+            "patch_size": 14,
+            "projection_dim": _VISION_EMBED,
+        },
+        image_token_index=LLAVA_IMAGE_TOKEN_ID,
+        image_seq_length=tokens_per_image,
+        vision_feature_select_strategy="default",
+        vision_feature_layer=-2,
+        projector_hidden_act="gelu",
+        tie_word_embeddings=True,
+        architectures=["LlavaForConditionalGeneration"],
+    )
+    model = LlavaForConditionalGeneration(config)
+    _seeded_init(model, LLAVA_IMAGE_TOKEN_ID)
+    preprocessor = {
+        "crop_size": {"height": _LLAVA_IMAGE, "width": _LLAVA_IMAGE},
+        "do_center_crop": True,
+        "do_convert_rgb": True,
+        "do_normalize": True,
+        "do_rescale": True,
+        "do_resize": True,
+        "image_mean": _CLIP_MEAN,
+        "image_std": _CLIP_STD,
+        "image_processor_type": "CLIPImageProcessor",
+        "resample": 3,
+        "rescale_factor": 1 / 255,
+        "size": {"shortest_edge": _LLAVA_IMAGE},
+    }
+    _save(model, out_dir, [endoftext], preprocessor)
+    _copy_tokenizer(out_dir, model_max_length=_MAX_POSITIONS)
+    tokenizer = AutoTokenizer.from_pretrained(str(out_dir))
+    tokenizer.add_special_tokens({"additional_special_tokens": [LLAVA_IMAGE_TOKEN]})
+    if tokenizer.convert_tokens_to_ids(LLAVA_IMAGE_TOKEN) != LLAVA_IMAGE_TOKEN_ID:
+        raise RuntimeError(f"{LLAVA_IMAGE_TOKEN} did not get id {LLAVA_IMAGE_TOKEN_ID}")
+    tokenizer.eos_token = "<|endoftext|>"
+    tokenizer.chat_template = _LLAVA_CHAT_TEMPLATE
+    tokenizer.save_pretrained(str(out_dir))
+
+
+_BUILDERS: dict[str, Callable[[Path], None]] = {
+    "tiny-qwen2-vl": _build_qwen2_vl,
+    "tiny-qwen2.5-vl": _build_qwen2_5_vl,
+    "tiny-llava": _build_llava,
+}
 BUILTIN_MODELS: tuple[str, ...] = tuple(_BUILDERS)
 
 

@@ -16,7 +16,11 @@ from schemas.errors import ErrorCode, MmpipeError, ModelNotFound
 from stages.models.builtin import BUILTIN_MODELS, builtin_path
 
 # Architecture (config.json "architectures") -> family name (stages.families).
-SUPPORTED_ARCHITECTURES: dict[str, str] = {"Qwen2VLForConditionalGeneration": "qwen2_vl"}
+SUPPORTED_ARCHITECTURES: dict[str, str] = {
+    "Qwen2VLForConditionalGeneration": "qwen2_vl",
+    "Qwen2_5_VLForConditionalGeneration": "qwen2_5_vl",
+    "LlavaForConditionalGeneration": "llava",
+}
 
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from typing import Any
 
 from stages.models.resolve import ModelSpec
 from stages.processor import ModelTraits
@@ -13,16 +14,25 @@ def load_traits(spec: ModelSpec) -> ModelTraits:
 
     config = AutoConfig.from_pretrained(str(spec.path))
     text = config.get_text_config()
-    pre_path = spec.path / "preprocessor_config.json"
-    pre = json.loads(pre_path.read_text()) if pre_path.is_file() else {}
-    patch = int(pre.get("patch_size", 14))
-    merge = int(pre.get("merge_size", 2))
-    min_pixels = int(pre.get("min_pixels") or (pre.get("size") or {}).get("shortest_edge") or (patch * merge) ** 2)
     return ModelTraits(
         served_name=spec.served_name,
         tokenizer=AutoTokenizer.from_pretrained(str(spec.path)),
         image_token_id=int(config.image_token_id),
         max_model_len=int(text.max_position_embeddings),
-        # smart_resize never goes below min_pixels, so no image is smaller.
-        min_tokens_per_image=max(1, min_pixels // (patch * merge) ** 2),
+        min_tokens_per_image=_min_tokens_per_image(spec, config),
     )
+
+
+def _min_tokens_per_image(spec: ModelSpec, config: Any) -> int:
+    if spec.family == "llava":
+        # Every image is resized and cropped to the tower's input: a fixed count.
+        vision = config.vision_config
+        patches = (int(vision.image_size) // int(vision.patch_size)) ** 2
+        return patches + (1 if config.vision_feature_select_strategy == "full" else 0)
+    pre_path = spec.path / "preprocessor_config.json"
+    pre = json.loads(pre_path.read_text()) if pre_path.is_file() else {}
+    patch = int(pre.get("patch_size", 14))
+    merge = int(pre.get("merge_size", 2))
+    min_pixels = int(pre.get("min_pixels") or (pre.get("size") or {}).get("shortest_edge") or (patch * merge) ** 2)
+    # smart_resize never goes below min_pixels, so no image is smaller.
+    return max(1, min_pixels // (patch * merge) ** 2)

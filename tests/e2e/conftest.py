@@ -158,8 +158,8 @@ async def image_server() -> AsyncIterator[str]:
 N = 12
 
 
-@pytest.fixture(scope="session")
-def reference(tiny_model_dir: Path) -> Any:
+def make_reference(tiny_model_dir: Path) -> Any:
+    """generate() on a checkpoint, for chat content as the openai client sends it."""
     model = load_reference_model(tiny_model_dir)
     tokenizer = AutoTokenizer.from_pretrained(str(tiny_model_dir))
 
@@ -177,6 +177,11 @@ def reference(tiny_model_dir: Path) -> Any:
     return generate
 
 
+@pytest.fixture(scope="session")
+def reference(tiny_model_dir: Path) -> Any:
+    return make_reference(tiny_model_dir)
+
+
 def client(stack: Stack, **kw: Any) -> openai.AsyncOpenAI:
     return openai.AsyncOpenAI(base_url=f"{stack.base_url}/v1", api_key="unused", max_retries=0, **kw)
 
@@ -185,12 +190,14 @@ def image_content(url: str, text: str = "Describe the picture.") -> list[dict[st
     return [{"type": "image_url", "image_url": {"url": url}}, {"type": "text", "text": text}]
 
 
-async def ask(c: openai.AsyncOpenAI, content: Any, stream: bool, n: int = N) -> tuple[str, int]:
+async def ask(
+    c: openai.AsyncOpenAI, content: Any, stream: bool, n: int = N, model: str = "tiny-qwen2-vl"
+) -> tuple[str, int]:
     messages = [{"role": "user", "content": content}]
     extra = {"min_tokens": n}
     if not stream:
         r = await c.chat.completions.create(
-            model="tiny-qwen2-vl",
+            model=model,
             messages=messages,
             max_tokens=n,
             temperature=0,
@@ -200,7 +207,7 @@ async def ask(c: openai.AsyncOpenAI, content: Any, stream: bool, n: int = N) -> 
         assert r.usage is not None
         return r.choices[0].message.content or "", r.usage.completion_tokens
     s = await c.chat.completions.create(
-        model="tiny-qwen2-vl",
+        model=model,
         messages=messages,  # type: ignore[arg-type]
         max_tokens=n,
         temperature=0,

@@ -175,7 +175,7 @@ def test_builtin_build_failure_leaves_nothing(mmpipe_home: Path, monkeypatch: py
 
 
 def test_resolve_builtin(mmpipe_home: Path, tiny_model_dir: Path) -> None:
-    assert BUILTIN_MODELS == ("tiny-qwen2-vl",)
+    assert BUILTIN_MODELS == ("tiny-qwen2-vl", "tiny-qwen2.5-vl", "tiny-llava")
     spec = resolve_model("tiny-qwen2-vl")
     assert spec == ModelSpec(
         served_name="tiny-qwen2-vl", path=mmpipe_home / "models" / "tiny-qwen2-vl", family="qwen2_vl"
@@ -183,6 +183,8 @@ def test_resolve_builtin(mmpipe_home: Path, tiny_model_dir: Path) -> None:
     assert spec.path == tiny_model_dir
     assert (spec.path / "model.safetensors").is_file()
     assert resolve_model("tiny-qwen2-vl", served_model_name="tiny").served_name == "tiny"
+    assert resolve_model("tiny-qwen2.5-vl").family == "qwen2_5_vl"
+    assert resolve_model("tiny-llava").family == "llava"
 
 
 def test_resolve_local_dir(tiny_dir: Path) -> None:

@@ -1,0 +1,63 @@
+"""LLaVA-1.5: a CLIP vision tower and a projector in front of a decoder-only
+language model with plain 1-D positions.
+
+Each image is resized and centre-cropped to the tower's input size, so every
+image becomes the same number of tokens (576 for a 336-pixel, patch-14
+tower); the family reads that count from the config, not from the image.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, ClassVar
+
+import torch
+from PIL import Image
+from transformers import LlavaForConditionalGeneration, PretrainedConfig
+
+from stages.families.base import Grid, LanguageModelFamily, features_per_item
+
+try:  # transformers 5.x: the PIL backend has its own class (the default one needs torchvision).
+    from transformers.models.clip.image_processing_pil_clip import CLIPImageProcessorPil as _ImageProcessor
+except ImportError:  # older releases: CLIPImageProcessor is the PIL/numpy one
+    from transformers import CLIPImageProcessor as _ImageProcessor  # type: ignore[assignment]
+
+
+def llava_tokens_per_image(config: PretrainedConfig) -> int:
+    vision = config.vision_config
+    patches = (int(vision.image_size) // int(vision.patch_size)) ** 2
+    # "default" drops the CLS token; "full" keeps it.
+    return patches + (1 if config.vision_feature_select_strategy == "full" else 0)
+
+
+class LlavaFamily(LanguageModelFamily):
+    name: ClassVar[str] = "llava"
+    architectures: ClassVar[tuple[str, ...]] = ("LlavaForConditionalGeneration",)
+
+    def __init__(self, model_dir: Path, config: PretrainedConfig) -> None:
+        super().__init__(model_dir, config)
+        self.image_processor = _ImageProcessor.from_pretrained(str(model_dir))
+        self.tokens_per_image = llava_tokens_per_image(config)
+
+    @property
+    def model_class(self) -> Any:
+        return LlavaForConditionalGeneration
+
+    def num_image_tokens(self, grid: Grid) -> int:
+        return self.tokens_per_image
+
+    @torch.inference_mode()
+    def encode(self, model: Any, images: list[Image.Image]) -> list[tuple[torch.Tensor, Grid]]:
+        """Projected vision features per image: ([tokens_per_image, hidden], (tokens,))."""
+        if not images:
+            return []
+        pixel_values = self.image_processor(images=images, return_tensors="pt")["pixel_values"]
+        out = model.get_image_features(pixel_values=pixel_values.to(model.device, model.dtype))
+        feats = features_per_item(out, [self.tokens_per_image] * len(images))
+        return [(f, (self.tokens_per_image,)) for f in feats]
+
+    def prompt_positions(self, token_ids: list[int], grids: list[Grid]) -> tuple[torch.Tensor, int]:
+        return torch.arange(len(token_ids), dtype=torch.long).unsqueeze(0), 0
+
+    def decode_positions(self, position: int) -> torch.Tensor:
+        return torch.tensor([[position]], dtype=torch.long)
