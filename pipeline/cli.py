@@ -38,6 +38,11 @@ def _model(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default="cpu")
     p.add_argument("--allow-internal-media", action="store_true", help="allow http:// and internal media URLs")
     p.add_argument(
+        "--modalities",
+        default=os.environ.get("MMPIPE_MODALITIES", "image"),
+        help="media kinds the processor accepts, e.g. image,video,audio (others get 422)",
+    )
+    p.add_argument(
         "--transport",
         choices=("auto", "nixl", "nats"),
         default=os.environ.get("MMPIPE_TRANSPORT", "auto"),
@@ -127,6 +132,7 @@ def main(argv: list[str] | None = None) -> int:
             device=args.device,
             max_inflight=args.max_inflight,
             allow_internal_media=args.allow_internal_media,
+            modalities=args.modalities,
             transport=args.transport,
             tensor_settings=TransportSettings(budget_bytes=args.tensor_budget_mb << 20, ttl_s=args.tensor_ttl),
         )

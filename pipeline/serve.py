@@ -17,6 +17,7 @@ from pipeline.config import PipelineConfig
 from pipeline.connection import connect, shutdown
 from pipeline.transport.base import TensorTransport, TransportSettings
 from pipeline.worker import Worker
+from schemas.processed import MediaKind
 from schemas.routes import HOP_ROLES, PROCESSOR
 from stages.contract import Stage, TensorStore
 from stages.media import MediaPolicy
@@ -33,11 +34,22 @@ class WorkerSettings:
     max_inflight: int = 8
     max_batch: int = 32
     allow_internal_media: bool = False
+    # Media kinds the processor accepts, comma separated.
+    modalities: str = "image"
     drain_grace_s: float = 30.0
     # "nixl", "nats" (the JetStream object store) or "auto": NIXL when it
     # imports, else the object store with a warning.
     transport: str = "auto"
     tensor_settings: TransportSettings = field(default_factory=TransportSettings)
+
+
+def parse_modalities(spec: str) -> frozenset[MediaKind]:
+    kinds = [k.strip() for k in spec.split(",") if k.strip()]
+    known = ", ".join(k.value for k in MediaKind)
+    try:
+        return frozenset(MediaKind(k) for k in kinds)
+    except ValueError:
+        raise SystemExit(f"--modalities {spec!r}: each must be one of {known}") from None
 
 
 def needs_tensors(role: str) -> bool:
@@ -59,7 +71,7 @@ def build_stage(
         from stages.models.traits import load_traits
         from stages.processor import Processor
 
-        return Processor(load_traits(spec), mode=config.mode)
+        return Processor(load_traits(spec), mode=config.mode, modalities=parse_modalities(settings.modalities))
     if role not in HOP_ROLES:
         raise SystemExit(f"unknown role {role!r}; roles: {PROCESSOR}, {', '.join(HOP_ROLES)}")
     from stages.engine import TorchEngine

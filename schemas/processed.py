@@ -12,15 +12,24 @@ from schemas.tensors import TensorRef
 
 class MediaKind(enum.StrEnum):
     IMAGE = "image"
+    VIDEO = "video"
+    AUDIO = "audio"
 
 
 class MediaItem(msgspec.Struct, omit_defaults=True, forbid_unknown_fields=True):
     kind: MediaKind
-    # data: / https:// / http:// URL as the client gave it.
+    # data: / https:// / http:// / file:// URL as the client gave it (inline
+    # input_audio becomes a data: URL).
     url: str
     # Index into prompt_token_ids of this item's single placeholder token; the
     # family expands it once the media's token count is known.
     placeholder_index: int
+    # Audio: the format the client declared ("wav", "mp3", ...).
+    format: str = ""
+    # Video: frame sampling asked for by the client (unset: server defaults).
+    num_frames: int | None = None
+    fps: float | None = None
+    max_frames: int | None = None
 
 
 class EncodedItem(msgspec.Struct, omit_defaults=True, forbid_unknown_fields=True):

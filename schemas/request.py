@@ -19,7 +19,42 @@ class ImagePart(msgspec.Struct, tag="image_url", tag_field="type", omit_defaults
     image_url: ImageURL
 
 
-ContentPart = TextPart | ImagePart
+class VideoURL(msgspec.Struct, omit_defaults=True, forbid_unknown_fields=True):
+    url: str
+    # Frame sampling: num_frames spread evenly, or fps (capped at max_frames);
+    # unset: the server's defaults.
+    num_frames: int | None = None
+    fps: float | None = None
+    max_frames: int | None = None
+
+
+class VideoPart(msgspec.Struct, tag="video_url", tag_field="type", omit_defaults=True, forbid_unknown_fields=True):
+    video_url: VideoURL
+
+
+class AudioURL(msgspec.Struct, omit_defaults=True, forbid_unknown_fields=True):
+    url: str
+
+
+class AudioPart(msgspec.Struct, tag="audio_url", tag_field="type", omit_defaults=True, forbid_unknown_fields=True):
+    audio_url: AudioURL
+
+
+class InputAudio(msgspec.Struct, omit_defaults=True, forbid_unknown_fields=True):
+    """OpenAI's inline audio: base64 bytes and their format ("wav", "mp3", ...)."""
+
+    data: str
+    format: str
+
+
+class InputAudioPart(
+    msgspec.Struct, tag="input_audio", tag_field="type", omit_defaults=True, forbid_unknown_fields=True
+):
+    input_audio: InputAudio
+
+
+ContentPart = TextPart | ImagePart | VideoPart | AudioPart | InputAudioPart
+MediaPart = ImagePart | VideoPart | AudioPart | InputAudioPart
 
 
 class ChatMessage(msgspec.Struct, omit_defaults=True, forbid_unknown_fields=True):

@@ -24,8 +24,8 @@ import msgspec
 import torch
 
 from schemas.chunk import TokenChunk
-from schemas.errors import ContextLengthExceeded, InvalidRequest
-from schemas.processed import EncodedItem, EncodedMedia, KvHandoff, ProcessedRequest
+from schemas.errors import ContextLengthExceeded, InvalidRequest, UnsupportedMedia
+from schemas.processed import EncodedItem, EncodedMedia, KvHandoff, MediaKind, ProcessedRequest
 from schemas.request import GenerateRequest
 from schemas.routes import HOP_ROLES
 from schemas.tensors import TensorRef
@@ -130,6 +130,10 @@ class HopStage:
 
     async def _encode(self, req: ProcessedRequest, ctx: HopContext) -> list[EncodedImage]:
         assert self.fetcher is not None
+        for item in req.media:
+            if item.kind is not MediaKind.IMAGE:
+                # The processor lets through only what the family's adapter runs.
+                raise UnsupportedMedia(f"{item.kind.value} input is not supported by this worker's model")
         images = await asyncio.gather(*(load_image(m.url, self.fetcher, self.media_policy) for m in req.media))
         if not images:
             return []

@@ -6,8 +6,10 @@ from __future__ import annotations
 import math
 import random
 from collections.abc import AsyncGenerator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
+
+import msgspec
 
 from schemas.errors import (
     ContextLengthExceeded,
@@ -17,7 +19,15 @@ from schemas.errors import (
     UnsupportedMedia,
 )
 from schemas.processed import MediaItem, MediaKind, ProcessedRequest
-from schemas.request import ChatMessage, GenerateRequest, ImagePart, TextPart
+from schemas.request import (
+    AudioPart,
+    ChatMessage,
+    GenerateRequest,
+    ImagePart,
+    MediaPart,
+    TextPart,
+    VideoPart,
+)
 from schemas.routes import HOP_ROLES, route_for
 from stages.contract import HopContext, StageOutput
 
@@ -28,6 +38,8 @@ _MEDIA_SCHEMES = ("data:", "https://", "http://", "file://")
 @dataclass(frozen=True)
 class ProcessorLimits:
     max_images: int = 8
+    max_videos: int = 2
+    max_audios: int = 4
     max_prompt_tokens: int = 32_768
     # Used when a request gives no max_tokens (capped by what the context leaves).
     default_max_tokens: int = 256
@@ -45,6 +57,13 @@ class ModelTraits:
     # Fewest tokens one image can become: a request that cannot fit even then
     # is refused here; the exact check happens at prefill.
     min_tokens_per_image: int
+    # The placeholder token of each media kind the model takes (and mmpipe's
+    # adapter for its family runs); empty: images only, by image_token_id.
+    placeholder_ids: dict[MediaKind, int] = field(default_factory=dict)
+
+    @property
+    def placeholders(self) -> dict[MediaKind, int]:
+        return self.placeholder_ids or {MediaKind.IMAGE: self.image_token_id}
 
 
 class Processor:
@@ -52,11 +71,18 @@ class Processor:
     input_type = GenerateRequest
     resumes_stream = False
 
-    def __init__(self, model: ModelTraits, mode: str = "epd", limits: ProcessorLimits | None = None) -> None:
+    def __init__(
+        self,
+        model: ModelTraits,
+        mode: str = "epd",
+        limits: ProcessorLimits | None = None,
+        modalities: frozenset[MediaKind] = frozenset({MediaKind.IMAGE}),
+    ) -> None:
         route_for(mode, True)  # fail at start on an unknown mode
         self.model = model
         self.mode = mode
         self.limits = limits or ProcessorLimits()
+        self.modalities = modalities
 
     @property
     def models(self) -> list[str]:
@@ -78,18 +104,20 @@ class Processor:
         if request.model != self.model.served_name:
             raise ModelNotFound(f"model {request.model!r} is not served here; served: {self.model.served_name}")
         template_messages, media = self._template_messages(request.messages)
-        if len(media) > self.limits.max_images:
-            raise TooLarge(f"{len(media)} images in one request; the limit is {self.limits.max_images}")
+        self._check_counts(media)
         prompt_ids = self._tokenize(template_messages)
-        placeholders = [i for i, t in enumerate(prompt_ids) if t == self.model.image_token_id]
-        if len(placeholders) != len(media):
+        kind_of = {token: kind for kind, token in self.model.placeholders.items()}
+        placeholders = [i for i, t in enumerate(prompt_ids) if t in kind_of]
+        if [kind_of[prompt_ids[i]] for i in placeholders] != [m.kind for m in media]:
             raise InvalidRequest(
-                f"the prompt holds {len(placeholders)} image placeholders for {len(media)} images: "
-                "do not write image placeholder tokens in text"
+                f"the prompt holds {len(placeholders)} media placeholders for {len(media)} media items: "
+                "do not write media placeholder tokens in text"
             )
+        media = [msgspec.structs.replace(m, placeholder_index=i) for m, i in zip(media, placeholders, strict=True)]
         if len(prompt_ids) > self.limits.max_prompt_tokens:
             raise TooLarge(f"prompt of {len(prompt_ids)} tokens; the limit is {self.limits.max_prompt_tokens}")
-        max_tokens = self._max_tokens(request, len(prompt_ids), len(media))
+        # Only images have a known least token count; other media add at least their placeholder.
+        max_tokens = self._max_tokens(request, len(prompt_ids), sum(m.kind is MediaKind.IMAGE for m in media))
         self._check_sampling(request)
         route = list(request.route) if request.route else route_for(self.mode, bool(media))
         for hop in route:
@@ -99,20 +127,17 @@ class Processor:
         return ProcessedRequest(
             request=request,
             prompt_token_ids=prompt_ids,
-            media=[
-                MediaItem(kind=MediaKind.IMAGE, url=url, placeholder_index=i)
-                for url, i in zip(media, placeholders, strict=True)
-            ],
+            media=media,
             route=route,
             max_tokens=max_tokens,
             seed=seed,
         )
 
-    def _template_messages(self, messages: list[ChatMessage]) -> tuple[list[dict[str, Any]], list[str]]:
+    def _template_messages(self, messages: list[ChatMessage]) -> tuple[list[dict[str, Any]], list[MediaItem]]:
         if not messages:
             raise InvalidRequest("messages must not be empty")
         out: list[dict[str, Any]] = []
-        media: list[str] = []
+        media: list[MediaItem] = []
         for i, message in enumerate(messages):
             if message.role not in _ROLES:
                 raise InvalidRequest(f"messages[{i}].role {message.role!r} is not one of {', '.join(_ROLES)}")
@@ -123,18 +148,52 @@ class Processor:
             for j, part in enumerate(message.content):
                 if isinstance(part, TextPart):
                     parts.append({"type": "text", "text": part.text})
-                elif isinstance(part, ImagePart):
-                    if message.role != "user":
-                        raise InvalidRequest(f"messages[{i}]: images are only accepted in user messages")
-                    url = part.image_url.url
-                    if not url.startswith(_MEDIA_SCHEMES):
-                        raise UnsupportedMedia(
-                            f"messages[{i}].content[{j}]: image URL scheme not supported; use data:, https:// or http://"
-                        )
-                    parts.append({"type": "image"})
-                    media.append(url)
+                    continue
+                where = f"messages[{i}].content[{j}]"
+                item = self._media_item(part, where)
+                if message.role != "user":
+                    raise InvalidRequest(f"messages[{i}]: media are only accepted in user messages")
+                parts.append({"type": item.kind.value})
+                media.append(item)
             out.append({"role": message.role, "content": parts})
         return out, media
+
+    def _media_item(self, part: MediaPart, where: str) -> MediaItem:
+        if isinstance(part, ImagePart):
+            item = MediaItem(MediaKind.IMAGE, part.image_url.url, -1)
+        elif isinstance(part, VideoPart):
+            v = part.video_url
+            item = MediaItem(MediaKind.VIDEO, v.url, -1, num_frames=v.num_frames, fps=v.fps, max_frames=v.max_frames)
+        elif isinstance(part, AudioPart):
+            item = MediaItem(MediaKind.AUDIO, part.audio_url.url, -1)
+        else:
+            audio = part.input_audio
+            fmt = audio.format.lower()
+            if not fmt.isalnum():
+                raise InvalidRequest(f"{where}.input_audio.format {audio.format!r} is not a format name")
+            # Inline bytes travel as a data: URL, like inline images.
+            item = MediaItem(MediaKind.AUDIO, f"data:audio/{fmt};base64,{audio.data}", -1, format=fmt)
+        kind = item.kind.value
+        if item.kind not in self.modalities:
+            enabled = ", ".join(sorted(m.value for m in self.modalities)) or "none"
+            raise UnsupportedMedia(f"{where}: {kind} input is not enabled on this deployment (enabled: {enabled})")
+        if item.kind not in self.model.placeholders:
+            takes = ", ".join(sorted(m.value for m in self.model.placeholders))
+            raise UnsupportedMedia(f"{where}: model {self.model.served_name!r} takes {takes} input, not {kind}")
+        if not item.url.startswith(_MEDIA_SCHEMES):
+            raise UnsupportedMedia(f"{where}: {kind} URL scheme not supported; use data:, https:// or http://")
+        return item
+
+    def _check_counts(self, media: list[MediaItem]) -> None:
+        caps = {
+            MediaKind.IMAGE: self.limits.max_images,
+            MediaKind.VIDEO: self.limits.max_videos,
+            MediaKind.AUDIO: self.limits.max_audios,
+        }
+        for kind, cap in caps.items():
+            count = sum(m.kind is kind for m in media)
+            if count > cap:
+                raise TooLarge(f"{count} {kind.value} items in one request; the limit is {cap}")
 
     def _tokenize(self, messages: list[dict[str, Any]]) -> list[int]:
         text = self.model.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from schemas.processed import MediaKind
 from stages.models.resolve import ModelSpec
 from stages.processor import ModelTraits
 
@@ -20,6 +21,9 @@ def load_traits(spec: ModelSpec) -> ModelTraits:
         image_token_id=int(config.image_token_id),
         max_model_len=int(text.max_position_embeddings),
         min_tokens_per_image=_min_tokens_per_image(spec, config),
+        # Images for every family so far; video and audio join as their
+        # adapters do (a request with them gets a clear 422 until then).
+        placeholder_ids={MediaKind.IMAGE: int(config.image_token_id)},
     )
 
 

@@ -85,6 +85,20 @@ async def test_bad_input_gets_its_status_and_code_and_the_worker_keeps_serving(
         ("private https", _bad("https://10.1.2.3/x.png"), {}, 400, "url_not_allowed"),
         ("max_tokens beyond context", "hi", {"max_tokens": 10**7}, 400, "context_length_exceeded"),
         ("temperature", "hi", {"temperature": 7.0}, 400, "invalid_request"),
+        (
+            "video not enabled",
+            [{"type": "video_url", "video_url": {"url": "data:video/mp4;base64,AAAA"}}],
+            {},
+            422,
+            "unsupported_media",
+        ),
+        (
+            "audio not enabled",
+            [{"type": "input_audio", "input_audio": {"data": "UklGRg==", "format": "wav"}}],
+            {},
+            422,
+            "unsupported_media",
+        ),
     ]
     try:
         async with client(stack) as c:

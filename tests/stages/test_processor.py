@@ -1,11 +1,24 @@
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import pytest
 
 from schemas.errors import ContextLengthExceeded, InvalidRequest, ModelNotFound, TooLarge, UnsupportedMedia
-from schemas.request import ChatMessage, GenerateRequest, ImagePart, ImageURL, SamplingParams, TextPart
+from schemas.processed import MediaKind
+from schemas.request import (
+    ChatMessage,
+    GenerateRequest,
+    ImagePart,
+    ImageURL,
+    InputAudio,
+    InputAudioPart,
+    SamplingParams,
+    TextPart,
+    VideoPart,
+    VideoURL,
+)
 from stages.models import resolve_model
 from stages.models.traits import load_traits
 from stages.processor import Processor, ProcessorLimits
@@ -16,7 +29,7 @@ def processor(tiny_model_dir: Path) -> Processor:
     return Processor(load_traits(resolve_model(str(tiny_model_dir), "tiny")), mode="epd")
 
 
-def req(*parts: TextPart | ImagePart, **sampling: object) -> GenerateRequest:
+def req(*parts: TextPart | ImagePart | VideoPart | InputAudioPart, **sampling: object) -> GenerateRequest:
     return GenerateRequest(
         request_id="r",
         model="tiny",
@@ -62,7 +75,7 @@ def test_seed_is_fixed_per_request(processor: Processor) -> None:
         (req(TextPart("hi"), top_p=0.0), InvalidRequest, "top_p"),
         (req(TextPart("hi"), min_tokens=9, max_tokens=3), InvalidRequest, "min_tokens"),
         (req(TextPart("<|image_pad|>")), InvalidRequest, "placeholder"),
-        (req(*[IMG] * 9), TooLarge, "9 images"),
+        (req(*[IMG] * 9), TooLarge, "9 image items"),
         (req(ImagePart(ImageURL("ftp://x/y.png"))), UnsupportedMedia, "scheme"),
     ],
 )
@@ -89,3 +102,39 @@ def test_prompt_length_limit(tiny_model_dir: Path) -> None:
     small = Processor(traits, limits=ProcessorLimits(max_prompt_tokens=20))
     with pytest.raises(TooLarge, match="prompt of"):
         small.process(req(TextPart("word " * 50)))
+
+
+VIDEO = VideoPart(VideoURL("data:video/mp4;base64,AAAA", fps=1.0))
+AUDIO = InputAudioPart(InputAudio("UklGRg==", "wav"))
+
+
+def test_a_disabled_modality_is_refused_with_422(processor: Processor) -> None:
+    with pytest.raises(UnsupportedMedia, match=r"content\[1\]: video input is not enabled on this deployment"):
+        processor.process(req(TextPart("see"), VIDEO))
+    with pytest.raises(UnsupportedMedia, match="audio input is not enabled"):
+        processor.process(req(AUDIO))
+    assert UnsupportedMedia.http_status == 422
+
+
+def test_an_enabled_modality_the_model_cannot_take_is_refused(tiny_model_dir: Path) -> None:
+    traits = load_traits(resolve_model(str(tiny_model_dir), "tiny"))
+    everything = Processor(traits, modalities=frozenset(MediaKind))
+    with pytest.raises(UnsupportedMedia, match="model 'tiny' takes image input, not video"):
+        everything.process(req(VIDEO))
+    assert len(everything.process(req(IMG, TextPart("ok"))).media) == 1
+
+
+def test_media_items_carry_kind_and_options(tiny_model_dir: Path) -> None:
+    traits = load_traits(resolve_model(str(tiny_model_dir), "tiny"))
+    # A model that takes all three (as Qwen2-Audio-style adapters will declare).
+    ids = traits.tokenizer.convert_tokens_to_ids(["<|image_pad|>", "<|video_pad|>", "<|AUDIO|>"])
+    pretend = dataclasses.replace(
+        traits, placeholder_ids={MediaKind.IMAGE: ids[0], MediaKind.VIDEO: ids[1], MediaKind.AUDIO: ids[2]}
+    )
+    # Qwen2-VL's template renders images and videos (not audio).
+    out = Processor(pretend, modalities=frozenset(MediaKind)).process(req(VIDEO, IMG, TextPart("?")))
+    assert [m.kind for m in out.media] == [MediaKind.VIDEO, MediaKind.IMAGE]
+    assert out.media[0].fps == 1.0 and out.media[0].num_frames is None
+    assert [out.prompt_token_ids[m.placeholder_index] for m in out.media] == ids[:2][::-1]
+    with pytest.raises(TooLarge, match="3 video items"):
+        Processor(pretend, modalities=frozenset(MediaKind)).process(req(VIDEO, VIDEO, VIDEO))
