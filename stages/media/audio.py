@@ -35,7 +35,6 @@ import soxr
 from schemas.errors import InvalidMedia, MmpipeError, TooLarge, UnsupportedMedia
 from stages.media.fetch import parse_data_url
 from stages.media.policy import MediaPolicy
-from stages.media.video import fetch_capped
 
 if TYPE_CHECKING:
     from stages.media.fetch import MediaFetcher
@@ -285,9 +284,12 @@ def _decode_base64(b64: str, max_bytes: int) -> bytes:
 async def load_audio(
     url: str, fetcher: MediaFetcher, policy: MediaPolicy | None = None, fmt: str | None = None
 ) -> DecodedAudio:
-    """Fetch ``url`` with ``fetcher`` and decode it (in a thread) under ``policy`` (default: the fetcher's)."""
+    """Fetch ``url`` with ``fetcher`` and decode it (in a thread) under ``policy`` (default: the fetcher's).
+
+    The fetch runs under the fetcher's policy with ``policy``'s ``audio_max_bytes`` as its byte cap.
+    """
     policy = policy if policy is not None else fetcher.policy
-    data = await fetch_capped(url, fetcher, policy.audio_max_bytes)
+    data = await fetcher.fetch(url, max_bytes=policy.audio_max_bytes)
     return await asyncio.to_thread(decode_audio, data, policy, fmt)
 
 

@@ -108,6 +108,8 @@ class PolicyResolver(AbstractResolver):
 @dataclasses.dataclass(slots=True)
 class _Inflight:
     task: asyncio.Task[bytes]
+    # The byte cap the download runs under; callers with a cap at most this may share it.
+    max_bytes: int
     waiters: int = 0
 
 
@@ -115,7 +117,9 @@ class MediaFetcher:
     """Fetches media bytes; one per process, sharing one aiohttp session for all requests.
 
     Concurrent fetches of one http(s) URL share one download, and recent http(s) results
-    are kept in a small LRU (by count, bytes and age).
+    are kept in a small LRU (by count, bytes and age). Each call may name its own byte cap
+    (video and audio have larger ones than images); the cap travels with the call, not the
+    URL, so a shared download or a cached result is checked against every caller's own cap.
     """
 
     def __init__(
@@ -168,14 +172,23 @@ class MediaFetcher:
         self._cache.clear()
         self._cache_bytes = 0
 
-    async def fetch(self, url: str) -> bytes:
-        """The bytes ``url`` names, within the policy's scheme, address, size and time limits."""
+    async def fetch(self, url: str, *, max_bytes: int | None = None) -> bytes:
+        """The bytes ``url`` names, within the policy's scheme, address, size and time limits.
+
+        ``max_bytes`` is this call's byte cap (default: the policy's ``max_bytes``, the image
+        cap); video and audio pass their own (``policy.video_max_bytes``, ``audio_max_bytes``).
+        It bounds data: payloads before decoding, downloads while streaming (after
+        decompression) and local files, and TooLarge names it.
+        """
         if self._closed:
             raise RuntimeError("MediaFetcher is closed")
+        cap = self._policy.max_bytes if max_bytes is None else max_bytes
+        if cap <= 0:
+            raise ValueError(f"max_bytes must be positive, got {cap}")
         if url[:5].lower() == "data:":
             if len(url) > _THREAD_DECODE_CHARS:
-                return (await asyncio.to_thread(parse_data_url, url, self._policy.max_bytes)).data
-            return parse_data_url(url, self._policy.max_bytes).data
+                return (await asyncio.to_thread(parse_data_url, url, cap)).data
+            return parse_data_url(url, cap).data
         if len(url) > MAX_URL_CHARS:
             raise UrlNotAllowed(f"media URL not allowed: longer than {MAX_URL_CHARS} characters")
         try:
@@ -185,23 +198,39 @@ class MediaFetcher:
         scheme = parsed.scheme.lower()
         if scheme == "file":
             path = resolve_local_path(parsed, self._policy)
-            return await asyncio.to_thread(_read_local_file, str(path), self._policy)
+            return await asyncio.to_thread(_read_local_file, str(path), self._policy, cap)
         if scheme not in ("http", "https"):
             shown = f"scheme {scheme + ':'!r}" if scheme else "a URL without a scheme"
             raise UrlNotAllowed(f"media URL not allowed: {shown}; use https: or data:")
         check_remote_url(parsed, self._policy)
         cached = self._cache_get(url)
-        if cached is not None:
-            return cached
-        return await self._shared_download(url, parsed)
+        if cached is None:
+            cached = await self._shared_download(url, parsed, cap)
+        if len(cached) > cap:
+            # Cached, or downloaded for a caller with a larger cap: fine for them, too big here.
+            raise TooLarge(f"media at {short_url(parsed)} is {len(cached)} bytes, over the {cap} byte limit")
+        return cached
 
     # -- http(s) --------------------------------------------------------------------------
 
-    async def _shared_download(self, key: str, url: URL) -> bytes:
+    async def _shared_download(self, key: str, url: URL, max_bytes: int) -> bytes:
+        """Join the download of ``key`` in flight, or start one; the caller checks its own cap.
+
+        A download runs under the cap of the caller that started it. A caller whose cap is no
+        larger joins it: the bytes are coming anyway, and it checks the length itself. A caller
+        with a larger cap cannot: the running download would stop short of what it may take.
+        It starts its own download under its cap and takes the URL's slot, so later callers
+        join the larger one; the smaller one goes on for the callers it already has. (Raising
+        the cap of a running download instead cannot undo a refusal it already made from the
+        Content-Length.) One URL fetched under different caps at once is rare (image and video
+        links are different links), so the rule costs at most one extra download then, and no
+        download ever runs under a cap larger than some caller's: an image request cannot make
+        the fetcher pull a video-sized body.
+        """
         entry = self._inflight.get(key)
-        if entry is None:
-            task = asyncio.get_running_loop().create_task(self._download_and_cache(key, url))
-            entry = _Inflight(task)
+        if entry is None or entry.max_bytes < max_bytes:
+            task = asyncio.get_running_loop().create_task(self._download_and_cache(key, url, max_bytes))
+            entry = _Inflight(task, max_bytes)
             self._inflight[key] = entry
             self._tasks.add(task)
             task.add_done_callback(partial(self._download_done, key, entry))
@@ -209,6 +238,11 @@ class MediaFetcher:
         try:
             # shield: a caller that is cancelled leaves; the download goes on for the others.
             return await asyncio.shield(entry.task)
+        except TooLarge:
+            if entry.max_bytes == max_bytes:
+                raise
+            # Over the download's larger cap, so over this caller's too: name the caller's cap.
+            raise TooLarge(f"media at {short_url(url)} is over the {max_bytes} byte limit") from None
         except asyncio.CancelledError:
             current = asyncio.current_task()
             if entry.task.cancelled() and current is not None and not current.cancelling():
@@ -231,8 +265,8 @@ class MediaFetcher:
             # Mark the exception seen: with every waiter gone, asyncio would log it as never retrieved.
             task.exception()
 
-    async def _download_and_cache(self, key: str, url: URL) -> bytes:
-        data = await self._download(url)
+    async def _download_and_cache(self, key: str, url: URL, max_bytes: int) -> bytes:
+        data = await self._download(url, max_bytes)
         self._cache_put(key, data)
         return data
 
@@ -259,7 +293,7 @@ class MediaFetcher:
         self._loop = loop
         return self._session
 
-    async def _download(self, url: URL) -> bytes:
+    async def _download(self, url: URL, max_bytes: int) -> bytes:
         policy = self._policy
         session = self._get_session()
         try:
@@ -275,7 +309,7 @@ class MediaFetcher:
                             raise MediaFetchFailed(
                                 f"fetching {short_url(url)} failed: HTTP {resp.status} {resp.reason or ''}".rstrip()
                             )
-                        return await _read_capped(resp, url, policy.max_bytes)
+                        return await _read_capped(resp, url, max_bytes)
                 raise MediaFetchFailed(f"fetching {short_url(url)} failed: more than {policy.max_redirects} redirects")
         except TimeoutError:
             raise MediaFetchFailed(
@@ -300,6 +334,8 @@ class MediaFetcher:
         return data
 
     def _cache_put(self, key: str, data: bytes) -> None:
+        # Never over the LRU's own byte capacity, whatever cap the download ran under: a 64 MiB
+        # video is not kept by a cache sized for images, and the cache never exceeds its budget.
         if self._cache_max_items <= 0 or len(data) > self._cache_max_bytes:
             return
         self._cache_drop(key)
@@ -343,7 +379,7 @@ async def _read_capped(resp: aiohttp.ClientResponse, url: URL, max_bytes: int) -
 # -- file: ------------------------------------------------------------------------------------
 
 
-def _read_local_file(path: str, policy: MediaPolicy) -> bytes:
+def _read_local_file(path: str, policy: MediaPolicy, max_bytes: int) -> bytes:
     # O_NONBLOCK: opening a FIFO must not hang a worker thread. O_NOFOLLOW: a symlink swapped in
     # after resolve() is refused rather than followed.
     flags = os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
@@ -363,19 +399,19 @@ def _read_local_file(path: str, policy: MediaPolicy) -> bytes:
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode):
             raise MediaFetchFailed(f"media path {path} is not a regular file")
-        if st.st_size > policy.max_bytes:
-            raise TooLarge(f"media file {path} is {st.st_size} bytes, over the {policy.max_bytes} byte limit")
+        if st.st_size > max_bytes:
+            raise TooLarge(f"media file {path} is {st.st_size} bytes, over the {max_bytes} byte limit")
         chunks: list[bytes] = []
         total = 0
         # The file may grow after fstat(); read at most one byte past the cap to notice.
-        while total <= policy.max_bytes:
-            chunk = os.read(fd, min(policy.max_bytes + 1 - total, MiB))
+        while total <= max_bytes:
+            chunk = os.read(fd, min(max_bytes + 1 - total, MiB))
             if not chunk:
                 break
             chunks.append(chunk)
             total += len(chunk)
     finally:
         os.close(fd)
-    if total > policy.max_bytes:
-        raise TooLarge(f"media file {path} is over the {policy.max_bytes} byte limit")
+    if total > max_bytes:
+        raise TooLarge(f"media file {path} is over the {max_bytes} byte limit")
     return b"".join(chunks)

@@ -60,8 +60,7 @@ class MediaPolicy:
     denied_networks: tuple[str, ...] = ()
 
     # Video (stages.media.video). A video costs far more than an image to decode, so it has its
-    # own caps. video_max_bytes is the inline (data:) cap; downloads are also held to max_bytes
-    # until MediaFetcher takes a per-call cap (see stages.media.video.fetch_capped).
+    # own caps. video_max_bytes caps a video whether inline (data:), downloaded or a local file.
     video_max_bytes: int = 64 * MiB
     video_max_duration_s: float = 600.0
     # Most frames one video may yield, however it is sampled; also the default for max_frames.

@@ -31,7 +31,6 @@ import numpy as np
 from PIL import Image
 
 from schemas.errors import InvalidMedia, InvalidRequest, MmpipeError, TooLarge, UnsupportedMedia
-from stages.media.fetch import parse_data_url
 from stages.media.image import sniff_format
 from stages.media.policy import MediaPolicy
 
@@ -470,28 +469,16 @@ def decode_video(data: bytes, policy: MediaPolicy, options: VideoOptions | None 
         raise InvalidMedia(f"corrupt or truncated {name} video: {type(e).__name__}: {e}") from None
 
 
-async def fetch_capped(url: str, fetcher: MediaFetcher, max_bytes: int) -> bytes:
-    """Fetch ``url`` under a per-kind byte cap (video and audio have their own).
-
-    data: URLs are parsed here under ``max_bytes`` alone: the bytes are already in the request.
-    Downloads go through ``fetcher``, so its policy's ``max_bytes`` also bounds them while
-    streaming; the smaller of the two caps applies. TODO: move into MediaFetcher.fetch as a
-    ``max_bytes`` argument so downloads can use the larger cap too.
-    """
-    if url[:5].lower() == "data:":
-        return (await asyncio.to_thread(parse_data_url, url, max_bytes)).data
-    data = await fetcher.fetch(url)
-    if len(data) > max_bytes:
-        raise TooLarge(f"media is {len(data)} bytes, over the {max_bytes} byte limit")
-    return data
-
-
 async def load_video(
     url: str, fetcher: MediaFetcher, policy: MediaPolicy | None = None, options: VideoOptions | None = None
 ) -> DecodedVideo:
-    """Fetch ``url`` with ``fetcher`` and sample it (in a thread) under ``policy`` (default: the fetcher's)."""
+    """Fetch ``url`` with ``fetcher`` and sample it (in a thread) under ``policy`` (default: the fetcher's).
+
+    The fetch runs under the fetcher's policy (schemes, addresses, timeout) with ``policy``'s
+    ``video_max_bytes`` as its byte cap, for data:, http(s): and file: URLs alike.
+    """
     policy = policy if policy is not None else fetcher.policy
     options = options if options is not None else VideoOptions()
     _frame_limit(options, policy)  # a bad request fails before the download
-    data = await fetch_capped(url, fetcher, policy.video_max_bytes)
+    data = await fetcher.fetch(url, max_bytes=policy.video_max_bytes)
     return await asyncio.to_thread(decode_video, data, policy, options)

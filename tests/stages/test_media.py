@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import collections
+import functools
 import gzip
 import io
 import ipaddress
@@ -41,6 +42,11 @@ from stages.media import (
 )
 
 INTERNAL = MediaPolicy(allow_internal=True, fetch_timeout_s=5.0)
+MiB = 1024 * 1024
+# A video-sized payload: over the default (image) cap of 20 MiB, under video_max_bytes (64 MiB).
+VIDEO_SIZED = 30 * MiB
+# The gated body the tests of concurrent callers with different caps share.
+GATED_BIG = 3 * MiB
 SIZE = (32, 24)
 RED = (200, 30, 30)
 
@@ -58,6 +64,12 @@ GIF = encode("GIF", mode="P", color=1)
 BMP = encode("BMP")
 TIFF = encode("TIFF")
 SVG = b'<?xml version="1.0"?>\n<svg xmlns="http://www.w3.org/2000/svg" width="10" height="10"/>'
+
+
+@functools.cache
+def payload(size: int) -> bytes:
+    """``size`` bytes of a repeating pattern, made once per size (the 30 MiB one is reused)."""
+    return bytes(range(256)) * (size // 256) + bytes(size % 256)
 
 
 def data_url(data: bytes, mime: str = "image/png") -> str:
@@ -136,6 +148,9 @@ class ImageServer:
         app.router.add_get("/huge", self._huge_chunked)
         app.router.add_get("/huge-cl", self._bytes(b"\x00" * (3 * 1024 * 1024), "image/png"))
         app.router.add_get("/gzip-bomb", self._gzip_bomb)
+        app.router.add_get("/video-sized", self._video_sized)
+        app.router.add_get("/video-sized-chunked", self._video_sized_chunked)
+        app.router.add_get("/gated-big", self._gated_big)
         # handler_cancellation: a handler left waiting by a client that gave up ends with it.
         self._runner = web.AppRunner(app, handler_cancellation=True, shutdown_timeout=1.0, access_log=None)
         await self._runner.setup()
@@ -182,6 +197,23 @@ class ImageServer:
             await resp.write(b"\x00" * 65536)
         await resp.write_eof()
         return resp
+
+    async def _video_sized(self, request: web.Request) -> web.Response:
+        return web.Response(body=payload(VIDEO_SIZED), content_type="video/mp4")
+
+    async def _video_sized_chunked(self, request: web.Request) -> web.StreamResponse:
+        resp = web.StreamResponse(headers={"Content-Type": "video/mp4"})
+        resp.enable_chunked_encoding()
+        await resp.prepare(request)
+        body = payload(VIDEO_SIZED)
+        for at in range(0, len(body), MiB):
+            await resp.write(body[at : at + MiB])
+        await resp.write_eof()
+        return resp
+
+    async def _gated_big(self, request: web.Request) -> web.Response:
+        await self.release.wait()
+        return web.Response(body=payload(GATED_BIG), content_type="video/mp4")
 
     async def _gzip_bomb(self, request: web.Request) -> web.Response:
         body = gzip.compress(b"\x00" * (8 * 1024 * 1024))
@@ -431,6 +463,24 @@ async def test_data_url_byte_cap(make_fetcher: Callable[..., MediaFetcher]) -> N
     with pytest.raises(TooLarge):
         await fetcher.fetch("data:image/png;base64," + "A" * 16_000_000)
     assert time.perf_counter() - started < 1.0
+
+
+async def test_data_url_per_call_byte_cap(make_fetcher: Callable[..., MediaFetcher]) -> None:
+    fetcher = make_fetcher(MediaPolicy())
+    url = data_url(payload(VIDEO_SIZED), "video/mp4")
+    with pytest.raises(TooLarge, match=f"over the {20 * MiB} byte limit"):
+        await fetcher.fetch(url)
+    assert await fetcher.fetch(url, max_bytes=MediaPolicy().video_max_bytes) == payload(VIDEO_SIZED)
+    # A per-call cap below the policy's holds too.
+    with pytest.raises(TooLarge, match="1001 bytes, over the 1000 byte limit"):
+        await fetcher.fetch(data_url(os.urandom(1001)), max_bytes=1000)
+
+
+async def test_per_call_byte_cap_must_be_positive(make_fetcher: Callable[..., MediaFetcher]) -> None:
+    fetcher = make_fetcher(INTERNAL)
+    for cap in (0, -1):
+        with pytest.raises(ValueError, match="max_bytes must be positive"):
+            await fetcher.fetch(data_url(PNG), max_bytes=cap)
 
 
 @pytest.mark.parametrize(
@@ -711,6 +761,104 @@ async def test_byte_cap(server: ImageServer, make_fetcher: Callable[..., MediaFe
         await fetcher.fetch(server.url(path))
 
 
+@pytest.mark.parametrize("path", ["/video-sized", "/video-sized-chunked"])
+async def test_per_call_byte_cap_over_http(
+    server: ImageServer, make_fetcher: Callable[..., MediaFetcher], path: str
+) -> None:
+    fetcher = make_fetcher(INTERNAL)
+    url = server.url(path)
+    with pytest.raises(TooLarge, match=f"over the {INTERNAL.max_bytes} byte limit"):
+        await fetcher.fetch(url)
+    assert await fetcher.fetch(url, max_bytes=INTERNAL.video_max_bytes) == payload(VIDEO_SIZED)
+    assert server.hits[path] == 2
+    # Now in the LRU (30 MiB of its 128): a hit is still held to each caller's own cap.
+    with pytest.raises(TooLarge, match=f"is {VIDEO_SIZED} bytes, over the {INTERNAL.max_bytes} byte limit"):
+        await fetcher.fetch(url)
+    assert await fetcher.fetch(url, max_bytes=INTERNAL.video_max_bytes) == payload(VIDEO_SIZED)
+    assert server.hits[path] == 2
+
+
+async def test_the_lru_keeps_nothing_over_its_capacity_whatever_the_cap(
+    server: ImageServer, make_fetcher: Callable[..., MediaFetcher]
+) -> None:
+    fetcher = make_fetcher(INTERNAL, cache_max_bytes=VIDEO_SIZED - 1)
+    for _ in range(2):
+        assert await fetcher.fetch(server.url("/video-sized"), max_bytes=INTERNAL.video_max_bytes) == payload(
+            VIDEO_SIZED
+        )
+    assert server.hits["/video-sized"] == 2
+
+
+async def test_a_smaller_cap_joins_a_larger_download(
+    server: ImageServer, make_fetcher: Callable[..., MediaFetcher]
+) -> None:
+    fetcher = make_fetcher(INTERNAL)
+    url = server.url("/gated-big")
+    big = asyncio.create_task(fetcher.fetch(url, max_bytes=4 * MiB))
+    await wait_until(lambda: server.hits["/gated-big"] == 1)
+    small = asyncio.create_task(fetcher.fetch(url, max_bytes=1 * MiB))
+    await asyncio.sleep(0.05)
+    server.release.set()
+    assert await big == payload(GATED_BIG)
+    with pytest.raises(TooLarge, match=f"is {GATED_BIG} bytes, over the {MiB} byte limit"):
+        await small
+    assert server.hits["/gated-big"] == 1
+
+
+async def test_a_larger_cap_does_not_join_a_smaller_download(
+    server: ImageServer, make_fetcher: Callable[..., MediaFetcher]
+) -> None:
+    """The download in flight would stop at the smaller cap; the larger caller starts its own."""
+    fetcher = make_fetcher(INTERNAL)
+    url = server.url("/gated-big")
+    small = asyncio.create_task(fetcher.fetch(url, max_bytes=1 * MiB))
+    await wait_until(lambda: server.hits["/gated-big"] == 1)
+    big = asyncio.create_task(fetcher.fetch(url, max_bytes=4 * MiB))
+    await wait_until(lambda: server.hits["/gated-big"] == 2)
+    # Later callers join the larger download, whatever their cap.
+    later = asyncio.create_task(fetcher.fetch(url, max_bytes=4 * MiB))
+    await asyncio.sleep(0.05)
+    server.release.set()
+    with pytest.raises(TooLarge, match=f"is {GATED_BIG} bytes, over the {MiB} byte limit"):
+        await small
+    assert await big == await later == payload(GATED_BIG)
+    assert server.hits["/gated-big"] == 2
+
+
+async def test_a_shared_download_over_every_cap_names_each_callers_own(
+    server: ImageServer, make_fetcher: Callable[..., MediaFetcher]
+) -> None:
+    fetcher = make_fetcher(INTERNAL)
+    url = server.url("/gated-big")
+    larger = asyncio.create_task(fetcher.fetch(url, max_bytes=2 * MiB))
+    await wait_until(lambda: server.hits["/gated-big"] == 1)
+    smaller = asyncio.create_task(fetcher.fetch(url, max_bytes=1 * MiB))
+    await asyncio.sleep(0.05)
+    server.release.set()
+    with pytest.raises(TooLarge, match=f"over the {2 * MiB} byte limit"):
+        await larger
+    with pytest.raises(TooLarge, match=f"over the {MiB} byte limit"):
+        await smaller
+    assert server.hits["/gated-big"] == 1
+
+
+async def test_cancelling_the_caller_that_started_a_download_leaves_it_to_the_others(
+    server: ImageServer, make_fetcher: Callable[..., MediaFetcher]
+) -> None:
+    fetcher = make_fetcher(INTERNAL)
+    url = server.url("/gated-big")
+    starter = asyncio.create_task(fetcher.fetch(url, max_bytes=8 * MiB))
+    await wait_until(lambda: server.hits["/gated-big"] == 1)
+    joiner = asyncio.create_task(fetcher.fetch(url, max_bytes=4 * MiB))
+    await asyncio.sleep(0.05)
+    starter.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await starter
+    server.release.set()
+    assert await joiner == payload(GATED_BIG)
+    assert server.hits["/gated-big"] == 1
+
+
 async def test_concurrent_fetches_share_one_download(
     server: ImageServer, make_fetcher: Callable[..., MediaFetcher]
 ) -> None:
@@ -852,6 +1000,17 @@ async def test_file_urls_outside_allowed_dirs_are_refused(
             await fetcher.fetch(url)
     with pytest.raises(UrlNotAllowed, match="file: URLs are disabled"):
         await make_fetcher(MediaPolicy()).fetch(f"file://{allowed}/img.png")
+
+
+async def test_file_url_per_call_byte_cap(make_fetcher: Callable[..., MediaFetcher], tmp_path: Path) -> None:
+    (tmp_path / "v.mp4").write_bytes(payload(VIDEO_SIZED))
+    fetcher = make_fetcher(MediaPolicy(allowed_local_dirs=(tmp_path,)))
+    url = f"file://{tmp_path}/v.mp4"
+    with pytest.raises(TooLarge, match=f"is {VIDEO_SIZED} bytes, over the {20 * MiB} byte limit"):
+        await fetcher.fetch(url)
+    assert await fetcher.fetch(url, max_bytes=MediaPolicy().video_max_bytes) == payload(VIDEO_SIZED)
+    with pytest.raises(TooLarge, match=f"over the {VIDEO_SIZED - 1} byte limit"):
+        await fetcher.fetch(url, max_bytes=VIDEO_SIZED - 1)
 
 
 async def test_file_url_failures(make_fetcher: Callable[..., MediaFetcher], media_dirs: tuple[Path, Path]) -> None:

@@ -27,7 +27,6 @@ from stages.media import (
     VideoOptions,
     decode_audio,
     decode_video,
-    fetch_capped,
     load_audio,
     load_audio_base64,
     load_video,
@@ -455,15 +454,17 @@ async def test_bad_options_fail_before_fetching() -> None:
             await load_video("https://example.invalid/v.mp4", fetcher, POLICY, VideoOptions(num_frames=1000))
 
 
-async def test_downloads_get_the_smaller_byte_cap(mp4: bytes, tmp_path: Path) -> None:
+async def test_load_video_fetches_files_under_the_video_byte_cap(mp4: bytes, tmp_path: Path) -> None:
     (tmp_path / "v.mp4").write_bytes(mp4)
     url = (tmp_path / "v.mp4").as_uri()
-    async with MediaFetcher(MediaPolicy(allowed_local_dirs=(tmp_path,))) as fetcher:
-        assert await fetch_capped(url, fetcher, len(mp4)) == mp4
-        with pytest.raises(TooLarge, match=f"over the {len(mp4) - 1} byte limit"):
-            await fetch_capped(url, fetcher, len(mp4) - 1)
+    # The fetcher's own cap (images) is far below the video: video_max_bytes is what counts.
+    async with MediaFetcher(MediaPolicy(allowed_local_dirs=(tmp_path,), max_bytes=100)) as fetcher:
         out = await load_video(url, fetcher, None, VideoOptions(num_frames=2))
         assert out.frame_indices == [0, 25]
+        with pytest.raises(TooLarge, match=f"over the {len(mp4) - 1} byte limit"):
+            await load_video(url, fetcher, MediaPolicy(video_max_bytes=len(mp4) - 1), VideoOptions(num_frames=2))
+        with pytest.raises(TooLarge, match="over the 100 byte limit"):
+            await fetcher.fetch(url)
 
 
 # -- audio -------------------------------------------------------------------------------------
@@ -644,6 +645,16 @@ async def test_load_audio_from_a_data_url(wav: bytes) -> None:
         assert peak_hz(out.samples, 16_000) == pytest.approx(440.0, abs=2)
         with pytest.raises(TooLarge):
             await load_audio(data_url(wav, "audio/wav"), fetcher, MediaPolicy(audio_max_bytes=1000))
+
+
+async def test_load_audio_fetches_files_under_the_audio_byte_cap(wav: bytes, tmp_path: Path) -> None:
+    (tmp_path / "a.wav").write_bytes(wav)
+    url = (tmp_path / "a.wav").as_uri()
+    async with MediaFetcher(MediaPolicy(allowed_local_dirs=(tmp_path,), max_bytes=100)) as fetcher:
+        out = await load_audio(url, fetcher, None, "wav")
+        assert peak_hz(out.samples, 16_000) == pytest.approx(440.0, abs=2)
+        with pytest.raises(TooLarge, match=f"over the {len(wav) - 1} byte limit"):
+            await load_audio(url, fetcher, MediaPolicy(audio_max_bytes=len(wav) - 1), "wav")
 
 
 # -- policy ------------------------------------------------------------------------------------
