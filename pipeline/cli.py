@@ -52,6 +52,12 @@ def _model(p: argparse.ArgumentParser) -> None:
         "--tensor-budget-mb", type=int, default=256, help="MiB of tensors a worker holds for readers at most"
     )
     p.add_argument("--tensor-ttl", type=float, default=60.0, help="seconds before unread tensors are freed")
+    p.add_argument(
+        "--embedding-cache-bytes",
+        type=int,
+        default=64 << 20,
+        help="bytes of media embeddings an encoding worker keeps, keyed by content (0: off)",
+    )
 
 
 def _bridge(p: argparse.ArgumentParser) -> None:
@@ -133,6 +139,7 @@ def main(argv: list[str] | None = None) -> int:
             max_inflight=args.max_inflight,
             allow_internal_media=args.allow_internal_media,
             modalities=args.modalities,
+            embedding_cache_bytes=args.embedding_cache_bytes,
             transport=args.transport,
             tensor_settings=TransportSettings(budget_bytes=args.tensor_budget_mb << 20, ttl_s=args.tensor_ttl),
         )

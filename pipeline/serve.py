@@ -20,7 +20,7 @@ from pipeline.worker import Worker
 from schemas.processed import MediaKind
 from schemas.routes import HOP_ROLES, PROCESSOR
 from stages.contract import Stage, TensorStore
-from stages.media import MediaPolicy
+from stages.media import EmbeddingCache, MediaPolicy
 from stages.models import ModelSpec, resolve_model
 
 log = structlog.get_logger(__name__)
@@ -36,6 +36,8 @@ class WorkerSettings:
     allow_internal_media: bool = False
     # Media kinds the processor accepts, comma separated.
     modalities: str = "image"
+    # Embeddings kept by a worker that encodes, keyed by media content (0: off).
+    embedding_cache_bytes: int = 64 << 20
     drain_grace_s: float = 30.0
     # "nixl", "nats" (the JetStream object store) or "auto": NIXL when it
     # imports, else the object store with a warning.
@@ -79,7 +81,16 @@ def build_stage(
 
     engine = TorchEngine(Path(spec.path), device=settings.device)
     policy = MediaPolicy(allow_internal=settings.allow_internal_media)
-    return HopStage(role, engine, spec.served_name, tensors, media_policy=policy, max_batch=settings.max_batch)
+    cache = EmbeddingCache(settings.embedding_cache_bytes, name=role) if role.startswith("encode") else None
+    return HopStage(
+        role,
+        engine,
+        spec.served_name,
+        tensors,
+        media_policy=policy,
+        max_batch=settings.max_batch,
+        embedding_cache=cache,
+    )
 
 
 def _on_signals(stop: Callable[[], None]) -> None:

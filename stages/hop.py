@@ -15,7 +15,6 @@ The prefill step covers the prompt plus whatever a client already received
 
 from __future__ import annotations
 
-import asyncio
 import time
 from collections.abc import AsyncGenerator
 from dataclasses import dataclass
@@ -24,15 +23,16 @@ import msgspec
 import torch
 
 from schemas.chunk import TokenChunk
-from schemas.errors import ContextLengthExceeded, InvalidRequest, UnsupportedMedia
-from schemas.processed import EncodedItem, EncodedMedia, KvHandoff, MediaKind, ProcessedRequest
+from schemas.errors import ContextLengthExceeded, InvalidRequest
+from schemas.processed import EncodedItem, EncodedMedia, KvHandoff, ProcessedRequest
 from schemas.request import GenerateRequest
 from schemas.routes import HOP_ROLES
 from schemas.tensors import TensorRef
 from stages.contract import HopContext, StageOutput, TensorStore
 from stages.emitter import ChunkEmitter
+from stages.encoder import MediaEncoder
 from stages.engine import EncodedImage, KvState, SamplingConfig, Sequence, TorchEngine
-from stages.media import MediaFetcher, MediaPolicy, load_image
+from stages.media import EmbeddingCache, MediaFetcher, MediaPolicy
 from stages.scheduler import DecodeScheduler, EngineThread
 
 STEPS = ("encode", "prefill", "decode")
@@ -63,6 +63,7 @@ class HopStage:
         tensors: TensorStore | None = None,
         media_policy: MediaPolicy | None = None,
         max_batch: int = 32,
+        embedding_cache: EmbeddingCache | None = None,
     ) -> None:
         self.role = role
         self.steps = _Steps.of(role)
@@ -76,6 +77,11 @@ class HopStage:
         self.media_policy = media_policy or MediaPolicy()
         self.fetcher = MediaFetcher(self.media_policy) if self.steps.encode else None
         self.thread = EngineThread()
+        self.encoder = (
+            MediaEncoder(engine, self.thread, self.fetcher, self.media_policy, embedding_cache)
+            if self.fetcher is not None
+            else None
+        )
         self.scheduler = DecodeScheduler(engine, self.thread, max_batch=max_batch) if self.steps.decode else None
 
     @property
@@ -101,7 +107,8 @@ class HopStage:
         rid = req.request.request_id
         if self.steps.encode or self.steps.prefill:
             if self.steps.encode:
-                encoded = await self._encode(req, ctx)
+                assert self.encoder is not None
+                encoded = await self.encoder.encode(req, ctx)
             else:
                 encoded = await self._receive_embeddings(req, ctx)
             if not self.steps.prefill:
@@ -127,20 +134,6 @@ class HopStage:
             yield chunk
 
     # -- encode ---------------------------------------------------------------
-
-    async def _encode(self, req: ProcessedRequest, ctx: HopContext) -> list[EncodedImage]:
-        assert self.fetcher is not None
-        for item in req.media:
-            if item.kind is not MediaKind.IMAGE:
-                # The processor lets through only what the family's adapter runs.
-                raise UnsupportedMedia(f"{item.kind.value} input is not supported by this worker's model")
-        images = await asyncio.gather(*(load_image(m.url, self.fetcher, self.media_policy) for m in req.media))
-        if not images:
-            return []
-        started = time.monotonic()
-        encoded = await self.thread.call(self.engine.encode, list(images))
-        ctx.trace["encode_s"] = time.monotonic() - started
-        return encoded
 
     async def _receive_embeddings(self, req: ProcessedRequest, ctx: HopContext) -> list[EncodedImage]:
         if not req.media:

@@ -209,3 +209,19 @@ async def test_a_full_tensor_budget_stops_fetching_until_a_reader_frees_it(make_
         await stack.add_worker("prefill")
         assert await asyncio.gather(*answers) == [(expected, N)] * 4
     assert encoder.handled == 4
+
+
+@pytest.mark.e2e
+async def test_the_embedding_cache_lives_with_the_encode_role(make_stack: Any, reference: Any) -> None:
+    stack = await make_stack("e-p-d")
+    image = gradient(64, 48, 1)
+    content = image_content(png_data_url(image))
+    _, expected = reference(content, [image])
+    async with client(stack) as c:
+        assert await ask(c, content, stream=True) == (expected, N)
+        assert await ask(c, content, stream=False) == (expected, N)
+    [encoder] = [w for w in stack.workers if w.role == "encode"]
+    cache = encoder.stage.encoder.cache  # type: ignore[attr-defined]
+    assert (cache.stats()["hits"], cache.stats()["misses"]) == (1, 1)
+    # Prefill and decode workers encode nothing, so they keep no cache.
+    assert all(getattr(w.stage, "encoder", None) is None for w in stack.workers if w.role in ("prefill", "decode"))

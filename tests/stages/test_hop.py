@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import asyncio
+import base64
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
 import pytest
+from aiohttp import web
 
 from schemas.chunk import FinishReason, TokenChunk
 from schemas.request import ChatMessage, GenerateRequest, ImagePart, ImageURL, SamplingParams, TextPart
@@ -15,6 +17,7 @@ from stages.contract import HopContext
 from stages.engine import TorchEngine
 from stages.engine.reference import reference_generate
 from stages.hop import HopStage
+from stages.media import EmbeddingCache, MediaPolicy
 from stages.models import resolve_model
 from stages.models.traits import load_traits
 from stages.processor import Processor
@@ -30,6 +33,25 @@ async def stage(tiny_model_dir: Path) -> AsyncIterator[HopStage]:
     await s.close()
 
 
+@pytest.fixture
+async def image_server_url() -> AsyncIterator[str]:
+    """The same image bytes as png_data_url(gradient(60, 44, 3)), over http on loopback."""
+    body = base64.b64decode(png_data_url(gradient(60, 44, 3)).split(",", 1)[1])
+
+    async def handle(request: web.Request) -> web.Response:
+        return web.Response(body=body, content_type="image/png")
+
+    app = web.Application()
+    app.router.add_get("/img.png", handle)
+    runner = web.AppRunner(app, access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    host, port = runner.addresses[0][:2]
+    yield f"http://{host}:{port}"
+    await runner.cleanup()
+
+
 @pytest.fixture(scope="module")
 def processor(tiny_model_dir: Path) -> Processor:
     return Processor(load_traits(resolve_model(str(tiny_model_dir), "tiny")))
@@ -40,15 +62,18 @@ def scheduler(stage: HopStage) -> DecodeScheduler:
     return stage.scheduler
 
 
-def image_request(n: int, **sampling: Any) -> GenerateRequest:
-    content = [ImagePart(ImageURL(png_data_url(gradient(60, 44, 3)))), TextPart("What is it?")]
+def image_request(n: int, url: str | None = None, **sampling: Any) -> GenerateRequest:
+    content = [ImagePart(ImageURL(url or png_data_url(gradient(60, 44, 3)))), TextPart("What is it?")]
     return GenerateRequest(
         "r1", "tiny", [ChatMessage("user", content)], SamplingParams(max_tokens=n, min_tokens=n, **sampling)
     )
 
 
-async def run(stage: HopStage, processed: Any, emitted: list[int] | None = None) -> list[TokenChunk]:
-    return [c async for c in stage.run(processed, HopContext(emitted=emitted or []))]  # type: ignore[misc]
+async def run(
+    stage: HopStage, processed: Any, emitted: list[int] | None = None, ctx: HopContext | None = None
+) -> list[TokenChunk]:
+    ctx = ctx or HopContext(emitted=emitted or [])
+    return [c async for c in stage.run(processed, ctx)]  # type: ignore[misc]
 
 
 async def test_tokens_equal_generate_and_chunks_are_well_formed(
@@ -115,3 +140,47 @@ async def test_concurrent_requests_share_the_decode_loop(
     for p, chunks in zip(requests, results, strict=True):
         expected = reference_generate(tiny_model_dir, p.prompt_token_ids, [], 6)
         assert [t for c in chunks for t in c.token_ids] == expected
+
+
+async def test_embedding_cache_hit_skips_the_encoder_and_keeps_the_tokens(
+    processor: Processor, tiny_model_dir: Path, image_server_url: str
+) -> None:
+    cache = EmbeddingCache(1 << 20, name="test-hop-cache")
+    stage = HopStage(
+        "encode+prefill+decode",
+        TorchEngine(tiny_model_dir),
+        "tiny",
+        media_policy=MediaPolicy(allow_internal=True),
+        embedding_cache=cache,
+    )
+    await stage.start()
+    try:
+        image = gradient(60, 44, 3)
+        by_data = processor.process(image_request(6, temperature=0.0))
+        expected = reference_generate(tiny_model_dir, by_data.prompt_token_ids, [image], 6)
+        ctx = HopContext()
+        assert [t for c in await run(stage, by_data, ctx=ctx) for t in c.token_ids] == expected
+        assert ctx.trace["cache_hit"] == 0.0 and "encode_s" in ctx.trace
+        # The same bytes by another URL: the key is the content, not the URL.
+        by_url = processor.process(image_request(6, temperature=0.0, url=f"{image_server_url}/img.png"))
+        ctx = HopContext()
+        assert [t for c in await run(stage, by_url, ctx=ctx) for t in c.token_ids] == expected
+        assert ctx.trace["cache_hit"] == 1.0 and "encode_s" not in ctx.trace
+        assert cache.stats()["hits"] == 1 and cache.stats()["entries"] == 1
+        # Two images are one entry of their own; each alone was a different set.
+        two = processor.process(
+            GenerateRequest(
+                "r3",
+                "tiny",
+                [
+                    ChatMessage(
+                        "user", [ImagePart(ImageURL(png_data_url(image))), ImagePart(ImageURL(png_data_url(image)))]
+                    )
+                ],
+                SamplingParams(max_tokens=4, min_tokens=4, temperature=0.0),
+            )
+        )
+        await run(stage, two)
+        assert cache.stats()["entries"] == 2 and cache.stats()["hits"] == 1
+    finally:
+        await stage.close()
