@@ -24,6 +24,8 @@ class MediaItem(msgspec.Struct, omit_defaults=True, forbid_unknown_fields=True):
     # Index into prompt_token_ids of this item's single placeholder token; the
     # family expands it once the media's token count is known.
     placeholder_index: int
+    # The URL holds precomputed embeddings (.safetensors), not the media.
+    embeds: bool = False
     # Audio: the format the client declared ("wav", "mp3", ...).
     format: str = ""
     # Video: frame sampling asked for by the client (unset: server defaults).

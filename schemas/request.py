@@ -53,8 +53,22 @@ class InputAudioPart(
     input_audio: InputAudio
 
 
-ContentPart = TextPart | ImagePart | VideoPart | AudioPart | InputAudioPart
-MediaPart = ImagePart | VideoPart | AudioPart | InputAudioPart
+class ImageEmbeds(msgspec.Struct, omit_defaults=True, forbid_unknown_fields=True):
+    """A .safetensors payload (data: URL or allow-listed file) of embeddings
+    made with the model's own encoder: 'embeddings' [tokens, hidden] and, for
+    Qwen-VL, 'grid' [3]."""
+
+    url: str
+
+
+class ImageEmbedsPart(
+    msgspec.Struct, tag="image_embeds", tag_field="type", omit_defaults=True, forbid_unknown_fields=True
+):
+    image_embeds: ImageEmbeds
+
+
+ContentPart = TextPart | ImagePart | ImageEmbedsPart | VideoPart | AudioPart | InputAudioPart
+MediaPart = ImagePart | ImageEmbedsPart | VideoPart | AudioPart | InputAudioPart
 
 
 class ChatMessage(msgspec.Struct, omit_defaults=True, forbid_unknown_fields=True):

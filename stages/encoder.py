@@ -22,7 +22,15 @@ from schemas.errors import UnsupportedMedia
 from schemas.processed import MediaKind, ProcessedRequest
 from stages.contract import HopContext
 from stages.engine import EncodedImage, TorchEngine
-from stages.media import CachedEmbedding, EmbeddingCache, MediaFetcher, MediaPolicy, content_key, decode_image
+from stages.media import (
+    CachedEmbedding,
+    EmbeddingCache,
+    MediaFetcher,
+    MediaPolicy,
+    content_key,
+    decode_image,
+    parse_embeddings,
+)
 from stages.scheduler import EngineThread
 
 # Hashing runs at about 1 GB/s: beyond this much, do it off the event loop.
@@ -54,18 +62,38 @@ class MediaEncoder:
         if not req.media:
             return []
         datas = await asyncio.gather(*(self.fetcher.fetch(m.url) for m in req.media))
+        if any(m.embeds for m in req.media):
+            return await self._with_precomputed(req, list(datas), ctx)
         key = await self._key(datas) if self.cache is not None else ""
         if self.cache is not None and (hit := self.cache.get(key)) is not None:
             ctx.trace["cache_hit"] = 1.0
             return _unpack(hit)
-        images = await asyncio.gather(*(asyncio.to_thread(decode_image, d, self.policy) for d in datas))
-        started = time.monotonic()
-        encoded = await self.thread.call(self.engine.encode, list(images))
-        ctx.trace["encode_s"] = time.monotonic() - started
+        encoded = await self._encode_pixels(list(datas), ctx)
         if self.cache is not None:
             ctx.trace["cache_hit"] = 0.0
             self.cache.put(key, _pack(encoded))
         return encoded
+
+    async def _encode_pixels(self, datas: list[bytes], ctx: HopContext) -> list[EncodedImage]:
+        images = await asyncio.gather(*(asyncio.to_thread(decode_image, d, self.policy) for d in datas))
+        started = time.monotonic()
+        encoded = await self.thread.call(self.engine.encode, list(images))
+        ctx.trace["encode_s"] = time.monotonic() - started
+        return encoded
+
+    async def _with_precomputed(self, req: ProcessedRequest, datas: list[bytes], ctx: HopContext) -> list[EncodedImage]:
+        """Images sent as embeddings skip the tower; the others still go
+        through it in one call. Not cached: the client already holds them."""
+        pixels = [d for d, m in zip(datas, req.media, strict=True) if not m.embeds]
+        encoded = iter(await self._encode_pixels(pixels, ctx) if pixels else [])
+        out: list[EncodedImage] = []
+        for data, item in zip(datas, req.media, strict=True):
+            if item.embeds:
+                given = await asyncio.to_thread(parse_embeddings, data)
+                out.append(self.engine.from_precomputed(given.embeddings, given.grid))
+            else:
+                out.append(next(encoded))
+        return out
 
     async def _key(self, datas: list[bytes]) -> str:
         # Length-prefixed, so two images can never read as one, or the other way round.

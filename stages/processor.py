@@ -23,6 +23,7 @@ from schemas.request import (
     AudioPart,
     ChatMessage,
     GenerateRequest,
+    ImageEmbedsPart,
     ImagePart,
     MediaPart,
     TextPart,
@@ -161,6 +162,8 @@ class Processor:
     def _media_item(self, part: MediaPart, where: str) -> MediaItem:
         if isinstance(part, ImagePart):
             item = MediaItem(MediaKind.IMAGE, part.image_url.url, -1)
+        elif isinstance(part, ImageEmbedsPart):
+            item = MediaItem(MediaKind.IMAGE, part.image_embeds.url, -1, embeds=True)
         elif isinstance(part, VideoPart):
             v = part.video_url
             item = MediaItem(MediaKind.VIDEO, v.url, -1, num_frames=v.num_frames, fps=v.fps, max_frames=v.max_frames)

@@ -22,7 +22,7 @@ from typing import Any
 import torch
 from PIL import Image
 
-from schemas.errors import ContextLengthExceeded, InvalidRequest
+from schemas.errors import ContextLengthExceeded, InvalidMedia, InvalidRequest
 from stages.engine.sampling import SamplingConfig, select_token
 from stages.families import Grid, family_for_architecture
 
@@ -131,6 +131,20 @@ class TorchEngine:
         with self._lock, torch.inference_mode():
             encoded = self.family.encode(self.model, images)
         return [EncodedImage(embeddings=e, grid_thw=g) for e, g in encoded]
+
+    def from_precomputed(self, embeddings: torch.Tensor, grid: Grid) -> EncodedImage:
+        """Embeddings a client computed with this model's encoder, checked
+        against the model before they meet its language model."""
+        hidden = self.family.hidden_size
+        if embeddings.shape[1] != hidden:
+            raise InvalidMedia(f"precomputed embeddings of width {embeddings.shape[1]}; this model's is {hidden}")
+        try:
+            checked = self.family.embeddings_grid(grid, int(embeddings.shape[0]))
+        except ValueError as exc:
+            raise InvalidMedia(f"precomputed embeddings: {exc}") from None
+        if not bool(torch.isfinite(embeddings).all()):
+            raise InvalidMedia("precomputed embeddings hold NaN or infinite values")
+        return EncodedImage(embeddings=embeddings.to(self.dtype), grid_thw=checked)
 
     # -- generation ---------------------------------------------------------
 

@@ -33,6 +33,8 @@ class Family(Protocol):
     num_key_value_heads: int
     head_dim: int
 
+    hidden_size: int
+
     def __init__(self, model_dir: Path, config: PretrainedConfig) -> None: ...
 
     @property
@@ -41,6 +43,11 @@ class Family(Protocol):
     def encode(self, model: Any, images: list[Image.Image]) -> list[tuple[torch.Tensor, Grid]]: ...
 
     def num_image_tokens(self, grid: Grid) -> int: ...
+
+    def embeddings_grid(self, grid: Grid, rows: int) -> Grid:
+        """The grid of precomputed embeddings of ``rows`` tokens, from what the
+        payload gave (``()`` if nothing); raises ValueError if they cannot fit."""
+        ...
 
     def expand_placeholders(self, token_ids: list[int], num_tokens: list[int]) -> list[int]: ...
 

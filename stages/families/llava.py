@@ -46,6 +46,11 @@ class LlavaFamily(LanguageModelFamily):
     def num_image_tokens(self, grid: Grid) -> int:
         return self.tokens_per_image
 
+    def embeddings_grid(self, grid: Grid, rows: int) -> Grid:
+        if rows != self.tokens_per_image:
+            raise ValueError(f"{rows} embedding rows; this model's images are {self.tokens_per_image} tokens")
+        return (self.tokens_per_image,)
+
     @torch.inference_mode()
     def encode(self, model: Any, images: list[Image.Image]) -> list[tuple[torch.Tensor, Grid]]:
         """Projected vision features per image: ([tokens_per_image, hidden], (tokens,))."""

@@ -55,6 +55,13 @@ class Qwen2VLFamily(LanguageModelFamily):
         t, h, w = grid
         return t * h * w // (self.merge_size**2)
 
+    def embeddings_grid(self, grid: Grid, rows: int) -> Grid:
+        if len(grid) != 3:
+            raise ValueError("Qwen-VL embeddings need their 'grid' (t, h, w): positions depend on it")
+        if grid[1] % self.merge_size or grid[2] % self.merge_size or self.num_image_tokens(grid) != rows:
+            raise ValueError(f"grid {list(grid)} does not give {rows} tokens with spatial merge {self.merge_size}")
+        return grid
+
     @torch.inference_mode()
     def encode(self, model: Any, images: list[Image.Image]) -> list[tuple[torch.Tensor, Grid]]:
         """Vision tower output per image: ([num_tokens, hidden], grid_thw)."""

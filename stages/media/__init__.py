@@ -2,6 +2,7 @@
 
 from stages.media.audio import DecodedAudio, decode_audio, load_audio, load_audio_base64, sniff_audio
 from stages.media.cache import CachedEmbedding, EmbeddingCache, content_key
+from stages.media.embeds import PrecomputedEmbedding, parse_embeddings
 from stages.media.fetch import DataURL, MediaFetcher, PolicyResolver, parse_data_url
 from stages.media.image import decode_image, load_image, sniff_format
 from stages.media.policy import MediaPolicy, address_block_reason, check_address, check_remote_url
@@ -16,6 +17,7 @@ __all__ = [
     "MediaFetcher",
     "MediaPolicy",
     "PolicyResolver",
+    "PrecomputedEmbedding",
     "VideoOptions",
     "address_block_reason",
     "check_address",
@@ -29,6 +31,7 @@ __all__ = [
     "load_image",
     "load_video",
     "parse_data_url",
+    "parse_embeddings",
     "sniff_audio",
     "sniff_container",
     "sniff_format",
