@@ -6,12 +6,14 @@ from __future__ import annotations
 import asyncio
 import time
 from collections import OrderedDict
+from collections.abc import Awaitable, Callable
 
 import structlog
 from nats.aio.client import Client
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 
+from pipeline import metrics
 from pipeline.subjects import Subjects
 
 log = structlog.get_logger(__name__)
@@ -50,13 +52,23 @@ class CancelRegistry:
         task.cancel()
         return True
 
-    async def listen(self, nc: Client, subjects: Subjects) -> None:
+    async def listen(
+        self, nc: Client, subjects: Subjects, also: Callable[[str], Awaitable[object]] | None = None
+    ) -> None:
+        """``also`` runs for every cancel, running here or not: a worker may
+        hold tensors for a request it has already handed on."""
         prefix = subjects.cancel("")
 
         async def on_cancel(msg: Msg) -> None:
             request_id = msg.subject[len(prefix) :]
             if self.cancel(request_id):
                 log.info("request_cancelled", request_id=request_id)
+            if also is not None:
+                try:
+                    await also(request_id)
+                except Exception as exc:
+                    metrics.ERRORS.labels("cancel", "cleanup_failed").inc()
+                    log.error("cancel_cleanup_failed", request_id=request_id, error=repr(exc))
 
         self._sub = await nc.subscribe(subjects.cancels, cb=on_cancel)
 

@@ -118,7 +118,7 @@ class Worker:
         await ensure_streams(self.js, self.config)
         await ensure_consumer(self.js, self.config, self.role)
         await self.stage.start()
-        await self.cancels.listen(self.nc, self.subjects)
+        await self.cancels.listen(self.nc, self.subjects, also=self._release_held)
         ping = await self.nc.subscribe(self.subjects.ping(self.role), cb=self._on_ping)
         psub = await self.js.pull_subscribe_bind(self.subjects.durable(self.role), self.subjects.stream(self.role))
         log.info("worker_started", role=self.role, worker_id=self.worker_id, max_inflight=self.max_inflight)
@@ -132,6 +132,11 @@ class Worker:
             await self.cancels.close()
             await self.stage.close()
             log.info("worker_stopped", role=self.role, worker_id=self.worker_id)
+
+    async def _release_held(self, request_id: str) -> None:
+        # Nobody will read what a cancelled request left here: free it now, not at its TTL.
+        if self.tensors is not None and (regions := await self.tensors.release_owner(request_id)):
+            log.info("tensors_released_on_cancel", role=self.role, request_id=request_id, regions=regions)
 
     def stop(self) -> None:
         self._stopping.set()

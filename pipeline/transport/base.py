@@ -110,6 +110,11 @@ class TensorTransport(Protocol):
         """Holder side: free now, e.g. the request was cancelled before anyone read it."""
         ...
 
+    async def release_owner(self, owner: str) -> int:
+        """Holder side: free everything held for ``owner`` (a request that was
+        cancelled: nobody will read it). Returns how many regions."""
+        ...
+
     def has_room(self, nbytes: int = 0) -> bool:
         """False when the held bytes (plus ``nbytes``) would exceed the budget:
         the worker then stops fetching new messages."""

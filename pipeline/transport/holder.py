@@ -143,6 +143,13 @@ class HeldRegions:
         if not held.lease:
             self.free(held)
 
+    def release_owner(self, owner: str) -> int:
+        """Release every region held for ``owner`` (a cancelled request)."""
+        mine = [held.key for held in self._regions.values() if held.owner == owner]
+        for key in mine:
+            self.release(key)
+        return len(mine)
+
     def any_leased(self) -> bool:
         return any(h.lease for h in self._regions.values())
 

@@ -221,6 +221,13 @@ class NatsTransport:
         if ref.holder == self.holder and self._uncount(ref.key) is not None:
             await self._delete(ref.key)
 
+    async def release_owner(self, owner: str) -> int:
+        mine = [key for key, obj in self._held.items() if obj.owner == owner]
+        for key in mine:
+            if self._uncount(key) is not None:
+                await self._delete(key)
+        return len(mine)
+
     async def _delete(self, key: str) -> None:
         assert self._store is not None
         try:

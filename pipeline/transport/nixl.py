@@ -216,6 +216,9 @@ class NixlTransport:
         if ref.holder == self.agent_name:
             self._held.release(ref.key)
 
+    async def release_owner(self, owner: str) -> int:
+        return self._held.release_owner(owner)
+
     async def _on_lease(self, msg: Msg) -> None:
         try:
             req = msgspec.msgpack.decode(msg.data, type=LeaseRequest)

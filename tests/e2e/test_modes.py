@@ -225,3 +225,26 @@ async def test_the_embedding_cache_lives_with_the_encode_role(make_stack: Any, r
     assert (cache.stats()["hits"], cache.stats()["misses"]) == (1, 1)
     # Prefill and decode workers encode nothing, so they keep no cache.
     assert all(getattr(w.stage, "encoder", None) is None for w in stack.workers if w.role in ("prefill", "decode"))
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize("transport", ["nixl", "nats"])
+async def test_a_client_that_goes_away_frees_the_tensors_held_for_it(make_stack: Any, transport: str) -> None:
+    # No decode worker: the KV cache waits with the prefill worker for a reader.
+    stack = await make_stack("e-p-d", transport, counts={"decode": 0})
+    [prefill] = [w for w in stack.workers if w.role == "prefill"]
+    async with client(stack) as c:
+        waiting = asyncio.create_task(ask(c, image_content(png_data_url(gradient(64, 48, 1))), stream=True))
+        for _ in range(300):
+            if prefill.tensors.held_bytes > 0:
+                break
+            await asyncio.sleep(0.02)
+        assert prefill.tensors.held_bytes > 0
+        waiting.cancel()  # the client disconnects; the bridge publishes the cancel
+        with pytest.raises(asyncio.CancelledError):
+            await waiting
+    for _ in range(100):  # the TTL is 60 s: only the cancel frees it this soon
+        if prefill.tensors.held_bytes == 0:
+            break
+        await asyncio.sleep(0.02)
+    assert prefill.tensors.held_bytes == 0
