@@ -80,7 +80,9 @@ def _part(i: int, j: int, raw: dict[str, Any]) -> ContentPart:
             raise InvalidRequest(f"{where}: {exc}") from None
     if kind == "file":
         raise UnsupportedMedia(f"{where}: file input is not supported")
-    raise InvalidRequest(f"{where}.type {kind!r} is not one of text, image_url, image_embeds, video_url, audio_url, input_audio")
+    raise InvalidRequest(
+        f"{where}.type {kind!r} is not one of text, image_url, image_embeds, video_url, audio_url, input_audio"
+    )
 
 
 def _check_unsupported(body: ChatCompletionRequest) -> None:
