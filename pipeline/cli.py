@@ -112,7 +112,34 @@ def parser() -> argparse.ArgumentParser:
     build.add_argument("--out", type=Path, required=True)
     path = msub.add_parser("path", help="print where a built-in model lives (built on first use)")
     path.add_argument("name")
+    _bench(sub)
     return root
+
+
+def _bench(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    bench = sub.add_parser("bench", help="load the bridge with the openai client; or `bench transport`")
+    bench.add_argument("--url", default="http://127.0.0.1:8000/v1", help="the bridge's OpenAI base URL")
+    bench.add_argument("--model", default=DEFAULT_MODEL)
+    bench.add_argument("--api-key", default=os.environ.get("MMPIPE_API_KEY"))
+    bench.add_argument("--concurrency", type=int, default=8, help="requests in flight at once")
+    bench.add_argument("--requests", type=int, default=64, help="measured requests (after one warm-up)")
+    bench.add_argument("--max-tokens", type=int, default=32, help="tokens per request (min_tokens too)")
+    bench.add_argument("--image-size", default="224x224", help="WIDTHxHEIGHT of the synthetic images")
+    bench.add_argument("--images-per-request", type=int, default=1)
+    bench.add_argument("--seed", type=int, default=0, help="seed of the synthetic images")
+    bench.add_argument("--json", action="store_true", help="print machine-readable results")
+    bench.add_argument("--compare-modes", action="store_true", help="start `mmpipe up` per mode, same load on each")
+    bench.add_argument("--modes", default="epd,e-pd,e-p-d,ep-d", help="with --compare-modes")
+    bench.add_argument("--transport", choices=("auto", "nixl", "nats"), default="nixl", help="with --compare-modes")
+    bench.add_argument("--log-level", default="ERROR", help="ERROR: the results alone")
+    bsub = bench.add_subparsers(dest="bench_command")
+    transport = bsub.add_parser("transport", help="tensor transfer GB/s between two processes vs. memcpy")
+    transport.add_argument("--sizes", default="2MB,20MB", help="tensor sizes (KB/MB/GB decimal, KiB/MiB/GiB)")
+    transport.add_argument("--repeats", type=int, default=20, help="measured transfers per size")
+    transport.add_argument("--transports", default="nixl,nats")
+    transport.add_argument("--nats-url", default=None, help="an existing nats-server (default: start one)")
+    transport.add_argument("--json", action="store_true", help="print machine-readable results")
+    transport.add_argument("--log-level", default="ERROR", help="ERROR: the results alone")
 
 
 def _config(args: argparse.Namespace) -> PipelineConfig:
@@ -167,6 +194,10 @@ def main(argv: list[str] | None = None) -> int:
             print(build_builtin(args.name, args.out))
         else:
             print(builtin_path(args.name))
+    elif args.command == "bench":
+        from pipeline.bench import main as bench
+
+        return bench(args)
     return 0
 
 

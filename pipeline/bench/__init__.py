@@ -1,0 +1,46 @@
+"""``mmpipe bench``: numbers a user can reproduce with one command.
+
+Three benchmarks, each in its own module so that the CLI imports only what
+the chosen one needs:
+
+- ``load``: the bridge under a fixed load from the official openai client
+  (TTFT, ITL, end-to-end latency, tokens/s, requests/s), against any running
+  deployment.
+- ``modes``: the same load on each deployment mode in turn (``mmpipe up`` as
+  a subprocess, one stack at a time), as ratios to the aggregated mode.
+- ``transport``: tensor transfer throughput between two OS processes, next
+  to an in-process memcpy of the same bytes measured in the same run, so the
+  number says how close a transport gets to what the memory can do.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+from collections.abc import Coroutine
+from typing import Any, TypeVar
+
+T = TypeVar("T")
+
+
+def run_async(coro: Coroutine[Any, Any, T]) -> T:
+    """uvloop when installed (as the workers and the bridge run), else asyncio."""
+    try:
+        import uvloop
+    except ImportError:
+        return asyncio.run(coro)
+    return uvloop.run(coro)
+
+
+def main(args: argparse.Namespace) -> int:
+    if args.bench_command == "transport":
+        from pipeline.bench.transport import main as transport_main
+
+        return transport_main(args)
+    if args.compare_modes:
+        from pipeline.bench.modes import main as modes_main
+
+        return modes_main(args)
+    from pipeline.bench.load import main as load_main
+
+    return load_main(args)

@@ -1,0 +1,303 @@
+"""``mmpipe bench``: a fixed load on the bridge from the official openai client.
+
+Why it is built this way:
+
+- The official ``AsyncOpenAI`` client, streaming with usage, because that is
+  what users run: the numbers include the bridge's SSE framing and the
+  client's parsing, as a user's would.
+- Closed loop: ``concurrency`` requests are in flight at once, each sender
+  starting its next request when its last one ends, until ``requests`` are
+  done. The numbers then describe a steady load, not a burst.
+- Fixed output length: ``min_tokens == max_tokens`` and temperature 0, so
+  every request produces exactly ``max_tokens`` tokens (the tiny model has
+  random weights and would otherwise stop at a random EOS), and tokens/s
+  compares like with like across runs and modes.
+- Synthetic images are seeded random PNGs sent as ``data:`` URLs, made once
+  before the clock starts: the same seed gives the same bytes on every run,
+  random pixels defeat any compression shortcut, and nothing is fetched.
+  Every request (the warm-up too) gets images of its own, so the encoding
+  worker's embedding cache (keyed by content) never hits and every request
+  pays for its encode.
+- One warm-up request first, not counted: it pays for lazy initialisation
+  (first NIXL connection between two workers, allocator growth).
+- Failed requests are counted and their errors listed, never dropped from
+  the report: a fast benchmark that failed half its requests is not fast.
+
+TTFT is the time to the first chunk with a choice (the bridge sends one per
+token, even when the detokenizer holds that token's text back); ITL is the
+gap between consecutive such chunks, pooled over all requests; E2E is the
+whole request, up to the end of the stream. Tokens are the usage chunk's
+``completion_tokens``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import base64
+import io
+import json
+import math
+import time
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import openai
+
+PROMPT = "Describe the picture."
+PERCENTILES = (50, 90, 99)
+
+
+@dataclass(frozen=True)
+class LoadSpec:
+    url: str = "http://127.0.0.1:8000/v1"
+    model: str = "tiny-qwen2-vl"
+    concurrency: int = 8
+    requests: int = 64
+    max_tokens: int = 32
+    image_size: tuple[int, int] = (224, 224)
+    images_per_request: int = 1
+    seed: int = 0
+    api_key: str | None = None
+    timeout_s: float = 300.0
+
+    def __post_init__(self) -> None:
+        for name in ("concurrency", "requests", "max_tokens"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be at least 1")
+        if self.images_per_request < 0:
+            raise ValueError("images_per_request must not be negative")
+        if min(self.image_size) < 1:
+            raise ValueError("image_size must be at least 1x1")
+
+
+@dataclass
+class RequestResult:
+    ok: bool
+    e2e_s: float
+    ttft_s: float | None = None
+    itl_s: list[float] = field(default_factory=list)
+    tokens: int = 0
+    finish_reason: str | None = None
+    error: str | None = None
+
+
+def parse_image_size(text: str) -> tuple[int, int]:
+    width, sep, height = text.lower().partition("x")
+    if not sep or not width.isdigit() or not height.isdigit():
+        raise ValueError(f"image size {text!r} is not WIDTHxHEIGHT, e.g. 224x224")
+    return int(width), int(height)
+
+
+def spec_from_args(args: argparse.Namespace, url: str | None = None, model: str | None = None) -> LoadSpec:
+    try:
+        return LoadSpec(
+            url=url or args.url,
+            model=model or args.model,
+            concurrency=args.concurrency,
+            requests=args.requests,
+            max_tokens=args.max_tokens,
+            image_size=parse_image_size(args.image_size),
+            images_per_request=args.images_per_request,
+            seed=args.seed,
+            api_key=args.api_key,
+        )
+    except ValueError as exc:
+        raise SystemExit(f"mmpipe bench: {exc}") from None
+
+
+def import_openai() -> Any:
+    """The openai client is a test extra of mmpipe, not a dependency of the server."""
+    try:
+        import openai
+    except ImportError:
+        raise SystemExit(
+            "mmpipe bench drives the bridge with the official openai client, which is not installed: "
+            "pip install openai (or pip install 'mmpipe[test]')"
+        ) from None
+    return openai
+
+
+def synthetic_images(spec: LoadSpec) -> tuple[list[str], list[list[str]]]:
+    """PNG ``data:`` URLs of seeded random pixels: one set for the warm-up,
+    then one set per measured request, no two alike."""
+    import numpy as np
+    from PIL import Image
+
+    rng = np.random.default_rng(spec.seed)
+    width, height = spec.image_size
+
+    def one() -> str:
+        pixels = rng.integers(0, 256, size=(height, width, 3), dtype=np.uint8)
+        buf = io.BytesIO()
+        Image.fromarray(pixels, "RGB").save(buf, format="PNG")
+        return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
+
+    warmup = [one() for _ in range(spec.images_per_request)]
+    sets = [[one() for _ in range(spec.images_per_request)] for _ in range(spec.requests)]
+    return warmup, sets
+
+
+def _describe(exc: BaseException) -> str:
+    status = getattr(exc, "status_code", None)
+    text = f"{type(exc).__name__}{f' {status}' if status else ''}: {exc}".replace("\n", " ")
+    return text[:200]
+
+
+async def one_request(client: openai.AsyncOpenAI, spec: LoadSpec, image_urls: list[str]) -> RequestResult:
+    """One streamed chat completion, timed from before the call to the end of the stream."""
+    content: list[dict[str, Any]] = [{"type": "image_url", "image_url": {"url": url}} for url in image_urls]
+    content.append({"type": "text", "text": PROMPT})
+    messages: Any = [{"role": "user", "content": content}]
+    first: float | None = None
+    last = 0.0
+    gaps: list[float] = []
+    tokens: int | None = None
+    finish: str | None = None
+    t0 = time.perf_counter()
+    try:
+        stream = await client.chat.completions.create(
+            model=spec.model,
+            messages=messages,
+            max_tokens=spec.max_tokens,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+            extra_body={"min_tokens": spec.max_tokens},
+        )
+        async for chunk in stream:
+            now = time.perf_counter()
+            if chunk.choices:
+                if first is None:
+                    first = now
+                else:
+                    gaps.append(now - last)
+                last = now
+                finish = chunk.choices[0].finish_reason or finish
+            if chunk.usage is not None:
+                tokens = chunk.usage.completion_tokens
+    except Exception as exc:
+        return RequestResult(ok=False, e2e_s=time.perf_counter() - t0, error=_describe(exc))
+    end = time.perf_counter()
+    if first is None or tokens is None:
+        error = "the stream ended without tokens" if first is None else "the stream ended without a usage chunk"
+        return RequestResult(ok=False, e2e_s=end - t0, error=error)
+    return RequestResult(ok=True, e2e_s=end - t0, ttft_s=first - t0, itl_s=gaps, tokens=tokens, finish_reason=finish)
+
+
+@dataclass
+class LoadReport:
+    spec: LoadSpec
+    results: list[RequestResult]
+    wall_s: float
+    warmup_error: str | None = None
+
+    def summary(self) -> dict[str, Any]:
+        done = [r for r in self.results if r.ok]
+        tokens = sum(r.tokens for r in done)
+        wall = max(self.wall_s, 1e-9)
+        spec = asdict(self.spec)
+        spec.pop("api_key")
+        spec["image_size"] = "{}x{}".format(*self.spec.image_size)
+        return {
+            "config": spec,
+            "completed": len(done),
+            "failed": len(self.results) - len(done),
+            "short": sum(1 for r in done if r.tokens < self.spec.max_tokens),
+            "wall_s": self.wall_s,
+            "requests_per_s": len(done) / wall,
+            "tokens_per_s": tokens / wall,
+            "completion_tokens": tokens,
+            "ttft_ms": _stats([r.ttft_s for r in done if r.ttft_s is not None]),
+            "itl_ms": _stats([gap for r in done for gap in r.itl_s]),
+            "e2e_ms": _stats([r.e2e_s for r in done]),
+            "errors": dict(Counter(r.error for r in self.results if r.error).most_common()),
+            "warmup_error": self.warmup_error,
+        }
+
+
+def percentile(values: Sequence[float], q: float) -> float:
+    """Linear interpolation between the closest ranks (numpy's default); NaN when empty."""
+    if not values:
+        return math.nan
+    ordered = sorted(values)
+    pos = (len(ordered) - 1) * q / 100
+    lo = math.floor(pos)
+    hi = min(lo + 1, len(ordered) - 1)
+    return ordered[lo] + (ordered[hi] - ordered[lo]) * (pos - lo)
+
+
+def _stats(seconds: list[float]) -> dict[str, float | None]:
+    out: dict[str, float | None] = {}
+    for q in PERCENTILES:
+        value = percentile(seconds, q)
+        out[f"p{q}"] = None if math.isnan(value) else value * 1000
+    out["mean"] = sum(seconds) / len(seconds) * 1000 if seconds else None
+    out["n"] = len(seconds)
+    return out
+
+
+async def run_load(
+    spec: LoadSpec, images: tuple[list[str], list[list[str]]] | None = None, warmup: bool = True
+) -> LoadReport:
+    """The warm-up request, then ``spec.requests`` requests, ``spec.concurrency`` at a time."""
+    openai = import_openai()
+    warmup_urls, image_sets = images or synthetic_images(spec)
+    client = openai.AsyncOpenAI(
+        base_url=spec.url, api_key=spec.api_key or "none", max_retries=0, timeout=spec.timeout_s
+    )
+    try:
+        warmup_error = None
+        if warmup:
+            warm = await one_request(client, spec, warmup_urls)
+            warmup_error = warm.error
+        results: list[RequestResult] = [RequestResult(ok=False, e2e_s=0.0, error="not run")] * spec.requests
+        indices = iter(range(spec.requests))
+
+        async def sender() -> None:
+            for i in indices:  # shared by every sender: each index is taken once
+                results[i] = await one_request(client, spec, image_sets[i])
+
+        t0 = time.perf_counter()
+        await asyncio.gather(*(sender() for _ in range(min(spec.concurrency, spec.requests))))
+        wall = time.perf_counter() - t0
+    finally:
+        await client.close()
+    return LoadReport(spec=spec, results=results, wall_s=wall, warmup_error=warmup_error)
+
+
+def _ms(value: float | None) -> str:
+    return "-" if value is None else f"{value:.1f}"
+
+
+def format_report(summary: dict[str, Any]) -> str:
+    c = summary["config"]
+    images = f"{c['images_per_request']}×{c['image_size']}" if c["images_per_request"] else "none"
+    lines = [
+        f"mmpipe bench  {c['url']}  model={c['model']}  concurrency={c['concurrency']}  "
+        f"requests={c['requests']}  max_tokens={c['max_tokens']}  images={images}  seed={c['seed']}",
+        f"completed {summary['completed']}  failed {summary['failed']}  short {summary['short']}  "
+        f"in {summary['wall_s']:.2f} s: {summary['requests_per_s']:.2f} req/s, {summary['tokens_per_s']:.1f} tokens/s",
+        "",
+        f"{'':<8}{'p50':>10}{'p90':>10}{'p99':>10}{'mean':>10}",
+    ]
+    for label, key in (("TTFT ms", "ttft_ms"), ("ITL ms", "itl_ms"), ("E2E ms", "e2e_ms")):
+        s = summary[key]
+        lines.append(f"{label:<8}{_ms(s['p50']):>10}{_ms(s['p90']):>10}{_ms(s['p99']):>10}{_ms(s['mean']):>10}")
+    if summary["warmup_error"]:
+        lines += ["", f"warm-up request failed: {summary['warmup_error']}"]
+    if summary["errors"]:
+        lines += ["", "errors:"] + [f"  {n} × {error}" for error, n in summary["errors"].items()]
+    return "\n".join(lines)
+
+
+def main(args: argparse.Namespace) -> int:
+    from pipeline.bench import run_async
+
+    spec = spec_from_args(args)
+    summary = run_async(run_load(spec)).summary()
+    print(json.dumps(summary, indent=2) if args.json else format_report(summary), flush=True)
+    return 1 if summary["failed"] else 0

@@ -1,0 +1,174 @@
+"""``mmpipe bench --compare-modes``: the same load on each deployment mode.
+
+Each mode runs as a user would start it, ``mmpipe up --mode M`` in a
+subprocess (its own nats-server, every worker its own OS process, the
+bridge), one stack at a time so that two stacks never compete for the same
+cores; it is stopped with SIGINT, as Ctrl-C would, before the next starts.
+Every mode gets the same load, the same seeded images included, and the
+table gives each mode's numbers as ratios to the aggregated mode (EPD):
+what splitting the work into separate processes costs or gains here.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+from pipeline.bench import run_async
+from pipeline.bench.load import LoadSpec, run_load, spec_from_args, synthetic_images
+from schemas.routes import MODES
+
+BASELINE = "epd"
+READY = b"mmpipe ready"
+# The columns compared with the baseline: (summary key, statistic or None for a scalar).
+RATIOS = (("ttft_ms", "p50"), ("itl_ms", "p50"), ("e2e_ms", "p50"), ("requests_per_s", None))
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _tail(path: Path, n: int = 3000) -> str:
+    return path.read_text(errors="replace")[-n:] if path.exists() else ""
+
+
+@contextmanager
+def mmpipe_up(
+    mode: str, model: str, transport: str, data_dir: Path, api_key: str | None = None, start_timeout_s: float = 300
+) -> Iterator[str]:
+    """``mmpipe up`` in ``mode`` on a free port; yields the OpenAI base URL once
+    it printed its ready line, and stops it with SIGINT when the block ends."""
+    port = free_port()
+    cmd = [sys.executable, "-m", "pipeline.cli", "up", "--mode", mode, "--port", str(port)]
+    cmd += ["--data-dir", str(data_dir), "--model", model, "--served-model-name", Path(model).name]
+    cmd += ["--transport", transport, "--log-level", "WARNING"]
+    if api_key:
+        cmd += ["--api-key", api_key]
+    log_path = data_dir / "up.log"
+    data_dir.mkdir(parents=True, exist_ok=True)
+    with open(log_path, "wb") as log_file:
+        up = subprocess.Popen(cmd, stdout=log_file, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + start_timeout_s
+        while READY not in log_path.read_bytes():
+            if up.poll() is not None:
+                raise RuntimeError(f"mmpipe up --mode {mode} exited with {up.returncode}:\n{_tail(log_path)}")
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"mmpipe up --mode {mode} not ready in {start_timeout_s:.0f}s:\n{_tail(log_path)}")
+            time.sleep(0.2)
+        yield f"http://127.0.0.1:{port}/v1"
+    finally:
+        if up.poll() is None:
+            up.send_signal(signal.SIGINT)
+        try:
+            up.wait(90)
+        except subprocess.TimeoutExpired:
+            up.kill()
+            up.wait()
+
+
+def ratios(summary: dict[str, Any], baseline: dict[str, Any]) -> dict[str, float | None]:
+    out: dict[str, float | None] = {}
+    for key, stat in RATIOS:
+        mine = summary[key][stat] if stat else summary[key]
+        base = baseline[key][stat] if stat else baseline[key]
+        out[f"{key}.{stat}" if stat else key] = mine / base if mine is not None and base else None
+    return out
+
+
+def compare(modes: list[str], spec: LoadSpec, transport: str, api_key: str | None = None) -> list[dict[str, Any]]:
+    """One row per mode: its load summary, and its ratios to the baseline."""
+    images = synthetic_images(spec)  # the very same bytes for every mode
+    rows: list[dict[str, Any]] = []
+    for mode in modes:
+        print(f"mode {mode}: starting mmpipe up ...", file=sys.stderr, flush=True)
+        with tempfile.TemporaryDirectory(prefix=f"mmpipe-bench-{mode}-") as tmp:
+            t0 = time.monotonic()
+            with mmpipe_up(mode, spec.model, transport, Path(tmp), api_key) as url:
+                ready_s = time.monotonic() - t0
+                print(f"mode {mode}: ready in {ready_s:.1f} s, running the load ...", file=sys.stderr, flush=True)
+                # `up` serves the model under its directory's (or built-in) name.
+                report = run_async(run_load(replace(spec, url=url, model=Path(spec.model).name), images))
+        summary = report.summary()
+        print(f"mode {mode}: {summary['completed']} completed, {summary['failed']} failed", file=sys.stderr, flush=True)
+        rows.append({"mode": mode, "transport": transport, "summary": summary})
+    base = next((r for r in rows if r["mode"] == BASELINE), rows[0])
+    for row in rows:
+        row["baseline"] = base["mode"]
+        row["ratios"] = ratios(row["summary"], base["summary"])
+    return rows
+
+
+def _num(value: float | None, fmt: str) -> str:
+    return "-" if value is None else format(value, fmt)
+
+
+def format_rows(rows: list[dict[str, Any]]) -> str:
+    c = rows[0]["summary"]["config"]
+    images = f"{c['images_per_request']}×{c['image_size']}" if c["images_per_request"] else "none"
+    base = rows[0]["baseline"]
+    head = (
+        f"mmpipe bench --compare-modes  transport={rows[0]['transport']}  model={c['model']}  "
+        f"concurrency={c['concurrency']}  requests={c['requests']}  max_tokens={c['max_tokens']}  images={images}"
+    )
+    cols = ["mode", "ok", "fail", "TTFT p50 ms", "ITL p50 ms", "E2E p50 ms", "req/s", "tok/s"]
+    cols += [f"TTFT ×{base}", f"ITL ×{base}", f"E2E ×{base}", f"req/s ×{base}"]
+    table = [cols]
+    for row in rows:
+        s, r = row["summary"], row["ratios"]
+        table.append(
+            [
+                row["mode"],
+                str(s["completed"]),
+                str(s["failed"]),
+                _num(s["ttft_ms"]["p50"], ".1f"),
+                _num(s["itl_ms"]["p50"], ".1f"),
+                _num(s["e2e_ms"]["p50"], ".1f"),
+                _num(s["requests_per_s"], ".2f"),
+                _num(s["tokens_per_s"], ".1f"),
+                _num(r["ttft_ms.p50"], ".2f"),
+                _num(r["itl_ms.p50"], ".2f"),
+                _num(r["e2e_ms.p50"], ".2f"),
+                _num(r["requests_per_s"], ".2f"),
+            ]
+        )
+    widths = [max(len(line[i]) for line in table) for i in range(len(cols))]
+    lines = [head, ""]
+    for line in table:
+        lines.append(
+            "  ".join(
+                cell.ljust(w) if i == 0 else cell.rjust(w) for i, (cell, w) in enumerate(zip(line, widths, strict=True))
+            )
+        )
+    errors = [(row["mode"], e, n) for row in rows for e, n in row["summary"]["errors"].items()]
+    if errors:
+        lines += ["", "errors:"] + [f"  {mode}: {n} × {e}" for mode, e, n in errors]
+    return "\n".join(lines)
+
+
+def main(args: argparse.Namespace) -> int:
+    modes = [m.strip() for m in args.modes.split(",") if m.strip()]
+    unknown = [m for m in modes if m not in MODES]
+    if not modes or unknown:
+        raise SystemExit(f"--modes: unknown {', '.join(unknown) or 'nothing'}; modes: {', '.join(sorted(MODES))}")
+    spec = spec_from_args(args)
+    try:
+        rows = compare(modes, spec, args.transport, args.api_key)
+    except RuntimeError as exc:  # a stack that did not start: its log tail says why
+        print(f"mmpipe bench --compare-modes: {exc}", file=sys.stderr, flush=True)
+        return 1
+    print(json.dumps(rows, indent=2) if args.json else format_rows(rows), flush=True)
+    return 1 if any(row["summary"]["failed"] for row in rows) else 0
