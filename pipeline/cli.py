@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 from pipeline import logging as mm_logging
+from pipeline.auth import ENV, NatsAuth
 from pipeline.bridge.app import BridgeSettings
 from pipeline.config import PipelineConfig
 from schemas.routes import MODES, ROLES
@@ -25,11 +26,43 @@ def _run(coro: object) -> None:
         asyncio.run(coro)  # type: ignore[arg-type]
 
 
+_AUTH_FLAGS = {
+    "--nats-user": "user",
+    "--nats-password": "password",
+    "--nats-token": "token",
+    "--nats-creds": "creds_file",
+    "--nats-nkey": "nkey_seed_file",
+    "--nats-tls-ca": "tls_ca",
+    "--nats-tls-cert": "tls_cert",
+    "--nats-tls-key": "tls_key",
+    "--nats-tls-hostname": "tls_hostname",
+}
+
+
+def _auth(p: argparse.ArgumentParser) -> None:
+    group = p.add_argument_group(
+        "NATS credentials and TLS (or the MMPIPE_NATS_* environment, which keeps them out of ps)"
+    )
+    for flag, name in _AUTH_FLAGS.items():
+        group.add_argument(flag, dest=f"auth_{name}", default=None, help=f"default: ${ENV[name]}")
+
+
+def _apply_auth(args: argparse.Namespace) -> None:
+    # Flags become the environment: this process reads it, and every process
+    # it starts inherits it.
+    for name in _AUTH_FLAGS.values():
+        value = getattr(args, f"auth_{name}", None)
+        if value:
+            os.environ[ENV[name]] = value
+    NatsAuth.from_env()  # a half-given pair fails here, at start
+
+
 def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--nats-url", default=os.environ.get("MMPIPE_NATS_URL", "nats://127.0.0.1:4222"))
     p.add_argument("--namespace", default=os.environ.get("MMPIPE_NAMESPACE", "default"))
     p.add_argument("--mode", choices=sorted(MODES), default="epd")
     p.add_argument("--log-level", default="INFO")
+    _auth(p)
 
 
 def _model(p: argparse.ArgumentParser) -> None:
@@ -95,6 +128,7 @@ def parser() -> argparse.ArgumentParser:
     nats.add_argument("--host", default="127.0.0.1")
     nats.add_argument("--port", type=int, default=4222)
     nats.add_argument("--log-level", default="INFO")
+    _auth(nats)
 
     send = sub.add_parser("send", help="publish one request over NATS and print the stream")
     _common(send)
@@ -154,6 +188,10 @@ def _bridge_settings(args: argparse.Namespace) -> BridgeSettings:
 
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
+    try:
+        _apply_auth(args)
+    except ValueError as exc:
+        raise SystemExit(f"mmpipe: {exc}") from None
     mm_logging.configure(getattr(args, "log_level", "INFO"))
     if args.command == "worker":
         from pipeline.serve import WorkerSettings, run_worker

@@ -15,6 +15,7 @@ from types import FrameType
 
 import structlog
 
+from pipeline.auth import NatsAuth
 from pipeline.bridge.app import BridgeSettings
 from pipeline.config import PipelineConfig
 from pipeline.nats_server import NatsServer, NatsServerConfig
@@ -48,7 +49,8 @@ class _Stop:
 
 def run_nats(data_dir: Path, host: str, port: int) -> int:
     stop = _Stop()
-    server = NatsServer(NatsServerConfig(data_dir=data_dir.resolve() / "nats", host=host, port=port))
+    config = NatsServerConfig(data_dir=data_dir.resolve() / "nats", host=host, port=port, auth=NatsAuth.from_env())
+    server = NatsServer(config)
     server.start()
     print(f"nats-server ready: {server.url}", flush=True)
     try:
@@ -87,7 +89,10 @@ def up(args: argparse.Namespace, config: PipelineConfig, bridge: BridgeSettings)
     nats_url = config.nats_url
     if not args.external_nats:
         data_dir: Path = args.data_dir.resolve()
-        server = NatsServer(NatsServerConfig(data_dir=data_dir / "nats", port=args.nats_port))
+        # The embedded server asks for the same user/password or token the
+        # workers and the bridge present (from the environment they inherit).
+        auth = NatsAuth.from_env()
+        server = NatsServer(NatsServerConfig(data_dir=data_dir / "nats", port=args.nats_port, auth=auth))
         nats_url = server.start()
     common = ["--nats-url", nats_url, "--namespace", config.namespace, "--mode", config.mode]
     common += ["--log-level", args.log_level]

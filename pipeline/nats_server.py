@@ -14,10 +14,12 @@ import sys
 import sysconfig
 import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import structlog
+
+from pipeline.auth import NatsAuth
 
 log = structlog.get_logger(__name__)
 
@@ -56,6 +58,10 @@ class NatsServerConfig:
     max_payload: int = 8 * 1024 * 1024
     jetstream_max_memory: int = 256 * 1024 * 1024
     jetstream_max_file: int = 4 * 1024 * 1024 * 1024
+    # User/password or token the server requires (none: open, on loopback by default).
+    auth: NatsAuth = field(default_factory=NatsAuth)
+    # More nats-server configuration, verbatim (e.g. a tls block).
+    extra_config: str = ""
 
     def render(self) -> str:
         return (
@@ -64,7 +70,7 @@ class NatsServerConfig:
             f'  store_dir: "{self.data_dir / "jetstream"}"\n'
             f"  max_memory_store: {self.jetstream_max_memory}\n"
             f"  max_file_store: {self.jetstream_max_file}\n"
-            "}\n"
+            "}\n" + self.auth.server_block() + self.extra_config
         )
 
 
