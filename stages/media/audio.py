@@ -19,7 +19,6 @@ to stderr; they cannot be silenced per call from Python.
 from __future__ import annotations
 
 import asyncio
-import base64
 import binascii
 import dataclasses
 import io
@@ -33,7 +32,7 @@ import soundfile as sf
 import soxr
 
 from schemas.errors import InvalidMedia, MmpipeError, TooLarge, UnsupportedMedia
-from stages.media.fetch import parse_data_url
+from stages.media.fetch import b64decode_lenient, max_base64_chars, parse_data_url
 from stages.media.policy import MediaPolicy
 
 if TYPE_CHECKING:
@@ -264,16 +263,12 @@ def _decode_base64(b64: str, max_bytes: int) -> bytes:
     if b64[:5].lower() == "data:":
         return parse_data_url(b64, max_bytes).data
     text = "".join(b64.split())
-    # 4 base64 characters make 3 bytes: refuse before decoding.
-    if len(text) > 4 * (max_bytes // 3 + 1) + 4:
+    if len(text) > max_base64_chars(max_bytes):
         raise TooLarge(f"input_audio data is over the {max_bytes} byte limit")
     if not text:
         raise InvalidMedia("input_audio data is empty")
-    if "-" in text or "_" in text:
-        text = text.translate(str.maketrans("-_", "+/"))
-    text += "=" * (-len(text) % 4)
     try:
-        data = base64.b64decode(text, validate=True)
+        data = b64decode_lenient(text)
     except (binascii.Error, ValueError) as e:
         raise InvalidMedia(f"input_audio data is not valid base64 ({e})") from None
     if len(data) > max_bytes:

@@ -47,6 +47,20 @@ class DataURL:
     data: bytes
 
 
+def max_base64_chars(max_bytes: int) -> int:
+    """Base64 text longer than this decodes to more than ``max_bytes`` (4
+    characters make 3 bytes): refuse it before decoding."""
+    return 4 * (max_bytes // 3 + 1) + 4
+
+
+def b64decode_lenient(text: str) -> bytes:
+    """Standard or URL-safe alphabet, padding optional, whitespace already
+    removed. Raises binascii.Error (or ValueError) on anything else."""
+    if "-" in text or "_" in text:
+        text = text.translate(str.maketrans("-_", "+/"))
+    return base64.b64decode(text + "=" * (-len(text) % 4), validate=True)
+
+
 def parse_data_url(url: str, max_bytes: int) -> DataURL:
     """Parse ``data:[<mediatype>][;base64],<data>``; only base64 payloads are media."""
     if url[:5].lower() != "data:":
@@ -63,16 +77,12 @@ def parse_data_url(url: str, max_bytes: int) -> DataURL:
         # Some clients percent-encode the payload ('+' -> %2B, '=' -> %3D).
         payload = urllib.parse.unquote(payload)
     payload = "".join(payload.split())
-    # Refuse before decoding: 4 base64 chars make 3 bytes, so this bounds the decoded size.
-    if len(payload) > 4 * (max_bytes // 3 + 1) + 4:
+    if len(payload) > max_base64_chars(max_bytes):
         raise TooLarge(f"data: URL payload is over the {max_bytes} byte limit")
     if not payload:
         raise InvalidMedia("malformed data: URL: empty payload")
-    if "-" in payload or "_" in payload:
-        payload = payload.translate(str.maketrans("-_", "+/"))
-    payload += "=" * (-len(payload) % 4)
     try:
-        data = base64.b64decode(payload, validate=True)
+        data = b64decode_lenient(payload)
     except (binascii.Error, ValueError) as e:
         raise InvalidMedia(f"malformed data: URL: bad base64 ({e})") from None
     if len(data) > max_bytes:
