@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import contextlib
 import io
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
@@ -146,13 +147,22 @@ async def image_server() -> AsyncIterator[str]:
 
     app = web.Application()
     app.router.add_get("/{name}", handle)
+    async with serve_on_loopback(app) as url:
+        yield url
+
+
+@contextlib.asynccontextmanager
+async def serve_on_loopback(app: web.Application) -> AsyncIterator[str]:
+    """``app`` on a free loopback port, as ``http://host:port``."""
     runner = web.AppRunner(app, access_log=None)
     await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    host, port = runner.addresses[0][:2]
-    yield f"http://{host}:{port}"
-    await runner.cleanup()
+    try:
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        host, port = runner.addresses[0][:2]
+        yield f"http://{host}:{port}"
+    finally:
+        await runner.cleanup()
 
 
 N = 12

@@ -22,7 +22,7 @@ from stages.models import resolve_model
 from stages.models.traits import load_traits
 from stages.processor import Processor
 from stages.scheduler import DecodeScheduler
-from tests.e2e.conftest import gradient, png_data_url
+from tests.e2e.conftest import gradient, png_data_url, serve_on_loopback
 
 
 @pytest.fixture
@@ -43,13 +43,8 @@ async def image_server_url() -> AsyncIterator[str]:
 
     app = web.Application()
     app.router.add_get("/img.png", handle)
-    runner = web.AppRunner(app, access_log=None)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    host, port = runner.addresses[0][:2]
-    yield f"http://{host}:{port}"
-    await runner.cleanup()
+    async with serve_on_loopback(app) as url:
+        yield url
 
 
 @pytest.fixture(scope="module")
