@@ -18,7 +18,7 @@ from pipeline.connection import connect, shutdown
 from pipeline.transport.base import TensorTransport, TransportSettings
 from pipeline.worker import Worker
 from schemas.processed import MediaKind
-from schemas.routes import HOP_ROLES, PROCESSOR
+from schemas.routes import HOP_ROLES, PROCESSOR, moves_tensors
 from stages.contract import Stage, TensorStore
 from stages.media import EmbeddingCache, MediaPolicy
 from stages.models import ModelSpec, resolve_model
@@ -52,11 +52,6 @@ def parse_modalities(spec: str) -> frozenset[MediaKind]:
         return frozenset(MediaKind(k) for k in kinds)
     except ValueError:
         raise SystemExit(f"--modalities {spec!r}: each must be one of {known}") from None
-
-
-def needs_tensors(role: str) -> bool:
-    """Roles that end before decode or start after encode move tensors."""
-    return role != PROCESSOR and not (role.startswith("encode") and role.endswith("decode"))
 
 
 def build_stage(
@@ -103,7 +98,7 @@ async def run_worker(role: str, config: PipelineConfig, settings: WorkerSettings
     nc, js = await connect(config.nats_url, name=f"mmpipe-{role}")
     tensors: TensorTransport | None = None
     try:
-        if needs_tensors(role):
+        if moves_tensors(role):
             from pipeline.transport import open_transport
 
             tensors = await open_transport(

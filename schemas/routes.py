@@ -22,6 +22,14 @@ MODES: dict[str, tuple[str, ...]] = {
 }
 
 
+def moves_tensors(role: str) -> bool:
+    """A hop role that ends before decode, or starts after encode, hands
+    tensors to (or takes them from) another hop; the processor and the
+    aggregated role never do."""
+    steps = role.split("+")
+    return role in HOP_ROLES and not (steps[0] == "encode" and steps[-1] == "decode")
+
+
 def route_for(mode: str, has_media: bool) -> list[str]:
     """Hops for a request; text-only requests skip a hop that only encodes."""
     try:

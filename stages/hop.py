@@ -26,7 +26,7 @@ from schemas.chunk import TokenChunk
 from schemas.errors import ContextLengthExceeded, InvalidRequest
 from schemas.processed import EncodedItem, EncodedMedia, KvHandoff, ProcessedRequest
 from schemas.request import GenerateRequest
-from schemas.routes import HOP_ROLES
+from schemas.routes import HOP_ROLES, moves_tensors
 from schemas.tensors import TensorRef
 from stages.contract import HopContext, StageOutput, TensorStore
 from stages.emitter import ChunkEmitter
@@ -67,8 +67,7 @@ class HopStage:
     ) -> None:
         self.role = role
         self.steps = _Steps.of(role)
-        # A role that ends before decode, or starts after encode, moves tensors.
-        if tensors is None and not (self.steps.encode and self.steps.decode):
+        if tensors is None and moves_tensors(role):
             raise ValueError(f"role {role} hands tensors to or from another hop: it needs a tensor store")
         self.resumes_stream = self.steps.prefill or self.steps.decode
         self.engine = engine

@@ -21,10 +21,10 @@ from transformers import AutoTokenizer
 from pipeline.bridge.app import Bridge, BridgeSettings
 from pipeline.config import PipelineConfig
 from pipeline.connection import connect
-from pipeline.serve import WorkerSettings, build_stage, needs_tensors
+from pipeline.serve import WorkerSettings, build_stage
 from pipeline.transport import TransportSettings, open_transport
 from pipeline.worker import Worker
-from schemas.routes import MODES, PROCESSOR
+from schemas.routes import MODES, PROCESSOR, moves_tensors
 from stages.engine.reference import load_reference_model, reference_generate
 from stages.models import ModelSpec, resolve_model
 
@@ -86,7 +86,7 @@ async def start_stack(
         nc, js = await connect(config.nats_url, f"test-{role}")
         conns.append(nc)
         tensors = None
-        if needs_tensors(role):
+        if moves_tensors(role):
             budget = TransportSettings(budget_bytes=budget_bytes)
             tensors = await open_transport(transport, nc, js, config.namespace, budget, role, "cpu")
             transports.append(tensors)
