@@ -12,6 +12,7 @@ from pipeline import logging as mm_logging
 from pipeline.auth import ENV, NatsAuth
 from pipeline.bridge.app import BridgeSettings
 from pipeline.config import PipelineConfig
+from pipeline.health import HealthSettings
 from schemas.routes import MODES, ROLES
 
 DEFAULT_MODEL = "tiny-qwen2-vl"
@@ -93,6 +94,23 @@ def _model(p: argparse.ArgumentParser) -> None:
     )
 
 
+def _health(p: argparse.ArgumentParser) -> None:
+    group = p.add_argument_group("health and metrics endpoints (for an orchestrator's probes and Prometheus)")
+    group.add_argument(
+        "--health-port",
+        type=int,
+        default=int(os.environ.get("MMPIPE_HEALTH_PORT", "0")),
+        help="serve /health/ready, /health/live and /metrics on this port (0: not at all)",
+    )
+    group.add_argument("--health-host", default=os.environ.get("MMPIPE_HEALTH_HOST", "127.0.0.1"))
+    group.add_argument(
+        "--health-stall-after",
+        type=float,
+        default=HealthSettings.stall_after_s,
+        help="seconds without progress after which /health/live answers 503",
+    )
+
+
 def _bridge(p: argparse.ArgumentParser) -> None:
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
@@ -112,12 +130,19 @@ def parser() -> argparse.ArgumentParser:
     up.add_argument("--nats-port", type=int, default=0, help="port of the embedded nats-server (0: any free one)")
     up.add_argument("--workers", default="", help="workers per role, e.g. encode+prefill+decode=2")
     up.add_argument("--external-nats", action="store_true", help="use --nats-url instead of an embedded server")
+    up.add_argument(
+        "--worker-health-port",
+        type=int,
+        default=0,
+        help="give the workers consecutive health/metrics ports from this one, in start order (0: none)",
+    )
 
     worker = sub.add_parser("worker", help="run one worker of a role")
     worker.add_argument("role", choices=ROLES)
     _common(worker)
     _model(worker)
     worker.add_argument("--max-inflight", type=int, default=8)
+    _health(worker)
 
     bridge = sub.add_parser("bridge", help="run the OpenAI-compatible HTTP bridge")
     _common(bridge)
@@ -207,6 +232,7 @@ def main(argv: list[str] | None = None) -> int:
             embedding_cache_bytes=args.embedding_cache_bytes,
             transport=args.transport,
             tensor_settings=TransportSettings(budget_bytes=args.tensor_budget_mb << 20, ttl_s=args.tensor_ttl),
+            health=HealthSettings(port=args.health_port, host=args.health_host, stall_after_s=args.health_stall_after),
         )
         _run(run_worker(args.role, _config(args), settings))
     elif args.command == "bridge":

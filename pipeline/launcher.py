@@ -105,9 +105,14 @@ def up(args: argparse.Namespace, config: PipelineConfig, bridge: BridgeSettings)
     children: list[subprocess.Popen[bytes]] = []
     cli = [sys.executable, "-m", "pipeline.cli"]
     try:
+        health_port = args.worker_health_port
         for role in ROLES:
             for _ in range(counts.get(role, 0)):
-                children.append(subprocess.Popen([*cli, "worker", role, *common, *model_args]))
+                health = ["--health-port", str(health_port)] if health_port else []
+                if health_port:
+                    log.info("worker_health_port", role=role, url=f"http://127.0.0.1:{health_port}/health/ready")
+                    health_port += 1
+                children.append(subprocess.Popen([*cli, "worker", role, *common, *model_args, *health]))
         bridge_args = ["--host", bridge.host, "--port", str(bridge.port)]
         bridge_args += ["--request-timeout", str(bridge.request_timeout_s)]
         if bridge.api_key:

@@ -15,6 +15,7 @@ from aiohttp import web
 from pipeline.bridge.app import Bridge, BridgeSettings
 from pipeline.config import PipelineConfig
 from pipeline.connection import connect, shutdown
+from pipeline.health import HealthSettings, WorkerHealth
 from pipeline.transport.base import TensorTransport, TransportSettings
 from pipeline.worker import Worker
 from schemas.processed import MediaKind
@@ -43,6 +44,8 @@ class WorkerSettings:
     # imports, else the object store with a warning.
     transport: str = "auto"
     tensor_settings: TransportSettings = field(default_factory=TransportSettings)
+    # /health/ready, /health/live and /metrics on a port of its own (port 0: none).
+    health: HealthSettings = field(default_factory=HealthSettings)
 
 
 def parse_modalities(spec: str) -> frozenset[MediaKind]:
@@ -95,6 +98,18 @@ def _on_signals(stop: Callable[[], None]) -> None:
 
 
 async def run_worker(role: str, config: PipelineConfig, settings: WorkerSettings) -> None:
+    # The endpoints answer from the start: live but not ready while NATS is
+    # not reached yet (the model load blocks the loop; a startup probe covers it).
+    health = WorkerHealth(settings.health)
+    if settings.health.port:
+        await health.serve()
+    try:
+        await _serve_role(role, config, settings, health)
+    finally:
+        await health.close()
+
+
+async def _serve_role(role: str, config: PipelineConfig, settings: WorkerSettings, health: WorkerHealth) -> None:
     nc, js = await connect(config.nats_url, name=f"mmpipe-{role}")
     tensors: TensorTransport | None = None
     try:
@@ -114,6 +129,7 @@ async def run_worker(role: str, config: PipelineConfig, settings: WorkerSettings
             drain_grace_s=settings.drain_grace_s,
             tensors=tensors,
         )
+        health.worker = worker
         _on_signals(worker.stop)
         await worker.run()
     finally:

@@ -76,6 +76,27 @@ def _trace(role: str, trace: dict[str, float]) -> None:
         log.info("hop_trace", role=role, **{k: round(v, 6) for k, v in trace.items()})
 
 
+class _TokenLatency:
+    """TTFT, inter-token latency and request time as the decoding worker sees
+    them when it publishes (the bridge adds only its relay on top). A request
+    taken over after a crash does not count its first chunk as a first token."""
+
+    def __init__(self, role: str, created: float) -> None:
+        self.role = role
+        self.created = created
+        self.last: float | None = None
+
+    def chunk(self, chunk: TokenChunk) -> None:
+        now = time.time()
+        if self.last is not None:
+            metrics.ITL.labels(self.role).observe(now - self.last)
+        elif chunk.seq == 0 and self.created:
+            metrics.TTFT.labels(self.role).observe(max(0.0, now - self.created))
+        if chunk.finish_reason is not None and self.created:
+            metrics.E2E.labels(self.role).observe(max(0.0, now - self.created))
+        self.last = now
+
+
 class Worker:
     def __init__(
         self,
@@ -109,6 +130,9 @@ class Worker:
         self.ready = asyncio.Event()
         # Messages taken from the queue, whatever their outcome.
         self.handled = 0
+        # When the fetch loop last turned or a request last produced output
+        # (monotonic; None until the loop starts): what liveness is judged on.
+        self.last_progress: float | None = None
 
     # -- lifecycle -----------------------------------------------------------
 
@@ -142,8 +166,16 @@ class Worker:
         self._stopping.set()
         self._slot_free.set()
 
+    @property
+    def stopping(self) -> bool:
+        return self._stopping.is_set()
+
+    def _progressed(self) -> None:
+        self.last_progress = time.monotonic()
+
     async def _fetch_loop(self, psub: Any) -> None:
         while not self._stopping.is_set():
+            self._progressed()
             if len(self._tasks) >= self.max_inflight:
                 self._slot_free.clear()
                 await self._slot_free.wait()
@@ -174,6 +206,7 @@ class Worker:
                 metrics.INFLIGHT.labels(self.role).set(len(self._tasks))
 
     def _task_done(self, task: asyncio.Task[None]) -> None:
+        self._progressed()
         self._tasks.discard(task)
         metrics.INFLIGHT.labels(self.role).set(len(self._tasks))
         self._slot_free.set()
@@ -305,14 +338,17 @@ class Worker:
             ctx.emitted = emitted.token_ids
         # aclosing: a cancel that lands while we await a publish must still
         # run the stage's cleanup (free its sequence), not leave it suspended.
+        latency = _TokenLatency(self.role, request.created)
         async with contextlib.aclosing(self.stage.run(message, ctx)) as outputs:
             async for out in outputs:
+                self._progressed()
                 if isinstance(out, ProcessedRequest):
                     await self._forward_holding(out)
                 else:
                     await self.replies.publish(reply_subject, out)
                     if isinstance(out, TokenChunk):
                         metrics.TOKENS.labels(self.role).inc(len(out.token_ids))
+                        latency.chunk(out)
                 _raise_if_cancelled()
 
         _trace(self.role, ctx.trace)
