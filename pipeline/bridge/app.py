@@ -16,7 +16,7 @@ import structlog
 from aiohttp import web
 from nats.aio.client import Client
 from nats.aio.subscription import Subscription
-from nats.errors import NoRespondersError
+from nats.errors import MaxPayloadError, NoRespondersError
 from nats.errors import TimeoutError as NatsTimeoutError
 from nats.js import JetStreamContext
 from nats.js.errors import APIError, NoStreamResponseError
@@ -42,11 +42,19 @@ from schemas.errors import (
     TooLarge,
     Unauthorized,
 )
+from schemas.request import GenerateRequest
 from schemas.routes import MODES, PROCESSOR
 
 log = structlog.get_logger(__name__)
 
 _WORKER_INFO: Decoder[WorkerInfo] = Decoder(WorkerInfo)
+
+# Every chat completion's answer names its request id (the one on the NATS
+# subjects and dead letters), error or not.
+REQUEST_ID_HEADER = "X-Request-Id"
+_REQUEST_ID: web.RequestKey[str] = web.RequestKey("mmpipe_request_id", str)
+# NATS counts a message's headers against max_payload too.
+_HEADER_ROOM = 1024
 
 
 @dataclass(frozen=True)
@@ -92,6 +100,11 @@ class Bridge:
             response = responses.error(exc, self.settings.retry_after_s)
         except web.HTTPRequestEntityTooLarge:
             response = responses.error(TooLarge("request body too large"), self.settings.retry_after_s)
+        rid = request.get(_REQUEST_ID)
+        if rid is not None and not response.prepared:
+            # As OpenAI does: a client (the official one reads it into
+            # .request_id) can name the request to an operator, error or not.
+            response.headers[REQUEST_ID_HEADER] = rid
         metrics.HTTP_REQUESTS.labels(request.path, str(response.status)).inc()
         return response
 
@@ -139,14 +152,17 @@ class Bridge:
 
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
         self._authorize(request)
+        rid = f"chatcmpl-{uuid.uuid4().hex}"
+        request[_REQUEST_ID] = rid
         body_bytes = await request.read()
         try:
             body = REQUEST_DECODER.decode(body_bytes)
-        except (msgspec.ValidationError, msgspec.DecodeError) as exc:
+        except (msgspec.ValidationError, msgspec.DecodeError, UnicodeDecodeError) as exc:
+            # UnicodeDecodeError: a string that is not UTF-8, which msgspec reports as such.
             raise InvalidRequest(f"invalid request body: {exc}") from None
         now = time.time()
-        rid = f"chatcmpl-{uuid.uuid4().hex}"
         gen = to_generate_request(body, rid, created=now, deadline=now + self.settings.request_timeout_s)
+        data = self._encode_request(gen)
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         structlog.contextvars.bind_contextvars(request_id=rid)
         try:
@@ -157,7 +173,7 @@ class Bridge:
                 raise ModelNotFound(f"model {gen.model!r} is not served; served: {', '.join(info.models)}")
             sub = await self.nc.subscribe(self.subjects.reply(rid))
             try:
-                await self._submit(rid, encode(gen))
+                await self._submit(rid, data)
                 chunks = self._chunks(sub, gen.deadline)
                 if gen.stream:
                     return await self._stream(request, rid, gen.model, int(now), chunks, include_usage)
@@ -171,10 +187,25 @@ class Bridge:
         finally:
             structlog.contextvars.unbind_contextvars("request_id")
 
+    def _encode_request(self, gen: GenerateRequest) -> bytes:
+        """The request as it goes on NATS, or the client's error: a number
+        msgpack cannot carry (JSON integers are unbounded), or a request larger
+        than one NATS message may be."""
+        try:
+            data = encode(gen)
+        except OverflowError:
+            raise InvalidRequest("an integer in the request is out of range (at most 64 bits)") from None
+        limit = self.nc.max_payload - _HEADER_ROOM
+        if len(data) > limit:
+            raise TooLarge(f"the request is {len(data)} bytes as a message; the limit is {limit} bytes")
+        return data
+
     async def _submit(self, rid: str, data: bytes) -> None:
         headers = {CONTENT_TYPE: MSGPACK, "Nats-Msg-Id": f"{rid}:0:request"}
         try:
             await self.js.publish(self.subjects.requests, data, headers=headers, timeout=5.0)
+        except MaxPayloadError:
+            raise TooLarge("the request is larger than one NATS message may be") from None
         except APIError as exc:
             if is_stream_full(exc):
                 raise Overloaded("the request queue is full; retry later") from None
@@ -240,7 +271,7 @@ class Bridge:
                 break
             if response is None:
                 response = web.StreamResponse(
-                    headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
+                    headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache", REQUEST_ID_HEADER: rid}
                 )
                 await response.prepare(request)
             await response.write(responses.sse(responses.stream_chunk(rid, model, created, chunk, first=first)))
