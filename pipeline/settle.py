@@ -9,6 +9,7 @@ from typing import Any
 import msgspec
 import structlog
 from nats.aio.msg import Msg
+from nats.errors import MaxPayloadError
 from nats.js import JetStreamContext
 
 from pipeline import metrics
@@ -74,7 +75,14 @@ class Settler:
             payload=msg.data,
         )
         try:
-            await self.js.publish(self.subjects.dead, encode(dead))
+            try:
+                await self.js.publish(self.subjects.dead, encode(dead))
+            except MaxPayloadError:
+                # A message near the size limit is too big with the letter
+                # around it: record the request without its bytes rather than
+                # not at all.
+                dead = msgspec.structs.replace(dead, payload=b"", payload_omitted=len(msg.data))
+                await self.js.publish(self.subjects.dead, encode(dead))
             metrics.DEAD.labels(self.role, error.code.value).inc()
         except Exception as exc:
             metrics.ERRORS.labels(self.role, "dead_letter_failed").inc()

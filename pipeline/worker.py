@@ -13,6 +13,7 @@ import msgspec
 import structlog
 from nats.aio.client import Client
 from nats.aio.msg import Msg
+from nats.errors import MaxPayloadError
 from nats.errors import TimeoutError as NatsTimeoutError
 from nats.js import JetStreamContext
 from nats.js.errors import APIError
@@ -34,6 +35,7 @@ from schemas.errors import (
     InternalError,
     InvalidRequest,
     MmpipeError,
+    TooLarge,
     TransientError,
 )
 from schemas.processed import ProcessedRequest
@@ -42,6 +44,9 @@ from schemas.tensors import TensorRef
 from stages.contract import HopContext, Stage
 
 log = structlog.get_logger(__name__)
+
+# NATS counts a message's headers against max_payload too.
+_HEADER_ROOM = 1024
 
 
 def _raise_if_cancelled() -> None:
@@ -373,11 +378,17 @@ class Worker:
             "Nats-Msg-Id": f"{out.request.request_id}:{out.attempt}:{out.hop_index}",
         }
         data = encode(out)
+        limit = self.nc.max_payload - _HEADER_ROOM
+        if len(data) > limit:
+            # No retry makes it smaller: refuse it (413) rather than nak it max_deliver times.
+            raise TooLarge(f"the request is {len(data)} bytes as a message for {out.hop}; the limit is {limit} bytes")
         deadline = time.monotonic() + self.config.full_stream_wait_s
         while True:
             try:
                 await self.js.publish(subject, data, headers=headers)
                 return
+            except MaxPayloadError:
+                raise TooLarge(f"the request is too large for a message to {out.hop}") from None
             except APIError as exc:
                 if not is_stream_full(exc) or time.monotonic() >= deadline:
                     raise TransientError(f"could not queue for {out.hop}: {exc.description}") from exc

@@ -20,6 +20,9 @@ class DeadLetter(msgspec.Struct, omit_defaults=True, forbid_unknown_fields=True)
     request_id: str = ""
     # The message as it arrived, so an operator can replay it.
     payload: bytes = b""
+    # Set (to the message's size) instead of payload when the message and the
+    # letter around it would not fit one NATS message.
+    payload_omitted: int = 0
 
 
 class WorkerInfo(msgspec.Struct, omit_defaults=True, forbid_unknown_fields=True):
