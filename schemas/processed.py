@@ -38,8 +38,11 @@ class EncodedItem(msgspec.Struct, omit_defaults=True, forbid_unknown_fields=True
     """What prefill needs of one encoded media item besides its embeddings."""
 
     num_tokens: int
-    # The patch grid (t, h, w) before the spatial merge: M-RoPE positions.
+    # The item's layout as its family reads it (Qwen-VL: the patch grid
+    # (t, h, w) before the spatial merge, for M-RoPE positions).
     grid_thw: list[int]
+    # Qwen2.5-VL video: seconds one temporal grid step spans.
+    seconds_per_grid: float = 0.0
 
 
 class EncodedMedia(msgspec.Struct, omit_defaults=True, forbid_unknown_fields=True):

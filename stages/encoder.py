@@ -1,34 +1,38 @@
 """The encode step: a request's media → embeddings, through the embedding cache.
 
-The cache is keyed by the content of all of a request's images together (a
-hash of their bytes, never their URLs), not image by image. A vision tower's
-numerics depend on the batch it runs in: encoded alone, one in four Qwen-VL
-test images came out different in the last bits from the same image encoded
-with the others, and generate() encodes a request's images in one call. An
-entry for the whole set is exactly what a fresh encode would give, so a hit
-keeps mmpipe's promise of generate()'s tokens; the common case, one image
-sent again, hits just the same.
+The cache is keyed by the content of all of a request's media together (a
+hash of their bytes and of how each is sampled, never their URLs), not item
+by item. An encoder's numerics depend on the batch it runs in: encoded
+alone, one in four Qwen-VL test images came out different in the last bits
+from the same image encoded with the others, and generate() encodes a
+request's images in one call. An entry for the whole set is exactly what a
+fresh encode would give, so a hit keeps mmpipe's promise of generate()'s
+tokens; the common case, one item sent again, hits just the same.
 """
 
 from __future__ import annotations
 
 import asyncio
 import itertools
+import json
 import time
 
 import torch
 
-from schemas.errors import UnsupportedMedia
-from schemas.processed import MediaKind, ProcessedRequest
+from schemas.processed import MediaItem, MediaKind, ProcessedRequest
 from stages.contract import HopContext
-from stages.engine import EncodedImage, TorchEngine
+from stages.engine import MediaEmbedding, TorchEngine
+from stages.families import Media
 from stages.media import (
     CachedEmbedding,
     EmbeddingCache,
     MediaFetcher,
     MediaPolicy,
+    VideoOptions,
     content_key,
+    decode_audio,
     decode_image,
+    decode_video,
     parse_embeddings,
 )
 from stages.scheduler import EngineThread
@@ -54,39 +58,65 @@ class MediaEncoder:
         # What else changes the embeddings of the same bytes: the weights and their dtype.
         self._model_key = f"{engine.model_dir.resolve()}:{engine.dtype}"
 
-    async def encode(self, req: ProcessedRequest, ctx: HopContext) -> list[EncodedImage]:
-        for item in req.media:
-            if item.kind is not MediaKind.IMAGE:
-                # The processor lets through only what the family's adapter runs.
-                raise UnsupportedMedia(f"{item.kind.value} input is not supported by this worker's model")
+    async def encode(self, req: ProcessedRequest, ctx: HopContext) -> list[MediaEmbedding]:
         if not req.media:
             return []
-        datas = await asyncio.gather(*(self.fetcher.fetch(m.url) for m in req.media))
+        for item in req.media:
+            self._options(item)  # a bad sampling request fails before any download
+        datas = list(await asyncio.gather(*(self.fetcher.fetch(m.url, max_bytes=self._cap(m)) for m in req.media)))
         if any(m.embeds for m in req.media):
-            return await self._with_precomputed(req, list(datas), ctx)
-        key = await self._key(datas) if self.cache is not None else ""
+            return await self._with_precomputed(req, datas, ctx)
+        key = await self._key(req.media, datas) if self.cache is not None else ""
         if self.cache is not None and (hit := self.cache.get(key)) is not None:
             ctx.trace["cache_hit"] = 1.0
-            return _unpack(hit)
-        encoded = await self._encode_pixels(list(datas), ctx)
+            return _unpack(hit, [m.kind for m in req.media])
+        encoded = await self._encode_media(req.media, datas, ctx)
         if self.cache is not None:
             ctx.trace["cache_hit"] = 0.0
             self.cache.put(key, _pack(encoded))
         return encoded
 
-    async def _encode_pixels(self, datas: list[bytes], ctx: HopContext) -> list[EncodedImage]:
-        images = await asyncio.gather(*(asyncio.to_thread(decode_image, d, self.policy) for d in datas))
+    def _cap(self, item: MediaItem) -> int:
+        if item.kind is MediaKind.VIDEO:
+            return self.policy.video_max_bytes
+        if item.kind is MediaKind.AUDIO:
+            return self.policy.audio_max_bytes
+        return self.policy.max_bytes
+
+    def _options(self, item: MediaItem) -> VideoOptions | None:
+        if item.kind is not MediaKind.VIDEO:
+            return None
+        return VideoOptions(
+            num_frames=item.num_frames,
+            fps=item.fps,
+            max_frames=item.max_frames,
+            pad_to_multiple=self.engine.family.video_frame_multiple,
+        )
+
+    def _decode(self, item: MediaItem, data: bytes) -> Media:
+        if item.kind is MediaKind.VIDEO:
+            return decode_video(data, self.policy, self._options(item))
+        if item.kind is MediaKind.AUDIO:
+            return decode_audio(data, self.policy, item.format or None)
+        return decode_image(data, self.policy)
+
+    async def _encode_media(self, items: list[MediaItem], datas: list[bytes], ctx: HopContext) -> list[MediaEmbedding]:
+        decoded = await asyncio.gather(
+            *(asyncio.to_thread(self._decode, m, d) for m, d in zip(items, datas, strict=True))
+        )
         started = time.monotonic()
-        encoded = await self.thread.call(self.engine.encode, list(images))
+        encoded = await self.thread.call(self.engine.encode, list(decoded))
         ctx.trace["encode_s"] = time.monotonic() - started
         return encoded
 
-    async def _with_precomputed(self, req: ProcessedRequest, datas: list[bytes], ctx: HopContext) -> list[EncodedImage]:
-        """Images sent as embeddings skip the tower; the others still go
+    async def _with_precomputed(
+        self, req: ProcessedRequest, datas: list[bytes], ctx: HopContext
+    ) -> list[MediaEmbedding]:
+        """Images sent as embeddings skip the tower; the other items still go
         through it in one call. Not cached: the client already holds them."""
-        pixels = [d for d, m in zip(datas, req.media, strict=True) if not m.embeds]
-        encoded = iter(await self._encode_pixels(pixels, ctx) if pixels else [])
-        out: list[EncodedImage] = []
+        others = [(m, d) for m, d in zip(req.media, datas, strict=True) if not m.embeds]
+        encoded = iter(await self._encode_media([m for m, _ in others], [d for _, d in others], ctx) if others else [])
+        out: list[MediaEmbedding] = []
         for data, item in zip(datas, req.media, strict=True):
             if item.embeds:
                 given = await asyncio.to_thread(parse_embeddings, data)
@@ -95,25 +125,32 @@ class MediaEncoder:
                 out.append(next(encoded))
         return out
 
-    async def _key(self, datas: list[bytes]) -> str:
-        # Length-prefixed, so two images can never read as one, or the other way round.
+    async def _key(self, items: list[MediaItem], datas: list[bytes]) -> str:
+        # Length-prefixed, so two items can never read as one, or the other way round.
         blob = b"".join(len(d).to_bytes(8, "big") + d for d in datas)
+        # How each item is read: its kind, a video's sampling, an audio's declared format.
+        options = json.dumps([[m.kind.value, m.num_frames, m.fps, m.max_frames, m.format] for m in items])
         if len(blob) > _THREAD_HASH_BYTES:
-            return await asyncio.to_thread(content_key, blob, model=self._model_key, kind="image")
-        return content_key(blob, model=self._model_key, kind="image")
+            return await asyncio.to_thread(content_key, blob, model=self._model_key, kind="media", options=options)
+        return content_key(blob, model=self._model_key, kind="media", options=options)
 
 
-def _pack(encoded: list[EncodedImage]) -> CachedEmbedding:
-    """One entry for an image set: the embeddings end to end, and a grid of
-    (count, dims, each item's grid..., each item's token count...)."""
+def _pack(encoded: list[MediaEmbedding]) -> CachedEmbedding:
+    """One entry for a request's media: the embeddings end to end, a grid of
+    (count, dims, each item's grid..., each item's token count...) and each
+    item's seconds per grid step."""
     dims = len(encoded[0].grid_thw)
     layout = (len(encoded), dims, *itertools.chain.from_iterable(e.grid_thw for e in encoded))
-    return CachedEmbedding(torch.cat([e.embeddings for e in encoded]), (*layout, *(e.num_tokens for e in encoded)))
+    return CachedEmbedding(
+        torch.cat([e.embeddings for e in encoded]),
+        (*layout, *(e.num_tokens for e in encoded)),
+        tuple(e.seconds_per_grid for e in encoded),
+    )
 
 
-def _unpack(cached: CachedEmbedding) -> list[EncodedImage]:
+def _unpack(cached: CachedEmbedding, kinds: list[MediaKind]) -> list[MediaEmbedding]:
     n, dims = cached.grid[0], cached.grid[1]
     grids = [tuple(cached.grid[2 + i * dims : 2 + (i + 1) * dims]) for i in range(n)]
     counts = list(cached.grid[2 + n * dims :])
     parts = torch.split(cached.embeddings, counts)
-    return [EncodedImage(p, g) for p, g in zip(parts, grids, strict=True)]
+    return [MediaEmbedding(p, g, k, s) for p, g, k, s in zip(parts, grids, kinds, cached.scales, strict=True)]

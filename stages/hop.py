@@ -31,7 +31,7 @@ from schemas.tensors import TensorRef
 from stages.contract import HopContext, StageOutput, TensorStore
 from stages.emitter import ChunkEmitter
 from stages.encoder import MediaEncoder
-from stages.engine import EncodedImage, KvState, SamplingConfig, Sequence, TorchEngine
+from stages.engine import KvState, MediaEmbedding, SamplingConfig, Sequence, TorchEngine
 from stages.media import EmbeddingCache, MediaFetcher, MediaPolicy
 from stages.scheduler import DecodeScheduler, EngineThread
 
@@ -115,7 +115,7 @@ class HopStage:
                     yield _next_hop(req)
                     return
                 ref = await self._put([e.embeddings for e in encoded], rid, ctx)
-                items = [EncodedItem(e.num_tokens, list(e.grid_thw)) for e in encoded]
+                items = [EncodedItem(e.num_tokens, list(e.grid_thw), e.seconds_per_grid) for e in encoded]
                 yield _next_hop(req, encoded=EncodedMedia(ref, items))
                 return
             seq = await self._prefill(req, encoded, ctx)
@@ -134,7 +134,7 @@ class HopStage:
 
     # -- encode ---------------------------------------------------------------
 
-    async def _receive_embeddings(self, req: ProcessedRequest, ctx: HopContext) -> list[EncodedImage]:
+    async def _receive_embeddings(self, req: ProcessedRequest, ctx: HopContext) -> list[MediaEmbedding]:
         if not req.media:
             return []
         if req.encoded is None:
@@ -143,11 +143,14 @@ class HopStage:
         items = req.encoded.items
         if len(tensors) != len(items) or len(items) != len(req.media):
             raise InvalidRequest(f"{len(tensors)} embeddings for {len(items)} encoded and {len(req.media)} media items")
-        return [EncodedImage(t, tuple(i.grid_thw)) for t, i in zip(tensors, items, strict=True)]
+        return [
+            MediaEmbedding(t, tuple(i.grid_thw), m.kind, i.seconds_per_grid)
+            for t, i, m in zip(tensors, items, req.media, strict=True)
+        ]
 
     # -- prefill --------------------------------------------------------------
 
-    async def _prefill(self, req: ProcessedRequest, encoded: list[EncodedImage], ctx: HopContext) -> Sequence:
+    async def _prefill(self, req: ProcessedRequest, encoded: list[MediaEmbedding], ctx: HopContext) -> Sequence:
         prompt_len = len(req.prompt_token_ids) + sum(e.num_tokens - 1 for e in encoded)
         if prompt_len + req.max_tokens > self.engine.max_model_len:
             raise ContextLengthExceeded(

@@ -6,7 +6,7 @@ from __future__ import annotations
 import math
 import random
 from collections.abc import AsyncGenerator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import msgspec
@@ -53,18 +53,13 @@ class ModelTraits:
 
     served_name: str
     tokenizer: Any
-    image_token_id: int
     max_model_len: int
+    # The placeholder token of each media kind the model takes (and mmpipe's
+    # adapter for its family runs).
+    placeholders: dict[MediaKind, int]
     # Fewest tokens one image can become: a request that cannot fit even then
     # is refused here; the exact check happens at prefill.
-    min_tokens_per_image: int
-    # The placeholder token of each media kind the model takes (and mmpipe's
-    # adapter for its family runs); empty: images only, by image_token_id.
-    placeholder_ids: dict[MediaKind, int] = field(default_factory=dict)
-
-    @property
-    def placeholders(self) -> dict[MediaKind, int]:
-        return self.placeholder_ids or {MediaKind.IMAGE: self.image_token_id}
+    min_tokens_per_image: int = 1
 
 
 class Processor:
@@ -154,7 +149,9 @@ class Processor:
                 item = self._media_item(part, where)
                 if message.role != "user":
                     raise InvalidRequest(f"messages[{i}]: media are only accepted in user messages")
-                parts.append({"type": item.kind.value})
+                # Chat templates look for {"type": "image"} or for an "image"
+                # (or "audio", ...) key: give both.
+                parts.append({"type": item.kind.value, item.kind.value: ""})
                 media.append(item)
             out.append({"role": message.role, "content": parts})
         return out, media

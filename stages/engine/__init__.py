@@ -8,6 +8,7 @@ tests and benchmarks.
 from __future__ import annotations
 
 from stages.engine.sampling import SamplingConfig, select_token
-from stages.engine.torch_engine import EncodedImage, KvState, Sequence, TorchEngine
+from stages.engine.torch_engine import KvState, Sequence, TorchEngine
+from stages.families import MediaEmbedding
 
-__all__ = ["EncodedImage", "KvState", "SamplingConfig", "Sequence", "TorchEngine", "select_token"]
+__all__ = ["KvState", "MediaEmbedding", "SamplingConfig", "Sequence", "TorchEngine", "select_token"]

@@ -2,27 +2,42 @@
 
 Tests and benchmarks compare the engine with this. It shares none of the
 engine's code paths: it loads the model with the Auto class and the (PIL)
-image processor itself, expands each image placeholder to as many copies as
-the model's vision tower gives features (Qwen-VL: ``grid_thw.prod() //
-merge_size**2``; LLaVA: one per patch), builds ``mm_token_type_ids`` where
-the model takes them and lets ``generate()`` compute everything else
-(vision tower, merge, positions, cache).
+image processor or audio feature extractor itself, expands each media
+placeholder to as many copies as the model's encoder gives features
+(Qwen-VL: ``grid_thw.prod() // merge_size**2``; LLaVA: one per patch;
+LLaVA-NeXT-Video: pooled patches per frame; Qwen2-Audio: the pooled length
+of its mel features), builds ``mm_token_type_ids`` where the model takes
+them and lets ``generate()`` compute everything else (encoders, merge,
+positions, cache).
+
+Video frames are prepared the way the engine's families prepare them (the
+PIL image processor, frame by frame; Hugging Face's video processors need
+torchvision), so what is compared is the model side: towers, merge,
+positions and decoding.
 """
 
 from __future__ import annotations
 
 import inspect
+import json
 from pathlib import Path
 from typing import Any
 
 import torch
 from PIL import Image
 
+from stages.media import DecodedAudio, DecodedVideo
+
+ReferenceMedia = Image.Image | DecodedVideo | DecodedAudio
+
 
 def load_reference_model(model_dir: Path, dtype: torch.dtype = torch.float32, device: str = "cpu") -> Any:
-    from transformers import AutoModelForImageTextToText
+    from transformers import AutoConfig, AutoModelForImageTextToText, Qwen2AudioForConditionalGeneration
 
-    model: Any = AutoModelForImageTextToText.from_pretrained(str(model_dir), dtype=dtype)
+    # Qwen2-Audio is not an image-text-to-text model to the Auto classes.
+    audio = AutoConfig.from_pretrained(str(model_dir)).model_type == "qwen2_audio"
+    cls: Any = Qwen2AudioForConditionalGeneration if audio else AutoModelForImageTextToText
+    model: Any = cls.from_pretrained(str(model_dir), dtype=dtype)
     return model.to(device).eval()
 
 
@@ -36,67 +51,144 @@ def _qwen_image_processor(model_dir: Path) -> Any:
     return cls.from_pretrained(str(model_dir))
 
 
-def _clip_image_processor(model_dir: Path) -> Any:
+def _clip_image_processor(model_dir: Path, config_file: str = "preprocessor_config.json") -> Any:
     try:
         from transformers.models.clip.image_processing_pil_clip import CLIPImageProcessorPil as cls
     except ImportError:
         from transformers import CLIPImageProcessor as cls  # type: ignore[assignment]
-    return cls.from_pretrained(str(model_dir))
+    if config_file == "preprocessor_config.json":
+        return cls.from_pretrained(str(model_dir))
+    settings = json.loads((model_dir / config_file).read_text())
+    settings.pop("video_processor_type", None)
+    return cls(**settings)
 
 
-def _image_inputs(model: Any, model_dir: Path, images: list[Image.Image]) -> tuple[dict[str, Any], list[int]]:
-    """generate()'s image keyword arguments, and each image's token count."""
+def _qwen_video(processor: Any, video: DecodedVideo, temporal: int) -> tuple[torch.Tensor, list[int]]:
+    """A video's patches: each frame's image patches hold that frame in all
+    temporal slots; a video patch holds ``temporal`` consecutive frames."""
+    frames = list(video.frames)
+    frames += [frames[-1]] * (-len(frames) % temporal)
+    per_frame = []
+    grid: list[int] = []
+    for frame in frames:
+        out = processor(images=[frame], return_tensors="pt")
+        _, gh, gw = (int(x) for x in out["image_grid_thw"][0])
+        grid = [len(frames) // temporal, gh, gw]
+        patch = int(processor.patch_size)
+        rows = out["pixel_values"].reshape(gh * gw, -1, temporal, patch, patch)
+        per_frame.append(rows[:, :, :1])
+    steps = [torch.cat(per_frame[i : i + temporal], dim=2) for i in range(0, len(frames), temporal)]
+    return torch.cat([s.reshape(s.shape[0], -1) for s in steps]), grid
+
+
+def _media_inputs(model: Any, model_dir: Path, media: list[ReferenceMedia]) -> tuple[dict[str, Any], list[int]]:
+    """generate()'s media keyword arguments, and each item's token count (in order)."""
     config = model.config
+    images = [m for m in media if isinstance(m, Image.Image)]
+    videos = [m for m in media if isinstance(m, DecodedVideo)]
+    audios = [m for m in media if isinstance(m, DecodedAudio)]
+    kwargs: dict[str, Any] = {}
+    counts: dict[int, int] = {}
     if config.model_type == "llava":
         pixels = _clip_image_processor(model_dir)(images=images, return_tensors="pt")["pixel_values"]
         patch = int(config.vision_config.patch_size)
         per_image = (pixels.shape[-2] // patch) * (pixels.shape[-1] // patch)
         per_image += 1 if config.vision_feature_select_strategy == "full" else 0
-        return {"pixel_values": pixels}, [per_image] * len(images)
-    processed = _qwen_image_processor(model_dir)(images=images, return_tensors="pt")
-    grid = processed["image_grid_thw"]
-    merge = int(config.vision_config.spatial_merge_size)
-    counts = [int(c) for c in (grid.prod(-1) // merge**2).tolist()]
-    return {"pixel_values": processed["pixel_values"], "image_grid_thw": grid}, counts
+        kwargs["pixel_values"] = pixels
+        counts.update({id(im): per_image for im in images})
+    elif config.model_type == "llava_next_video":
+        processor = _clip_image_processor(model_dir, "video_preprocessor_config.json")
+        clips = [processor(images=v.frames, return_tensors="pt")["pixel_values"] for v in videos]
+        kwargs["pixel_values_videos"] = torch.stack(clips)
+        side = clips[0].shape[-1] // int(config.vision_config.patch_size) // int(config.spatial_pool_stride)
+        counts.update({id(v): len(v.frames) * side * side for v in videos})
+    elif config.model_type == "qwen2_audio":
+        from transformers import WhisperFeatureExtractor
+
+        extractor = WhisperFeatureExtractor.from_pretrained(str(model_dir))
+        features = extractor(
+            [a.samples for a in audios],
+            sampling_rate=16_000,
+            return_attention_mask=True,
+            padding="max_length",
+            return_tensors="pt",
+        )
+        kwargs["input_features"] = features["input_features"]
+        kwargs["feature_attention_mask"] = features["attention_mask"]
+        lengths = features["attention_mask"].sum(-1).tolist()
+        counts.update({id(a): (((n - 1) // 2 + 1) - 2) // 2 + 1 for a, n in zip(audios, lengths, strict=True)})
+    else:  # Qwen2-VL, Qwen2.5-VL
+        processor = _qwen_image_processor(model_dir)
+        merge = int(config.vision_config.spatial_merge_size)
+        if images:
+            processed = processor(images=images, return_tensors="pt")
+            kwargs.update(pixel_values=processed["pixel_values"], image_grid_thw=processed["image_grid_thw"])
+            counts.update(
+                {id(im): int(g.prod()) // merge**2 for im, g in zip(images, processed["image_grid_thw"], strict=True)}
+            )
+        if videos:
+            temporal = int(config.vision_config.temporal_patch_size)
+            clips = [_qwen_video(processor, v, temporal) for v in videos]
+            grids = torch.tensor([g for _, g in clips])
+            kwargs.update(pixel_values_videos=torch.cat([c for c, _ in clips]), video_grid_thw=grids)
+            counts.update({id(v): int(g.prod()) // merge**2 for v, g in zip(videos, grids, strict=True)})
+            if config.model_type == "qwen2_5_vl":
+                kwargs["second_per_grid_ts"] = torch.tensor([temporal / v.fps for v in videos])
+    return kwargs, [counts[id(m)] for m in media]
+
+
+def _placeholders(config: Any) -> dict[type, int]:
+    if config.model_type == "qwen2_audio":
+        return {DecodedAudio: int(config.audio_token_index)}
+    if config.model_type == "llava_next_video":
+        return {DecodedVideo: int(config.video_token_index)}
+    image = int(getattr(config, "image_token_id", None) or config.image_token_index)
+    video = getattr(config, "video_token_id", None)
+    return {Image.Image: image, **({DecodedVideo: int(video)} if video is not None else {})}
 
 
 def reference_generate(
     model_dir: Path,
     prompt_token_ids: list[int],
-    images: list[Image.Image],
+    media: list[ReferenceMedia],
     max_new_tokens: int,
     min_new_tokens: int | None = None,
     model: Any = None,
 ) -> list[int]:
     """Greedy new tokens of ``generate()``.
 
-    prompt_token_ids holds one image placeholder per image. min_new_tokens
+    prompt_token_ids holds one placeholder per media item, in the order of
+    ``media`` (PIL images, sampled videos, decoded audio). min_new_tokens
     defaults to max_new_tokens (random weights may emit EOS early). Pass an
     already loaded `model` (from load_reference_model) to skip loading.
     """
     model = model if model is not None else load_reference_model(model_dir)
     config = model.config
-    image_token_id = int(getattr(config, "image_token_id", None) or config.image_token_index)
+    placeholders = _placeholders(config)
+    kinds = {token: kind for kind, token in placeholders.items()}
     kwargs: dict[str, Any] = {}
     ids = list(prompt_token_ids)
-    if images:
-        image_kwargs, counts = _image_inputs(model, model_dir, images)
-        if ids.count(image_token_id) != len(counts):
-            raise ValueError(f"{ids.count(image_token_id)} image placeholders for {len(counts)} images")
+    if media:
+        media_kwargs, counts = _media_inputs(model, model_dir, media)
+        slots = [t for t in ids if t in kinds]
+        expect = [placeholders[Image.Image if isinstance(m, Image.Image) else type(m)] for m in media]
+        if slots != expect:
+            raise ValueError(f"placeholders {slots} do not match the media given ({expect})")
         expanded: list[int] = []
         for tok in ids:
-            if tok == image_token_id:
-                expanded.extend([tok] * counts.pop(0))
-            else:
-                expanded.append(tok)
+            expanded.extend([tok] * counts.pop(0) if tok in kinds else [tok])
         ids = expanded
-        kwargs.update({k: v.to(model.device) for k, v in image_kwargs.items()})
+        kwargs.update({k: v.to(model.device) for k, v in media_kwargs.items()})
     input_ids = torch.tensor([ids], dtype=torch.long, device=model.device)
     # Without mm_token_type_ids generate() silently falls back to 1-D positions
     # for Qwen-VL (transformers 5.x); releases whose forward lacks it compute
-    # M-RoPE from input_ids alone, and LLaVA has no use for it.
+    # M-RoPE from input_ids alone, and the other families have no use for it.
     if "mm_token_type_ids" in inspect.signature(model.forward).parameters:
-        kwargs["mm_token_type_ids"] = (input_ids == image_token_id).to(torch.int32)
+        types = torch.zeros_like(input_ids, dtype=torch.int32)
+        types[input_ids == placeholders[Image.Image]] = 1
+        if DecodedVideo in placeholders:
+            types[input_ids == placeholders[DecodedVideo]] = 2
+        kwargs["mm_token_type_ids"] = types
     with torch.inference_mode():
         out = model.generate(
             input_ids=input_ids,

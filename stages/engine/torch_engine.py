@@ -20,23 +20,11 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from PIL import Image
 
 from schemas.errors import ContextLengthExceeded, InvalidMedia, InvalidRequest
+from schemas.processed import MediaKind
 from stages.engine.sampling import SamplingConfig, select_token
-from stages.families import Grid, family_for_architecture
-
-
-@dataclass
-class EncodedImage:
-    """Vision tower output for one image: what encode gives and prefill takes."""
-
-    embeddings: torch.Tensor  # [num_tokens, text_hidden]
-    grid_thw: Grid  # the family's layout of the item (Qwen-VL: patch grid before the merge)
-
-    @property
-    def num_tokens(self) -> int:
-        return int(self.embeddings.shape[0])
+from stages.families import Grid, Media, MediaEmbedding, family_for_architecture
 
 
 @dataclass(eq=False)
@@ -48,7 +36,7 @@ class Sequence:
     received as KV cache without the prompt ids.
     """
 
-    prompt_len: int  # expanded: each image placeholder counted as its tokens
+    prompt_len: int  # expanded: each media placeholder counted as its tokens
     output_ids: list[int]  # generated so far; the last one is not yet in the cache
     sampling: SamplingConfig
     rope_delta: int
@@ -111,7 +99,6 @@ class TorchEngine:
             model: Any = self.family.model_class.from_pretrained(str(self.model_dir), dtype=self.dtype)
         self.model = model.to(self.device).eval()
         self.tokenizer = AutoTokenizer.from_pretrained(str(self.model_dir))
-        self.image_token_id = self.family.image_token_id
         limit = self.family.max_position_embeddings
         self.max_model_len = min(max_model_len or limit, limit)
         self.eos_token_ids: frozenset[int] = frozenset(_eos_ids(self.model, config))
@@ -120,19 +107,18 @@ class TorchEngine:
         # model's modules are not meant for concurrent calls.
         self._lock = threading.Lock()
 
-    # -- images -------------------------------------------------------------
+    # -- media --------------------------------------------------------------
 
-    def encode(self, images: list[Image.Image]) -> list[EncodedImage]:
-        """Vision embeddings of each image (one vision-tower call for the list).
+    def encode(self, media: list[Media]) -> list[MediaEmbedding]:
+        """Embeddings of each decoded media item (one encoder call per kind).
 
-        Pass a request's images in one call, as generate() does: a vision
-        forward over a different set of images may round differently.
+        Pass a request's media in one call, as generate() does: an encoder
+        forward over a different set of items may round differently.
         """
         with self._lock, torch.inference_mode():
-            encoded = self.family.encode(self.model, images)
-        return [EncodedImage(embeddings=e, grid_thw=g) for e, g in encoded]
+            return self.family.encode(self.model, media)
 
-    def from_precomputed(self, embeddings: torch.Tensor, grid: Grid) -> EncodedImage:
+    def from_precomputed(self, embeddings: torch.Tensor, grid: Grid) -> MediaEmbedding:
         """Embeddings a client computed with this model's encoder, checked
         against the model before they meet its language model."""
         hidden = self.family.hidden_size
@@ -144,30 +130,30 @@ class TorchEngine:
             raise InvalidMedia(f"precomputed embeddings: {exc}") from None
         if not bool(torch.isfinite(embeddings).all()):
             raise InvalidMedia("precomputed embeddings hold NaN or infinite values")
-        return EncodedImage(embeddings=embeddings.to(self.dtype), grid_thw=checked)
+        return MediaEmbedding(embeddings.to(self.dtype), checked, MediaKind.IMAGE)
 
     # -- generation ---------------------------------------------------------
 
     def prefill(
         self,
         prompt_token_ids: list[list[int]],
-        images: list[list[EncodedImage]],
+        media: list[list[MediaEmbedding]],
         sampling: list[SamplingConfig],
         emitted: list[list[int]] | None = None,
     ) -> list[tuple[Sequence, int]]:
         """Run each prompt; return its sequence state and the next token.
 
-        A prompt holds one image placeholder per image; it is expanded to the
-        image's token count here. `emitted[i]` are tokens an earlier attempt
+        A prompt holds one placeholder per media item; it is expanded to the
+        item's token count here. `emitted[i]` are tokens an earlier attempt
         already streamed: they are fed one decode step at a time (not as one
         chunk with the prompt) so the state, and the token returned (index
         len(emitted[i])), are bit-identical to the uninterrupted run.
         """
         n = len(prompt_token_ids)
         emitted = emitted if emitted is not None else [[] for _ in range(n)]
-        if not len(images) == len(sampling) == len(emitted) == n:
-            raise ValueError("prefill: prompt_token_ids, images, sampling and emitted differ in length")
-        jobs = zip(prompt_token_ids, images, sampling, emitted, strict=True)
+        if not len(media) == len(sampling) == len(emitted) == n:
+            raise ValueError("prefill: prompt_token_ids, media, sampling and emitted differ in length")
+        jobs = zip(prompt_token_ids, media, sampling, emitted, strict=True)
         return [self._prefill_one(p, im, s, e) for p, im, s, e in jobs]
 
     def step(self, seqs: list[Sequence]) -> list[int]:
@@ -246,26 +232,28 @@ class TorchEngine:
     # -- internals ----------------------------------------------------------
 
     def _prefill_one(
-        self, prompt: list[int], images: list[EncodedImage], sampling: SamplingConfig, emitted: list[int]
+        self, prompt: list[int], media: list[MediaEmbedding], sampling: SamplingConfig, emitted: list[int]
     ) -> tuple[Sequence, int]:
         fam = self.family
+        for item in media:
+            if fam.num_tokens(item) != item.num_tokens:
+                raise InvalidRequest(
+                    f"{item.kind.value} grid {item.grid_thw} does not match {item.num_tokens} embeddings"
+                )
         try:
-            ids = fam.expand_placeholders(prompt, [im.num_tokens for im in images])
+            ids = fam.expand_placeholders(prompt, media)
         except ValueError as exc:
             raise InvalidRequest(str(exc)) from None
-        for im in images:
-            if fam.num_image_tokens(im.grid_thw) != im.num_tokens:
-                raise InvalidRequest(f"image grid {im.grid_thw} does not match {im.num_tokens} embeddings")
         if any(not 0 <= t < fam.vocab_size for t in ids) or any(not 0 <= t < fam.vocab_size for t in emitted):
             raise InvalidRequest(f"token id outside the vocabulary (size {fam.vocab_size})")
         if len(ids) + len(emitted) >= self.max_model_len:
             raise ContextLengthExceeded(
-                f"prompt of {len(ids)} tokens (images expanded) plus {len(emitted)} resumed tokens leaves no room "
+                f"prompt of {len(ids)} tokens (media expanded) plus {len(emitted)} resumed tokens leaves no room "
                 f"in the model's context of {self.max_model_len}"
             )
-        positions, delta = fam.prompt_positions(ids, [im.grid_thw for im in images])
+        positions, delta = fam.prompt_positions(ids, media)
         with self._lock, torch.inference_mode():
-            embeds = fam.embed_prompt(self.model, ids, [im.embeddings for im in images])
+            embeds = fam.embed_prompt(self.model, ids, media)
             logits, cache = fam.forward(self.model, positions, None, inputs_embeds=embeds)
             seq = Sequence(prompt_len=len(ids), output_ids=[], sampling=sampling, rope_delta=delta, cache=cache)
             return seq, self._continue(seq, logits, emitted)

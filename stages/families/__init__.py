@@ -7,11 +7,19 @@ language-model forward. The engine is generic over it (``base.Family``).
 
 from __future__ import annotations
 
-from stages.families.base import Family, Grid
+from stages.families.base import Family, Grid, Media, MediaEmbedding, kind_of
 from stages.families.llava import LlavaFamily
+from stages.families.llava_next_video import LlavaNextVideoFamily
+from stages.families.qwen2_audio import Qwen2AudioFamily
 from stages.families.qwen2_vl import Qwen2VLFamily, Qwen25VLFamily
 
-_ADAPTERS: tuple[type[Family], ...] = (Qwen2VLFamily, Qwen25VLFamily, LlavaFamily)
+_ADAPTERS: tuple[type[Family], ...] = (
+    Qwen2VLFamily,
+    Qwen25VLFamily,
+    LlavaFamily,
+    LlavaNextVideoFamily,
+    Qwen2AudioFamily,
+)
 FAMILIES: dict[str, type[Family]] = {arch: cls for cls in _ADAPTERS for arch in cls.architectures}
 
 
@@ -24,4 +32,17 @@ def family_for_architecture(architecture: str) -> type[Family]:
         ) from None
 
 
-__all__ = ["FAMILIES", "Family", "Grid", "LlavaFamily", "Qwen2VLFamily", "Qwen25VLFamily", "family_for_architecture"]
+__all__ = [
+    "FAMILIES",
+    "Family",
+    "Grid",
+    "LlavaFamily",
+    "LlavaNextVideoFamily",
+    "Media",
+    "MediaEmbedding",
+    "Qwen2AudioFamily",
+    "Qwen2VLFamily",
+    "Qwen25VLFamily",
+    "family_for_architecture",
+    "kind_of",
+]

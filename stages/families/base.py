@@ -9,8 +9,10 @@ model class the way ``generate()`` does gives the same tokens.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import inspect
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, ClassVar, Protocol
 
@@ -18,44 +20,85 @@ import torch
 from PIL import Image
 from transformers import PretrainedConfig
 
+from schemas.errors import UnsupportedMedia
+from schemas.processed import MediaKind
+from stages.media import DecodedAudio, DecodedVideo
+
 # Grid of one encoded item, as the family needs it for positions (Qwen-VL:
 # the (t, h, w) patch grid before the merge); carried from encode to prefill.
 Grid = tuple[int, ...]
+# A decoded media item as the encoder takes it.
+Media = Image.Image | DecodedVideo | DecodedAudio
+
+
+def kind_of(item: Media) -> MediaKind:
+    if isinstance(item, DecodedVideo):
+        return MediaKind.VIDEO
+    if isinstance(item, DecodedAudio):
+        return MediaKind.AUDIO
+    return MediaKind.IMAGE
+
+
+@dataclasses.dataclass
+class MediaEmbedding:
+    """Encoder output for one media item: what encode gives and prefill takes."""
+
+    embeddings: torch.Tensor  # [num_tokens, text_hidden]
+    grid_thw: Grid  # the family's layout of the item (Qwen-VL: patch grid before the merge)
+    kind: MediaKind = MediaKind.IMAGE
+    # Qwen2.5-VL video: seconds of video one temporal grid step spans
+    # (temporal_patch_size / sampled fps); its temporal positions scale with it.
+    seconds_per_grid: float = 0.0
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.embeddings.shape[0])
 
 
 class Family(Protocol):
     name: ClassVar[str]
     architectures: ClassVar[tuple[str, ...]]
-    image_token_id: int
+    # The placeholder token of each media kind this adapter runs for the checkpoint.
+    placeholder_ids: dict[MediaKind, int]
     vocab_size: int
     max_position_embeddings: int
     num_hidden_layers: int
     num_key_value_heads: int
     head_dim: int
+    # Frames a sampled video is padded to a multiple of (Qwen-VL: temporal_patch_size).
+    video_frame_multiple: int
 
     hidden_size: int
 
     def __init__(self, model_dir: Path, config: PretrainedConfig) -> None: ...
 
+    @classmethod
+    def placeholders_of(cls, config: PretrainedConfig) -> dict[MediaKind, int]: ...
+
     @property
     def model_class(self) -> Any: ...
 
-    def encode(self, model: Any, images: list[Image.Image]) -> list[tuple[torch.Tensor, Grid]]: ...
+    def encode(self, model: Any, media: list[Media]) -> list[MediaEmbedding]:
+        """Embeddings of a request's media, in order: one tower call per kind,
+        as generate() makes them."""
+        ...
 
-    def num_image_tokens(self, grid: Grid) -> int: ...
+    def num_tokens(self, item: MediaEmbedding) -> int:
+        """The token count an item of this grid must have."""
+        ...
 
     def embeddings_grid(self, grid: Grid, rows: int) -> Grid:
         """The grid of precomputed embeddings of ``rows`` tokens, from what the
         payload gave (``()`` if nothing); raises ValueError if they cannot fit."""
         ...
 
-    def expand_placeholders(self, token_ids: list[int], num_tokens: list[int]) -> list[int]: ...
+    def expand_placeholders(self, token_ids: list[int], media: Sequence[MediaEmbedding]) -> list[int]: ...
 
-    def prompt_positions(self, token_ids: list[int], grids: list[Grid]) -> tuple[torch.Tensor, int]: ...
+    def prompt_positions(self, token_ids: list[int], media: Sequence[MediaEmbedding]) -> tuple[torch.Tensor, int]: ...
 
     def decode_positions(self, position: int) -> torch.Tensor: ...
 
-    def embed_prompt(self, model: Any, token_ids: list[int], media_embeds: list[torch.Tensor]) -> torch.Tensor: ...
+    def embed_prompt(self, model: Any, token_ids: list[int], media: Sequence[MediaEmbedding]) -> torch.Tensor: ...
 
     def forward(
         self,
@@ -72,8 +115,12 @@ class LanguageModelFamily:
     """The parts shared by families whose language model is a decoder-only
     Hugging Face model with a placeholder token per media item."""
 
+    name: ClassVar[str]
+
+    video_frame_multiple = 1
+
     def __init__(self, model_dir: Path, config: PretrainedConfig) -> None:
-        self.image_token_id = int(config.image_token_id)
+        self.placeholder_ids = self.placeholders_of(config)
         text_config = config.get_text_config()
         self.hidden_size = int(text_config.hidden_size)
         self.vocab_size = int(text_config.vocab_size)
@@ -84,30 +131,47 @@ class LanguageModelFamily:
         heads = int(text_config.num_attention_heads)
         self.head_dim = int(getattr(text_config, "head_dim", None) or self.hidden_size // heads)
 
-    def expand_placeholders(self, token_ids: list[int], num_tokens: list[int]) -> list[int]:
-        """Replace the i-th media placeholder with num_tokens[i] copies of it."""
+    def embeddings_grid(self, grid: Grid, rows: int) -> Grid:
+        raise ValueError(f"the {self.name} adapter takes no precomputed image embeddings")
+
+    @classmethod
+    def placeholders_of(cls, config: PretrainedConfig) -> dict[MediaKind, int]:
+        """The placeholder token of each kind the adapter runs, read from a
+        config alone (the processor has no weights)."""
+        return {MediaKind.IMAGE: int(config.image_token_id)}
+
+    def expand_placeholders(self, token_ids: list[int], media: Sequence[MediaEmbedding]) -> list[int]:
+        """Replace the i-th media placeholder with as many copies of it as media[i] has tokens."""
+        kinds = {token: kind for kind, token in self.placeholder_ids.items()}
         out: list[int] = []
         item = 0
         for tok in token_ids:
-            if tok == self.image_token_id:
-                if item >= len(num_tokens):
-                    raise ValueError(f"prompt has more image placeholders than the {len(num_tokens)} images given")
-                out.extend([tok] * num_tokens[item])
-                item += 1
-            else:
+            kind = kinds.get(tok)
+            if kind is None:
                 out.append(tok)
-        if item != len(num_tokens):
-            raise ValueError(f"prompt has {item} image placeholders but {len(num_tokens)} images were given")
+                continue
+            if item >= len(media):
+                raise ValueError(f"prompt has more media placeholders than the {len(media)} items given")
+            if media[item].kind is not kind:
+                raise ValueError(f"media placeholder {item} is for {kind.value}, the item is {media[item].kind.value}")
+            out.extend([tok] * media[item].num_tokens)
+            item += 1
+        if item != len(media):
+            raise ValueError(f"prompt has {item} media placeholders but {len(media)} items were given")
         return out
 
     @torch.inference_mode()
-    def embed_prompt(self, model: Any, token_ids: list[int], media_embeds: list[torch.Tensor]) -> torch.Tensor:
-        """Token embeddings [1, L, hidden] with media embeddings scattered over the placeholders."""
+    def embed_prompt(self, model: Any, token_ids: list[int], media: Sequence[MediaEmbedding]) -> torch.Tensor:
+        """Token embeddings [1, L, hidden] with media embeddings scattered over
+        the placeholders. Each item's tokens are contiguous and in prompt order,
+        so one scatter over every kind's placeholders is the per-kind scatters
+        generate() does."""
         ids = torch.tensor([token_ids], dtype=torch.long, device=model.device)
         embeds = model.get_input_embeddings()(ids)
-        if media_embeds:
-            feats = torch.cat(media_embeds, dim=0).to(embeds.device, embeds.dtype)
-            mask = (ids == self.image_token_id).unsqueeze(-1).expand_as(embeds)
+        if media:
+            feats = torch.cat([m.embeddings for m in media], dim=0).to(embeds.device, embeds.dtype)
+            placeholders = torch.tensor(sorted(self.placeholder_ids.values()), device=ids.device)
+            mask = torch.isin(ids, placeholders).unsqueeze(-1).expand_as(embeds)
             embeds = embeds.masked_scatter(mask, feats)
         return embeds
 
@@ -139,6 +203,37 @@ class LanguageModelFamily:
         if new_cache is None:
             new_cache = out.past_key_values
         return out.logits[0, -1], new_cache
+
+    def prompt_positions(self, token_ids: list[int], media: Sequence[MediaEmbedding]) -> tuple[torch.Tensor, int]:
+        """Positions of an expanded prompt in the layout the model's forward
+        takes, and the shift of every later position (plain 1-D here)."""
+        return linear_positions(len(token_ids)), 0
+
+    def decode_positions(self, position: int) -> torch.Tensor:
+        return torch.tensor([[position]], dtype=torch.long)
+
+
+def encode_by_kind(
+    media: list[Media], encoders: dict[MediaKind, Callable[[list[Any]], list[MediaEmbedding]]], family: str
+) -> list[MediaEmbedding]:
+    """Run each kind's encoder once over that kind's items (generate() encodes
+    a request's images in one call, its videos in another) and put the
+    results back in request order."""
+    kinds = [kind_of(m) for m in media]
+    for kind in kinds:
+        if kind not in encoders:
+            raise UnsupportedMedia(f"{kind.value} input is not supported by the {family} adapter")
+    results = {
+        kind: iter(encode([m for m, k in zip(media, kinds, strict=True) if k is kind]))
+        for kind, encode in encoders.items()
+        if kind in kinds
+    }
+    return [next(results[kind]) for kind in kinds]
+
+
+def linear_positions(length: int) -> torch.Tensor:
+    """Plain 1-D positions [1, L] (every family but Qwen-VL)."""
+    return torch.arange(length, dtype=torch.long).unsqueeze(0)
 
 
 @functools.cache

@@ -15,7 +15,15 @@ import torch
 from PIL import Image
 from transformers import LlavaForConditionalGeneration, PretrainedConfig
 
-from stages.families.base import Grid, LanguageModelFamily, features_per_item
+from schemas.processed import MediaKind
+from stages.families.base import (
+    Grid,
+    LanguageModelFamily,
+    Media,
+    MediaEmbedding,
+    encode_by_kind,
+    features_per_item,
+)
 
 try:  # transformers 5.x: the PIL backend has its own class (the default one needs torchvision).
     from transformers.models.clip.image_processing_pil_clip import CLIPImageProcessorPil as _ImageProcessor
@@ -39,11 +47,15 @@ class LlavaFamily(LanguageModelFamily):
         self.image_processor = _ImageProcessor.from_pretrained(str(model_dir))
         self.tokens_per_image = llava_tokens_per_image(config)
 
+    @classmethod
+    def placeholders_of(cls, config: PretrainedConfig) -> dict[MediaKind, int]:
+        return {MediaKind.IMAGE: int(config.image_token_id)}
+
     @property
     def model_class(self) -> Any:
         return LlavaForConditionalGeneration
 
-    def num_image_tokens(self, grid: Grid) -> int:
+    def num_tokens(self, item: MediaEmbedding) -> int:
         return self.tokens_per_image
 
     def embeddings_grid(self, grid: Grid, rows: int) -> Grid:
@@ -52,17 +64,12 @@ class LlavaFamily(LanguageModelFamily):
         return (self.tokens_per_image,)
 
     @torch.inference_mode()
-    def encode(self, model: Any, images: list[Image.Image]) -> list[tuple[torch.Tensor, Grid]]:
-        """Projected vision features per image: ([tokens_per_image, hidden], (tokens,))."""
-        if not images:
-            return []
+    def encode(self, model: Any, media: list[Media]) -> list[MediaEmbedding]:
+        return encode_by_kind(media, {MediaKind.IMAGE: lambda images: self._encode_images(model, images)}, self.name)
+
+    def _encode_images(self, model: Any, images: list[Image.Image]) -> list[MediaEmbedding]:
+        """Projected vision features per image: [tokens_per_image, hidden], grid (tokens,)."""
         pixel_values = self.image_processor(images=images, return_tensors="pt")["pixel_values"]
         out = model.get_image_features(pixel_values=pixel_values.to(model.device, model.dtype))
         feats = features_per_item(out, [self.tokens_per_image] * len(images))
-        return [(f, (self.tokens_per_image,)) for f in feats]
-
-    def prompt_positions(self, token_ids: list[int], grids: list[Grid]) -> tuple[torch.Tensor, int]:
-        return torch.arange(len(token_ids), dtype=torch.long).unsqueeze(0), 0
-
-    def decode_positions(self, position: int) -> torch.Tensor:
-        return torch.tensor([[position]], dtype=torch.long)
+        return [MediaEmbedding(f, (self.tokens_per_image,), MediaKind.IMAGE) for f in feats]

@@ -1,16 +1,24 @@
-"""Qwen2-VL and Qwen2.5-VL: image preprocessing, the vision tower call and
-M-RoPE positions.
+"""Qwen2-VL and Qwen2.5-VL: image and video preprocessing, the vision tower
+calls and M-RoPE positions.
 
 The engine drives the Hugging Face model class itself; this adapter only
-feeds it what ``generate()`` would: the same token embeddings with the image
+feeds it what ``generate()`` would: the same token embeddings with the media
 embeddings scattered in, the same 3-D (temporal, height, width) positions,
 one forward over the whole prompt, then one forward per new token. That is
 what makes greedy tokens identical to ``generate()``. Qwen2.5-VL differs in
-its vision tower (window attention), which its model class owns.
+its vision tower (window attention), which its model class owns, and in
+spacing a video's temporal positions by seconds.
+
+Video frames go through the PIL image processor one by one and are then
+grouped in pairs (``temporal_patch_size``) into the layout of Hugging Face's
+video processor, which needs torchvision (see FACTS.md): the same patches,
+except that frames are resized by PIL's bicubic filter, not torchvision's.
 """
 
 from __future__ import annotations
 
+import json
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -27,7 +35,48 @@ except ImportError:  # older releases: Qwen2VLImageProcessor is the PIL/numpy on
     )
 from transformers import PretrainedConfig, Qwen2_5_VLForConditionalGeneration, Qwen2VLForConditionalGeneration
 
-from stages.families.base import Grid, LanguageModelFamily, features_per_item
+from schemas.processed import MediaKind
+from stages.families.base import (
+    Grid,
+    LanguageModelFamily,
+    Media,
+    MediaEmbedding,
+    encode_by_kind,
+    features_per_item,
+)
+from stages.media import DecodedVideo
+
+# Keys of a video_preprocessor_config.json that size the frames.
+_VIDEO_SIZE_KEYS = ("size", "min_pixels", "max_pixels")
+
+
+def video_frame_patches(
+    processor: Any, frames: list[Image.Image], temporal_patch_size: int
+) -> tuple[torch.Tensor, Grid]:
+    """One video's pixel patches [t*h*w, C*T*P*P] and grid (t, h, w) in the
+    layout of Qwen's video processor, from the PIL image processor.
+
+    The image processor turns each frame into patches whose temporal slots
+    all hold that frame; a video patch holds T consecutive frames instead,
+    so the first slot of each frame's patches is kept and T frames are
+    stacked into one patch. The last frame is repeated up to a multiple of T,
+    as the video processor does.
+    """
+    frames = list(frames)
+    while len(frames) % temporal_patch_size:
+        frames.append(frames[-1])
+    out = processor(images=frames, return_tensors="pt")
+    pixels, grids = out["pixel_values"], out["image_grid_thw"]
+    if len({tuple(g) for g in grids.tolist()}) != 1:
+        raise ValueError("video frames of different sizes")
+    _, gh, gw = (int(x) for x in grids[0].tolist())
+    f, n, tp = len(frames), gh * gw, temporal_patch_size
+    area = int(processor.patch_size) ** 2
+    channels = pixels.shape[1] // (tp * area)
+    # [F, N, C, T, P*P] -> each frame once: [F, N, C, P*P] -> T frames a patch: [F/T, N, C, T, P*P]
+    single = pixels.view(f, n, channels, tp, area)[:, :, :, 0]
+    grouped = single.view(f // tp, tp, n, channels, area).permute(0, 2, 3, 1, 4)
+    return grouped.reshape(f // tp * n, channels * tp * area), (f // tp, gh, gw)
 
 
 class Qwen2VLFamily(LanguageModelFamily):
@@ -38,13 +87,20 @@ class Qwen2VLFamily(LanguageModelFamily):
     def __init__(self, model_dir: Path, config: PretrainedConfig) -> None:
         super().__init__(model_dir, config)
         self.image_processor = _ImageProcessor.from_pretrained(str(model_dir))
+        self.video_processor = _video_frame_processor(model_dir, self.image_processor)
         self.merge_size = int(config.vision_config.spatial_merge_size)
+        self.temporal_patch_size = int(config.vision_config.temporal_patch_size)
+        self.video_frame_multiple = self.temporal_patch_size
+
+    @classmethod
+    def placeholders_of(cls, config: PretrainedConfig) -> dict[MediaKind, int]:
+        return {MediaKind.IMAGE: int(config.image_token_id), MediaKind.VIDEO: int(config.video_token_id)}
 
     @property
     def model_class(self) -> Any:
         return self._model_class
 
-    # -- images -------------------------------------------------------------
+    # -- media --------------------------------------------------------------
 
     def preprocess(self, images: list[Image.Image]) -> tuple[torch.Tensor, torch.Tensor]:
         """pixel_values [patches, C*T*P*P] (float32) and image_grid_thw [n, 3]."""
@@ -55,6 +111,9 @@ class Qwen2VLFamily(LanguageModelFamily):
         t, h, w = grid
         return t * h * w // (self.merge_size**2)
 
+    def num_tokens(self, item: MediaEmbedding) -> int:
+        return self.num_image_tokens(item.grid_thw)
+
     def embeddings_grid(self, grid: Grid, rows: int) -> Grid:
         if len(grid) != 3:
             raise ValueError("Qwen-VL embeddings need their 'grid' (t, h, w): positions depend on it")
@@ -63,54 +122,85 @@ class Qwen2VLFamily(LanguageModelFamily):
         return grid
 
     @torch.inference_mode()
-    def encode(self, model: Any, images: list[Image.Image]) -> list[tuple[torch.Tensor, Grid]]:
-        """Vision tower output per image: ([num_tokens, hidden], grid_thw)."""
-        if not images:
-            return []
+    def encode(self, model: Any, media: list[Media]) -> list[MediaEmbedding]:
+        return encode_by_kind(
+            media,
+            {
+                MediaKind.IMAGE: lambda images: self._encode_images(model, images),
+                MediaKind.VIDEO: lambda videos: self._encode_videos(model, videos),
+            },
+            self.name,
+        )
+
+    def _encode_images(self, model: Any, images: list[Image.Image]) -> list[MediaEmbedding]:
         pixel_values, grid = self.preprocess(images)
         device = model.device
         out = model.get_image_features(pixel_values.to(device, model.dtype), grid.to(device))
         grids: list[Grid] = [(int(t), int(h), int(w)) for t, h, w in grid.tolist()]
         feats = features_per_item(out, [self.num_image_tokens(g) for g in grids])
-        return list(zip(feats, grids, strict=True))
+        return [MediaEmbedding(f, g, MediaKind.IMAGE) for f, g in zip(feats, grids, strict=True)]
+
+    def _encode_videos(self, model: Any, videos: list[DecodedVideo]) -> list[MediaEmbedding]:
+        patches = [video_frame_patches(self.video_processor, v.frames, self.temporal_patch_size) for v in videos]
+        pixel_values = torch.cat([p for p, _ in patches])
+        grids = [g for _, g in patches]
+        device = model.device
+        out = model.get_video_features(
+            pixel_values_videos=pixel_values.to(device, model.dtype),
+            video_grid_thw=torch.tensor(grids, dtype=torch.long, device=device),
+        )
+        feats = features_per_item(out, [self.num_image_tokens(g) for g in grids])
+        return [
+            MediaEmbedding(f, g, MediaKind.VIDEO, seconds_per_grid=self.temporal_patch_size / v.fps)
+            for f, g, v in zip(feats, grids, videos, strict=True)
+        ]
 
     # -- positions ------------------------------------------------------------
 
-    def prompt_positions(self, token_ids: list[int], grids: list[Grid]) -> tuple[torch.Tensor, int]:
+    def temporal_positions(self, item: MediaEmbedding) -> torch.Tensor:
+        """Temporal index of each of an item's grid steps (before the offset)."""
+        return torch.arange(item.grid_thw[0])
+
+    def prompt_positions(self, token_ids: list[int], media: Sequence[MediaEmbedding]) -> tuple[torch.Tensor, int]:
         """M-RoPE positions [3, 1, L] of an expanded prompt, and its rope delta.
 
-        Text tokens advance all three rows together; an image block gets
+        Text tokens advance all three rows together; a media block gets
         (t, h, w) grid coordinates offset by the position it starts at, and
-        the text after it resumes at start + max(t, h, w) (merged grid). The
-        delta (max position + 1 - L) shifts every later, text-only position.
-        Images are assigned in order by their token counts, so two adjacent
-        images stay two images.
+        the text after it resumes at start + max(h, w) of the merged grid
+        (transformers 5.17 to 5.24 leave the temporal extent out). The delta
+        (max position + 1 - L) shifts every later, text-only position. Items
+        are assigned in order by their token counts, so two adjacent items
+        stay two items.
         """
         n = len(token_ids)
-        ids = torch.tensor(token_ids, dtype=torch.long)
         positions = torch.empty(3, n, dtype=torch.long)
-        is_image = (ids == self.image_token_id).tolist()
-        cur = i = image = 0
+        placeholders = set(self.placeholder_ids.values())
+        is_media = [t in placeholders for t in token_ids]
+        cur = i = item = 0
+        top = -1
         while i < n:
-            if is_image[i]:
-                t, h, w = grids[image]
+            if is_media[i]:
+                t, h, w = media[item].grid_thw
                 gh, gw = h // self.merge_size, w // self.merge_size
                 count = t * gh * gw
-                tt = torch.arange(t).repeat_interleave(gh * gw)
+                tt = self.temporal_positions(media[item]).repeat_interleave(gh * gw)
                 hh = torch.arange(gh).repeat_interleave(gw).repeat(t)
                 ww = torch.arange(gw).repeat(t * gh)
-                positions[:, i : i + count] = torch.stack([tt, hh, ww]) + cur
-                cur += max(t, gh, gw)
+                block = torch.stack([tt, hh, ww]) + cur
+                positions[:, i : i + count] = block
+                top = max(top, int(block.max()))
+                cur += max(gh, gw)
                 i += count
-                image += 1
+                item += 1
             else:
                 j = i
-                while j < n and not is_image[j]:
+                while j < n and not is_media[j]:
                     j += 1
                 positions[:, i:j] = torch.arange(j - i) + cur
+                top = max(top, cur + j - i - 1)
                 cur += j - i
                 i = j
-        return positions.unsqueeze(1), cur - n
+        return positions.unsqueeze(1), top + 1 - n
 
     def decode_positions(self, position: int) -> torch.Tensor:
         # After the prompt every token is text: the same position in all three rows.
@@ -121,3 +211,30 @@ class Qwen25VLFamily(Qwen2VLFamily):
     name: ClassVar[str] = "qwen2_5_vl"
     architectures: ClassVar[tuple[str, ...]] = ("Qwen2_5_VLForConditionalGeneration",)
     _model_class: ClassVar[Any] = Qwen2_5_VLForConditionalGeneration
+
+    def __init__(self, model_dir: Path, config: PretrainedConfig) -> None:
+        super().__init__(model_dir, config)
+        self.tokens_per_second = config.vision_config.tokens_per_second
+
+    def temporal_positions(self, item: MediaEmbedding) -> torch.Tensor:
+        # A video's grid steps sit tokens_per_second * seconds apart; the
+        # arithmetic is transformers 5.24's (float32, then truncated).
+        # transformers 5.17 truncated the seconds to an integer first: the
+        # two agree whenever a grid step is a whole number of seconds (the
+        # default 2 fps sampling with temporal_patch_size 2).
+        steps = torch.arange(item.grid_thw[0])
+        if item.kind is not MediaKind.VIDEO:
+            return steps
+        interval = self.tokens_per_second * torch.tensor(item.seconds_per_grid, dtype=torch.float32)
+        return (steps * interval).long()
+
+
+def _video_frame_processor(model_dir: Path, image_processor: Any) -> Any:
+    """The image processor sized as the checkpoint's video processor (its
+    video_preprocessor_config.json), or the image processor itself."""
+    path = model_dir / "video_preprocessor_config.json"
+    if not path.is_file():
+        return image_processor
+    config = json.loads(path.read_text())
+    overrides = {key: config[key] for key in _VIDEO_SIZE_KEYS if key in config}
+    return _ImageProcessor.from_pretrained(str(model_dir), **overrides) if overrides else image_processor

@@ -89,6 +89,8 @@ class CachedEmbedding:
     embeddings: torch.Tensor
     # The patch/frame grid the family needs to place the embeddings (e.g. Qwen2-VL's (t, h, w)).
     grid: tuple[int, ...]
+    # Real-valued layout parameters beside the grid (Qwen2.5-VL: seconds per temporal grid step).
+    scales: tuple[float, ...] = ()
 
     def __post_init__(self) -> None:
         import torch

@@ -25,7 +25,7 @@ from typing import Any
 
 from stages.models.tokenizer import QWEN2_ADDED_TOKEN_IDS, TOKENIZER_FILES, write_qwen2_vl_tokenizer
 
-BUILDER_VERSION = 1
+BUILDER_VERSION = 2
 MARKER_FILE = "mmpipe_builtin.json"
 SEED = 1234
 
@@ -227,7 +227,7 @@ _LLAVA_CHAT_TEMPLATE = (
 
 
 def _build_llava(out_dir: Path) -> None:
-    from transformers import AutoTokenizer, LlavaConfig, LlavaForConditionalGeneration
+    from transformers import LlavaConfig, LlavaForConditionalGeneration
 
     endoftext = QWEN2_ADDED_TOKEN_IDS["<|endoftext|>"]
     tokens_per_image = (_LLAVA_IMAGE // 14) ** 2
@@ -272,19 +272,144 @@ def _build_llava(out_dir: Path) -> None:
     }
     _save(model, out_dir, [endoftext], preprocessor)
     _copy_tokenizer(out_dir, model_max_length=_MAX_POSITIONS)
+    _add_tokens(out_dir, [LLAVA_IMAGE_TOKEN], _LLAVA_CHAT_TEMPLATE, "<|endoftext|>")
+
+
+def _add_tokens(out_dir: Path, tokens: list[str], chat_template: str, eos: str) -> None:
+    """Add special tokens after Qwen's (ids max+1, ...) and set the chat template."""
+    from transformers import AutoTokenizer
+
     tokenizer = AutoTokenizer.from_pretrained(str(out_dir))
-    tokenizer.add_special_tokens({"additional_special_tokens": [LLAVA_IMAGE_TOKEN]})
-    if tokenizer.convert_tokens_to_ids(LLAVA_IMAGE_TOKEN) != LLAVA_IMAGE_TOKEN_ID:
-        raise RuntimeError(f"{LLAVA_IMAGE_TOKEN} did not get id {LLAVA_IMAGE_TOKEN_ID}")
-    tokenizer.eos_token = "<|endoftext|>"
-    tokenizer.chat_template = _LLAVA_CHAT_TEMPLATE
+    tokenizer.add_special_tokens({"additional_special_tokens": tokens})
+    first = max(QWEN2_ADDED_TOKEN_IDS.values()) + 1
+    got = tokenizer.convert_tokens_to_ids(tokens)
+    if got != list(range(first, first + len(tokens))):
+        raise RuntimeError(f"{tokens} got ids {got}, not {first}...")
+    tokenizer.eos_token = eos
+    tokenizer.chat_template = chat_template
     tokenizer.save_pretrained(str(out_dir))
+
+
+# LLaVA-NeXT-Video's chat template (llava-hf), with string contents kept.
+LLAVA_VIDEO_TOKEN_ID = max(QWEN2_ADDED_TOKEN_IDS.values()) + 1
+_LLAVA_NEXT_VIDEO_FRAME = 84
+_LLAVA_NEXT_VIDEO_CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "{% if message['role'] != 'system' %}{{ message['role'].upper() + ': ' }}{% endif %}"
+    "{% if message['content'] is string %}{{ message['content'] + ' ' }}{% else %}"
+    "{% for content in message['content'] | selectattr('type', 'equalto', 'video') %}{{ '<video>\n' }}{% endfor %}"
+    "{% for content in message['content'] | selectattr('type', 'equalto', 'text') %}{{ content['text'] + ' ' }}"
+    "{% endfor %}{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}{{ 'ASSISTANT:' }}{% endif %}"
+)
+
+
+def _build_llava_next_video(out_dir: Path) -> None:
+    from transformers import LlavaNextVideoConfig, LlavaNextVideoForConditionalGeneration
+
+    endoftext = QWEN2_ADDED_TOKEN_IDS["<|endoftext|>"]
+    config = LlavaNextVideoConfig(
+        text_config={
+            "model_type": "llama",
+            **_text_config(eos_token_id=endoftext, rope_parameters={"rope_type": "default", "rope_theta": 10000.0}),
+        },
+        vision_config={
+            "model_type": "clip_vision_model",
+            "hidden_size": _VISION_EMBED,
+            "intermediate_size": 2 * _VISION_EMBED,
+            "num_hidden_layers": 2,
+            "num_attention_heads": _VISION_HEADS,
+            "image_size": _LLAVA_NEXT_VIDEO_FRAME,
+            "patch_size": 14,
+            "projection_dim": _VISION_EMBED,
+        },
+        video_token_index=LLAVA_VIDEO_TOKEN_ID,
+        # Images are not run by mmpipe's adapter; their token is outside the tokenizer.
+        image_token_index=LLAVA_VIDEO_TOKEN_ID + 1,
+        vision_feature_select_strategy="default",
+        vision_feature_layer=-2,
+        spatial_pool_stride=2,
+        spatial_pool_mode="average",
+        image_seq_length=(_LLAVA_NEXT_VIDEO_FRAME // 14) ** 2,
+        video_seq_length=(_LLAVA_NEXT_VIDEO_FRAME // 28) ** 2,
+        projector_hidden_act="gelu",
+        tie_word_embeddings=True,
+        architectures=["LlavaNextVideoForConditionalGeneration"],
+    )
+    model = LlavaNextVideoForConditionalGeneration(config)
+    _seeded_init(model, LLAVA_VIDEO_TOKEN_ID)
+    frame = {
+        "crop_size": {"height": _LLAVA_NEXT_VIDEO_FRAME, "width": _LLAVA_NEXT_VIDEO_FRAME},
+        "do_center_crop": True,
+        "do_convert_rgb": True,
+        "do_normalize": True,
+        "do_rescale": True,
+        "do_resize": True,
+        "image_mean": _CLIP_MEAN,
+        "image_std": _CLIP_STD,
+        "resample": 3,
+        "rescale_factor": 1 / 255,
+        "size": {"shortest_edge": _LLAVA_NEXT_VIDEO_FRAME},
+    }
+    _save(model, out_dir, [endoftext], {**frame, "image_processor_type": "CLIPImageProcessor"})
+    video = {**frame, "video_processor_type": "LlavaNextVideoVideoProcessor"}
+    (out_dir / "video_preprocessor_config.json").write_text(json.dumps(video, indent=2) + "\n")
+    _copy_tokenizer(out_dir, model_max_length=_MAX_POSITIONS)
+    _add_tokens(out_dir, ["<video>"], _LLAVA_NEXT_VIDEO_CHAT_TEMPLATE, "<|endoftext|>")
+
+
+# Qwen2-Audio-7B-Instruct's chat template, verbatim; its audio tokens follow
+# Qwen's special tokens here (the real vocabulary has them at 151646...).
+QWEN2_AUDIO_TOKENS = ["<|AUDIO|>", "<|audio_bos|>", "<|audio_eos|>"]
+QWEN2_AUDIO_TOKEN_ID = max(QWEN2_ADDED_TOKEN_IDS.values()) + 1
+_QWEN2_AUDIO_CHAT_TEMPLATE = (
+    "{% set audio_count = namespace(value=0) %}{% for message in messages %}"
+    "{% if loop.first and message['role'] != 'system' %}"
+    "<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n{% endif %}"
+    "<|im_start|>{{ message['role'] }}\n{% if message['content'] is string %}{{ message['content'] }}<|im_end|>\n"
+    "{% else %}{% for content in message['content'] %}"
+    "{% if 'audio' in content or 'audio_url' in content %}{% set audio_count.value = audio_count.value + 1 %}"
+    "Audio {{ audio_count.value }}: <|audio_bos|><|AUDIO|><|audio_eos|>\n"
+    "{% elif 'text' in content %}{{ content['text'] }}{% endif %}{% endfor %}<|im_end|>\n"
+    "{% endif %}{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def _build_qwen2_audio(out_dir: Path) -> None:
+    from transformers import Qwen2AudioConfig, Qwen2AudioForConditionalGeneration, WhisperFeatureExtractor
+
+    config = Qwen2AudioConfig(
+        text_config={
+            "model_type": "qwen2",
+            **_text_config(rope_parameters={"rope_type": "default", "rope_theta": 1_000_000.0}),
+            "use_sliding_window": False,
+        },
+        audio_config={
+            "model_type": "qwen2_audio_encoder",
+            "num_mel_bins": 128,
+            "encoder_layers": 2,
+            "encoder_attention_heads": _VISION_HEADS,
+            "encoder_ffn_dim": 2 * _VISION_EMBED,
+            "d_model": _VISION_EMBED,
+            "max_source_positions": 1500,
+        },
+        audio_token_index=QWEN2_AUDIO_TOKEN_ID,
+        architectures=["Qwen2AudioForConditionalGeneration"],
+    )
+    model = Qwen2AudioForConditionalGeneration(config)
+    _seeded_init(model, QWEN2_AUDIO_TOKEN_ID + len(QWEN2_AUDIO_TOKENS) - 1)
+    features = WhisperFeatureExtractor(feature_size=128, sampling_rate=16_000, hop_length=160, chunk_length=30)
+    _save(model, out_dir, _QWEN_EOS, features.to_dict())
+    _copy_tokenizer(out_dir, model_max_length=_MAX_POSITIONS)
+    _add_tokens(out_dir, QWEN2_AUDIO_TOKENS, _QWEN2_AUDIO_CHAT_TEMPLATE, "<|im_end|>")
 
 
 _BUILDERS: dict[str, Callable[[Path], None]] = {
     "tiny-qwen2-vl": _build_qwen2_vl,
     "tiny-qwen2.5-vl": _build_qwen2_5_vl,
     "tiny-llava": _build_llava,
+    "tiny-llava-next-video": _build_llava_next_video,
+    "tiny-qwen2-audio": _build_qwen2_audio,
 }
 BUILTIN_MODELS: tuple[str, ...] = tuple(_BUILDERS)
 

@@ -20,6 +20,8 @@ SUPPORTED_ARCHITECTURES: dict[str, str] = {
     "Qwen2VLForConditionalGeneration": "qwen2_vl",
     "Qwen2_5_VLForConditionalGeneration": "qwen2_5_vl",
     "LlavaForConditionalGeneration": "llava",
+    "LlavaNextVideoForConditionalGeneration": "llava_next_video",
+    "Qwen2AudioForConditionalGeneration": "qwen2_audio",
 }
 
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")

@@ -6,6 +6,7 @@ import json
 from typing import Any
 
 from schemas.processed import MediaKind
+from stages.families import family_for_architecture
 from stages.models.resolve import ModelSpec
 from stages.processor import ModelTraits
 
@@ -15,15 +16,13 @@ def load_traits(spec: ModelSpec) -> ModelTraits:
 
     config = AutoConfig.from_pretrained(str(spec.path))
     text = config.get_text_config()
+    placeholders = family_for_architecture(config.architectures[0]).placeholders_of(config)
     return ModelTraits(
         served_name=spec.served_name,
         tokenizer=AutoTokenizer.from_pretrained(str(spec.path)),
-        image_token_id=int(config.image_token_id),
         max_model_len=int(text.max_position_embeddings),
-        min_tokens_per_image=_min_tokens_per_image(spec, config),
-        # Images for every family so far; video and audio join as their
-        # adapters do (a request with them gets a clear 422 until then).
-        placeholder_ids={MediaKind.IMAGE: int(config.image_token_id)},
+        placeholders=placeholders,
+        min_tokens_per_image=_min_tokens_per_image(spec, config) if MediaKind.IMAGE in placeholders else 1,
     )
 
 

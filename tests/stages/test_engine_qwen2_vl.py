@@ -16,9 +16,11 @@ import torch
 from PIL import Image
 
 from schemas.errors import ContextLengthExceeded, InvalidRequest
+from schemas.processed import MediaKind
 from stages.engine.reference import load_reference_model, reference_generate
 from stages.engine.sampling import SamplingConfig, select_token, token_seed
-from stages.engine.torch_engine import EncodedImage, KvState, Sequence, TorchEngine
+from stages.engine.torch_engine import KvState, Sequence, TorchEngine
+from stages.families import MediaEmbedding
 
 N_NEW = 24
 
@@ -81,7 +83,7 @@ def _run(engine: TorchEngine, seq: Sequence, first: int, n: int) -> list[int]:
 def test_engine_attributes(engine: TorchEngine) -> None:
     assert engine.eos_token_ids == frozenset({151645, 151643})
     assert engine.max_model_len == 4096
-    assert engine.image_token_id == 151655
+    assert engine.family.placeholder_ids == {MediaKind.IMAGE: 151655, MediaKind.VIDEO: 151656}
     assert engine.tokenizer.convert_tokens_to_ids("<|image_pad|>") == 151655
 
 
@@ -140,12 +142,12 @@ def test_positions_match_transformers_rope_index(
         pytest.skip("get_rope_index of this transformers release has another signature")
     prompt = cases[2][0]
     encoded = engine.encode(images)
-    ids = engine.family.expand_placeholders(prompt, [e.num_tokens for e in encoded])
-    positions, delta = engine.family.prompt_positions(ids, [e.grid_thw for e in encoded])
+    ids = engine.family.expand_placeholders(prompt, encoded)
+    positions, delta = engine.family.prompt_positions(ids, encoded)
     input_ids = torch.tensor([ids])
     ref_positions, ref_delta = get_rope_index(
         input_ids,
-        mm_token_type_ids=(input_ids == engine.image_token_id).int(),
+        mm_token_type_ids=(input_ids == 151655).int(),
         image_grid_thw=torch.tensor([e.grid_thw for e in encoded]),
     )
     assert torch.equal(positions, ref_positions)
@@ -159,7 +161,7 @@ def test_request_errors(engine: TorchEngine, cases: dict[int, Any], images: list
         engine.prefill([prompt], [encoded], [_greedy()])
     with pytest.raises(InvalidRequest, match="placeholders"):
         engine.prefill([cases[2][0]], [encoded[:1]], [_greedy()])
-    bad = EncodedImage(embeddings=encoded[0].embeddings[:5], grid_thw=encoded[0].grid_thw)
+    bad = MediaEmbedding(encoded[0].embeddings[:5], encoded[0].grid_thw)
     with pytest.raises(InvalidRequest, match="does not match"):
         engine.prefill([prompt], [[bad]], [_greedy()])
     with pytest.raises(InvalidRequest, match="vocabulary"):
@@ -172,7 +174,7 @@ def test_request_errors(engine: TorchEngine, cases: dict[int, Any], images: list
         SamplingConfig(top_p=0.0)
 
 
-def _sample(engine: TorchEngine, prompt: list[int], enc: list[EncodedImage], cfg: SamplingConfig) -> list[int]:
+def _sample(engine: TorchEngine, prompt: list[int], enc: list[MediaEmbedding], cfg: SamplingConfig) -> list[int]:
     [(seq, first)] = engine.prefill([prompt], [enc], [cfg])
     out = _run(engine, seq, first, cfg.max_tokens)
     engine.release(seq)

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
+from schemas.processed import MediaKind
 from stages.engine.reference import load_reference_model, reference_generate
 from stages.engine.sampling import SamplingConfig
 from stages.engine.torch_engine import TorchEngine
@@ -58,7 +59,7 @@ def test_greedy_equals_generate_in_one_engine_and_across_a_hand_off(loaded: Any,
     model_dir, engine, other, ref_model = loaded
     images = _images()[:n_images]
     prompt = _prompt(engine, n_images)
-    assert prompt.count(engine.image_token_id) == n_images
+    assert prompt.count(engine.family.placeholder_ids[MediaKind.IMAGE]) == n_images
     expected = reference_generate(model_dir, prompt, images, N_NEW, model=ref_model)
     encoded = engine.encode(images)
     [(seq, first)] = engine.prefill([prompt], [encoded], [_greedy()])

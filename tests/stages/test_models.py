@@ -175,7 +175,13 @@ def test_builtin_build_failure_leaves_nothing(mmpipe_home: Path, monkeypatch: py
 
 
 def test_resolve_builtin(mmpipe_home: Path, tiny_model_dir: Path) -> None:
-    assert BUILTIN_MODELS == ("tiny-qwen2-vl", "tiny-qwen2.5-vl", "tiny-llava")
+    assert BUILTIN_MODELS == (
+        "tiny-qwen2-vl",
+        "tiny-qwen2.5-vl",
+        "tiny-llava",
+        "tiny-llava-next-video",
+        "tiny-qwen2-audio",
+    )
     spec = resolve_model("tiny-qwen2-vl")
     assert spec == ModelSpec(
         served_name="tiny-qwen2-vl", path=mmpipe_home / "models" / "tiny-qwen2-vl", family="qwen2_vl"
@@ -185,6 +191,8 @@ def test_resolve_builtin(mmpipe_home: Path, tiny_model_dir: Path) -> None:
     assert resolve_model("tiny-qwen2-vl", served_model_name="tiny").served_name == "tiny"
     assert resolve_model("tiny-qwen2.5-vl").family == "qwen2_5_vl"
     assert resolve_model("tiny-llava").family == "llava"
+    assert resolve_model("tiny-llava-next-video").family == "llava_next_video"
+    assert resolve_model("tiny-qwen2-audio").family == "qwen2_audio"
 
 
 def test_resolve_local_dir(tiny_dir: Path) -> None:

@@ -43,7 +43,7 @@ IMG = ImagePart(ImageURL("data:image/png;base64,AAAA"))
 
 def test_one_placeholder_per_image_where_the_image_was(processor: Processor) -> None:
     out = processor.process(req(TextPart("first"), IMG, TextPart("then"), IMG, max_tokens=5))
-    pad = processor.model.image_token_id
+    pad = processor.model.placeholders[MediaKind.IMAGE]
     assert [m.placeholder_index for m in out.media] == [i for i, t in enumerate(out.prompt_token_ids) if t == pad]
     assert len(out.media) == 2
     text = processor.model.tokenizer.decode(out.prompt_token_ids)
@@ -119,8 +119,8 @@ def test_a_disabled_modality_is_refused_with_422(processor: Processor) -> None:
 def test_an_enabled_modality_the_model_cannot_take_is_refused(tiny_model_dir: Path) -> None:
     traits = load_traits(resolve_model(str(tiny_model_dir), "tiny"))
     everything = Processor(traits, modalities=frozenset(MediaKind))
-    with pytest.raises(UnsupportedMedia, match="model 'tiny' takes image input, not video"):
-        everything.process(req(VIDEO))
+    with pytest.raises(UnsupportedMedia, match="model 'tiny' takes image, video input, not audio"):
+        everything.process(req(AUDIO))
     assert len(everything.process(req(IMG, TextPart("ok"))).media) == 1
 
 
@@ -129,7 +129,7 @@ def test_media_items_carry_kind_and_options(tiny_model_dir: Path) -> None:
     # A model that takes all three (as Qwen2-Audio-style adapters will declare).
     ids = traits.tokenizer.convert_tokens_to_ids(["<|image_pad|>", "<|video_pad|>", "<|AUDIO|>"])
     pretend = dataclasses.replace(
-        traits, placeholder_ids={MediaKind.IMAGE: ids[0], MediaKind.VIDEO: ids[1], MediaKind.AUDIO: ids[2]}
+        traits, placeholders={MediaKind.IMAGE: ids[0], MediaKind.VIDEO: ids[1], MediaKind.AUDIO: ids[2]}
     )
     # Qwen2-VL's template renders images and videos (not audio).
     out = Processor(pretend, modalities=frozenset(MediaKind)).process(req(VIDEO, IMG, TextPart("?")))
