@@ -56,6 +56,8 @@ class Stack:
     nc: Any = None
     # add_worker(role, budget_bytes=...) -> Worker: one more worker, started.
     add_worker: Any = None
+    # Each worker's run() task, in the order of ``workers``: done means it died.
+    tasks: list[asyncio.Task[None]] = field(default_factory=list)
 
 
 @pytest.fixture
@@ -70,16 +72,20 @@ async def start_stack(
     bridge_settings: BridgeSettings | None = None,
     transport: str = "nixl",
     counts: dict[str, int] | None = None,
+    modalities: str = "image",
 ) -> tuple[Stack, Any]:
     """Every role of ``config.mode`` (one worker each unless ``counts`` says
     otherwise), each with its own NATS connection and, where it moves
     tensors, its own transport, as separate processes would have."""
-    tasks: list[asyncio.Task[None]] = []
     conns: list[Any] = []
     transports: list[Any] = []
     stack = Stack(base_url="", config=config, spec=spec)
+    tasks = stack.tasks
     settings = WorkerSettings(
-        model=str(spec.path), served_model_name=spec.served_name, allow_internal_media=allow_internal
+        model=str(spec.path),
+        served_model_name=spec.served_name,
+        allow_internal_media=allow_internal,
+        modalities=modalities,
     )
 
     async def add_worker(role: str, budget_bytes: int = 64 << 20) -> Worker:
