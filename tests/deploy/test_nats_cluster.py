@@ -35,6 +35,18 @@ def free_ports(n: int) -> list[int]:
             s.close()
 
 
+def nats_servers(pid: int) -> list[psutil.Process]:
+    """The script's nats-server children (its own short-lived subshells come and go beside them)."""
+    found = []
+    for child in psutil.Process(pid).children():
+        try:
+            if child.name() == "nats-server":
+                found.append(child)
+        except psutil.NoSuchProcess:
+            pass
+    return found
+
+
 def test_the_config_parses() -> None:
     env = {
         **os.environ,
@@ -76,7 +88,7 @@ async def test_local_cluster_holds_replicated_streams(tmp_path: Path) -> None:
         assert line.startswith("nats cluster ready: "), line
         urls = line.split(": ", 1)[1].strip().split(",")
         assert urls == [f"nats://127.0.0.1:{p}" for p in ports[0:3]]
-        servers = psutil.Process(script.pid).children()
+        servers = nats_servers(script.pid)
         assert len(servers) == 3
 
         nc = await nats.connect(servers=urls)
@@ -103,7 +115,7 @@ async def test_local_cluster_holds_replicated_streams(tmp_path: Path) -> None:
     finally:
         if script.returncode is None:
             # The nodes run in sessions of their own: stop them by pid, not through the script.
-            leftovers = psutil.Process(script.pid).children()
+            leftovers = nats_servers(script.pid)
             script.kill()
             await script.wait()
             for node in leftovers:
