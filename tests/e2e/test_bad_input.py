@@ -16,13 +16,16 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import contextlib
 import gzip
 import io
+import math
 import random
 import struct
 import time
 import urllib.parse
 import uuid
+import wave
 import zlib
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from dataclasses import dataclass
@@ -37,7 +40,7 @@ import pytest_asyncio
 from aiohttp import web
 from PIL import Image
 
-from pipeline.config import PipelineConfig
+from pipeline.config import PipelineConfig, StreamLimits
 from pipeline.nats_server import NatsServer, NatsServerConfig
 from schemas.chunk import ErrorChunk
 from schemas.codec import CONTENT_TYPE, JSON, MSGPACK, Decoder
@@ -52,6 +55,7 @@ from stages.models import ModelSpec, resolve_model
 from tests.e2e.conftest import N, Stack, ask, client, gradient, serve_on_loopback, start_stack
 
 MODEL = "tiny-qwen2-vl"
+AUDIO_MODEL = "tiny-qwen2-audio"
 EPD = "encode+prefill+decode"
 ROLES = ("processor", EPD)
 
@@ -119,6 +123,31 @@ MP4_CORRUPT = b"\x00\x00\x00\x18ftypisom\x00\x00\x02\x00isomiso2" + b"\x00\x10\x
 WAV_CORRUPT = b"RIFF\xff\xff\xff\x7fWAVEfmt \x10\x00\x00\x00" + b"\xff" * 40
 
 
+def _wav(seconds: float, rate: int = 16_000) -> bytes:
+    """Mono 16-bit PCM: a 440 Hz tone."""
+    frames = int(seconds * rate)
+    samples = (int(8000 * math.sin(2 * math.pi * 440 * i / rate)) for i in range(frames))
+    buf = io.BytesIO()
+    with wave.open(buf, "wb") as w:
+        w.setnchannels(1)
+        w.setsampwidth(2)
+        w.setframerate(rate)
+        w.writeframes(b"".join(struct.pack("<h", v) for v in samples))
+    return buf.getvalue()
+
+
+GOOD_WAV = _wav(1.0)
+
+
+def _input_audio(data: bytes | str, fmt: str = "wav") -> dict[str, Any]:
+    b64 = data if isinstance(data, str) else base64.b64encode(data).decode()
+    return {"type": "input_audio", "input_audio": {"data": b64, "format": fmt}}
+
+
+def _audio_url(url: str) -> dict[str, Any]:
+    return {"type": "audio_url", "audio_url": {"url": url}}
+
+
 def data_url(data: bytes, mime: str = "image/png") -> str:
     return f"data:{mime};base64," + base64.b64encode(data).decode()
 
@@ -132,12 +161,17 @@ def image(url: str, text: str = "What is this?") -> list[dict[str, Any]]:
 
 @dataclass
 class Env:
-    stack: Stack
-    # The allow-internal stack and its loopback media server.
-    internal: Stack
+    # By name: "main" (a default deployment of tiny-qwen2-vl, every modality
+    # on), "internal" (the same, run as with --allow-internal-media) and
+    # "audio" (tiny-qwen2-audio), each in its own namespace.
+    stacks: dict[str, Stack]
+    dead: dict[str, DeadLetters]
+    # The loopback media server the internal stack may fetch from.
     media_url: str
-    dead: DeadLetters
-    internal_dead: DeadLetters
+
+    @property
+    def stack(self) -> Stack:
+        return self.stacks["main"]
 
 
 @dataclass
@@ -165,25 +199,18 @@ class Case:
     # and the role that must have written it.
     dead: int
     dead_role: str = "processor"
-    internal: bool = False
+    on: str = "main"
     xfail: str | None = None
-    # Another answer the case may get: (status, code, dead_role). Only for
-    # video, whose family support is landing while this corpus is written.
-    alt: tuple[int, str, str] | None = None
 
 
-def _stack(env: Env, internal: bool) -> Stack:
-    return env.internal if internal else env.stack
-
-
-def chat(content: Any, internal: bool = False, role: str = "user", **kw: Any) -> Send:
+def chat(content: Any, on: str = "main", role: str = "user", **kw: Any) -> Send:
     """The official client, non-streaming; ``kw`` are create() arguments (extra_body too).
     ``content`` may be a function that makes it, for payloads too costly to build at import."""
 
     async def send(env: Env) -> Sent:
-        stack = _stack(env, internal)
+        stack = env.stacks[on]
         made = content() if callable(content) else content
-        args: dict[str, Any] = {"model": MODEL, "max_tokens": 2, **kw}
+        args: dict[str, Any] = {"model": stack.spec.served_name, "max_tokens": 2, **kw}
         async with client(stack) as c:
             try:
                 r = await c.chat.completions.create(messages=[{"role": role, "content": made}], **args)
@@ -391,6 +418,10 @@ def _processed(rid: str, **kw: Any) -> ProcessedRequest:
     return ProcessedRequest(**base)
 
 
+def _video(url: str, **sampling: Any) -> dict[str, Any]:
+    return {"type": "video_url", "video_url": {"url": url, **sampling}}
+
+
 def _hops(n: int, to: str) -> str:
     """A path on the media server that redirects ``n`` times on loopback, then to ``to``."""
     return f"/hop/{n}?to={urllib.parse.quote(to, safe='')}"
@@ -400,7 +431,7 @@ def internal_chat(path: str, **kw: Any) -> Send:
     """An image URL on the loopback media server, through the allow-internal stack."""
 
     async def send(env: Env) -> Sent:
-        return await chat(image(env.media_url + path), internal=True, **kw)(env)
+        return await chat(image(env.media_url + path), on="internal", **kw)(env)
 
     return send
 
@@ -457,7 +488,7 @@ CORPUS: list[Case] = [
         "url_not_allowed",
         1,
         EPD,
-        internal=True,
+        on="internal",
     ),
     Case(
         "redirect-chain-to-v6-mapped-metadata",
@@ -466,7 +497,7 @@ CORPUS: list[Case] = [
         "url_not_allowed",
         1,
         EPD,
-        internal=True,
+        on="internal",
     ),
     Case(
         "redirect-to-file-url",
@@ -475,12 +506,12 @@ CORPUS: list[Case] = [
         "url_not_allowed",
         1,
         EPD,
-        internal=True,
+        on="internal",
     ),
-    Case("redirect-loop", internal_chat("/loop"), 400, "media_fetch_failed", 1, EPD, internal=True),
-    Case("http-404", internal_chat("/missing.png"), 400, "media_fetch_failed", 1, EPD, internal=True),
-    Case("html-served-as-image-png", internal_chat("/html"), 400, "invalid_media", 1, EPD, internal=True),
-    Case("gzip-bomb-over-http", internal_chat("/gzip-bomb"), 413, "too_large", 1, EPD, internal=True),
+    Case("redirect-loop", internal_chat("/loop"), 400, "media_fetch_failed", 1, EPD, on="internal"),
+    Case("http-404", internal_chat("/missing.png"), 400, "media_fetch_failed", 1, EPD, on="internal"),
+    Case("html-served-as-image-png", internal_chat("/html"), 400, "invalid_media", 1, EPD, on="internal"),
+    Case("gzip-bomb-over-http", internal_chat("/gzip-bomb"), 413, "too_large", 1, EPD, on="internal"),
     # Oversize bodies.
     Case("body-over-32mib", raw(lambda: b'{"x":"' + b"a" * (33 * 1024 * 1024) + b'"}'), 413, "too_large", 0),
     Case(
@@ -562,24 +593,58 @@ CORPUS: list[Case] = [
     Case("stop-nine-strings", chat("hi", stop=[f"s{i}" for i in range(9)]), 400, "invalid_request", 1),
     Case("stop-wrong-type", chat("hi", stop=7), 400, "invalid_request", 0),
     Case("streamed-bad-sampling", chat_stream("hi", temperature=-1.0), 400, "invalid_request", 1),
-    # Video and audio: corrupt bytes. The tiny model's family takes images only
-    # (video and audio adapters are being wired in), so today the processor
-    # refuses them with 422 before anything is fetched.
+    # Video and audio. Qwen2-VL takes video: the encode worker decodes it and
+    # refuses what is corrupt or foreign. It takes no audio: the processor
+    # refuses that with 422 before anything is fetched.
     Case(
         "video-corrupt-mp4",
         chat([{"type": "video_url", "video_url": {"url": data_url(MP4_CORRUPT, "video/mp4")}}]),
-        422,
-        "unsupported_media",
+        400,
+        "invalid_media",
         1,
-        alt=(400, "invalid_media", EPD),
+        EPD,
     ),
     Case(
         "video-not-base64",
         chat([{"type": "video_url", "video_url": {"url": "data:video/mp4;base64,%%%"}}]),
-        422,
-        "unsupported_media",
+        400,
+        "invalid_media",
         1,
-        alt=(400, "invalid_media", EPD),
+        EPD,
+    ),
+    Case("video-html-labelled-mp4", chat([_video(data_url(HTML, "video/mp4"))]), 422, "unsupported_media", 1, EPD),
+    Case("video-png-labelled-mp4", chat([_video(data_url(GOOD_PNG, "video/mp4"))]), 422, "unsupported_media", 1, EPD),
+    Case(
+        "video-num-frames-and-fps",
+        chat([_video(data_url(MP4_CORRUPT, "video/mp4"), num_frames=4, fps=1.0)]),
+        400,
+        "invalid_request",
+        1,
+        EPD,
+    ),
+    Case(
+        "video-num-frames-zero",
+        chat([_video(data_url(MP4_CORRUPT, "video/mp4"), num_frames=0)]),
+        400,
+        "invalid_request",
+        1,
+        EPD,
+    ),
+    Case(
+        "video-num-frames-over-cap",
+        chat([_video(data_url(MP4_CORRUPT, "video/mp4"), num_frames=10_000)]),
+        413,
+        "too_large",
+        1,
+        EPD,
+    ),
+    Case("video-ssrf-metadata", chat([_video("https://169.254.169.254/v.mp4")]), 400, "url_not_allowed", 1, EPD),
+    Case(
+        "video-num-frames-over-uint64",
+        chat([_video(data_url(MP4_CORRUPT, "video/mp4"), num_frames=2**70)]),
+        400,
+        "invalid_request",
+        0,
     ),
     Case(
         "audio-corrupt-wav-input-audio",
@@ -603,6 +668,62 @@ CORPUS: list[Case] = [
         400,
         "invalid_request",
         1,
+    ),
+    # Audio on a model that takes it (tiny-qwen2-audio): the encode worker decodes it.
+    Case("audio-corrupt-wav", chat([_input_audio(WAV_CORRUPT)], on="audio"), 400, "invalid_media", 1, EPD, on="audio"),
+    Case(
+        "audio-url-corrupt-wav",
+        chat([_audio_url(data_url(WAV_CORRUPT, "audio/wav"))], on="audio"),
+        400,
+        "invalid_media",
+        1,
+        EPD,
+        on="audio",
+    ),
+    Case(
+        "audio-png-declared-wav", chat([_input_audio(GOOD_PNG)], on="audio"), 400, "invalid_media", 1, EPD, on="audio"
+    ),
+    Case(
+        "audio-bad-base64", chat([_input_audio("@@not base64@@")], on="audio"), 400, "invalid_media", 1, EPD, on="audio"
+    ),
+    Case(
+        "audio-pdf-as-audio-url",
+        chat([_audio_url(data_url(PDF, "audio/wav"))], on="audio"),
+        422,
+        "unsupported_media",
+        1,
+        EPD,
+        on="audio",
+    ),
+    Case(
+        "audio-format-not-supported",
+        chat([_input_audio(GOOD_WAV, fmt="mp4")], on="audio"),
+        422,
+        "unsupported_media",
+        1,
+        EPD,
+        on="audio",
+    ),
+    Case(
+        "audio-31s-over-30s-cap",
+        chat(lambda: [_input_audio(_wav(31.0, rate=8000))], on="audio"),
+        413,
+        "too_large",
+        1,
+        EPD,
+        on="audio",
+    ),
+    Case(
+        "audio-url-ssrf-private",
+        chat([_audio_url("https://10.0.0.1/a.wav")], on="audio"),
+        400,
+        "url_not_allowed",
+        1,
+        EPD,
+        on="audio",
+    ),
+    Case(
+        "image-on-an-audio-model", chat(image(data_url(GOOD_PNG)), on="audio"), 422, "unsupported_media", 1, on="audio"
     ),
     # Straight onto NATS: malformed msgpack and JSON, bad GenerateRequests.
     Case("nats-garbage-bytes", nats(lambda rid: b"\xc1\xc1\xc1 not msgpack", reply=False), None, "invalid_request", 1),
@@ -749,23 +870,32 @@ def module_nats(tmp_path_factory: pytest.TempPathFactory) -> Iterator[NatsServer
 async def env(module_nats: NatsServer, tiny_model_dir: Path) -> AsyncIterator[Env]:
     spec: ModelSpec = resolve_model(str(tiny_model_dir), MODEL)
     config = PipelineConfig(nats_url=module_nats.url, namespace=f"t{uuid.uuid4().hex[:10]}")
-    internal_config = PipelineConfig(nats_url=module_nats.url, namespace=f"t{uuid.uuid4().hex[:10]}")
-    stack, stop = await start_stack(config, spec, allow_internal=False, modalities="image,video,audio")
-    try:
-        internal, stop_internal = await start_stack(internal_config, spec, allow_internal=True)
-        try:
-            async with serve_on_loopback(media_app()) as media_url:
-                yield Env(
-                    stack=stack,
-                    internal=internal,
-                    media_url=media_url,
-                    dead=DeadLetters(stack.nc.jetstream(), config.subjects.dead_stream),
-                    internal_dead=DeadLetters(internal.nc.jetstream(), internal_config.subjects.dead_stream),
-                )
-        finally:
-            await stop_internal()
-    finally:
-        await stop()
+    plans = {
+        "main": (spec, False),
+        "internal": (spec, True),
+        "audio": (resolve_model(AUDIO_MODEL), False),
+    }
+    stacks: dict[str, Stack] = {}
+    async with contextlib.AsyncExitStack() as later:
+        for name, (model, allow_internal) in plans.items():
+            # Every work-queue stream reserves its max_bytes from the server's
+            # JetStream file limit: three namespaces at the default would not fit.
+            limits = StreamLimits(max_bytes=64 << 20)
+            config = PipelineConfig(
+                nats_url=module_nats.url,
+                namespace=f"t{uuid.uuid4().hex[:10]}",
+                requests_limits=limits,
+                hop_limits=limits,
+            )
+            stacks[name], stop = await start_stack(
+                config, model, allow_internal=allow_internal, modalities="image,video,audio"
+            )
+            later.push_async_callback(stop)
+        media_url = await later.enter_async_context(serve_on_loopback(media_app()))
+        dead = {
+            name: DeadLetters(stack.nc.jetstream(), stack.config.subjects.dead_stream) for name, stack in stacks.items()
+        }
+        yield Env(stacks=stacks, dead=dead, media_url=media_url)
 
 
 # -- the tests ------------------------------------------------------------------------------------
@@ -784,38 +914,38 @@ def _params() -> list[Any]:
 @pytest.mark.parametrize("case", _params())
 async def test_bad_input(env: Env, case: Case) -> None:
     sent = await case.send(env)
-    stack = _stack(env, case.internal)
-    letters = env.internal_dead if case.internal else env.dead
-    dead = await letters.of(sent, case.dead)
+    stack = env.stacks[case.on]
+    dead = await env.dead[case.on].of(sent, case.dead)
     if sent.status is None and len(dead) == 1:
         # Nobody could be told (no usable request id): the dead letter says what happened.
         sent.code = dead[0].code.value
-    status, code, dead_role = case.status, case.code, case.dead_role
-    if case.alt is not None and (sent.status, sent.code) == case.alt[:2]:
-        status, code, dead_role = case.alt
-    assert (sent.status, sent.code) == (status, code)
+    assert (sent.status, sent.code) == (case.status, case.code)
     assert len(dead) == case.dead, dead
-    subject = sent.subject or stack.config.subjects.work(dead_role)
+    subject = sent.subject or stack.config.subjects.work(case.dead_role)
     for letter in dead:
-        assert (letter.code.value, letter.deliveries, letter.subject) == (code, 1, subject)
+        assert (letter.code.value, letter.deliveries, letter.subject) == (case.code, 1, subject)
     await assert_nothing_pending(stack)
 
 
 @pytest.mark.e2e
 @pytest.mark.asyncio(loop_scope="module")
 async def test_the_stacks_still_serve_after_the_corpus(env: Env) -> None:
-    for stack in (env.stack, env.internal):
+    media = {
+        "main": image(data_url(GOOD_PNG)),
+        "internal": image(env.media_url + "/ok.png"),
+        "audio": [_input_audio(GOOD_WAV), {"type": "text", "text": "What is this?"}],
+    }
+    for name, stack in env.stacks.items():
         assert all(not task.done() for task in stack.tasks), [t for t in stack.tasks if t.done()]
         assert all(w.handled > 0 for w in stack.workers), [(w.role, w.handled) for w in stack.workers]
         async with client(stack) as c:
-            url = data_url(GOOD_PNG) if stack is env.stack else env.media_url + "/ok.png"
-            for content in ("Say something.", image(url)):
+            for content in ("Say something.", media[name]):
                 for stream in (False, True):
-                    _, usage = await ask(c, content, stream=stream)
+                    _, usage = await ask(c, content, stream=stream, model=stack.spec.served_name)
                     assert usage == N
         await assert_nothing_pending(stack)
     # Each dead request is there once, after one delivery: nothing was redelivered.
-    for letters in (env.dead, env.internal_dead):
+    for letters in env.dead.values():
         all_letters = await letters.refresh()
         assert all(d.deliveries == 1 for d in all_letters)
         ids = [d.request_id for d in all_letters if d.request_id]
