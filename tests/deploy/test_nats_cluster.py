@@ -15,6 +15,7 @@ import nats
 import psutil
 import pytest
 from nats.js.api import StorageType, StreamConfig
+from nats.js.errors import NoStreamResponseError
 
 from pipeline.config import PipelineConfig
 from pipeline.nats_server import find_binary
@@ -100,7 +101,16 @@ async def test_local_cluster_holds_replicated_streams(tmp_path: Path) -> None:
             )
             assert info.cluster is not None and info.cluster.leader
             assert len(info.cluster.replicas or []) == 2
-            ack = await js.publish("r3.x", b"kept on three nodes")
+            # The stream's subject interest reaches this client's node a moment
+            # after the stream exists (the leader may be another node).
+            for _ in range(50):
+                try:
+                    ack = await js.publish("r3.x", b"kept on three nodes", timeout=1)
+                    break
+                except NoStreamResponseError:
+                    await asyncio.sleep(0.1)
+            else:
+                pytest.fail("the R3 stream never answered a publish")
             assert ack.stream == "R3"
             # mmpipe provisions its streams and a consumer on the cluster as on one server.
             config = PipelineConfig(nats_url=",".join(urls), namespace="cluster")
