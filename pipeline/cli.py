@@ -11,8 +11,10 @@ from pathlib import Path
 from pipeline import logging as mm_logging
 from pipeline.auth import ENV, NatsAuth
 from pipeline.bridge.app import BridgeSettings
-from pipeline.config import PipelineConfig
+from pipeline.config import ConsumerSettings, PipelineConfig, Placement
 from pipeline.health import HealthSettings
+from pipeline.media_flags import add_media_flags, media_policy
+from pipeline.streams import ProvisioningConflict
 from schemas.routes import MODES, ROLES
 
 DEFAULT_MODEL = "tiny-qwen2-vl"
@@ -59,11 +61,65 @@ def _apply_auth(args: argparse.Namespace) -> None:
 
 
 def _common(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--nats-url", default=os.environ.get("MMPIPE_NATS_URL", "nats://127.0.0.1:4222"))
+    p.add_argument(
+        "--nats-url",
+        default=os.environ.get("MMPIPE_NATS_URL", "nats://127.0.0.1:4222"),
+        help="a NATS server URL, or a cluster's URLs comma separated (reconnects across them)",
+    )
     p.add_argument("--namespace", default=os.environ.get("MMPIPE_NAMESPACE", "default"))
     p.add_argument("--mode", choices=sorted(MODES), default="epd")
     p.add_argument("--log-level", default="INFO")
+    p.add_argument(
+        "--ack-wait",
+        type=float,
+        default=float(os.environ.get("MMPIPE_ACK_WAIT", ConsumerSettings.ack_wait_s)),
+        help="seconds before a message a dead worker held goes to another worker (heartbeats every third of it)",
+    )
     _auth(p)
+    _streams(p)
+
+
+def _streams(p: argparse.ArgumentParser) -> None:
+    group = p.add_argument_group("JetStream streams (give every process of a deployment the same)")
+    replicas = os.environ.get("MMPIPE_REPLICAS")
+    group.add_argument(
+        "--replicas",
+        type=int,
+        default=int(replicas) if replicas else None,
+        help="copies of each stream, 3 on a 3-node cluster (default $MMPIPE_REPLICAS; unset: 1 for a new "
+        "stream, an existing one keeps its own)",
+    )
+    group.add_argument(
+        "--placement-cluster",
+        default=os.environ.get("MMPIPE_PLACEMENT_CLUSTER"),
+        help="the NATS cluster (by name) to place the streams in",
+    )
+    group.add_argument(
+        "--placement-tags",
+        default=os.environ.get("MMPIPE_PLACEMENT_TAGS"),
+        help="place the streams on servers with all these server_tags, comma separated",
+    )
+
+
+def _consumer(p: argparse.ArgumentParser, whom: str) -> None:
+    """With --ack-wait (in _common): the settings of the durable consumer."""
+    group = p.add_argument_group(f"the durable consumer of {whom} (every worker of a role should agree) and drain")
+    d = ConsumerSettings()
+    group.add_argument(
+        "--max-deliver", type=int, default=d.max_deliver, help="deliveries of a message before it is dead-lettered"
+    )
+    group.add_argument(
+        "--max-ack-pending",
+        type=int,
+        default=d.max_ack_pending,
+        help="messages out at once over all workers of the role",
+    )
+    group.add_argument(
+        "--drain-grace",
+        type=float,
+        default=30.0,
+        help="on SIGTERM, seconds to finish in-flight work before handing the rest to other workers",
+    )
 
 
 def _model(p: argparse.ArgumentParser) -> None:
@@ -92,6 +148,7 @@ def _model(p: argparse.ArgumentParser) -> None:
         default=64 << 20,
         help="bytes of media embeddings an encoding worker keeps, keyed by content (0: off)",
     )
+    add_media_flags(p)
 
 
 def _health(p: argparse.ArgumentParser) -> None:
@@ -130,6 +187,7 @@ def parser() -> argparse.ArgumentParser:
     up.add_argument("--nats-port", type=int, default=0, help="port of the embedded nats-server (0: any free one)")
     up.add_argument("--workers", default="", help="workers per role, e.g. encode+prefill+decode=2")
     up.add_argument("--external-nats", action="store_true", help="use --nats-url instead of an embedded server")
+    _consumer(up, "every role")
     up.add_argument(
         "--worker-health-port",
         type=int,
@@ -142,6 +200,7 @@ def parser() -> argparse.ArgumentParser:
     _common(worker)
     _model(worker)
     worker.add_argument("--max-inflight", type=int, default=8)
+    _consumer(worker, "the worker's role")
     _health(worker)
 
     bridge = sub.add_parser("bridge", help="run the OpenAI-compatible HTTP bridge")
@@ -172,6 +231,9 @@ def parser() -> argparse.ArgumentParser:
     path = msub.add_parser("path", help="print where a built-in model lives (built on first use)")
     path.add_argument("name")
     _bench(sub)
+    from pipeline.chaos import add_parser as _chaos
+
+    _chaos(sub)
     return root
 
 
@@ -202,7 +264,24 @@ def _bench(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
 
 
 def _config(args: argparse.Namespace) -> PipelineConfig:
-    return PipelineConfig(nats_url=args.nats_url, namespace=args.namespace, mode=args.mode)
+    d = ConsumerSettings()
+    consumer = ConsumerSettings(
+        ack_wait_s=args.ack_wait,
+        max_deliver=getattr(args, "max_deliver", d.max_deliver),
+        max_ack_pending=getattr(args, "max_ack_pending", d.max_ack_pending),
+    )
+    tags = tuple(t.strip() for t in (args.placement_tags or "").split(",") if t.strip())
+    cluster = args.placement_cluster or None
+    if args.replicas is not None and args.replicas < 1:
+        raise SystemExit("mmpipe: --replicas must be at least 1")
+    return PipelineConfig(
+        nats_url=args.nats_url,
+        namespace=args.namespace,
+        mode=args.mode,
+        consumer=consumer,
+        replicas=args.replicas,
+        placement=Placement(cluster=cluster, tags=tags) if cluster or tags else None,
+    )
 
 
 def _bridge_settings(args: argparse.Namespace) -> BridgeSettings:
@@ -228,17 +307,25 @@ def main(argv: list[str] | None = None) -> int:
             device=args.device,
             max_inflight=args.max_inflight,
             allow_internal_media=args.allow_internal_media,
+            media=media_policy(args),
             modalities=args.modalities,
             embedding_cache_bytes=args.embedding_cache_bytes,
+            drain_grace_s=args.drain_grace,
             transport=args.transport,
             tensor_settings=TransportSettings(budget_bytes=args.tensor_budget_mb << 20, ttl_s=args.tensor_ttl),
             health=HealthSettings(port=args.health_port, host=args.health_host, stall_after_s=args.health_stall_after),
         )
-        _run(run_worker(args.role, _config(args), settings))
+        try:
+            _run(run_worker(args.role, _config(args), settings))
+        except ProvisioningConflict as exc:
+            raise SystemExit(f"mmpipe: {exc}") from None
     elif args.command == "bridge":
         from pipeline.serve import run_bridge
 
-        _run(run_bridge(_config(args), _bridge_settings(args)))
+        try:
+            _run(run_bridge(_config(args), _bridge_settings(args)))
+        except ProvisioningConflict as exc:
+            raise SystemExit(f"mmpipe: {exc}") from None
     elif args.command == "nats":
         from pipeline.launcher import run_nats
 
@@ -262,6 +349,10 @@ def main(argv: list[str] | None = None) -> int:
         from pipeline.bench import main as bench
 
         return bench(args)
+    elif args.command == "chaos":
+        from pipeline.chaos import main as chaos
+
+        return chaos(args)
     return 0
 
 

@@ -18,6 +18,7 @@ import structlog
 from pipeline.auth import NatsAuth
 from pipeline.bridge.app import BridgeSettings
 from pipeline.config import PipelineConfig
+from pipeline.media_flags import media_flag_args, media_policy
 from pipeline.nats_server import NatsServer, NatsServerConfig
 from schemas.routes import MODES, PROCESSOR, ROLES
 
@@ -95,13 +96,15 @@ def up(args: argparse.Namespace, config: PipelineConfig, bridge: BridgeSettings)
         server = NatsServer(NatsServerConfig(data_dir=data_dir / "nats", port=args.nats_port, auth=auth))
         nats_url = server.start()
     common = ["--nats-url", nats_url, "--namespace", config.namespace, "--mode", config.mode]
-    common += ["--log-level", args.log_level]
+    common += ["--log-level", args.log_level, "--ack-wait", str(config.consumer.ack_wait_s)]
+    common += _stream_args(config)
     model_args = ["--model", str(spec.path), "--served-model-name", spec.served_name, "--device", args.device]
     model_args += ["--transport", args.transport, "--tensor-budget-mb", str(args.tensor_budget_mb)]
     model_args += ["--tensor-ttl", str(args.tensor_ttl)]
     model_args += ["--modalities", args.modalities, "--embedding-cache-bytes", str(args.embedding_cache_bytes)]
     if args.allow_internal_media:
         model_args.append("--allow-internal-media")
+    model_args += media_flag_args(media_policy(args))
     children: list[subprocess.Popen[bytes]] = []
     cli = [sys.executable, "-m", "pipeline.cli"]
     try:
@@ -112,7 +115,8 @@ def up(args: argparse.Namespace, config: PipelineConfig, bridge: BridgeSettings)
                 if health_port:
                     log.info("worker_health_port", role=role, url=f"http://127.0.0.1:{health_port}/health/ready")
                     health_port += 1
-                children.append(subprocess.Popen([*cli, "worker", role, *common, *model_args, *health]))
+                worker_args = [*common, *model_args, *health, *_consumer_args(config, args.drain_grace)]
+                children.append(subprocess.Popen([*cli, "worker", role, *worker_args]))
         bridge_args = ["--host", bridge.host, "--port", str(bridge.port)]
         bridge_args += ["--request-timeout", str(bridge.request_timeout_s)]
         if bridge.api_key:
@@ -137,9 +141,24 @@ def up(args: argparse.Namespace, config: PipelineConfig, bridge: BridgeSettings)
             time.sleep(0.2)
         return 0
     finally:
-        _stop_all(children)
+        _stop_all(children, grace_s=args.drain_grace + 10)
         if server is not None:
             server.stop()
+
+
+def _stream_args(config: PipelineConfig) -> list[str]:
+    out = ["--replicas", str(config.replicas)] if config.replicas is not None else []
+    if config.placement and config.placement.cluster:
+        out += ["--placement-cluster", config.placement.cluster]
+    if config.placement and config.placement.tags:
+        out += ["--placement-tags", ",".join(config.placement.tags)]
+    return out
+
+
+def _consumer_args(config: PipelineConfig, drain_grace_s: float) -> list[str]:
+    c = config.consumer
+    out = ["--max-deliver", str(c.max_deliver), "--max-ack-pending", str(c.max_ack_pending)]
+    return [*out, "--drain-grace", str(drain_grace_s)]
 
 
 def _stop_all(children: list[subprocess.Popen[bytes]], grace_s: float = 40.0) -> None:

@@ -4,6 +4,7 @@ CLI (one role per OS process) and by tests (in one event loop)."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import signal
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -35,6 +36,8 @@ class WorkerSettings:
     max_inflight: int = 8
     max_batch: int = 32
     allow_internal_media: bool = False
+    # Media limits (bytes, pixels, frames, seconds, local directories); allow_internal_media overrides its switch.
+    media: MediaPolicy = field(default_factory=MediaPolicy)
     # Media kinds the processor accepts, comma separated.
     modalities: str = "image"
     # Embeddings kept by a worker that encodes, keyed by media content (0: off).
@@ -78,7 +81,7 @@ def build_stage(
     from stages.hop import HopStage
 
     engine = TorchEngine(Path(spec.path), device=settings.device)
-    policy = MediaPolicy(allow_internal=settings.allow_internal_media)
+    policy = dataclasses.replace(settings.media, allow_internal=settings.allow_internal_media)
     cache = EmbeddingCache(settings.embedding_cache_bytes, name=role) if role.startswith("encode") else None
     return HopStage(
         role,
@@ -116,8 +119,10 @@ async def _serve_role(role: str, config: PipelineConfig, settings: WorkerSetting
         if moves_tensors(role):
             from pipeline.transport import open_transport
 
+            # Its bucket is replicated like the streams (a new one; an existing one keeps its own).
+            tensor_settings = dataclasses.replace(settings.tensor_settings, replicas=config.replicas or 1)
             tensors = await open_transport(
-                settings.transport, nc, js, config.namespace, settings.tensor_settings, role, settings.device
+                settings.transport, nc, js, config.namespace, tensor_settings, role, settings.device
             )
         stage = build_stage(role, config, settings, tensors=tensors)
         worker = Worker(

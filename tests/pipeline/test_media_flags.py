@@ -1,0 +1,71 @@
+"""The media limit flags: every MediaPolicy limit has one, `mmpipe up`
+forwards what differs from the defaults, and a worker's encode step serves
+file:// media only from the directories given."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from pipeline.cli import parser
+from pipeline.media_flags import media_flag_args, media_policy
+from schemas.errors import UrlNotAllowed
+from schemas.processed import MediaItem, MediaKind, ProcessedRequest
+from schemas.request import ChatMessage, GenerateRequest
+from stages.contract import HopContext
+from stages.encoder import MediaEncoder
+from stages.engine import TorchEngine
+from stages.media import MediaFetcher, MediaPolicy
+from stages.models import builtin_path
+from stages.scheduler import EngineThread
+from tests.stages.test_media_av import encode_video
+
+
+def _worker_args(*flags: str) -> object:
+    return parser().parse_args(["worker", "encode", *flags])
+
+
+def test_defaults_are_the_policy_defaults() -> None:
+    assert media_policy(_worker_args()) == MediaPolicy()  # type: ignore[arg-type]
+    assert media_flag_args(MediaPolicy()) == []
+
+
+def test_flags_set_the_limits_and_round_trip_to_a_child(tmp_path: Path) -> None:
+    flags = ["--media-dir", str(tmp_path), "--video-max-frames", "8", "--audio-max-seconds", "12.5"]
+    flags += ["--image-max-pixels", "1000000", "--video-default-fps", "1"]
+    policy = media_policy(_worker_args(*flags))  # type: ignore[arg-type]
+    assert policy.allowed_local_dirs == (str(tmp_path),)
+    assert (policy.video_max_frames, policy.audio_max_duration_s) == (8, 12.5)
+    assert (policy.max_pixels, policy.video_default_fps) == (1_000_000, 1.0)
+    # What `mmpipe up` hands each worker gives that worker the same policy.
+    assert media_policy(_worker_args(*media_flag_args(policy))) == policy  # type: ignore[arg-type]
+
+
+def test_a_bad_limit_stops_the_worker_at_start() -> None:
+    with pytest.raises(SystemExit, match="video_max_frames must be positive"):
+        media_policy(_worker_args("--video-max-frames", "0"))  # type: ignore[arg-type]
+
+
+def _video_request(url: str) -> ProcessedRequest:
+    request = GenerateRequest(request_id="r", model="m", messages=[ChatMessage("user", "x")])
+    item = MediaItem(MediaKind.VIDEO, url, 0, num_frames=4)
+    return ProcessedRequest(request=request, prompt_token_ids=[0], media=[item], route=["encode"], max_tokens=1, seed=0)
+
+
+async def test_file_urls_are_served_only_from_a_media_dir(tmp_path: Path, mmpipe_home: Path) -> None:
+    allowed, other = tmp_path / "media", tmp_path / "elsewhere"
+    for d in (allowed, other):
+        d.mkdir()
+        (d / "clip.mp4").write_bytes(encode_video(n=8))
+    policy = media_policy(_worker_args("--media-dir", str(allowed)))  # type: ignore[arg-type]
+    thread, fetcher = EngineThread(), MediaFetcher(policy)
+    encoder = MediaEncoder(TorchEngine(builtin_path("tiny-qwen2-vl")), thread, fetcher, policy)
+    try:
+        [item] = await encoder.encode(_video_request((allowed / "clip.mp4").as_uri()), HopContext())
+        assert item.kind is MediaKind.VIDEO and item.grid_thw[0] == 2  # 4 frames, 2 a temporal patch
+        with pytest.raises(UrlNotAllowed):
+            await encoder.encode(_video_request((other / "clip.mp4").as_uri()), HopContext())
+    finally:
+        await fetcher.close()
+        thread.close()
