@@ -6,7 +6,7 @@ import enum
 
 import msgspec
 
-from schemas.request import GenerateRequest
+from schemas.request import AudioPart, GenerateRequest, ImageEmbedsPart, ImagePart, InputAudioPart, VideoPart
 from schemas.tensors import TensorRef
 
 
@@ -18,8 +18,9 @@ class MediaKind(enum.StrEnum):
 
 class MediaItem(msgspec.Struct, omit_defaults=True, forbid_unknown_fields=True):
     kind: MediaKind
-    # data: / https:// / http:// / file:// URL as the client gave it (inline
-    # input_audio becomes a data: URL).
+    # https:// / http:// / file:// URL as the client gave it; empty for inline
+    # bytes (a data: URL or input_audio), which stay where they are in the
+    # request (``part``) rather than travel twice in every hop message.
     url: str
     # Index into prompt_token_ids of this item's single placeholder token; the
     # family expands it once the media's token count is known.
@@ -32,6 +33,8 @@ class MediaItem(msgspec.Struct, omit_defaults=True, forbid_unknown_fields=True):
     num_frames: int | None = None
     fps: float | None = None
     max_frames: int | None = None
+    # Inline bytes: [message index, content part index] in the request.
+    part: list[int] = []
 
 
 class EncodedItem(msgspec.Struct, omit_defaults=True, forbid_unknown_fields=True):
@@ -85,6 +88,27 @@ class ProcessedRequest(msgspec.Struct, omit_defaults=True, forbid_unknown_fields
     @property
     def hop(self) -> str:
         return self.route[self.hop_index]
+
+    def media_url(self, item: MediaItem) -> str:
+        """Where an item's bytes are: its URL, or its inline part of the request as a data: URL."""
+        if not item.part:
+            return item.url
+        message, index = item.part
+        content = self.request.messages[message].content
+        if isinstance(content, str):
+            raise ValueError(f"media part {item.part} points at a text message")
+        part = content[index]
+        if isinstance(part, InputAudioPart):
+            return f"data:audio/{part.input_audio.format.lower()};base64,{part.input_audio.data}"
+        if isinstance(part, ImagePart):
+            return part.image_url.url
+        if isinstance(part, ImageEmbedsPart):
+            return part.image_embeds.url
+        if isinstance(part, VideoPart):
+            return part.video_url.url
+        if isinstance(part, AudioPart):
+            return part.audio_url.url
+        raise ValueError(f"media part {item.part} points at a text part")
 
     def restarted(self) -> ProcessedRequest:
         """A new attempt from the first hop: what earlier hops made is gone."""

@@ -63,7 +63,9 @@ class MediaEncoder:
             return []
         for item in req.media:
             self._options(item)  # a bad sampling request fails before any download
-        datas = list(await asyncio.gather(*(self.fetcher.fetch(m.url, max_bytes=self._cap(m)) for m in req.media)))
+        datas = list(
+            await asyncio.gather(*(self.fetcher.fetch(req.media_url(m), max_bytes=self._cap(m)) for m in req.media))
+        )
         if any(m.embeds for m in req.media):
             return await self._with_precomputed(req, datas, ctx)
         key = await self._key(req.media, datas) if self.cache is not None else ""

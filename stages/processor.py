@@ -146,7 +146,7 @@ class Processor:
                     parts.append({"type": "text", "text": part.text})
                     continue
                 where = f"messages[{i}].content[{j}]"
-                item = self._media_item(part, where)
+                item = self._media_item(part, where, [i, j])
                 if message.role != "user":
                     raise InvalidRequest(f"messages[{i}]: media are only accepted in user messages")
                 # Chat templates look for {"type": "image"} or for an "image"
@@ -156,7 +156,7 @@ class Processor:
             out.append({"role": message.role, "content": parts})
         return out, media
 
-    def _media_item(self, part: MediaPart, where: str) -> MediaItem:
+    def _media_item(self, part: MediaPart, where: str, index: list[int]) -> MediaItem:
         if isinstance(part, ImagePart):
             item = MediaItem(MediaKind.IMAGE, part.image_url.url, -1)
         elif isinstance(part, ImageEmbedsPart):
@@ -171,8 +171,8 @@ class Processor:
             fmt = audio.format.lower()
             if not fmt.isalnum():
                 raise InvalidRequest(f"{where}.input_audio.format {audio.format!r} is not a format name")
-            # Inline bytes travel as a data: URL, like inline images.
-            item = MediaItem(MediaKind.AUDIO, f"data:audio/{fmt};base64,{audio.data}", -1, format=fmt)
+            # Inline bytes: read from the request's part (see below), like a data: URL.
+            item = MediaItem(MediaKind.AUDIO, "data:", -1, format=fmt)
         kind = item.kind.value
         if item.kind not in self.modalities:
             enabled = ", ".join(sorted(m.value for m in self.modalities)) or "none"
@@ -182,6 +182,9 @@ class Processor:
             raise UnsupportedMedia(f"{where}: model {self.model.served_name!r} takes {takes} input, not {kind}")
         if not item.url.startswith(_MEDIA_SCHEMES):
             raise UnsupportedMedia(f"{where}: {kind} URL scheme not supported; use data:, https:// or http://")
+        if item.url.startswith("data:"):
+            # Inline bytes are read from the request itself, not copied beside it.
+            return msgspec.structs.replace(item, url="", part=index)
         return item
 
     def _check_counts(self, media: list[MediaItem]) -> None:

@@ -527,12 +527,6 @@ CORPUS: list[Case] = [
         200,
         None,
         0,
-        xfail=(
-            "Processor._media_item (stages/processor.py) copies each data: URL into MediaItem.url "
-            "(schemas/processed.py) beside ProcessedRequest.request, which already holds it: a 5 MiB image, "
-            "under the 20 MiB image cap, makes a ~14 MB hop message, over NATS's 8 MiB max_payload, so it gets "
-            "413; MediaItem should point at the request's part (message and part index) instead of copying it"
-        ),
     ),
     # Malformed JSON, unknown fields, wrong types (the bridge).
     Case("json-malformed", raw(b'{"model": "tiny-qwen2-vl", "messages": [}'), 400, "invalid_request", 0),
