@@ -20,6 +20,9 @@ log = structlog.get_logger(__name__)
 # What a server says when our credentials are wrong: retrying cannot help.
 _REFUSALS = ("authorization violation", "authentication", "user authentication expired")
 
+PING_INTERVAL_S = 10
+MAX_OUTSTANDING_PINGS = 3
+
 
 class NatsRefused(ConnectionError):
     """The NATS server refused this client's credentials or TLS."""
@@ -30,7 +33,10 @@ def _is_refusal(error: Exception) -> bool:
 
 
 async def connect(url: str, name: str, auth: NatsAuth | None = None) -> tuple[Client, JetStreamContext]:
-    """``auth`` defaults to the ``MMPIPE_NATS_*`` environment.
+    """``url`` is one server URL or several comma separated (the nodes of a
+    cluster, in any order): the client picks one, learns the rest of the
+    cluster from it, and on losing its node reconnects to another.
+    ``auth`` defaults to the ``MMPIPE_NATS_*`` environment.
 
     While no server answers (a worker started before NATS, or across a
     restart) this keeps trying; a refusal of the credentials or of TLS on the
@@ -63,6 +69,11 @@ async def connect(url: str, name: str, auth: NatsAuth | None = None) -> tuple[Cl
             reconnect_time_wait=0.5,
             allow_reconnect=True,
             connect_timeout=5,
+            # A node that dies outright closes the socket and the client moves
+            # to another at once; one cut off silently (a host or network
+            # failure) is noticed after this many unanswered pings.
+            ping_interval=PING_INTERVAL_S,
+            max_outstanding_pings=MAX_OUTSTANDING_PINGS,
             error_cb=on_error,
             disconnected_cb=on_disconnected,
             reconnected_cb=on_reconnected,

@@ -3,18 +3,27 @@ process may run it at start, in any order, any number of times."""
 
 from __future__ import annotations
 
+import asyncio
+import dataclasses
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any, TypeVar
+
 import structlog
+from nats.errors import ConnectionClosedError, ConnectionReconnectingError, NoRespondersError
+from nats.errors import TimeoutError as NatsTimeoutError
 from nats.js import JetStreamContext
 from nats.js.api import (
     AckPolicy,
     ConsumerConfig,
     DeliverPolicy,
     DiscardPolicy,
+    Placement,
     RetentionPolicy,
     StorageType,
     StreamConfig,
 )
-from nats.js.errors import APIError, BadRequestError, NotFoundError
+from nats.js.errors import APIError, NoStreamResponseError, NotFoundError, ServiceUnavailableError
 
 from pipeline.config import PipelineConfig, StreamLimits
 from pipeline.subjects import Subjects
@@ -28,6 +37,44 @@ _STREAM_FULL_TEXT = ("maximum messages exceeded", "maximum bytes exceeded")
 
 # JetStream API error code for "stream name already in use with a different configuration".
 _STREAM_EXISTS_DIFFERENT = 10058
+# Answers that mean "not now" while a cluster elects leaders, a node is down
+# or another process reconfigures the same stream: provisioning retries them.
+_NOT_NOW_CODES = {
+    10008,  # JetStream system temporarily unavailable
+    10023,  # insufficient resources (a node of the placement is down)
+    10226,  # stream reconfiguration already in progress
+}
+_NOT_NOW = (
+    NatsTimeoutError,
+    NoRespondersError,
+    NoStreamResponseError,
+    ServiceUnavailableError,
+    ConnectionClosedError,
+    ConnectionReconnectingError,
+)
+# The fields mmpipe sets on a stream: an existing stream is compared on these.
+_STREAM_FIELDS = (
+    "subjects",
+    "retention",
+    "storage",
+    "max_msgs",
+    "max_bytes",
+    "max_age",
+    "discard",
+    "duplicate_window",
+    "num_replicas",
+    "placement",
+)
+_CONSUMER_FIELDS = ("filter_subject", "ack_policy", "deliver_policy", "ack_wait", "max_deliver", "max_ack_pending")
+
+T = TypeVar("T")
+
+
+class ProvisioningConflict(RuntimeError):
+    """A stream or consumer exists with a configuration JetStream cannot
+    change in place (retention, storage, deliver policy, ...), or one the
+    cluster cannot hold (more replicas than nodes, a placement nobody
+    matches). Not retryable: an operator must delete or migrate it."""
 
 
 def _work_queue(name: str, subject: str, limits: StreamLimits) -> StreamConfig:
@@ -45,7 +92,18 @@ def _work_queue(name: str, subject: str, limits: StreamLimits) -> StreamConfig:
     )
 
 
+def _placed(cfg: StreamConfig, config: PipelineConfig) -> StreamConfig:
+    placement = config.placement
+    return dataclasses.replace(
+        cfg,
+        num_replicas=config.replicas,
+        placement=Placement(cluster=placement.cluster, tags=list(placement.tags) or None) if placement else None,
+    )
+
+
 def stream_configs(config: PipelineConfig) -> list[StreamConfig]:
+    """Every stream of the namespace. ``num_replicas`` / ``placement`` are
+    None where the config leaves them to what exists (see PipelineConfig)."""
     s = config.subjects
     streams = [_work_queue(s.stream(PROCESSOR), s.requests, config.requests_limits)]
     streams += [_work_queue(s.stream(role), s.work(role), config.hop_limits) for role in HOP_ROLES]
@@ -70,18 +128,73 @@ def stream_configs(config: PipelineConfig) -> list[StreamConfig]:
             discard=DiscardPolicy.OLD,
         )
     )
-    return streams
+    return [_placed(cfg, config) for cfg in streams]
 
 
-async def ensure_stream(js: JetStreamContext, cfg: StreamConfig) -> None:
+async def _retrying(what: str, call: Callable[[], Awaitable[T]], timeout_s: float) -> T:
+    """``call`` until it answers or fails for good; "not now" answers (no
+    JetStream leader yet, a node down, a reconnect, a concurrent
+    reconfiguration) are retried with backoff for ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    delay = 0.1
+    while True:
+        try:
+            return await call()
+        except APIError as exc:
+            if exc.err_code not in _NOT_NOW_CODES and not isinstance(exc, ServiceUnavailableError):
+                raise
+            error: Exception = exc
+        except _NOT_NOW as exc:
+            error = exc
+        if time.monotonic() + delay > deadline:
+            raise error
+        log.info("provisioning_retry", what=what, error=repr(error))
+        await asyncio.sleep(delay)
+        delay = min(2.0, delay * 2)
+
+
+def _differences(want: dict[str, Any], have: dict[str, Any], fields: tuple[str, ...]) -> dict[str, tuple[Any, Any]]:
+    return {k: (have.get(k), want[k]) for k in fields if k in want and want[k] != have.get(k)}
+
+
+async def ensure_stream(js: JetStreamContext, cfg: StreamConfig, timeout_s: float = 60.0) -> None:
+    """Create the stream, or converge an existing one on ``cfg``. Safe when
+    many processes run it at once: an identical create succeeds for each,
+    and all of them update towards the same configuration."""
     try:
-        await js.add_stream(cfg)
-    except BadRequestError as exc:
+        await _retrying(cfg.name or "", lambda: js.add_stream(cfg), timeout_s)
+        return
+    except APIError as exc:
         if exc.err_code != _STREAM_EXISTS_DIFFERENT:
-            raise
-        # Converge on the configuration this version asks for.
-        await js.update_stream(cfg)
-        log.info("stream_updated", stream=cfg.name)
+            raise _conflict(cfg.name, exc) from exc
+    info = await _retrying(cfg.name or "", lambda: js.stream_info(cfg.name or ""), timeout_s)
+    # Replicas and placement left open (None) keep what the stream has.
+    want = dataclasses.replace(
+        cfg,
+        num_replicas=cfg.num_replicas if cfg.num_replicas is not None else info.config.num_replicas,
+        placement=cfg.placement if cfg.placement is not None else info.config.placement,
+    )
+    changed = _differences(want.as_dict(), info.config.as_dict(), _STREAM_FIELDS)
+    if not changed:
+        return
+    try:
+        await _retrying(want.name or "", lambda: js.update_stream(want), timeout_s)
+    except APIError as exc:
+        raise _conflict(cfg.name, exc, changed) from exc
+    log.info("stream_updated", stream=cfg.name, changed={k: f"{a} -> {b}" for k, (a, b) in changed.items()})
+
+
+def _conflict(name: str | None, exc: APIError, changed: dict[str, tuple[Any, Any]] | None = None) -> Exception:
+    if exc.err_code in _NOT_NOW_CODES:
+        return exc
+    refused = f"{name}: JetStream refused the configuration this process asks for"
+    if not changed:
+        return ProvisioningConflict(f"{refused}: {exc.description} (error {exc.err_code})")
+    diff = ", ".join(f"{k}: {a!r} -> {b!r}" for k, (a, b) in changed.items())
+    return ProvisioningConflict(
+        f"{refused} ({diff}): {exc.description} (error {exc.err_code}). "
+        "Delete or migrate the existing one, or start with the settings it has."
+    )
 
 
 async def ensure_streams(js: JetStreamContext, config: PipelineConfig) -> None:
@@ -91,7 +204,7 @@ async def ensure_streams(js: JetStreamContext, config: PipelineConfig) -> None:
 
 def consumer_config(config: PipelineConfig, role: str) -> ConsumerConfig:
     s = config.subjects
-    c = config.consumer
+    c = config.consumer_for(role)
     return ConsumerConfig(
         durable_name=s.durable(role),
         filter_subject=s.work(role),
@@ -103,12 +216,23 @@ def consumer_config(config: PipelineConfig, role: str) -> ConsumerConfig:
     )
 
 
-async def ensure_consumer(js: JetStreamContext, config: PipelineConfig, role: str) -> ConsumerConfig:
+async def ensure_consumer(
+    js: JetStreamContext, config: PipelineConfig, role: str, timeout_s: float = 60.0
+) -> ConsumerConfig:
+    """Create or update the role's durable (its replicas follow the
+    stream's). Several workers of a role starting at once all succeed; the
+    settings of the one that starts last are the ones in force, so give
+    every worker of a role the same ones."""
     cfg = consumer_config(config, role)
     stream = config.subjects.stream(role)
-    # CONSUMER.CREATE without an action creates or updates a durable: safe
-    # when several workers of a role start at once.
-    await js.add_consumer(stream, cfg)
+    # CONSUMER.CREATE without an action creates or updates a durable.
+    try:
+        info = await _retrying(cfg.durable_name or "", lambda: js.add_consumer(stream, cfg), timeout_s)
+    except APIError as exc:
+        raise _conflict(f"{stream} consumer {cfg.durable_name}", exc) from exc
+    changed = _differences(cfg.as_dict(), info.config.as_dict(), _CONSUMER_FIELDS)
+    if changed:
+        log.warning("consumer_settings_differ", consumer=cfg.durable_name, changed=str(changed))
     return cfg
 
 

@@ -119,6 +119,7 @@ class Worker:
         self.config = config
         self.stage = stage
         self.role = stage.role
+        self.consumer = config.consumer_for(self.role)
         self.subjects = config.subjects
         self.max_inflight = max_inflight
         self.worker_id = worker_id or f"{self.role}-{uuid.uuid4().hex[:8]}"
@@ -204,6 +205,10 @@ class Worker:
                 log.warning("fetch_failed", role=self.role, error=repr(exc))
                 await asyncio.sleep(0.5)
                 continue
+            if self._stopping.is_set():
+                # Stopped while the fetch was out: not ours to start any more.
+                await self._give_back(msgs)
+                break
             for msg in msgs:
                 task = asyncio.create_task(self._handle(msg))
                 self._tasks.add(task)
@@ -216,18 +221,41 @@ class Worker:
         metrics.INFLIGHT.labels(self.role).set(len(self._tasks))
         self._slot_free.set()
 
+    async def _give_back(self, msgs: list[Msg]) -> None:
+        for msg in msgs:
+            try:
+                await msg.nak(delay=0)
+            except Exception as exc:  # not lost: redelivered after ack_wait
+                log.warning("give_back_failed", role=self.role, error=repr(exc))
+
     async def _drain(self) -> None:
-        if not self._tasks:
-            return
-        log.info("worker_draining", role=self.role, inflight=len(self._tasks), grace_s=self.drain_grace_s)
-        _, pending = await asyncio.wait(set(self._tasks), timeout=self.drain_grace_s)
-        for task in pending:
-            # Marked so the handler naks (hands the message to another worker
-            # at once) instead of treating it as a client cancel.
-            self._draining.add(task)
-            task.cancel()
-        if pending:
-            await asyncio.wait(pending)
+        """Finish what is in flight within the grace period; nak (no delay)
+        what cannot finish, so another worker takes it at once (a decode
+        resumes after the chunks this one stored); then wait, in what is left
+        of the grace, for readers to take the tensors this worker holds
+        (closing the transport frees whatever they did not)."""
+        deadline = time.monotonic() + self.drain_grace_s
+        if self._tasks:
+            log.info("worker_draining", role=self.role, inflight=len(self._tasks), grace_s=self.drain_grace_s)
+            _, pending = await asyncio.wait(set(self._tasks), timeout=self.drain_grace_s)
+            for task in pending:
+                # Marked so the handler naks (hands the message to another worker
+                # at once) instead of treating it as a client cancel.
+                self._draining.add(task)
+                task.cancel()
+            if pending:
+                await asyncio.wait(pending)
+                log.info("worker_handed_back", role=self.role, requests=len(pending))
+        if self.tensors is not None:
+            await self._tensors_read(self.tensors, deadline)
+
+    async def _tensors_read(self, tensors: TensorTransport, deadline: float) -> None:
+        for _ in range(max(0, int((deadline - time.monotonic()) / 0.05))):
+            if not tensors.held_bytes:
+                return
+            await asyncio.sleep(0.05)
+        if tensors.held_bytes:
+            log.warning("tensors_unread_at_exit", role=self.role, bytes=tensors.held_bytes)
 
     async def _on_ping(self, msg: Msg) -> None:
         info = WorkerInfo(
@@ -289,12 +317,18 @@ class Worker:
             return Reject(DeadlineExceeded("the request's deadline passed before work on it started"))
         self.cancels.register(rid, task)
         heartbeat = asyncio.create_task(self._heartbeat(msg))
+        deadline = asyncio.timeout(request.deadline - time.time() if request.deadline else None)
         try:
-            timeout = request.deadline - time.time() if request.deadline else None
-            async with asyncio.timeout(timeout):
+            async with deadline:
                 await self._produce(message, request, ctx)
             return Ack()
-        except TimeoutError:
+        except TimeoutError as exc:
+            if not deadline.expired():
+                # nats-py's timeouts are TimeoutErrors too: a publish that got
+                # no answer (a NATS node lost, a leader being elected) is
+                # worth another try, not the request's end.
+                late = TransientError(f"{self.role}: NATS did not answer in time ({type(exc).__name__})")
+                return outcome_for(late, deliveries, self.consumer.max_deliver)
             return Reject(DeadlineExceeded("the request's deadline passed"))
         except asyncio.CancelledError:
             if task in self._draining:
@@ -308,11 +342,11 @@ class Worker:
         except TensorGone as exc:
             return await self._restart(message, exc, deliveries)
         except MmpipeError as exc:
-            return outcome_for(exc, deliveries, self.config.consumer.max_deliver)
+            return outcome_for(exc, deliveries, self.consumer.max_deliver)
         except Exception as exc:
             log.exception("stage_failed", role=self.role, error=repr(exc))
             error = InternalError(f"{self.role} failed: {type(exc).__name__}: {exc}")
-            return outcome_for(error, deliveries, self.config.consumer.max_deliver)
+            return outcome_for(error, deliveries, self.consumer.max_deliver)
         finally:
             heartbeat.cancel()
             self.cancels.unregister(rid)
@@ -322,7 +356,7 @@ class Worker:
         run the request again from its first hop. Every message carries the
         processed request, so nothing but compute is lost."""
         if not isinstance(message, ProcessedRequest):
-            return outcome_for(exc, deliveries, self.config.consumer.max_deliver)
+            return outcome_for(exc, deliveries, self.consumer.max_deliver)
         if message.attempt + 1 >= self.config.max_attempts:
             return Reject(TensorGone(f"{exc.message}; gave up after {message.attempt + 1} attempts"))
         again = message.restarted()
@@ -396,7 +430,7 @@ class Worker:
 
     async def _heartbeat(self, msg: Msg) -> None:
         # A third of ack_wait keeps a long generation from being redelivered.
-        interval = self.config.consumer.ack_wait_s / 3
+        interval = self.consumer.ack_wait_s / 3
         while True:
             await asyncio.sleep(interval)
             try:

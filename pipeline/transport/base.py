@@ -75,6 +75,9 @@ class TransportSettings:
     # it spins a whole core even when idle; without it, transfers progress when
     # the reader polls its READ and the holder polls for notifications.
     progress_thread: bool = False
+    # Copies of the JetStream bucket the transport keeps (NIXL: the agents'
+    # metadata; nats: the tensors), like the streams' --replicas.
+    replicas: int = 1
 
     def __post_init__(self) -> None:
         if self.budget_bytes <= 0:

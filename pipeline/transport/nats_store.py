@@ -94,7 +94,9 @@ class NatsTransport:
             self._store = await js.object_store(bucket)
         except nats.js.errors.BucketNotFoundError:
             try:
-                self._store = await js.create_object_store(bucket, ttl=self.settings.ttl_s)
+                self._store = await js.create_object_store(
+                    bucket, ttl=self.settings.ttl_s, replicas=self.settings.replicas
+                )
             except nats.js.errors.BadRequestError:
                 self._store = await js.object_store(bucket)  # another worker created it first
         self._watcher = await self._store.watch(updates_only=True)

@@ -142,7 +142,7 @@ class NixlTransport:
             self._kv = await js.key_value(bucket)
         except nats.js.errors.BucketNotFoundError:
             try:
-                self._kv = await js.create_key_value(bucket=bucket, history=1)
+                self._kv = await js.create_key_value(bucket=bucket, history=1, replicas=self.settings.replicas)
             except nats.js.errors.BadRequestError:
                 self._kv = await js.key_value(bucket)  # another agent created it first
         await self._kv.put(self.agent_name, metadata)

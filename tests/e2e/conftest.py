@@ -93,7 +93,7 @@ async def start_stack(
         conns.append(nc)
         tensors = None
         if moves_tensors(role):
-            budget = TransportSettings(budget_bytes=budget_bytes)
+            budget = TransportSettings(budget_bytes=budget_bytes, replicas=config.replicas or 1)
             tensors = await open_transport(transport, nc, js, config.namespace, budget, role, "cpu")
             transports.append(tensors)
         stage = build_stage(role, config, settings, spec, tensors=tensors)
