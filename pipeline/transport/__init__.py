@@ -9,6 +9,7 @@ NIXL. ``open_transport`` picks one.
 from typing import TYPE_CHECKING, Any
 
 from pipeline.transport.base import (
+    ForeignTensorRef,
     TensorGone,
     TensorTransport,
     TransportFull,
@@ -32,6 +33,7 @@ def __getattr__(name: str) -> Any:
 
 __all__ = [
     "TRANSPORTS",
+    "ForeignTensorRef",
     "TensorGone",
     "TensorTransport",
     "TransportFull",

@@ -29,6 +29,16 @@ class TensorGone(MmpipeError):
     retryable = True
 
 
+class ForeignTensorRef(MmpipeError):
+    """A ref whose holder is no agent of this worker's namespace (it never
+    published metadata in the namespace's bucket), or whose holder name could
+    not be one. Refused, not read and not retried: tensors move only between
+    agents of one namespace."""
+
+    code = ErrorCode.INVALID_REQUEST
+    http_status = 400
+
+
 class TransportFull(MmpipeError):
     """The holder's byte budget stayed exhausted for the whole bounded wait in
     ``put``, or the tensors are larger than the whole budget. Retryable: the

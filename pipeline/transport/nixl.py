@@ -42,7 +42,7 @@ from nats.js.kv import KeyValue
 from pipeline.subjects import check_token
 from pipeline.transport import metrics
 from pipeline.transport.arena import FirstFit
-from pipeline.transport.base import TensorGone, TransportFull, TransportSettings
+from pipeline.transport.base import ForeignTensorRef, TensorGone, TransportFull, TransportSettings
 from pipeline.transport.copy import copy_bytes
 from pipeline.transport.holder import HeldRegions
 from pipeline.transport.nixl_agent import Agent
@@ -271,6 +271,12 @@ class NixlTransport:
         if ref.transport != NAME:
             raise ValueError(f"a {ref.transport!r} tensor ref was given to the {NAME!r} transport")
         check_specs(ref.tensors, ref.nbytes)
+        try:
+            # The holder names a subject token and a key of this namespace's bucket: nothing else.
+            check_token(ref.holder, "tensor holder")
+        except ValueError as exc:
+            metrics.ERRORS.labels(NAME, "foreign_ref").inc()
+            raise ForeignTensorRef(str(exc)) from None
         if time.time() > ref.expires:
             metrics.ERRORS.labels(NAME, "expired_ref").inc()
             raise TensorGone(f"tensors {ref.key} of {ref.holder} expired before they were read")
@@ -391,6 +397,7 @@ class NixlTransport:
                 lease_subject(self._ns, ref.holder), msgspec.msgpack.encode(LeaseRequest(key=ref.key)), timeout=timeout
             )
         except nats.errors.NoRespondersError:
+            await self._refuse_foreign(ref.holder)
             metrics.ERRORS.labels(NAME, "holder_gone").inc()
             raise TensorGone(f"tensor holder {ref.holder} is gone") from None
         except nats.errors.TimeoutError:
@@ -405,6 +412,25 @@ class NixlTransport:
             metrics.ERRORS.labels(NAME, f"lease_{reply.reason or 'refused'}").inc()
             raise TensorGone(f"tensors {ref.key} of {ref.holder} cannot be read ({reply.reason})")
         return reply.lease, sent + reply.lease_s * _LEASE_TRUST
+
+    async def _refuse_foreign(self, holder: str) -> None:
+        """Nobody answers for ``holder`` on this namespace's lease subject. A
+        holder that died or closed has (or had) metadata in the namespace's
+        bucket; one that never had is no agent of this namespace: refuse the
+        ref (not retryable) instead of treating it as a lost tensor."""
+        assert self._kv is not None
+        try:
+            await asyncio.wait_for(self._kv.get(holder), self.settings.request_timeout_s)
+        except nats.js.errors.NotFoundError as exc:
+            if getattr(exc, "entry", None) is not None or getattr(exc, "op", None):
+                return  # a delete marker: an agent of ours that closed
+            metrics.ERRORS.labels(NAME, "foreign_ref").inc()
+            raise ForeignTensorRef(
+                f"tensor holder {holder} is not an agent of namespace {self._ns!r} (it never published metadata "
+                f"in {agent_bucket(self._ns)}): a tensor ref is accepted only from this namespace's agents"
+            ) from None
+        except TimeoutError:
+            return
 
     async def _read(self, ref: TensorRef, offset: int, n: int, lease: int, until: float) -> None:
         """READ the region into the receive arena at ``offset``; the bytes
