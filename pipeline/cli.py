@@ -16,6 +16,7 @@ from pipeline.health import HealthSettings
 from pipeline.media_flags import add_media_flags, media_policy
 from pipeline.streams import ProvisioningConflict
 from schemas.routes import MODES, ROLES
+from stages.engine_settings import DecodeSettings
 
 DEFAULT_MODEL = "tiny-qwen2-vl"
 
@@ -149,6 +150,15 @@ def _model(p: argparse.ArgumentParser) -> None:
         help="bytes of media embeddings an encoding worker keeps, keyed by content (0: off)",
     )
     add_media_flags(p)
+    group = p.add_argument_group("decoding (workers that decode)")
+    group.add_argument("--max-batch", type=int, default=32, help="sequences decoded together in one step")
+    group.add_argument(
+        "--decode-max-len", type=int, default=4096, help="tokens per sequence in the batch decoder's preallocated cache"
+    )
+    group.add_argument(
+        "--no-batch-decode", dest="batch_decode", action="store_false", help="decode each sequence on its own"
+    )
+    group.add_argument("--no-cuda-graphs", dest="cuda_graphs", action="store_false", help="run decode steps eagerly")
 
 
 def _health(p: argparse.ArgumentParser) -> None:
@@ -308,6 +318,13 @@ def main(argv: list[str] | None = None) -> int:
             max_inflight=args.max_inflight,
             allow_internal_media=args.allow_internal_media,
             media=media_policy(args),
+            max_batch=args.max_batch,
+            decode=DecodeSettings(
+                batched=args.batch_decode,
+                slots=args.max_batch,
+                max_len=args.decode_max_len,
+                cuda_graphs=args.cuda_graphs,
+            ),
             modalities=args.modalities,
             embedding_cache_bytes=args.embedding_cache_bytes,
             drain_grace_s=args.drain_grace,

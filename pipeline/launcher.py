@@ -105,6 +105,9 @@ def up(args: argparse.Namespace, config: PipelineConfig, bridge: BridgeSettings)
     if args.allow_internal_media:
         model_args.append("--allow-internal-media")
     model_args += media_flag_args(media_policy(args))
+    model_args += ["--max-batch", str(args.max_batch), "--decode-max-len", str(args.decode_max_len)]
+    model_args += [] if args.batch_decode else ["--no-batch-decode"]
+    model_args += [] if args.cuda_graphs else ["--no-cuda-graphs"]
     children: list[subprocess.Popen[bytes]] = []
     cli = [sys.executable, "-m", "pipeline.cli"]
     try:

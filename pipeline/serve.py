@@ -22,6 +22,7 @@ from pipeline.worker import Worker
 from schemas.processed import MediaKind
 from schemas.routes import HOP_ROLES, PROCESSOR, moves_tensors
 from stages.contract import Stage, TensorStore
+from stages.engine_settings import DecodeSettings
 from stages.media import EmbeddingCache, MediaPolicy
 from stages.models import ModelSpec, resolve_model
 
@@ -35,6 +36,8 @@ class WorkerSettings:
     device: str = "cpu"
     max_inflight: int = 8
     max_batch: int = 32
+    # The batch decoder of a decoding role (slots, cache length, CUDA graphs).
+    decode: DecodeSettings = field(default_factory=DecodeSettings)
     allow_internal_media: bool = False
     # Media limits (bytes, pixels, frames, seconds, local directories); allow_internal_media overrides its switch.
     media: MediaPolicy = field(default_factory=MediaPolicy)
@@ -80,7 +83,9 @@ def build_stage(
     from stages.engine import TorchEngine
     from stages.hop import HopStage
 
-    engine = TorchEngine(Path(spec.path), device=settings.device)
+    # Only a role that decodes keeps a batch decoder (and its preallocated cache).
+    decode = dataclasses.replace(settings.decode, batched=settings.decode.batched and "decode" in role.split("+"))
+    engine = TorchEngine(Path(spec.path), device=settings.device, decode=decode)
     policy = dataclasses.replace(settings.media, allow_internal=settings.allow_internal_media)
     cache = EmbeddingCache(settings.embedding_cache_bytes, name=role) if role.startswith("encode") else None
     return HopStage(

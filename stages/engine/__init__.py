@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from stages.engine.sampling import SamplingConfig, select_token
 from stages.engine.torch_engine import KvState, Sequence, TorchEngine
+from stages.engine_settings import DecodeSettings
 from stages.families import MediaEmbedding
 
-__all__ = ["KvState", "MediaEmbedding", "SamplingConfig", "Sequence", "TorchEngine", "select_token"]
+__all__ = ["DecodeSettings", "KvState", "MediaEmbedding", "SamplingConfig", "Sequence", "TorchEngine", "select_token"]

@@ -23,7 +23,10 @@ import torch
 
 from schemas.errors import ContextLengthExceeded, InvalidMedia, InvalidRequest
 from schemas.processed import MediaKind
+from stages.engine import batch_decode
+from stages.engine.batch_decode import BatchDecoder
 from stages.engine.sampling import SamplingConfig, select_token
+from stages.engine_settings import DecodeSettings
 from stages.families import Grid, Media, MediaEmbedding, family_for_architecture
 
 
@@ -40,7 +43,9 @@ class Sequence:
     output_ids: list[int]  # generated so far; the last one is not yet in the cache
     sampling: SamplingConfig
     rope_delta: int
-    cache: Any  # transformers Cache; None once released
+    cache: Any  # transformers Cache until the batch decoder takes it; None after
+    # Slot in the batch decoder's cache once admitted there; -1 otherwise.
+    slot: int = -1
 
     @property
     def length(self) -> int:
@@ -60,7 +65,7 @@ class Sequence:
 
     @property
     def released(self) -> bool:
-        return self.cache is None
+        return self.cache is None and self.slot < 0
 
 
 @dataclass(frozen=True)
@@ -84,6 +89,7 @@ class TorchEngine:
         device: str = "cpu",
         dtype: torch.dtype | None = None,
         max_model_len: int | None = None,
+        decode: DecodeSettings | None = None,
     ) -> None:
         from transformers import AutoConfig, AutoTokenizer
 
@@ -106,6 +112,17 @@ class TorchEngine:
         # One forward at a time per engine: torch releases the GIL, and the
         # model's modules are not meant for concurrent calls.
         self._lock = threading.Lock()
+        decode = decode or DecodeSettings()
+        self.decoder: BatchDecoder | None = None
+        if decode.batched and batch_decode.supports(self.model):
+            self.decoder = BatchDecoder(
+                self.model,
+                max_slots=decode.slots,
+                max_len=min(decode.max_len, self.max_model_len),
+                use_graphs=decode.cuda_graphs,
+            )
+        # Sequences in the decoder's slots, by slot (slots 0..n-1 are taken).
+        self._slots: list[Sequence] = []
 
     # -- media --------------------------------------------------------------
 
@@ -157,11 +174,58 @@ class TorchEngine:
         return [self._prefill_one(p, im, s, e) for p, im, s, e in jobs]
 
     def step(self, seqs: list[Sequence]) -> list[int]:
-        """One decode step: each sequence gets one new token, appended to it."""
-        return [self._step_one(seq) for seq in seqs]
+        """One decode step: each sequence gets one new token, appended to it.
+
+        Sequences that fit the batch decoder advance there together, in one
+        forward; the others (no decoder, no free slot, too long) one by one.
+        """
+        for seq in seqs:
+            if seq.released:
+                raise ValueError("step on a released sequence")
+            if seq.length >= self.max_model_len:
+                raise ContextLengthExceeded(f"sequence reached the model's context of {self.max_model_len} tokens")
+        with self._lock, torch.inference_mode():
+            batched = [seq for seq in seqs if self._admit(seq)]
+            if batched:
+                assert self.decoder is not None
+                # Every slot steps (a slot not asked for writes the same key and
+                # value again: idempotent); only the asked ones take a token.
+                logits = self.decoder.step(
+                    [q.output_ids[-1] for q in self._slots],
+                    [q.length - 1 + q.rope_delta for q in self._slots],
+                    [q.length - 1 for q in self._slots],
+                )
+                chosen = {id(q): self._select(q, logits[q.slot]) for q in batched}
+            return [chosen[id(q)] if q.slot >= 0 else self._step_one(q) for q in seqs]
 
     def release(self, seq: Sequence) -> None:
         seq.cache = None
+        if seq.slot < 0:
+            return
+        with self._lock:
+            # Keep the taken slots packed: the last one moves into the hole.
+            last = self._slots.pop()
+            if last is not seq:
+                assert self.decoder is not None
+                self.decoder.move(last.slot, seq.slot, last.length - 1)
+                last.slot = seq.slot
+                self._slots[seq.slot] = last
+            seq.slot = -1
+
+    def _admit(self, seq: Sequence) -> bool:
+        """Whether ``seq`` is (now) in a decoder slot; its cache moves there."""
+        if seq.slot >= 0:
+            return True
+        decoder = self.decoder
+        if decoder is None or len(self._slots) >= decoder.max_slots:
+            return False
+        if seq.prompt_len + seq.sampling.max_tokens > decoder.max_len:
+            return False
+        seq.slot = len(self._slots)
+        decoder.load(seq.slot, [(layer.keys, layer.values) for layer in seq.cache.layers])
+        self._slots.append(seq)
+        seq.cache = None
+        return True
 
     # -- hand-off between engines ------------------------------------------
 
@@ -175,8 +239,14 @@ class TorchEngine:
         if seq.released:
             raise ValueError("export of a released sequence")
         tensors: list[torch.Tensor] = []
-        for layer in seq.cache.layers:
-            tensors += [layer.keys, layer.values]
+        if seq.slot >= 0:
+            assert self.decoder is not None
+            with self._lock:
+                layers = self.decoder.read(seq.slot, seq.length - 1)
+        else:
+            layers = [(layer.keys, layer.values) for layer in seq.cache.layers]
+        for keys, values in layers:
+            tensors += [keys, values]
         return tensors, KvState(seq.prompt_len, list(seq.output_ids), seq.rope_delta)
 
     def import_kv(self, tensors: list[torch.Tensor], state: KvState, sampling: SamplingConfig) -> Sequence:
@@ -268,15 +338,11 @@ class TorchEngine:
         return self._select(seq, logits)
 
     def _step_one(self, seq: Sequence) -> int:
-        if seq.released:
-            raise ValueError("step on a released sequence")
-        if seq.length >= self.max_model_len:
-            raise ContextLengthExceeded(f"sequence reached the model's context of {self.max_model_len} tokens")
-        with self._lock, torch.inference_mode():
-            logits = self._decode_forward(seq)
-            return self._select(seq, logits)
+        return self._select(seq, self._decode_forward(seq))
 
     def _decode_forward(self, seq: Sequence) -> torch.Tensor:
+        if seq.slot >= 0:
+            raise ValueError("a sequence in the batch decoder steps only with the batch")
         # Feed the last token (not yet in the cache); its position is its
         # index shifted by the rope delta, the same in all three M-RoPE rows.
         index = seq.length - 1

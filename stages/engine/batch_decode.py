@@ -1,0 +1,211 @@
+"""Batched decode over a preallocated KV cache, optionally as CUDA graphs.
+
+The per-sequence path (``TorchEngine._decode_forward``) runs the Hugging Face
+model on one sequence's DynamicCache: one forward per token per sequence,
+each a few hundred small kernel launches. Here every running sequence
+advances in one forward: its keys and values live in a slot of one static
+cache ``[layers, slots, kv_heads, max_len, head_dim]``, the new token of
+each slot is written at its own position, and attention reads each slot's
+prefix under a length mask. Shapes are fixed per (batch bucket, length
+bucket), so on CUDA each step replays a captured graph: launch overhead
+goes, what is left is reading the weights and the KV cache.
+
+The layers are the model's own modules (norms, projections, MLP), called
+on a batch of rows; only attention over the cache and the rotary embedding
+are written here, the way the decoder-only families compute them (Qwen2,
+Llama; Qwen-VL's M-RoPE is plain RoPE once every position row is the same,
+as it is for every token after the prompt).
+
+Running sequences stay packed in slots ``0..n-1``: a step runs rows
+``0..bucket-1``; a finished sequence's slot is refilled with the last one.
+"""
+
+from __future__ import annotations
+
+import bisect
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+# Batch sizes a step is padded up to (each a captured graph on CUDA).
+BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128)
+# Attention reads the cache up to the next multiple of this (at least).
+LENGTH_QUANTUM = 256
+
+
+@dataclass(frozen=True)
+class DecoderShape:
+    layers: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+
+
+def supports(model: Any) -> bool:
+    """Whether the model's language model is a decoder this module can run."""
+    lm = _language_model(model)
+    if lm is None or not hasattr(lm, "layers") or not hasattr(lm, "rotary_emb"):
+        return False
+    attn = lm.layers[0].self_attn
+    config = lm.config
+    plain = getattr(config, "sliding_window", None) is None or not getattr(config, "use_sliding_window", False)
+    return all(hasattr(attn, p) for p in ("q_proj", "k_proj", "v_proj", "o_proj")) and plain
+
+
+def _language_model(model: Any) -> Any:
+    inner = getattr(model, "model", None)
+    return getattr(inner, "language_model", None) or inner
+
+
+class BatchDecoder:
+    def __init__(self, model: Any, max_slots: int, max_len: int, use_graphs: bool) -> None:
+        self.model = model
+        self.lm = _language_model(model)
+        attn = self.lm.layers[0].self_attn
+        config = self.lm.config
+        self.shape = DecoderShape(
+            layers=len(self.lm.layers),
+            heads=int(config.num_attention_heads),
+            kv_heads=int(config.num_key_value_heads),
+            head_dim=int(attn.head_dim),
+        )
+        self.scaling = float(attn.scaling)
+        self.device = next(model.parameters()).device
+        self.dtype = next(self.lm.parameters()).dtype
+        self.max_slots = max_slots
+        self.max_len = max_len
+        s = self.shape
+        size = (s.layers, max_slots, s.kv_heads, max_len, s.head_dim)
+        self.keys = torch.zeros(size, dtype=self.dtype, device=self.device)
+        self.values = torch.zeros(size, dtype=self.dtype, device=self.device)
+        rotary = self.lm.rotary_emb
+        self.inv_freq = rotary.inv_freq.to(self.device, torch.float32)
+        self.attention_scaling = float(getattr(rotary, "attention_scaling", 1.0))
+        # Static inputs of a step (graphs read them from these addresses).
+        self.tokens = torch.zeros(max_slots, dtype=torch.long, device=self.device)
+        self.positions = torch.zeros(max_slots, dtype=torch.long, device=self.device)
+        self.write_at = torch.zeros(max_slots, dtype=torch.long, device=self.device)
+        self.rows = torch.arange(max_slots, device=self.device)
+        self.use_graphs = use_graphs and self.device.type == "cuda"
+        self._graphs: dict[tuple[int, int], tuple[Any, torch.Tensor]] = {}
+
+    @property
+    def nbytes(self) -> int:
+        return 2 * self.keys.numel() * self.keys.element_size()
+
+    # -- slots ----------------------------------------------------------------
+
+    def load(self, slot: int, layers: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """Copy one sequence's cache (per layer [1, kv_heads, length, head_dim]) into a slot."""
+        for i, (k, v) in enumerate(layers):
+            length = k.shape[2]
+            self.keys[i, slot, :, :length].copy_(k[0])
+            self.values[i, slot, :, :length].copy_(v[0])
+
+    def move(self, src: int, dst: int, length: int) -> None:
+        """Refill a freed slot with another slot's cache (keeps running slots packed)."""
+        self.keys[:, dst, :, :length].copy_(self.keys[:, src, :, :length])
+        self.values[:, dst, :, :length].copy_(self.values[:, src, :, :length])
+
+    def read(self, slot: int, length: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """A slot's cache as per-layer [1, kv_heads, length, head_dim] copies."""
+        return [
+            (self.keys[i, slot : slot + 1, :, :length].clone(), self.values[i, slot : slot + 1, :, :length].clone())
+            for i in range(self.shape.layers)
+        ]
+
+    # -- a step ---------------------------------------------------------------
+
+    @torch.inference_mode()
+    def step(self, tokens: list[int], positions: list[int], lengths: list[int]) -> torch.Tensor:
+        """Logits [n, vocab] of one new token for slots 0..n-1.
+
+        ``tokens[i]`` is slot i's last token (not yet in its cache),
+        ``positions[i]`` its rotary position and ``lengths[i]`` the number of
+        tokens already in the slot (where the new one is written).
+        """
+        n = len(tokens)
+        if n > self.max_slots:
+            raise ValueError(f"{n} sequences for {self.max_slots} slots")
+        if max(lengths) + 1 > self.max_len:
+            raise ValueError(f"a sequence of {max(lengths) + 1} tokens does not fit a slot of {self.max_len}")
+        bucket = _bucket(n, self.max_slots)
+        span = min(self.max_len, -(-(max(lengths) + 1) // LENGTH_QUANTUM) * LENGTH_QUANTUM)
+        pad = bucket - n
+        self.tokens[:bucket].copy_(torch.tensor(tokens + [0] * pad), non_blocking=True)
+        self.positions[:bucket].copy_(torch.tensor(positions + [0] * pad), non_blocking=True)
+        # Padding rows write position 0 of their (free) slots and read only it.
+        self.write_at[:bucket].copy_(torch.tensor(lengths + [0] * pad), non_blocking=True)
+        if not self.use_graphs:
+            return self._forward(bucket, span)[:n]
+        graph, out = self._graph(bucket, span)
+        graph.replay()
+        return out[:n]
+
+    def _graph(self, bucket: int, span: int) -> tuple[Any, torch.Tensor]:
+        key = (bucket, span)
+        if key not in self._graphs:
+            # Warm up on a side stream (allocations, autotuning), then capture.
+            stream = torch.cuda.Stream()
+            stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(stream):
+                for _ in range(2):
+                    self._forward(bucket, span)
+            torch.cuda.current_stream().wait_stream(stream)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                out = self._forward(bucket, span)
+            self._graphs[key] = (graph, out)
+        return self._graphs[key]
+
+    def _forward(self, bucket: int, span: int) -> torch.Tensor:
+        s = self.shape
+        rows = self.rows[:bucket]
+        write_at = self.write_at[:bucket]
+        cos, sin = self._rotary(self.positions[:bucket])
+        # [bucket, 1, 1, span]: each row reads its prefix and the token written now.
+        mask = (torch.arange(span, device=self.device)[None, :] <= write_at[:, None])[:, None, None, :]
+        hidden = self.lm.embed_tokens(self.tokens[:bucket])[:, None, :]  # [b, 1, hidden]
+        for i, layer in enumerate(self.lm.layers):
+            attn = layer.self_attn
+            residual = hidden
+            x = layer.input_layernorm(hidden)
+            q = attn.q_proj(x).view(bucket, 1, s.heads, s.head_dim).transpose(1, 2)
+            k = attn.k_proj(x).view(bucket, 1, s.kv_heads, s.head_dim).transpose(1, 2)
+            v = attn.v_proj(x).view(bucket, 1, s.kv_heads, s.head_dim).transpose(1, 2)
+            q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
+            self.keys[i][rows, :, write_at] = k[:, :, 0]
+            self.values[i][rows, :, write_at] = v[:, :, 0]
+            keys = self.keys[i, :bucket, :, :span]
+            values = self.values[i, :bucket, :, :span]
+            out = F.scaled_dot_product_attention(
+                q, keys, values, attn_mask=mask, scale=self.scaling, enable_gqa=s.kv_heads != s.heads
+            )
+            out = out.transpose(1, 2).reshape(bucket, 1, s.heads * s.head_dim)
+            hidden = residual + attn.o_proj(out)
+            hidden = hidden + layer.mlp(layer.post_attention_layernorm(hidden))
+        hidden = self.lm.norm(hidden)
+        logits: torch.Tensor = self.model.lm_head(hidden)[:, 0]
+        return logits
+
+    def _rotary(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        # As the models' rotary embeddings: float32 angles, cat(freqs, freqs),
+        # scaled, then the activations' dtype. [b, 1, 1, head_dim]
+        freqs = positions[:, None].float() * self.inv_freq[None, :]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        cos = (emb.cos() * self.attention_scaling).to(self.dtype)
+        sin = (emb.sin() * self.attention_scaling).to(self.dtype)
+        return cos[:, None, None, :], sin[:, None, None, :]
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return (x * cos) + (rotated * sin)
+
+
+def _bucket(n: int, max_slots: int) -> int:
+    i = bisect.bisect_left(BATCH_BUCKETS, n)
+    return min(BATCH_BUCKETS[i] if i < len(BATCH_BUCKETS) else max_slots, max_slots)

@@ -1,0 +1,127 @@
+"""The batch decoder: sequences that join and leave between steps, of
+different lengths, with and without images, give exactly the tokens of the
+per-sequence path (itself equal to generate()); what does not fit a slot
+falls back to that path."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from stages.engine import DecodeSettings, SamplingConfig, TorchEngine
+from stages.engine.reference import load_reference_model, reference_generate
+from stages.models import builtin_path
+
+N = 16
+
+
+@pytest.fixture(scope="module", params=["tiny-qwen2-vl", "tiny-llava", "tiny-qwen2-audio"])
+def engines(request: pytest.FixtureRequest, mmpipe_home: Path) -> tuple[str, TorchEngine, TorchEngine]:
+    model_dir = builtin_path(request.param)
+    batched = TorchEngine(model_dir, decode=DecodeSettings(slots=4, max_len=512))
+    alone = TorchEngine(model_dir, decode=DecodeSettings(batched=False))
+    assert batched.decoder is not None and alone.decoder is None
+    return request.param, batched, alone
+
+
+def _prompts(engine: TorchEngine, name: str) -> list[tuple[list[int], list[Any]]]:
+    texts = ["Hi", "Tell me about the sea, the sky and everything between them.", "1 2 3", "Why?", "Name a colour."]
+    out = []
+    for text in texts:
+        ids = engine.tokenizer(text)["input_ids"]
+        out.append((list(ids), []))
+    if name == "tiny-qwen2-vl":
+        # An image moves every later position (M-RoPE's delta): the decoder must follow.
+        image = Image.fromarray(np.random.default_rng(1).integers(0, 256, (60, 90, 3), dtype=np.uint8))
+        content = [{"type": "image", "image": ""}, {"type": "text", "text": "What is it?"}]
+        text = engine.tokenizer.apply_chat_template(
+            [{"role": "user", "content": content}], add_generation_prompt=True, tokenize=False
+        )
+        out[1] = (list(engine.tokenizer(text, add_special_tokens=False)["input_ids"]), engine.encode([image]))
+    return out
+
+
+def _alone(engine: TorchEngine, prompt: list[int], media: list[Any], sampling: SamplingConfig) -> list[int]:
+    [(seq, first)] = engine.prefill([prompt], [media], [sampling])
+    out = [first]
+    while len(out) < sampling.max_tokens:
+        out += engine.step([seq])
+    engine.release(seq)
+    return out
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+def test_joining_and_leaving_gives_the_tokens_of_one_at_a_time(engines: Any, temperature: float) -> None:
+    name, batched, alone = engines
+    prompts = _prompts(batched, name)
+    # Different lengths, so sequences finish at different steps and slots are refilled.
+    samplings = [
+        SamplingConfig(temperature=temperature, seed=7 + i, max_tokens=N - 2 * i, min_tokens=N - 2 * i)
+        for i in range(len(prompts))
+    ]
+    expected = [_alone(alone, p, m, s) for (p, m), s in zip(prompts, samplings, strict=True)]
+    outputs: dict[int, list[int]] = {}
+    running: dict[int, Any] = {}
+    pending = list(range(len(prompts)))
+    while pending or running:
+        # One joins per step (more than the 4 slots wait their turn in the per-sequence path).
+        if pending:
+            i = pending.pop(0)
+            (prompt, media), sampling = prompts[i], samplings[i]
+            [(seq, first)] = batched.prefill([prompt], [media], [sampling])
+            outputs[i], running[i] = [first], seq
+        tokens = batched.step(list(running.values()))
+        for (i, seq), token in zip(list(running.items()), tokens, strict=True):
+            outputs[i].append(token)
+            if len(outputs[i]) == samplings[i].max_tokens:
+                batched.release(seq)
+                del running[i]
+    assert [outputs[i] for i in range(len(prompts))] == expected
+    assert batched._slots == []
+
+
+def test_batched_decode_equals_generate(engines: Any) -> None:
+    name, batched, _ = engines
+    model_dir = builtin_path(name)
+    prompt, _ = _prompts(batched, name)[3]
+    expected = reference_generate(model_dir, prompt, [], N, model=load_reference_model(model_dir))
+    assert _alone(batched, prompt, [], SamplingConfig(temperature=0.0, max_tokens=N, min_tokens=N)) == expected
+
+
+def test_a_sequence_too_long_for_a_slot_decodes_on_its_own(engines: Any) -> None:
+    _, batched, alone = engines
+    prompt = batched.tokenizer("A long answer, please.")["input_ids"]
+    sampling = SamplingConfig(temperature=0.0, max_tokens=600, min_tokens=600)  # over the 512-token slots
+    short = SamplingConfig(temperature=0.0, max_tokens=8, min_tokens=8)
+    [(long_seq, long_first)] = batched.prefill([prompt], [[]], [sampling])
+    [(short_seq, short_first)] = batched.prefill([prompt], [[]], [short])
+    outs = [[long_first], [short_first]]
+    while len(outs[1]) < 8:
+        for out, token in zip(outs, batched.step([long_seq, short_seq]), strict=True):
+            out.append(token)
+    assert long_seq.slot < 0 and short_seq.slot == 0
+    assert outs[1] == _alone(alone, prompt, [], short)
+    assert outs[0] == _alone(alone, prompt, [], SamplingConfig(temperature=0.0, max_tokens=8, min_tokens=8))
+    batched.release(long_seq)
+    batched.release(short_seq)
+
+
+def test_kv_of_a_batched_sequence_exports_as_the_per_sequence_one(engines: Any) -> None:
+    _, batched, alone = engines
+    prompt = batched.tokenizer("Export me")["input_ids"]
+    sampling = SamplingConfig(temperature=0.0, max_tokens=6, min_tokens=6)
+    [(a, _)] = batched.prefill([prompt], [[]], [sampling])
+    [(b, _)] = alone.prefill([prompt], [[]], [sampling])
+    for _ in range(3):
+        batched.step([a])
+        alone.step([b])
+    got, state = batched.export_kv(a)
+    want, want_state = alone.export_kv(b)
+    assert state == want_state
+    assert all(g.shape == w.shape and (g - w).abs().max() < 1e-5 for g, w in zip(got, want, strict=True))
+    batched.release(a)
+    alone.release(b)
