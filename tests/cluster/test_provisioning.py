@@ -148,3 +148,10 @@ async def test_two_workers_of_a_role_start_at_once_on_a_cluster(tmp_path: Path, 
             await nc.close()
         await client.close()
         await asyncio.to_thread(cluster.stop)
+
+
+def test_replicas_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    # deploy/k8s sets MMPIPE_REPLICAS for every pod from its ConfigMap.
+    monkeypatch.setenv("MMPIPE_REPLICAS", "3")
+    assert _config(parser().parse_args(["bridge"])).replicas == 3
+    assert _config(parser().parse_args(["worker", "decode", "--replicas", "1"])).replicas == 1
