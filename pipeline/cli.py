@@ -10,6 +10,7 @@ from pathlib import Path
 
 from pipeline import logging as mm_logging
 from pipeline.auth import ENV, NatsAuth
+from pipeline.bench.decode import add_arguments as add_decode_arguments
 from pipeline.bridge.app import BridgeSettings
 from pipeline.config import ConsumerSettings, PipelineConfig, Placement
 from pipeline.health import HealthSettings
@@ -271,6 +272,8 @@ def _bench(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     transport.add_argument("--nats-url", default=None, help="an existing nats-server (default: start one)")
     transport.add_argument("--json", action="store_true", help="print machine-readable results")
     transport.add_argument("--log-level", default="ERROR", help="ERROR: the results alone")
+    decode = bsub.add_parser("decode", help="batch decoder vs generate() and the HBM roofline (GPU)")
+    add_decode_arguments(decode)
 
 
 def _config(args: argparse.Namespace) -> PipelineConfig:

@@ -23,8 +23,8 @@ import torch
 
 from schemas.errors import ContextLengthExceeded, InvalidMedia, InvalidRequest
 from schemas.processed import MediaKind
-from stages.engine import batch_decode
-from stages.engine.batch_decode import BatchDecoder
+from stages import batch_decoder
+from stages.batch_decoder import BatchDecoder
 from stages.engine.sampling import SamplingConfig, select_token
 from stages.engine_settings import DecodeSettings
 from stages.families import Grid, Media, MediaEmbedding, family_for_architecture
@@ -114,7 +114,7 @@ class TorchEngine:
         self._lock = threading.Lock()
         decode = decode or DecodeSettings()
         self.decoder: BatchDecoder | None = None
-        if decode.batched and batch_decode.supports(self.model):
+        if decode.batched and batch_decoder.supports(self.model):
             self.decoder = BatchDecoder(
                 self.model,
                 max_slots=decode.slots,

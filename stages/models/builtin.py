@@ -136,7 +136,7 @@ _CLIP_MEAN = [0.48145466, 0.4578275, 0.40821073]
 _CLIP_STD = [0.26862954, 0.26130258, 0.27577711]
 
 
-def _qwen_vl_preprocessor() -> dict[str, Any]:
+def qwen_vl_preprocessor(min_pixels: int = _MIN_PIXELS, max_pixels: int = _MAX_PIXELS) -> dict[str, Any]:
     return {
         "do_convert_rgb": True,
         "do_normalize": True,
@@ -149,7 +149,7 @@ def _qwen_vl_preprocessor() -> dict[str, Any]:
         "patch_size": 14,
         "resample": 3,
         "rescale_factor": 1 / 255,
-        "size": {"longest_edge": _MAX_PIXELS, "shortest_edge": _MIN_PIXELS},
+        "size": {"longest_edge": max_pixels, "shortest_edge": min_pixels},
         "temporal_patch_size": 2,
     }
 
@@ -175,8 +175,8 @@ def _build_qwen2_vl(out_dir: Path) -> None:
     )
     model = Qwen2VLForConditionalGeneration(config)
     _seeded_init(model, max(QWEN2_ADDED_TOKEN_IDS.values()))
-    _save(model, out_dir, _QWEN_EOS, _qwen_vl_preprocessor())
-    _copy_tokenizer(out_dir, model_max_length=_MAX_POSITIONS)
+    _save(model, out_dir, _QWEN_EOS, qwen_vl_preprocessor())
+    copy_qwen_tokenizer(out_dir, model_max_length=_MAX_POSITIONS)
 
 
 def _build_qwen2_5_vl(out_dir: Path) -> None:
@@ -205,8 +205,8 @@ def _build_qwen2_5_vl(out_dir: Path) -> None:
     )
     model = Qwen2_5_VLForConditionalGeneration(config)
     _seeded_init(model, max(QWEN2_ADDED_TOKEN_IDS.values()))
-    _save(model, out_dir, _QWEN_EOS, _qwen_vl_preprocessor())
-    _copy_tokenizer(out_dir, model_max_length=_MAX_POSITIONS)
+    _save(model, out_dir, _QWEN_EOS, qwen_vl_preprocessor())
+    copy_qwen_tokenizer(out_dir, model_max_length=_MAX_POSITIONS)
 
 
 # LLaVA-1.5's own tokenizer (Llama's SentencePiece) cannot be had offline: the
@@ -271,7 +271,7 @@ def _build_llava(out_dir: Path) -> None:
         "size": {"shortest_edge": _LLAVA_IMAGE},
     }
     _save(model, out_dir, [endoftext], preprocessor)
-    _copy_tokenizer(out_dir, model_max_length=_MAX_POSITIONS)
+    copy_qwen_tokenizer(out_dir, model_max_length=_MAX_POSITIONS)
     _add_tokens(out_dir, [LLAVA_IMAGE_TOKEN], _LLAVA_CHAT_TEMPLATE, "<|endoftext|>")
 
 
@@ -354,7 +354,7 @@ def _build_llava_next_video(out_dir: Path) -> None:
     _save(model, out_dir, [endoftext], {**frame, "image_processor_type": "CLIPImageProcessor"})
     video = {**frame, "video_processor_type": "LlavaNextVideoVideoProcessor"}
     (out_dir / "video_preprocessor_config.json").write_text(json.dumps(video, indent=2) + "\n")
-    _copy_tokenizer(out_dir, model_max_length=_MAX_POSITIONS)
+    copy_qwen_tokenizer(out_dir, model_max_length=_MAX_POSITIONS)
     _add_tokens(out_dir, ["<video>"], _LLAVA_NEXT_VIDEO_CHAT_TEMPLATE, "<|endoftext|>")
 
 
@@ -400,7 +400,7 @@ def _build_qwen2_audio(out_dir: Path) -> None:
     _seeded_init(model, QWEN2_AUDIO_TOKEN_ID + len(QWEN2_AUDIO_TOKENS) - 1)
     features = WhisperFeatureExtractor(feature_size=128, sampling_rate=16_000, hop_length=160, chunk_length=30)
     _save(model, out_dir, _QWEN_EOS, features.to_dict())
-    _copy_tokenizer(out_dir, model_max_length=_MAX_POSITIONS)
+    copy_qwen_tokenizer(out_dir, model_max_length=_MAX_POSITIONS)
     _add_tokens(out_dir, QWEN2_AUDIO_TOKENS, _QWEN2_AUDIO_CHAT_TEMPLATE, "<|im_end|>")
 
 
@@ -444,7 +444,7 @@ def _tokenizer_cache_dir(model_max_length: int) -> Path:
     return _cached_dir(dest, marker, build)
 
 
-def _copy_tokenizer(out_dir: Path, model_max_length: int) -> None:
+def copy_qwen_tokenizer(out_dir: Path, model_max_length: int) -> None:
     # The BPE conversion takes seconds; every build after the first copies it.
     src = _tokenizer_cache_dir(model_max_length)
     for file in TOKENIZER_FILES:

@@ -1,0 +1,233 @@
+"""``mmpipe bench decode``: the batch decoder against plain transformers
+``generate()`` and the memory-bandwidth roofline, in one run on one GPU.
+
+For each preset (real-size shapes, random bf16 weights) and batch size: a
+prompt of ``--context`` tokens per row; ``generate()`` with 1 and with
+``--new-tokens`` new tokens (a step = the difference / (new tokens - 1), as
+the baseline in shared/bench/hf_baseline.py measures it); then the same
+prompts prefilled once and decoded by the batch decoder (CUDA graphs, or
+eager with ``--no-cuda-graphs``), timed over the same number of steps. A
+step must read every weight of the language model and every row's KV cache:
+bytes / the card's peak bandwidth is the roofline step time.
+
+Needs only torch, transformers and this package's stages.batch_decoder and
+stages.models (msgspec): it runs where the rest of mmpipe is not installed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import time
+from typing import Any
+
+PEAK_HBM_BYTES_PER_S = {"H200": 4.8e12, "H100": 3.35e12}
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--presets", default="qwen2-vl-2b,qwen2-vl-7b")
+    p.add_argument("--batches", default="1,8,32", help="comma-separated batch sizes")
+    p.add_argument("--context", type=int, default=296, help="prompt tokens per row")
+    p.add_argument("--new-tokens", type=int, default=128)
+    p.add_argument("--repeats", type=int, default=3, help="timed runs of each (median)")
+    p.add_argument("--no-cuda-graphs", dest="cuda_graphs", action="store_false")
+    p.add_argument("--no-baseline", dest="baseline", action="store_false", help="skip generate()")
+    p.add_argument("--json", type=str, default="", help="also write the results here")
+
+
+def main(args: argparse.Namespace) -> int:
+    import torch
+    import transformers
+
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    peak = next((bw for key, bw in PEAK_HBM_BYTES_PER_S.items() if key in name), None)
+    results: dict[str, Any] = {
+        "device": name,
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "peak_hbm_bytes_per_s": peak,
+        "context": args.context,
+        "new_tokens": args.new_tokens,
+        "cuda_graphs": args.cuda_graphs and device.type == "cuda",
+        "runs": [],
+    }
+    print(f"mmpipe bench decode  device={name}  torch={torch.__version__}  transformers={transformers.__version__}")
+    print(f"context={args.context}  new_tokens={args.new_tokens}  cuda_graphs={results['cuda_graphs']}", flush=True)
+    batches = [int(b) for b in args.batches.split(",")]
+    for preset in args.presets.split(","):
+        results["runs"] += _preset(preset, batches, args, device, peak)
+    _table(results)
+    out = args.json or (os.path.join(os.environ["OUT"], "bench_decode.json") if os.environ.get("OUT") else "")
+    if out:
+        with open(out, "w") as f:
+            json.dump(results, f, indent=1)
+    return 0
+
+
+def _preset(preset: str, batches: list[int], args: argparse.Namespace, device: Any, peak: float | None) -> list[Any]:
+    import torch
+
+    from stages.batch_decoder import BatchDecoder
+    from stages.models.presets import build_preset_model
+
+    model = build_preset_model(preset, str(device))
+    weights = _weight_bytes(model)
+    text = model.config.text_config
+    head_dim = text.hidden_size // text.num_attention_heads
+    kv_per_token = 2 * text.num_hidden_layers * text.num_key_value_heads * head_dim * 2
+    runs = []
+    for batch in batches:
+        ids = torch.randint(0, 150_000, (batch, args.context), generator=torch.Generator().manual_seed(batch))
+        ids = ids.to(device)
+        row: dict[str, Any] = {"preset": preset, "batch": batch}
+        if args.baseline:
+            row["generate_step_ms"] = _generate_step_ms(model, ids, args.new_tokens, args.repeats, device)
+        decoder = BatchDecoder(
+            model, max_slots=batch, max_len=args.context + args.new_tokens + 1, use_graphs=args.cuda_graphs
+        )
+        row["decoder_step_ms"] = _decoder_step_ms(model, decoder, ids, args.new_tokens, args.repeats, device)
+        row["greedy_agree"] = _agreement(model, decoder, ids[:1], args.new_tokens) if batch == batches[0] else None
+        del decoder
+        kv = kv_per_token * batch * (args.context + args.new_tokens / 2)  # mean context over the steps
+        row["bytes_per_step"] = int(weights + kv)
+        if peak:
+            row["roofline_step_ms"] = (weights + kv) / peak * 1e3
+            row["roofline_fraction"] = row["roofline_step_ms"] / row["decoder_step_ms"]
+        row["decoder_tok_s"] = batch * 1e3 / row["decoder_step_ms"]
+        if args.baseline:
+            row["generate_tok_s"] = batch * 1e3 / row["generate_step_ms"]
+            row["speedup"] = row["generate_step_ms"] / row["decoder_step_ms"]
+        runs.append(row)
+        print(json.dumps(row), flush=True)
+    del model
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return runs
+
+
+def _sync(device: Any) -> None:
+    import torch
+
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _timed(fn: Any, device: Any, repeats: int) -> float:
+    fn()  # warm-up
+    times = []
+    for _ in range(repeats):
+        _sync(device)
+        start = time.perf_counter()
+        fn()
+        _sync(device)
+        times.append((time.perf_counter() - start) * 1e3)
+    return statistics.median(times)
+
+
+def _generate_step_ms(model: Any, ids: Any, new: int, repeats: int, device: Any) -> float:
+    import torch
+
+    def run(n: int) -> Any:
+        with torch.inference_mode():
+            return model.generate(
+                input_ids=ids,
+                attention_mask=torch.ones_like(ids),
+                max_new_tokens=n,
+                min_new_tokens=n,
+                do_sample=False,
+                pad_token_id=0,
+            )
+
+    one = _timed(lambda: run(1), device, repeats)
+    full = _timed(lambda: run(new), device, repeats)
+    return (full - one) / (new - 1)
+
+
+def _prefill(model: Any, ids: Any) -> tuple[list[Any], list[int]]:
+    """Each row's cache (per layer keys and values) and next token, prefilled alone."""
+    import torch
+
+    caches, firsts = [], []
+    with torch.inference_mode():
+        for row in ids:
+            out = model(input_ids=row[None], use_cache=True, logits_to_keep=1)
+            cache = getattr(out, "cache", None) or out.past_key_values
+            caches.append([(layer.keys, layer.values) for layer in cache.layers])
+            firsts.append(int(out.logits[0, -1].argmax()))
+    return caches, firsts
+
+
+def _decoder_step_ms(model: Any, decoder: Any, ids: Any, new: int, repeats: int, device: Any) -> float:
+    batch, context = ids.shape
+    caches, firsts = _prefill(model, ids)
+
+    def run() -> None:
+        for slot, layers in enumerate(caches):
+            decoder.load(slot, layers)
+        tokens = list(firsts)
+        for step in range(new - 1):
+            length = context + step
+            logits = decoder.step(tokens, [length] * batch, [length] * batch)
+            tokens = logits.argmax(-1).tolist()
+
+    total = _timed(run, device, repeats)
+    # Loading the slots is part of the run: take it out.
+    load = _timed(lambda: [decoder.load(s, layers) for s, layers in enumerate(caches)], device, repeats)
+    return (total - load) / (new - 1)
+
+
+def _agreement(model: Any, decoder: Any, ids: Any, new: int) -> float:
+    """Share of greedy tokens the decoder gives that generate() gives (bf16: not bit-exact)."""
+    import torch
+
+    with torch.inference_mode():
+        want = model.generate(input_ids=ids, max_new_tokens=new, min_new_tokens=new, do_sample=False, pad_token_id=0)
+    want = want[0, ids.shape[1] :].tolist()
+    caches, firsts = _prefill(model, ids)
+    decoder.load(0, caches[0])
+    got, token, length = [firsts[0]], firsts[0], ids.shape[1]
+    while len(got) < new:
+        token = int(decoder.step([token], [length], [length])[0].argmax())
+        got.append(token)
+        length += 1
+    same = 0
+    for a, b in zip(got, want, strict=True):
+        if a != b:
+            break
+        same += 1
+    return same / new
+
+
+def _weight_bytes(model: Any) -> int:
+    """Weights a decode step reads: decoder layers, final norm, lm_head (vision untouched)."""
+    total = sum(
+        p.numel() * p.element_size()
+        for name, p in model.model.language_model.named_parameters()
+        if not name.startswith("embed_tokens")
+    )
+    return total + model.lm_head.weight.numel() * model.lm_head.weight.element_size()
+
+
+def _table(results: dict[str, Any]) -> None:
+    print()
+    print(
+        f"{'preset':<12} {'batch':>5} {'generate ms/step':>17} {'decoder ms/step':>16} {'speedup':>8} "
+        f"{'generate tok/s':>15} {'decoder tok/s':>14} {'roofline ms':>12} {'of roofline':>12} {'greedy agree':>13}"
+    )
+    for r in results["runs"]:
+        print(
+            f"{r['preset']:<12} {r['batch']:>5} {r.get('generate_step_ms', float('nan')):>17.3f} "
+            f"{r['decoder_step_ms']:>16.3f} {r.get('speedup', float('nan')):>8.2f} "
+            f"{r.get('generate_tok_s', float('nan')):>15.1f} {r['decoder_tok_s']:>14.1f} "
+            f"{r.get('roofline_step_ms', float('nan')):>12.3f} {r.get('roofline_fraction', float('nan')):>12.1%} "
+            f"{'' if r['greedy_agree'] is None else format(r['greedy_agree'], '.0%'):>13}"
+        )
+
+
+if __name__ == "__main__":  # python -m pipeline.bench.decode: on a GPU host without the rest of mmpipe
+    parser = argparse.ArgumentParser(prog="python -m pipeline.bench.decode", description=__doc__.split("\n")[0])
+    add_arguments(parser)
+    raise SystemExit(main(parser.parse_args()))

@@ -1,0 +1,28 @@
+"""`mmpipe bench decode` runs end to end (tiny shapes on the CPU; its
+figures mean something only on a GPU, where README's table comes from)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from pipeline.bench import main as bench
+from pipeline.cli import parser
+
+
+def test_bench_decode_prints_and_writes_every_row(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "decode.json"
+    flags = ["--presets", "qwen2-vl-smoke", "--batches", "1,3", "--context", "12", "--new-tokens", "6"]
+    args = parser().parse_args(["bench", "decode", *flags, "--repeats", "1", "--json", str(out)])
+    assert bench(args) == 0
+    results = json.loads(out.read_text())
+    assert [(r["preset"], r["batch"]) for r in results["runs"]] == [("qwen2-vl-smoke", 1), ("qwen2-vl-smoke", 3)]
+    for row in results["runs"]:
+        assert row["decoder_step_ms"] > 0 and row["generate_step_ms"] > 0
+        assert row["decoder_tok_s"] == pytest.approx(row["batch"] * 1e3 / row["decoder_step_ms"])
+    # The first batch checks the decoder's greedy tokens against generate() on the same prefill.
+    assert 0 < results["runs"][0]["greedy_agree"] <= 1
+    table = capsys.readouterr().out
+    assert "decoder ms/step" in table and table.count("qwen2-vl-smoke") >= 2
