@@ -94,6 +94,7 @@ class Bridge:
 
     @web.middleware
     async def _errors(self, request: web.Request, handler: Any) -> web.StreamResponse:
+        started = time.monotonic()
         try:
             response: web.StreamResponse = await handler(request)
         except MmpipeError as exc:
@@ -105,6 +106,10 @@ class Bridge:
             # As OpenAI does: a client (the official one reads it into
             # .request_id) can name the request to an operator, error or not.
             response.headers[REQUEST_ID_HEADER] = rid
+        if not response.prepared:
+            # How long the bridge took to answer (a 429 must come at once; a
+            # client's own clock adds its network and its event loop).
+            response.headers["Server-Timing"] = f"bridge;dur={(time.monotonic() - started) * 1000:.1f}"
         metrics.HTTP_REQUESTS.labels(request.path, str(response.status)).inc()
         return response
 

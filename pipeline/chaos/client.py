@@ -44,8 +44,9 @@ class Result:
     status: int = 0
     code: str = ""
     retry_after: str | None = None
-    # Seconds from sending to the status line.
+    # Seconds from sending to the status line, and the bridge's own time (Server-Timing).
     answer_s: float = 0.0
+    bridge_ms: float | None = None
     # One entry per SSE chunk that carried a choice: its text, and when (monotonic).
     texts: list[str] = field(default_factory=list)
     times: list[float] = field(default_factory=list)
@@ -123,6 +124,9 @@ async def stream(
                 result.status = response.status
                 result.answer_s = time.monotonic() - result.started
                 result.retry_after = response.headers.get("Retry-After")
+                timing = response.headers.get("Server-Timing", "")
+                if "dur=" in timing:
+                    result.bridge_ms = float(timing.split("dur=", 1)[1].split(";")[0].split(",")[0])
                 if response.status != 200:
                     try:
                         result.code = (await response.json())["error"]["code"]

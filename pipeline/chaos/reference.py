@@ -18,10 +18,12 @@ class Reference:
         self.model_dir = Path(model_dir)
         self.model = load_reference_model(self.model_dir)
         self.tokenizer: Any = AutoTokenizer.from_pretrained(str(self.model_dir))
-        self._texts: dict[tuple[int, int], str] = {}
+        self._texts: dict[tuple[int, int], list[str]] = {}
 
-    def text(self, job: Job) -> str:
-        """generate()'s text for a greedy job (cached per variant and length)."""
+    def text(self, job: Job) -> list[str]:
+        """generate()'s text for a greedy job, token by token as a stream
+        carries it (cached per variant and length)."""
+        from stages.detokenizer import IncrementalDetokenizer
         from stages.engine.reference import reference_generate
 
         assert job.temperature == 0, "generate() is the reference of greedy requests only"
@@ -34,5 +36,10 @@ class Reference:
             tokens = reference_generate(
                 self.model_dir, prompt, [picture(job.image)], max_new_tokens=job.max_tokens, model=self.model
             )
-            self._texts[key] = self.tokenizer.decode(tokens, skip_special_tokens=True)
+            detok = IncrementalDetokenizer(self.tokenizer)
+            pieces = [detok.push(t) for t in tokens]
+            pieces[-1] += detok.flush()
+            if "".join(pieces) != self.tokenizer.decode(tokens, skip_special_tokens=True):
+                raise AssertionError("the incremental detokenizer does not join up to the tokenizer's text")
+            self._texts[key] = pieces
         return self._texts[key]

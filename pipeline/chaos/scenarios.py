@@ -22,7 +22,7 @@ from dataclasses import dataclass, field, replace
 import aiohttp
 
 from pipeline.chaos.client import Job, Result, session, stream
-from pipeline.chaos.figures import Figures, recovery
+from pipeline.chaos.figures import Figures, p99, recovery
 from pipeline.chaos.reference import Reference
 from pipeline.chaos.stack import ChaosStack, Member
 from pipeline.config import PipelineConfig
@@ -55,6 +55,41 @@ class ChaosSpec:
     request_timeout_s: float = 120.0
 
 
+class Peaks:
+    """Peak RSS per role while the block runs (sampled every 0.2 s)."""
+
+    def __init__(self, stack: ChaosStack) -> None:
+        self.stack = stack
+        self.before: dict[str, int] = {}
+        self.peaks: dict[str, int] = {}
+        self._sampling = False
+        self._task: asyncio.Task[None] | None = None
+
+    async def __aenter__(self) -> Peaks:
+        self.before = await asyncio.to_thread(self.stack.rss)
+        self.peaks = dict(self.before)
+        self._sampling = True
+        self._task = asyncio.create_task(self._sample())
+        return self
+
+    async def _sample(self) -> None:
+        while self._sampling:
+            for role, rss in (await asyncio.to_thread(self.stack.rss)).items():
+                self.peaks[role] = max(self.peaks.get(role, 0), rss)
+            await asyncio.sleep(0.2)
+
+    async def __aexit__(self, *exc: object) -> None:
+        self._sampling = False
+        if self._task is not None:
+            await self._task
+
+    def fill(self, figures: Figures) -> None:
+        mib = 1 << 20
+        figures.peak_rss_mib = {role: rss / mib for role, rss in self.peaks.items()}
+        figures.rss_growth_mib = {role: (rss - self.before.get(role, rss)) / mib for role, rss in self.peaks.items()}
+        figures.budget_mib = {role: self.stack.budget_bytes(role) / mib for role in self.peaks}
+
+
 def make_job(spec: ChaosSpec, index: int, max_tokens: int | None = None) -> Job:
     variant = index % spec.variants
     sampled = variant >= spec.variants // 2
@@ -75,8 +110,8 @@ class Run:
     stack: ChaosStack
     spec: ChaosSpec
     reference: Reference
-    # (variant, max_tokens) -> text of a sampled variant on the undisturbed stack.
-    baselines: dict[tuple[int, int], str] = field(default_factory=dict)
+    # (variant, max_tokens) -> chunk texts of a sampled variant on the undisturbed stack.
+    baselines: dict[tuple[int, int], list[str]] = field(default_factory=dict)
     http: aiohttp.ClientSession | None = None
 
     async def __aenter__(self) -> Run:
@@ -93,7 +128,7 @@ class Run:
             self.http, self.stack.base_url, job, self.stack.served_name, self.spec.request_timeout_s, result
         )
 
-    async def expected(self, job: Job) -> str | None:
+    async def expected(self, job: Job) -> list[str] | None:
         if job.temperature == 0:
             return await asyncio.to_thread(self.reference.text, job)
         return self.baselines.get((job.variant, job.max_tokens))
@@ -105,7 +140,7 @@ class Run:
         for job, r in zip(todo, await asyncio.gather(*(self.one(j) for j in todo)), strict=True):
             if not r.completed:
                 raise RuntimeError(f"the undisturbed stack failed a request: {r}")
-            self.baselines[(job.variant, max_tokens)] = r.text
+            self.baselines[(job.variant, max_tokens)] = r.texts
 
     async def drive(self, next_job: Callable[[], Job | None], live: list[Result], retry_refused: bool = True) -> None:
         """``concurrency`` clients, each sending the next job when its last
@@ -190,9 +225,11 @@ async def crash(run: Run) -> Figures:
         finally:
             done.set()
 
-    killing = asyncio.create_task(killer())
-    await run.drive(_jobs(spec, spec.requests, done), live)
-    await killing
+    async with Peaks(stack) as peaks:
+        killing = asyncio.create_task(killer())
+        await run.drive(_jobs(spec, spec.requests, done), live)
+        await killing
+    peaks.fill(figures)
     started = time.monotonic()
     await asyncio.to_thread(stack.wait_ready, 180.0)
     figures.notes.append(f"respawned workers ready {time.monotonic() - started:.1f}s after the load ended")
@@ -235,9 +272,11 @@ async def nats_restart(run: Run) -> Figures:
         finally:
             done.set()
 
-    restarting = asyncio.create_task(restarter())
-    await run.drive(_jobs(spec, spec.requests, done), live)
-    await restarting
+    async with Peaks(stack) as peaks:
+        restarting = asyncio.create_task(restarter())
+        await run.drive(_jobs(spec, spec.requests, done), live)
+        await restarting
+    peaks.fill(figures)
     # Everyone back by themselves: every worker ready, the bridge sees every role.
     await asyncio.to_thread(stack.wait_ready, 60.0)
     after = await run.one(make_job(spec, 0))
@@ -280,44 +319,33 @@ async def overload(run: Run) -> Figures:
     offered = spec.overload_factor * rate
     figures.offered_rps = offered
     count = max(1, min(spec.overload_cap, int(offered * spec.overload_seconds)))
-    before = await asyncio.to_thread(stack.rss)
-    peaks = dict(before)
-    await _queue_limit(stack, spec.overload_queue)
     burst: list[Result] = []
-    sampling = True
-
-    async def sample() -> None:
-        while sampling:
-            for role, rss in (await asyncio.to_thread(stack.rss)).items():
-                peaks[role] = max(peaks.get(role, 0), rss)
-            await asyncio.sleep(0.2)
-
-    sampler = asyncio.create_task(sample())
+    await _queue_limit(stack, spec.overload_queue)
     try:
-        t0 = time.monotonic()
-        tasks = []
-        for i in range(count):
-            await asyncio.sleep(max(0.0, t0 + i / offered - time.monotonic()))
-            r = Result(job=make_job(spec, i, tokens))
-            burst.append(r)
-            tasks.append(asyncio.create_task(run.one(r.job, r)))
-        await asyncio.gather(*tasks)
+        async with Peaks(stack) as peaks:
+            t0 = time.monotonic()
+            tasks = []
+            for i in range(count):
+                await asyncio.sleep(max(0.0, t0 + i / offered - time.monotonic()))
+                r = Result(job=make_job(spec, i, tokens))
+                burst.append(r)
+                tasks.append(asyncio.create_task(run.one(r.job, r)))
+            await asyncio.gather(*tasks)
     finally:
-        sampling = False
-        await sampler
         await _queue_limit(stack, None)
-    rejected = sorted(r.answer_s * 1000 for r in burst if r.status == 429)
+    peaks.fill(figures)
+    rejected = [r for r in burst if r.status == 429]
     figures.rejected_429 = len(rejected)
-    figures.p99_429_ms = rejected[min(len(rejected) - 1, int(0.99 * len(rejected)))] if rejected else None
+    figures.p99_429_ms = p99([r.answer_s * 1000 for r in rejected])
+    figures.p99_429_bridge_ms = p99([r.bridge_ms for r in rejected if r.bridge_ms is not None])
+    ordered = sorted(r.answer_s * 1000 for r in rejected)
+    median = ordered[len(ordered) // 2] if ordered else None
     figures.missing_retry_after = sum(1 for r in burst if r.status == 429 and not r.retry_after)
     figures.notes.append(
         f"sustainable {rate:.1f} req/s ({tokens} tokens each), offered {offered:.1f} req/s: {count} requests "
-        f"in {spec.overload_seconds:.0f}s with work queues of {spec.overload_queue} messages"
+        f"in {spec.overload_seconds:.0f}s with work queues of {spec.overload_queue} messages; "
+        f"429 p50 {median or 0:.1f} ms at the client"
     )
-    mib = 1 << 20
-    figures.peak_rss_mib = {role: rss / mib for role, rss in peaks.items()}
-    figures.rss_growth_mib = {role: (peaks[role] - before.get(role, peaks[role])) / mib for role in peaks}
-    figures.budget_mib = {role: stack.budget_bytes(role) / mib for role in peaks}
     return await run.judge(figures, measured + burst)
 
 

@@ -198,7 +198,8 @@ class ChaosStack:
         procs = [m for m in [*self.members, *([self.bridge] if self.bridge else [])] if m.alive]
         for m in procs:
             m.popen.send_signal(signal.SIGTERM)
-        deadline = time.monotonic() + 20
+        # Graceful (each drains), but a run's end need not wait out a drain grace.
+        deadline = time.monotonic() + 10
         for m in procs:
             try:
                 m.popen.wait(max(0.1, deadline - time.monotonic()))
