@@ -88,6 +88,33 @@ class ReplyPublisher:
         return Emitted(token_ids=tokens[:total])
 
 
+async def stored_chunks(js: JetStreamContext, subjects: Subjects, request_id: str) -> list[ReplyChunk]:
+    """Every chunk the reply stream holds for a request, in order: what a
+    relay missed while it was away from NATS (a reconnect) is there."""
+    subject = subjects.reply(request_id)
+    stream = subjects.reply_stream
+    try:
+        last = await js.get_last_msg(stream, subject)
+    except NotFoundError:
+        return []
+    chunks: list[ReplyChunk] = []
+    last_seq = last.seq or 0
+    sub = await js.pull_subscribe(
+        subject,
+        stream=stream,
+        config=ConsumerConfig(deliver_policy=DeliverPolicy.ALL, ack_policy=AckPolicy.NONE, inactive_threshold=30.0),
+    )
+    try:
+        seen = 0
+        while seen < last_seq:
+            for msg in await sub.fetch(256, timeout=2.0):
+                seen = max(seen, msg.metadata.sequence.stream)
+                chunks.append(CHUNK_DECODER.decode(msg.data, (msg.headers or {}).get(CONTENT_TYPE)))
+    finally:
+        await sub.unsubscribe()
+    return chunks
+
+
 class ExactlyOnceRelay:
     """Drops any chunk whose tokens were already relayed (a takeover after a
     crash resumes at the next ``seq``, but a redelivered publish may repeat)."""
@@ -95,6 +122,10 @@ class ExactlyOnceRelay:
     def __init__(self) -> None:
         self.next_seq = 0
         self.done = False
+
+    def is_gap(self, chunk: ReplyChunk) -> bool:
+        """A chunk past the next expected token: some came while we were not listening."""
+        return isinstance(chunk, TokenChunk) and chunk.seq > self.next_seq
 
     def accept(self, chunk: ReplyChunk) -> ReplyChunk | None:
         if self.done:

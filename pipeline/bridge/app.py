@@ -26,7 +26,7 @@ from pipeline import metrics
 from pipeline.bridge import responses
 from pipeline.bridge.openai_types import REQUEST_DECODER, to_generate_request
 from pipeline.config import PipelineConfig
-from pipeline.replies import CHUNK_DECODER, ExactlyOnceRelay
+from pipeline.replies import CHUNK_DECODER, ExactlyOnceRelay, stored_chunks
 from pipeline.streams import ensure_streams, is_stream_full
 from schemas.chunk import ErrorChunk, ReplyChunk, TokenChunk
 from schemas.codec import CONTENT_TYPE, MSGPACK, Decoder, encode
@@ -179,7 +179,7 @@ class Bridge:
             sub = await self.nc.subscribe(self.subjects.reply(rid))
             try:
                 await self._submit(rid, data)
-                chunks = self._chunks(sub, gen.deadline)
+                chunks = self._chunks(sub, rid, gen.deadline)
                 if gen.stream:
                     return await self._stream(request, rid, gen.model, int(now), chunks, include_usage)
                 return await self._complete(rid, gen.model, int(now), chunks)
@@ -225,15 +225,22 @@ class Bridge:
             metrics.ERRORS.labels("bridge", "cancel_failed").inc()
             log.error("cancel_publish_failed", error=repr(exc))
 
-    async def _chunks(self, sub: Subscription, deadline: float) -> AsyncIterator[ReplyChunk]:
+    async def _chunks(self, sub: Subscription, rid: str, deadline: float) -> AsyncIterator[ReplyChunk]:
         relay = ExactlyOnceRelay()
+        reconnects = self.nc.stats["reconnects"]
         while not relay.done:
             remaining = deadline - time.time()
             if remaining <= 0:
                 raise DeadlineExceeded("the request's deadline passed")
             try:
-                msg = await sub.next_msg(timeout=min(remaining, 5.0))
+                msg = await sub.next_msg(timeout=min(remaining, 1.0))
             except (NatsTimeoutError, TimeoutError):
+                if self.nc.stats["reconnects"] != reconnects and self.nc.is_connected:
+                    # Chunks published while this bridge was reconnecting never
+                    # reached its subscription (the last one among them, maybe).
+                    reconnects = self.nc.stats["reconnects"]
+                    async for missed in self._backfill(rid, relay):
+                        yield missed
                 continue
             try:
                 chunk = CHUNK_DECODER.decode(msg.data, (msg.headers or {}).get(CONTENT_TYPE))
@@ -241,6 +248,23 @@ class Bridge:
                 metrics.ERRORS.labels("bridge", "bad_chunk").inc()
                 log.error("bad_reply_chunk", error=str(exc))
                 continue
+            if relay.is_gap(chunk):
+                async for missed in self._backfill(rid, relay):
+                    yield missed
+            accepted = relay.accept(chunk)
+            if accepted is not None:
+                yield accepted
+
+    async def _backfill(self, rid: str, relay: ExactlyOnceRelay) -> AsyncIterator[ReplyChunk]:
+        """What the reply stream holds that this relay has not passed on yet."""
+        try:
+            stored = await stored_chunks(self.js, self.subjects, rid)
+        except Exception as exc:  # the stream is not reachable right now: the next gap or timeout tries again
+            metrics.ERRORS.labels("bridge", "backfill_failed").inc()
+            log.warning("reply_backfill_failed", error=repr(exc))
+            return
+        log.warning("reply_backfilled", stored=len(stored), next_seq=relay.next_seq)
+        for chunk in stored:
             accepted = relay.accept(chunk)
             if accepted is not None:
                 yield accepted
