@@ -17,6 +17,7 @@ from pipeline import metrics
 from pipeline.config import PipelineConfig
 from pipeline.connection import connect
 from pipeline.replies import CHUNK_DECODER
+from pipeline.transport.nixl import agent_bucket
 from schemas.codec import encode
 from schemas.processed import KvHandoff, ProcessedRequest
 from schemas.request import ChatMessage, GenerateRequest, ImagePart, ImageURL, SamplingParams, TextPart
@@ -164,6 +165,9 @@ async def test_a_lost_kv_cache_restarts_the_request_from_its_first_hop(
     )
     nc, js = await connect(config.nats_url, "test-client")
     try:
+        # It was an agent of this namespace (killed: its metadata stays in the
+        # bucket); a holder that never was one is refused, not restarted.
+        await (await js.key_value(agent_bucket(config.namespace))).put("prefill-vanished", b"metadata")
         sub = await nc.subscribe(config.subjects.reply("lost-kv"))
         await js.publish(config.subjects.work("decode"), encode(orphan))
         tokens: list[int] = []
