@@ -47,6 +47,7 @@ class Result:
     # Seconds from sending to the status line, and the bridge's own time (Server-Timing).
     answer_s: float = 0.0
     bridge_ms: float | None = None
+    request_id: str | None = None
     # One entry per SSE chunk that carried a choice: its text, and when (monotonic).
     texts: list[str] = field(default_factory=list)
     times: list[float] = field(default_factory=list)
@@ -124,6 +125,7 @@ async def stream(
                 result.status = response.status
                 result.answer_s = time.monotonic() - result.started
                 result.retry_after = response.headers.get("Retry-After")
+                result.request_id = response.headers.get("X-Request-Id")
                 timing = response.headers.get("Server-Timing", "")
                 if "dur=" in timing:
                     result.bridge_ms = float(timing.split("dur=", 1)[1].split(";")[0].split(",")[0])

@@ -77,17 +77,18 @@ class Figures:
         )
 
 
-def recovery(results: list[Result], at: float) -> float:
+def recovery(results: list[Result], at: float) -> tuple[float, Result | None]:
     """How long the requests in flight at ``at`` waited for their next chunk
-    (or their end): the worst of them."""
-    worst = 0.0
+    (or their end): the worst of them, and which."""
+    worst, who = 0.0, None
     for r in results:
         if not r.started or r.started > at or (r.ended and r.ended <= at):
             continue
         after = [t for t in r.times if t > at]
         nxt = after[0] if after else (r.ended or at)
-        worst = max(worst, nxt - at)
-    return worst
+        if nxt - at > worst:
+            worst, who = nxt - at, r
+    return worst, who
 
 
 def p99(values: list[float]) -> float | None:

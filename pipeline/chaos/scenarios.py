@@ -159,8 +159,17 @@ class Run:
         await asyncio.gather(*(lane() for _ in range(self.spec.concurrency)))
 
     async def judge(self, figures: Figures, results: list[Result]) -> Figures:
+        greedy = sampled = 0
         for r in results:
-            figures.judge(r, await self.expected(r.job) if r.completed else None)
+            expected = await self.expected(r.job) if r.completed else None
+            figures.judge(r, expected)
+            if expected is not None:
+                greedy += r.job.temperature == 0
+                sampled += r.job.temperature > 0
+        figures.notes.append(
+            f"compared: {greedy} greedy streams with generate(), {sampled} sampled "
+            f"(temperature {self.spec.temperature}, fixed seeds) with the undisturbed stack"
+        )
         return figures
 
 
@@ -233,8 +242,11 @@ async def crash(run: Run) -> Figures:
     started = time.monotonic()
     await asyncio.to_thread(stack.wait_ready, 180.0)
     figures.notes.append(f"respawned workers ready {time.monotonic() - started:.1f}s after the load ended")
-    figures.recovery_s = [recovery(live, t) for t in kills]
-    figures.notes.append("recovery per kill (s): " + ", ".join(f"{s:.1f}" for s in figures.recovery_s))
+    worst = [recovery(live, t) for t in kills]
+    figures.recovery_s = [s for s, _ in worst]
+    figures.notes.append(
+        "recovery per kill (s): " + ", ".join(f"{s:.1f} ({r.request_id if r else '-'})" for s, r in worst)
+    )
     return await run.judge(figures, live)
 
 
@@ -282,7 +294,7 @@ async def nats_restart(run: Run) -> Figures:
     after = await run.one(make_job(spec, 0))
     live.append(after)
     figures.notes.append(f"after the restart a new request {'completed' if after.completed else 'FAILED'}")
-    figures.recovery_s = [recovery(live, t) for t in restarts]
+    figures.recovery_s = [recovery(live, t)[0] for t in restarts]
     return await run.judge(figures, live)
 
 
