@@ -354,8 +354,9 @@ async def overload(run: Run) -> Figures:
     median = ordered[len(ordered) // 2] if ordered else None
     figures.missing_retry_after = sum(1 for r in burst if r.status == 429 and not r.retry_after)
     figures.notes.append(
-        f"sustainable {rate:.1f} req/s ({tokens} tokens each), offered {offered:.1f} req/s: {count} requests "
-        f"in {spec.overload_seconds:.0f}s with work queues of {spec.overload_queue} messages; "
+        f"sustainable {rate:.1f} req/s ({tokens} tokens each), offered {offered:.1f} req/s: {count} requests sent "
+        f"at that rate (up to {spec.overload_seconds:.0f}s, at most {spec.overload_cap}) with work queues of "
+        f"{spec.overload_queue} messages; "
         f"429 p50 {median or 0:.1f} ms at the client"
     )
     return await run.judge(figures, measured + burst)
