@@ -29,10 +29,13 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from stages.fused_decode import FusedKernels, FusedLayer, can_fuse, fuse_layer
+
 # Batch sizes a step is padded up to (each a captured graph on CUDA).
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128)
-# Attention reads the cache up to the next multiple of this (at least).
-LENGTH_QUANTUM = 256
+# Attention reads the cache up to the next multiple of this (at least): the
+# padding is work, each multiple a graph to capture.
+LENGTH_QUANTUM = 128
 
 
 @dataclass(frozen=True)
@@ -60,7 +63,10 @@ def _language_model(model: Any) -> Any:
 
 
 class BatchDecoder:
-    def __init__(self, model: Any, max_slots: int, max_len: int, use_graphs: bool) -> None:
+    """``fused``: the layer step of stages.fused_decode (compiled on CUDA)
+    instead of the model's modules; default: on CUDA only."""
+
+    def __init__(self, model: Any, max_slots: int, max_len: int, use_graphs: bool, fused: bool | None = None) -> None:
         self.model = model
         self.lm = _language_model(model)
         attn = self.lm.layers[0].self_attn
@@ -90,6 +96,11 @@ class BatchDecoder:
         self.rows = torch.arange(max_slots, device=self.device)
         self.use_graphs = use_graphs and self.device.type == "cuda"
         self._graphs: dict[tuple[int, int], tuple[Any, torch.Tensor]] = {}
+        fused = self.device.type == "cuda" if fused is None else fused
+        self.fused: list[FusedLayer] | None = None
+        if fused and all(can_fuse(layer) for layer in self.lm.layers):
+            self.fused = [fuse_layer(layer) for layer in self.lm.layers]
+            self.kernels = FusedKernels(compile=self.device.type == "cuda")
 
     @property
     def nbytes(self) -> int:
@@ -161,6 +172,8 @@ class BatchDecoder:
         return self._graphs[key]
 
     def _forward(self, bucket: int, span: int) -> torch.Tensor:
+        if self.fused is not None:
+            return self._forward_fused(bucket, span)
         s = self.shape
         rows = self.rows[:bucket]
         write_at = self.write_at[:bucket]
@@ -188,6 +201,25 @@ class BatchDecoder:
             hidden = hidden + layer.mlp(layer.post_attention_layernorm(hidden))
         hidden = self.lm.norm(hidden)
         logits: torch.Tensor = self.model.lm_head(hidden)[:, 0]
+        return logits
+
+    def _forward_fused(self, bucket: int, span: int) -> torch.Tensor:
+        assert self.fused is not None
+        s, k = self.shape, self.kernels
+        rows = self.rows[:bucket]
+        write_at = self.write_at[:bucket]
+        cos, sin = (t[:, 0] for t in self._rotary(self.positions[:bucket]))  # [b, 1, d]
+        mask = torch.arange(span, device=self.device)[None, :] <= write_at[:, None]  # [b, span]
+        hidden = self.lm.embed_tokens(self.tokens[:bucket])  # [b, hidden]
+        for i, w in enumerate(self.fused):
+            q, key, value = k.before_attention(hidden, w.ln1, w.qkv, w.qkv_bias, w.eps, cos, sin, s.heads, s.kv_heads)
+            self.keys[i][rows, :, write_at] = key
+            self.values[i][rows, :, write_at] = value
+            attended = k.attend(
+                q, self.keys[i, :bucket, :, :span], self.values[i, :bucket, :, :span], mask, self.scaling
+            )
+            hidden = k.after_attention(hidden, attended, w.o, w.ln2, w.gate_up, w.down, w.eps)
+        logits: torch.Tensor = self.model.lm_head(self.lm.norm(hidden))
         return logits
 
     def _rotary(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -17,3 +17,6 @@ class DecodeSettings:
     slots: int = 32
     max_len: int = 4096
     cuda_graphs: bool = True
+    # The fused layer step (stages.fused_decode) instead of the model's
+    # modules; None: on CUDA only (the CPU keeps generate()'s exact numerics).
+    fused: bool | None = None

@@ -120,6 +120,7 @@ class TorchEngine:
                 max_slots=decode.slots,
                 max_len=min(decode.max_len, self.max_model_len),
                 use_graphs=decode.cuda_graphs,
+                fused=decode.fused,
             )
         # Sequences in the decoder's slots, by slot (slots 0..n-1 are taken).
         self._slots: list[Sequence] = []
@@ -195,7 +196,7 @@ class TorchEngine:
                     [q.length - 1 + q.rope_delta for q in self._slots],
                     [q.length - 1 for q in self._slots],
                 )
-                chosen = {id(q): self._select(q, logits[q.slot]) for q in batched}
+                chosen = self._select_batch(batched, logits)
             return [chosen[id(q)] if q.slot >= 0 else self._step_one(q) for q in seqs]
 
     def release(self, seq: Sequence) -> None:
@@ -350,6 +351,24 @@ class TorchEngine:
         input_ids = torch.tensor([[seq.output_ids[-1]]], dtype=torch.long, device=self.device)
         logits, seq.cache = self.family.forward(self.model, positions, seq.cache, input_ids=input_ids)
         return logits
+
+    def _select_batch(self, seqs: list[Sequence], logits: torch.Tensor) -> dict[int, int]:
+        """Tokens of batched sequences (by id), greedy ones in one argmax:
+        one device sync for them all instead of one a sequence."""
+        greedy = [q for q in seqs if q.sampling.greedy]
+        chosen: dict[int, int] = {}
+        if greedy:
+            rows = logits[torch.tensor([q.slot for q in greedy], device=logits.device)].float()
+            for i, q in enumerate(greedy):
+                if q.num_generated < q.sampling.min_tokens:  # as select_token: EOS masked until min_tokens
+                    rows[i, self._eos_tensor.to(rows.device)] = float("-inf")
+            for q, token in zip(greedy, rows.argmax(-1).tolist(), strict=True):
+                q.output_ids.append(token)
+                chosen[id(q)] = token
+        for q in seqs:
+            if not q.sampling.greedy:
+                chosen[id(q)] = self._select(q, logits[q.slot])
+        return chosen
 
     def _select(self, seq: Sequence, logits: torch.Tensor) -> int:
         token = select_token(logits.float(), seq.sampling, seq.num_generated, self._eos_tensor)

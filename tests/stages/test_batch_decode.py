@@ -19,13 +19,22 @@ from stages.models import builtin_path
 N = 16
 
 
-@pytest.fixture(scope="module", params=["tiny-qwen2-vl", "tiny-llava", "tiny-qwen2-audio"])
+@pytest.fixture(
+    scope="module",
+    params=[(m, fused) for m in ("tiny-qwen2-vl", "tiny-llava", "tiny-qwen2-audio") for fused in (False, True)],
+    ids=lambda p: f"{p[0]}-{'fused' if p[1] else 'modules'}",
+)
 def engines(request: pytest.FixtureRequest, mmpipe_home: Path) -> tuple[str, TorchEngine, TorchEngine]:
-    model_dir = builtin_path(request.param)
-    batched = TorchEngine(model_dir, decode=DecodeSettings(slots=4, max_len=512))
+    """A batch decoder on the model's modules (the CPU default), or on the
+    fused layer step (the GPU default, run eagerly here), and an engine
+    without one (each sequence on its own)."""
+    name, fused = request.param
+    model_dir = builtin_path(name)
+    batched = TorchEngine(model_dir, decode=DecodeSettings(slots=4, max_len=512, fused=fused))
+    assert batched.decoder is not None and (batched.decoder.fused is not None) == fused
     alone = TorchEngine(model_dir, decode=DecodeSettings(batched=False))
     assert batched.decoder is not None and alone.decoder is None
-    return request.param, batched, alone
+    return name, batched, alone
 
 
 def _prompts(engine: TorchEngine, name: str) -> list[tuple[list[int], list[Any]]]:
