@@ -67,8 +67,9 @@ class PipelineConfig:
     reply_max_age_s: float = 600.0
     dead_max_age_s: float = 7 * 24 * 3600.0
     # How long a stage waits for room in a full downstream stream before it
-    # gives the message back.
-    full_stream_wait_s: float = 5.0
+    # gives the message back, for a request without a deadline (one with a
+    # deadline waits until it).
+    full_stream_wait_s: float = 30.0
     # Attempts of a request from its first hop (a lost tensor restarts it)
     # before it is given up as dead.
     max_attempts: int = 3

@@ -19,7 +19,11 @@ E2E = Histogram("mmpipe_request_seconds", "Request created to last chunk", ["whe
 HTTP_REQUESTS = Counter("mmpipe_http_requests_total", "Bridge HTTP requests by status", ["path", "status"])
 DEAD = Counter("mmpipe_dead_letters_total", "Messages recorded on the dead subject", ["role", "code"])
 RESTARTS = Counter("mmpipe_restarts_total", "Requests restarted from their first hop (a tensor was gone)", ["role"])
-BACKPRESSURE = Counter("mmpipe_backpressure_waits_total", "Fetch loop waits for room, by reason", ["role", "reason"])
+BACKPRESSURE = Counter(
+    "mmpipe_backpressure_waits_total",
+    "Waits for room (to fetch, or in a full next-hop queue), by reason",
+    ["role", "reason"],
+)
 _GBPS = (0.01, 0.05, 0.1, 0.25, 0.5, 1, 2, 4, 8, 16, 32, 64, 128)
 HOP_TENSOR_BYTES = Counter("mmpipe_hop_tensor_bytes_total", "Tensor bytes a hop put or got", ["role", "direction"])
 HOP_TRANSFER_SECONDS = Histogram(

@@ -416,7 +416,15 @@ class Worker:
         if len(data) > limit:
             # No retry makes it smaller: refuse it (413) rather than nak it max_deliver times.
             raise TooLarge(f"the request is {len(data)} bytes as a message for {out.hop}; the limit is {limit} bytes")
-        deadline = time.monotonic() + self.config.full_stream_wait_s
+        # Back-pressure: while the next hop's queue is full, hold the message
+        # (heartbeats keep it ours, and the slot it takes keeps this worker
+        # from fetching more, so the queue before it fills up to the bridge's
+        # 429) until the request's deadline ends the wait. Handing it back
+        # sooner would spend one of its max_deliver deliveries on load that
+        # is not its fault. Only a request with no deadline gives up, after
+        # full_stream_wait_s.
+        give_up = None if out.request.deadline else time.monotonic() + self.config.full_stream_wait_s
+        pause = 0.05
         while True:
             try:
                 await self.js.publish(subject, data, headers=headers)
@@ -424,9 +432,11 @@ class Worker:
             except MaxPayloadError:
                 raise TooLarge(f"the request is too large for a message to {out.hop}") from None
             except APIError as exc:
-                if not is_stream_full(exc) or time.monotonic() >= deadline:
+                if not is_stream_full(exc) or (give_up is not None and time.monotonic() >= give_up):
                     raise TransientError(f"could not queue for {out.hop}: {exc.description}") from exc
-                await asyncio.sleep(0.05)
+                metrics.BACKPRESSURE.labels(self.role, "next_hop_full").inc()
+                await asyncio.sleep(pause)
+                pause = min(2 * pause, 0.5)
 
     async def _heartbeat(self, msg: Msg) -> None:
         # A third of ack_wait keeps a long generation from being redelivered.

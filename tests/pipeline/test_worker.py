@@ -6,11 +6,11 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import AsyncGenerator, AsyncIterator
-from typing import Any
+from typing import Any, ClassVar
 
 import pytest
 
-from pipeline.config import ConsumerSettings, PipelineConfig
+from pipeline.config import ConsumerSettings, PipelineConfig, StreamLimits
 from pipeline.connection import connect
 from pipeline.replies import CHUNK_DECODER
 from pipeline.streams import ensure_streams
@@ -247,3 +247,77 @@ async def test_drain_hands_unfinished_work_to_another_worker(running: Any, pipel
     chunks = await collect(sub, wait_s=20)
     assert chunks[-1].finish_reason == FinishReason.STOP  # type: ignore[union-attr]
     assert second.calls and second.calls[0][0] == "d1" and len(second.calls[0][1]) >= 1
+
+
+class Forward:
+    """A processor-like stage: each request goes on to one aggregated hop."""
+
+    role = "processor"
+    input_type = GenerateRequest
+    resumes_stream = False
+    models: ClassVar[list[str]] = ["script"]
+
+    async def start(self) -> None:
+        pass
+
+    async def close(self) -> None:
+        pass
+
+    async def run(
+        self, message: GenerateRequest | ProcessedRequest, ctx: HopContext
+    ) -> AsyncGenerator[StageOutput, None]:
+        assert isinstance(message, GenerateRequest)
+        yield ProcessedRequest(message, [1], [], ["encode+prefill+decode"], max_tokens=1, seed=0)
+
+
+async def test_a_full_next_hop_holds_the_message_until_there_is_room(running: Any, nats_server: Any) -> None:
+    """Past full_stream_wait_s and well past ack_wait the message is held, not
+    handed back (which would spend its deliveries): it goes on once the next
+    hop's queue has room, delivered once."""
+    config = PipelineConfig(
+        nats_url=nats_server.url,
+        namespace=f"bp{time.monotonic_ns()}",
+        hop_limits=StreamLimits(max_msgs=1),
+        consumer=ConsumerSettings(ack_wait_s=1.0),
+        full_stream_wait_s=0.2,
+    )
+    await ensure_streams(running.js, config)
+    hop = config.subjects.work("encode+prefill+decode")
+    await running.js.publish(hop, b"someone else's work")  # the hop's queue is now full
+    await running(Forward(), config=config)
+    deadline = time.time() + 30
+    await running.js.publish(config.subjects.requests, encode(request("held", "x", deadline=deadline)))
+    processor = (config.subjects.stream("processor"), config.subjects.durable("processor"))
+    await asyncio.sleep(2.5)  # over 10x full_stream_wait_s, over 2x ack_wait
+    info = await running.js.consumer_info(*processor)
+    assert (info.num_ack_pending, info.num_redelivered) == (1, 0)
+    # Room: the hop's one message is taken.
+    await running.js.delete_msg(config.subjects.stream("encode+prefill+decode"), 1)
+    for _ in range(100):
+        info = await running.js.consumer_info(*processor)
+        if info.num_ack_pending == 0:
+            break
+        await asyncio.sleep(0.05)
+    assert (info.num_ack_pending, info.num_redelivered, info.delivered.consumer_seq) == (0, 0, 1)
+    hop_info = await running.js.stream_info(config.subjects.stream("encode+prefill+decode"))
+    assert hop_info.state.messages == 1  # the held request, forwarded
+
+
+async def test_without_a_deadline_a_full_next_hop_gives_the_message_back(running: Any, nats_server: Any) -> None:
+    config = PipelineConfig(
+        nats_url=nats_server.url,
+        namespace=f"bp{time.monotonic_ns()}",
+        hop_limits=StreamLimits(max_msgs=1),
+        full_stream_wait_s=0.2,
+    )
+    await ensure_streams(running.js, config)
+    await running.js.publish(config.subjects.work("encode+prefill+decode"), b"someone else's work")
+    await running(Forward(), config=config)
+    await running.js.publish(config.subjects.requests, encode(request("no-deadline", "x")))
+    processor = (config.subjects.stream("processor"), config.subjects.durable("processor"))
+    for _ in range(100):
+        info = await running.js.consumer_info(*processor)
+        if info.num_redelivered or info.delivered.consumer_seq > 1:
+            break
+        await asyncio.sleep(0.05)
+    assert info.delivered.consumer_seq > 1 or info.num_redelivered > 0  # given back, tried again
