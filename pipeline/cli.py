@@ -12,9 +12,9 @@ from pipeline import logging as mm_logging
 from pipeline.auth import ENV, NatsAuth
 from pipeline.bench.decode import add_arguments as add_decode_arguments
 from pipeline.bridge.app import BridgeSettings
-from pipeline.config import ConsumerSettings, PipelineConfig, Placement
+from pipeline.config import ConsumerSettings, PipelineConfig, Placement, StreamLimits
 from pipeline.health import HealthSettings
-from pipeline.media_flags import add_media_flags, media_policy
+from pipeline.limit_flags import add_media_flags, add_processor_flags, media_policy, processor_limits
 from pipeline.streams import ProvisioningConflict
 from schemas.routes import MODES, ROLES
 from stages.engine_settings import DecodeSettings
@@ -101,6 +101,15 @@ def _streams(p: argparse.ArgumentParser) -> None:
         default=os.environ.get("MMPIPE_PLACEMENT_TAGS"),
         help="place the streams on servers with all these server_tags, comma separated",
     )
+    limits = StreamLimits()
+    group.add_argument(
+        "--queue-max-msgs",
+        type=int,
+        default=limits.max_msgs,
+        help="messages a work queue holds (a full request queue is the bridge's 429; a full inner one holds "
+        "the upstream worker)",
+    )
+    group.add_argument("--queue-max-bytes", type=int, default=limits.max_bytes, help="bytes a work queue holds")
 
 
 def _consumer(p: argparse.ArgumentParser, whom: str) -> None:
@@ -151,6 +160,7 @@ def _model(p: argparse.ArgumentParser) -> None:
         help="bytes of media embeddings an encoding worker keeps, keyed by content (0: off)",
     )
     add_media_flags(p)
+    add_processor_flags(p)
     group = p.add_argument_group("decoding (workers that decode)")
     group.add_argument("--max-batch", type=int, default=32, help="sequences decoded together in one step")
     group.add_argument(
@@ -287,10 +297,15 @@ def _config(args: argparse.Namespace) -> PipelineConfig:
     cluster = args.placement_cluster or None
     if args.replicas is not None and args.replicas < 1:
         raise SystemExit("mmpipe: --replicas must be at least 1")
+    if args.queue_max_msgs < 1 or args.queue_max_bytes < 1:
+        raise SystemExit("mmpipe: --queue-max-msgs and --queue-max-bytes must be positive")
+    queues = StreamLimits(max_msgs=args.queue_max_msgs, max_bytes=args.queue_max_bytes)
     return PipelineConfig(
         nats_url=args.nats_url,
         namespace=args.namespace,
         mode=args.mode,
+        requests_limits=queues,
+        hop_limits=queues,
         consumer=consumer,
         replicas=args.replicas,
         placement=Placement(cluster=cluster, tags=tags) if cluster or tags else None,
@@ -321,6 +336,7 @@ def main(argv: list[str] | None = None) -> int:
             max_inflight=args.max_inflight,
             allow_internal_media=args.allow_internal_media,
             media=media_policy(args),
+            limits=processor_limits(args),
             max_batch=args.max_batch,
             decode=DecodeSettings(
                 batched=args.batch_decode,

@@ -18,7 +18,7 @@ import structlog
 from pipeline.auth import NatsAuth
 from pipeline.bridge.app import BridgeSettings
 from pipeline.config import PipelineConfig
-from pipeline.media_flags import media_flag_args, media_policy
+from pipeline.limit_flags import media_flag_args, media_policy, processor_limit_args, processor_limits
 from pipeline.nats_server import NatsServer, NatsServerConfig
 from schemas.routes import MODES, PROCESSOR, ROLES
 
@@ -104,7 +104,7 @@ def up(args: argparse.Namespace, config: PipelineConfig, bridge: BridgeSettings)
     model_args += ["--modalities", args.modalities, "--embedding-cache-bytes", str(args.embedding_cache_bytes)]
     if args.allow_internal_media:
         model_args.append("--allow-internal-media")
-    model_args += media_flag_args(media_policy(args))
+    model_args += media_flag_args(media_policy(args)) + processor_limit_args(processor_limits(args))
     model_args += ["--max-batch", str(args.max_batch), "--decode-max-len", str(args.decode_max_len)]
     model_args += [] if args.batch_decode else ["--no-batch-decode"]
     model_args += [] if args.cuda_graphs else ["--no-cuda-graphs"]
@@ -151,6 +151,7 @@ def up(args: argparse.Namespace, config: PipelineConfig, bridge: BridgeSettings)
 
 def _stream_args(config: PipelineConfig) -> list[str]:
     out = ["--replicas", str(config.replicas)] if config.replicas is not None else []
+    out += ["--queue-max-msgs", str(config.hop_limits.max_msgs), "--queue-max-bytes", str(config.hop_limits.max_bytes)]
     if config.placement and config.placement.cluster:
         out += ["--placement-cluster", config.placement.cluster]
     if config.placement and config.placement.tags:

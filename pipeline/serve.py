@@ -25,6 +25,7 @@ from stages.contract import Stage, TensorStore
 from stages.engine_settings import DecodeSettings
 from stages.media import EmbeddingCache, MediaPolicy
 from stages.models import ModelSpec, resolve_model
+from stages.processor import ProcessorLimits
 
 log = structlog.get_logger(__name__)
 
@@ -41,6 +42,8 @@ class WorkerSettings:
     allow_internal_media: bool = False
     # Media limits (bytes, pixels, frames, seconds, local directories); allow_internal_media overrides its switch.
     media: MediaPolicy = field(default_factory=MediaPolicy)
+    # What the processor accepts (media per request, prompt tokens, max_tokens default).
+    limits: ProcessorLimits = field(default_factory=ProcessorLimits)
     # Media kinds the processor accepts, comma separated.
     modalities: str = "image"
     # Embeddings kept by a worker that encodes, keyed by media content (0: off).
@@ -77,7 +80,12 @@ def build_stage(
         from stages.models.traits import load_traits
         from stages.processor import Processor
 
-        return Processor(load_traits(spec), mode=config.mode, modalities=parse_modalities(settings.modalities))
+        return Processor(
+            load_traits(spec),
+            mode=config.mode,
+            limits=settings.limits,
+            modalities=parse_modalities(settings.modalities),
+        )
     if role not in HOP_ROLES:
         raise SystemExit(f"unknown role {role!r}; roles: {PROCESSOR}, {', '.join(HOP_ROLES)}")
     from stages.engine import TorchEngine

@@ -1,6 +1,7 @@
-"""Command-line flags for the media limits (``stages.media.MediaPolicy``):
-one flag per limit, its default the policy's, forwarded by ``mmpipe up`` to
-every worker it starts."""
+"""Command-line flags for the limits a worker enforces: the media limits
+(``stages.media.MediaPolicy``) and the processor's (``ProcessorLimits``). One
+flag per limit, its default the limit's, forwarded by ``mmpipe up`` to every
+worker it starts."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import argparse
 from typing import Any
 
 from stages.media import MediaPolicy
+from stages.processor import ProcessorLimits
 
 _DEFAULTS = MediaPolicy()
 
@@ -63,5 +65,43 @@ def media_flag_args(policy: MediaPolicy) -> list[str]:
     for field, flag, _, _ in _LIMITS:
         value = getattr(policy, field)
         if value != getattr(_DEFAULTS, field):
+            out += [flag, str(value)]
+    return out
+
+
+_PROCESSOR_DEFAULTS = ProcessorLimits()
+# (ProcessorLimits field, flag, least value, help)
+_PROCESSOR_LIMITS: tuple[tuple[str, str, int, str], ...] = (
+    ("max_images", "--max-images", 0, "images in one request (0: none)"),
+    ("max_videos", "--max-videos", 0, "videos in one request (0: none)"),
+    ("max_audios", "--max-audios", 0, "audio clips in one request (0: none)"),
+    ("max_prompt_tokens", "--max-prompt-tokens", 1, "prompt tokens before media are expanded (413 over it)"),
+    ("default_max_tokens", "--default-max-tokens", 1, "max_tokens of a request that gives none"),
+    ("max_stop_strings", "--max-stop-strings", 0, "stop strings in one request"),
+)
+
+
+def add_processor_flags(p: argparse.ArgumentParser) -> None:
+    group = p.add_argument_group("request limits (the processor)")
+    for field, flag, _, text in _PROCESSOR_LIMITS:
+        default = getattr(_PROCESSOR_DEFAULTS, field)
+        group.add_argument(
+            flag, dest=f"limit_{field}", type=int, default=default, metavar="N", help=f"{text} (default {default})"
+        )
+
+
+def processor_limits(args: argparse.Namespace) -> ProcessorLimits:
+    for field, flag, least, _ in _PROCESSOR_LIMITS:
+        if getattr(args, f"limit_{field}") < least:
+            raise SystemExit(f"mmpipe: {flag} must be at least {least}")
+    return ProcessorLimits(**{field: getattr(args, f"limit_{field}") for field, *_ in _PROCESSOR_LIMITS})
+
+
+def processor_limit_args(limits: ProcessorLimits) -> list[str]:
+    """The flags that give ``limits`` to a child process (what differs from the defaults)."""
+    out: list[str] = []
+    for field, flag, _, _ in _PROCESSOR_LIMITS:
+        value = getattr(limits, field)
+        if value != getattr(_PROCESSOR_DEFAULTS, field):
             out += [flag, str(value)]
     return out

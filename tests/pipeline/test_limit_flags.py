@@ -1,6 +1,7 @@
-"""The media limit flags: every MediaPolicy limit has one, `mmpipe up`
-forwards what differs from the defaults, and a worker's encode step serves
-file:// media only from the directories given."""
+"""The limit flags: every MediaPolicy and ProcessorLimits limit has one,
+`mmpipe up` forwards what differs from the defaults, the processor enforces
+them, and a worker's encode step serves file:// media only from the
+directories given."""
 
 from __future__ import annotations
 
@@ -9,15 +10,17 @@ from pathlib import Path
 import pytest
 
 from pipeline.cli import parser
-from pipeline.media_flags import media_flag_args, media_policy
-from schemas.errors import UrlNotAllowed
+from pipeline.limit_flags import media_flag_args, media_policy, processor_limit_args, processor_limits
+from schemas.errors import TooLarge, UrlNotAllowed
 from schemas.processed import MediaItem, MediaKind, ProcessedRequest
-from schemas.request import ChatMessage, GenerateRequest
+from schemas.request import ChatMessage, GenerateRequest, ImagePart, ImageURL, TextPart
 from stages.contract import HopContext
 from stages.encoder import MediaEncoder
 from stages.engine import TorchEngine
 from stages.media import MediaFetcher, MediaPolicy
-from stages.models import builtin_path
+from stages.models import builtin_path, resolve_model
+from stages.models.traits import load_traits
+from stages.processor import Processor, ProcessorLimits
 from stages.scheduler import EngineThread
 from tests.stages.test_media_av import encode_video
 
@@ -45,6 +48,27 @@ def test_flags_set_the_limits_and_round_trip_to_a_child(tmp_path: Path) -> None:
 def test_a_bad_limit_stops_the_worker_at_start() -> None:
     with pytest.raises(SystemExit, match="video_max_frames must be positive"):
         media_policy(_worker_args("--video-max-frames", "0"))  # type: ignore[arg-type]
+    with pytest.raises(SystemExit, match="--default-max-tokens must be at least 1"):
+        processor_limits(_worker_args("--default-max-tokens", "0"))  # type: ignore[arg-type]
+
+
+def test_processor_limit_flags_reach_the_processor(tiny_model_dir: Path) -> None:
+    args = _worker_args("--max-images", "1", "--max-prompt-tokens", "50", "--default-max-tokens", "7")
+    limits = processor_limits(args)  # type: ignore[arg-type]
+    assert processor_limits(_worker_args(*processor_limit_args(limits))) == limits  # type: ignore[arg-type]
+    assert processor_limits(_worker_args()) == ProcessorLimits()  # type: ignore[arg-type]
+    processor = Processor(load_traits(resolve_model(str(tiny_model_dir))), limits=limits)
+    image = ImagePart(ImageURL("data:image/png;base64,AAAA"))
+
+    def ask(*parts: ImagePart | TextPart) -> ProcessedRequest:
+        message = ChatMessage("user", list(parts))
+        return processor.process(GenerateRequest(request_id="r", model=processor.models[0], messages=[message]))
+
+    assert ask(image, TextPart("hi")).max_tokens == 7
+    with pytest.raises(TooLarge, match="2 image items in one request; the limit is 1"):
+        ask(image, image)
+    with pytest.raises(TooLarge, match="the limit is 50"):
+        ask(TextPart("word " * 60))
 
 
 def _video_request(url: str) -> ProcessedRequest:
@@ -69,3 +93,14 @@ async def test_file_urls_are_served_only_from_a_media_dir(tmp_path: Path, mmpipe
     finally:
         await fetcher.close()
         thread.close()
+
+
+def test_queue_size_flags_set_every_work_queue_and_reach_children() -> None:
+    from pipeline.cli import _config
+    from pipeline.launcher import _stream_args
+
+    config = _config(_worker_args("--queue-max-msgs", "64", "--queue-max-bytes", "1048576"))  # type: ignore[arg-type]
+    assert (config.requests_limits.max_msgs, config.hop_limits.max_bytes) == (64, 1 << 20)
+    assert _config(_worker_args(*_stream_args(config))) == config  # type: ignore[arg-type]
+    with pytest.raises(SystemExit, match="must be positive"):
+        _config(_worker_args("--queue-max-msgs", "0"))  # type: ignore[arg-type]
