@@ -68,7 +68,9 @@ async def test_crash_of_each_role_loses_nothing(
     assert [k.split()[1] for k in kills] == ["encode", "prefill", "decode", "processor"], figures.notes
     assert len(figures.recovery_s) == 4
     # Capacity came back: two live workers of every role again.
-    assert all(len(chaos_stack.workers(role)) == 2 for role in chaos_stack.roles)
+    live = {role: len(chaos_stack.workers(role)) for role in chaos_stack.roles}
+    dead = [(m.role, m.popen.returncode, m.tail()) for m in chaos_stack.members if not m.alive]
+    assert live == dict.fromkeys(chaos_stack.roles, 2), (live, dead)
 
 
 @pytest.mark.timeout(180)
