@@ -11,6 +11,7 @@ from pathlib import Path
 from pipeline import logging as mm_logging
 from pipeline.auth import ENV, NatsAuth
 from pipeline.bench.decode import add_arguments as add_decode_arguments
+from pipeline.bench.scale import add_arguments as add_scale_arguments
 from pipeline.bridge.app import BridgeSettings
 from pipeline.config import ConsumerSettings, PipelineConfig, Placement, StreamLimits
 from pipeline.health import HealthSettings
@@ -284,6 +285,8 @@ def _bench(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     transport.add_argument("--log-level", default="ERROR", help="ERROR: the results alone")
     decode = bsub.add_parser("decode", help="batch decoder vs generate() and the HBM roofline (GPU)")
     add_decode_arguments(decode)
+    scale = bsub.add_parser("scale", help="throughput with 1, 2, 4 workers of a role; R1 vs R3 streams on a cluster")
+    add_scale_arguments(scale)
 
 
 def _config(args: argparse.Namespace) -> PipelineConfig:

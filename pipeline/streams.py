@@ -131,7 +131,7 @@ def stream_configs(config: PipelineConfig) -> list[StreamConfig]:
     return [_placed(cfg, config) for cfg in streams]
 
 
-async def _retrying(what: str, call: Callable[[], Awaitable[T]], timeout_s: float) -> T:
+async def retrying(what: str, call: Callable[[], Awaitable[T]], timeout_s: float) -> T:
     """``call`` until it answers or fails for good; "not now" answers (no
     JetStream leader yet, a node down, a reconnect, a concurrent
     reconfiguration) are retried with backoff for ``timeout_s``."""
@@ -162,12 +162,12 @@ async def ensure_stream(js: JetStreamContext, cfg: StreamConfig, timeout_s: floa
     many processes run it at once: an identical create succeeds for each,
     and all of them update towards the same configuration."""
     try:
-        await _retrying(cfg.name or "", lambda: js.add_stream(cfg), timeout_s)
+        await retrying(cfg.name or "", lambda: js.add_stream(cfg), timeout_s)
         return
     except APIError as exc:
         if exc.err_code != _STREAM_EXISTS_DIFFERENT:
             raise _conflict(cfg.name, exc) from exc
-    info = await _retrying(cfg.name or "", lambda: js.stream_info(cfg.name or ""), timeout_s)
+    info = await retrying(cfg.name or "", lambda: js.stream_info(cfg.name or ""), timeout_s)
     # Replicas and placement left open (None) keep what the stream has.
     want = dataclasses.replace(
         cfg,
@@ -178,7 +178,7 @@ async def ensure_stream(js: JetStreamContext, cfg: StreamConfig, timeout_s: floa
     if not changed:
         return
     try:
-        await _retrying(want.name or "", lambda: js.update_stream(want), timeout_s)
+        await retrying(want.name or "", lambda: js.update_stream(want), timeout_s)
     except APIError as exc:
         raise _conflict(cfg.name, exc, changed) from exc
     log.info("stream_updated", stream=cfg.name, changed={k: f"{a} -> {b}" for k, (a, b) in changed.items()})
@@ -227,7 +227,7 @@ async def ensure_consumer(
     stream = config.subjects.stream(role)
     # CONSUMER.CREATE without an action creates or updates a durable.
     try:
-        info = await _retrying(cfg.durable_name or "", lambda: js.add_consumer(stream, cfg), timeout_s)
+        info = await retrying(cfg.durable_name or "", lambda: js.add_consumer(stream, cfg), timeout_s)
     except APIError as exc:
         raise _conflict(f"{stream} consumer {cfg.durable_name}", exc) from exc
     changed = _differences(cfg.as_dict(), info.config.as_dict(), _CONSUMER_FIELDS)

@@ -33,6 +33,10 @@ def run_async(coro: Coroutine[Any, Any, T]) -> T:
 
 
 def main(args: argparse.Namespace) -> int:
+    if args.bench_command == "scale":
+        from pipeline.bench.scale import main as scale_main
+
+        return scale_main(args)
     if args.bench_command == "decode":
         from pipeline.bench.decode import main as decode_main
 

@@ -47,14 +47,21 @@ def _tail(path: Path, n: int = 3000) -> str:
 
 @contextmanager
 def mmpipe_up(
-    mode: str, model: str, transport: str, data_dir: Path, api_key: str | None = None, start_timeout_s: float = 300
+    mode: str,
+    model: str,
+    transport: str,
+    data_dir: Path,
+    api_key: str | None = None,
+    start_timeout_s: float = 300,
+    extra: tuple[str, ...] = (),
 ) -> Iterator[str]:
-    """``mmpipe up`` in ``mode`` on a free port; yields the OpenAI base URL once
-    it printed its ready line, and stops it with SIGINT when the block ends."""
+    """``mmpipe up`` in ``mode`` (with ``extra`` flags) on a free port; yields the
+    OpenAI base URL once it printed its ready line, and stops it with SIGINT
+    when the block ends."""
     port = free_port()
     cmd = [sys.executable, "-m", "pipeline.cli", "up", "--mode", mode, "--port", str(port)]
     cmd += ["--data-dir", str(data_dir), "--model", model, "--served-model-name", Path(model).name]
-    cmd += ["--transport", transport, "--log-level", "WARNING"]
+    cmd += ["--transport", transport, "--log-level", "WARNING", *extra]
     if api_key:
         cmd += ["--api-key", api_key]
     log_path = data_dir / "up.log"

@@ -39,6 +39,7 @@ from nats.aio.msg import Msg
 from nats.js import JetStreamContext
 from nats.js.kv import KeyValue
 
+from pipeline.streams import retrying
 from pipeline.subjects import check_token
 from pipeline.transport import metrics
 from pipeline.transport.arena import FirstFit
@@ -145,7 +146,9 @@ class NixlTransport:
                 self._kv = await js.create_key_value(bucket=bucket, history=1, replicas=self.settings.replicas)
             except nats.js.errors.BadRequestError:
                 self._kv = await js.key_value(bucket)  # another agent created it first
-        await self._kv.put(self.agent_name, metadata)
+        kv = self._kv
+        # A bucket just created on a cluster may not answer from this node yet.
+        await retrying(f"agent metadata in {bucket}", lambda: kv.put(self.agent_name, metadata), timeout_s=30.0)
 
     async def close(self) -> None:
         if self._closed:

@@ -15,6 +15,7 @@ from PIL import Image
 from stages.engine import DecodeSettings, SamplingConfig, TorchEngine
 from stages.engine.reference import load_reference_model, reference_generate
 from stages.models import builtin_path
+from tests.stages.engine_helpers import chat_prompt
 
 N = 16
 
@@ -47,10 +48,7 @@ def _prompts(engine: TorchEngine, name: str) -> list[tuple[list[int], list[Any]]
         # An image moves every later position (M-RoPE's delta): the decoder must follow.
         image = Image.fromarray(np.random.default_rng(1).integers(0, 256, (60, 90, 3), dtype=np.uint8))
         content = [{"type": "image", "image": ""}, {"type": "text", "text": "What is it?"}]
-        text = engine.tokenizer.apply_chat_template(
-            [{"role": "user", "content": content}], add_generation_prompt=True, tokenize=False
-        )
-        out[1] = (list(engine.tokenizer(text, add_special_tokens=False)["input_ids"]), engine.encode([image]))
+        out[1] = (chat_prompt(engine, content), engine.encode([image]))
     return out
 
 

@@ -12,9 +12,9 @@ from PIL import Image
 
 from schemas.processed import MediaKind
 from stages.engine.reference import load_reference_model, reference_generate
-from stages.engine.sampling import SamplingConfig
 from stages.engine.torch_engine import TorchEngine
 from stages.models import builtin_path
+from tests.stages.engine_helpers import chat_prompt, decode, greedy
 
 N_NEW = 12
 FAMILIES = {"tiny-qwen2.5-vl": "qwen2_5_vl", "tiny-llava": "llava"}
@@ -37,21 +37,7 @@ def _images() -> list[Image.Image]:
 
 def _prompt(engine: TorchEngine, n_images: int) -> list[int]:
     content: list[dict[str, str]] = [{"type": "image"}] * n_images + [{"type": "text", "text": "What is shown? 😀"}]
-    text = engine.tokenizer.apply_chat_template(
-        [{"role": "user", "content": content}], add_generation_prompt=True, tokenize=False
-    )
-    return list(engine.tokenizer(text, add_special_tokens=False)["input_ids"])
-
-
-def _greedy() -> SamplingConfig:
-    return SamplingConfig(temperature=0.0, max_tokens=N_NEW, min_tokens=N_NEW)
-
-
-def _decode(engine: TorchEngine, seq: Any, first: int) -> list[int]:
-    out = [first]
-    while len(out) < N_NEW:
-        out += engine.step([seq])
-    return out
+    return chat_prompt(engine, content)
 
 
 @pytest.mark.parametrize("n_images", [0, 1, 2])
@@ -62,13 +48,13 @@ def test_greedy_equals_generate_in_one_engine_and_across_a_hand_off(loaded: Any,
     assert prompt.count(engine.family.placeholder_ids[MediaKind.IMAGE]) == n_images
     expected = reference_generate(model_dir, prompt, images, N_NEW, model=ref_model)
     encoded = engine.encode(images)
-    [(seq, first)] = engine.prefill([prompt], [encoded], [_greedy()])
-    assert _decode(engine, seq, first) == expected
-    [(seq, first)] = engine.prefill([prompt], [encoded], [_greedy()])
+    [(seq, first)] = engine.prefill([prompt], [encoded], [greedy(N_NEW)])
+    assert decode(engine, seq, first, N_NEW) == expected
+    [(seq, first)] = engine.prefill([prompt], [encoded], [greedy(N_NEW)])
     tensors, state = engine.export_kv(seq)
     engine.release(seq)
-    moved = other.import_kv([t.clone() for t in tensors], state, _greedy())
-    assert _decode(other, moved, first) == expected
+    moved = other.import_kv([t.clone() for t in tensors], state, greedy(N_NEW))
+    assert decode(other, moved, first, N_NEW) == expected
 
 
 def test_outputs_depend_on_the_images(loaded: Any) -> None:

@@ -16,11 +16,11 @@ from PIL import Image
 from schemas.errors import UnsupportedMedia
 from schemas.processed import MediaKind
 from stages.engine.reference import load_reference_model, reference_generate
-from stages.engine.sampling import SamplingConfig
 from stages.engine.torch_engine import TorchEngine
 from stages.families import Media
 from stages.media import MediaPolicy, VideoOptions, decode_audio, decode_video
 from stages.models import builtin_path
+from tests.stages.engine_helpers import chat_prompt, decode, greedy
 from tests.stages.test_media_av import encode_audio, encode_video
 
 N_NEW = 10
@@ -79,21 +79,7 @@ def _prompt(engine: TorchEngine, media: list[Media]) -> list[int]:
     kinds = [MediaKind.AUDIO if type(m).__name__ == "DecodedAudio" else k for m, k in zip(media, kinds, strict=True)]
     content: list[dict[str, str]] = [{"type": k.value, k.value: ""} for k in kinds]
     content.append({"type": "text", "text": "What happens here?"})
-    text = engine.tokenizer.apply_chat_template(
-        [{"role": "user", "content": content}], add_generation_prompt=True, tokenize=False
-    )
-    return list(engine.tokenizer(text, add_special_tokens=False)["input_ids"])
-
-
-def _greedy() -> SamplingConfig:
-    return SamplingConfig(temperature=0.0, max_tokens=N_NEW, min_tokens=N_NEW)
-
-
-def _decode(engine: TorchEngine, seq: Any, first: int) -> list[int]:
-    out = [first]
-    while len(out) < N_NEW:
-        out += engine.step([seq])
-    return out
+    return chat_prompt(engine, content)
 
 
 def test_every_case_equals_generate_in_one_engine_and_across_a_hand_off(loaded: Any) -> None:
@@ -104,13 +90,13 @@ def test_every_case_equals_generate_in_one_engine_and_across_a_hand_off(loaded: 
         expected = reference_generate(model_dir, prompt, media, N_NEW, model=ref_model)
         encoded = engine.encode(media)
         assert [e.kind for e in encoded] == [e.kind for e in engine.encode(media)], case
-        [(seq, first)] = engine.prefill([prompt], [encoded], [_greedy()])
-        assert _decode(engine, seq, first) == expected, case
-        [(seq, first)] = engine.prefill([prompt], [encoded], [_greedy()])
+        [(seq, first)] = engine.prefill([prompt], [encoded], [greedy(N_NEW)])
+        assert decode(engine, seq, first, N_NEW) == expected, case
+        [(seq, first)] = engine.prefill([prompt], [encoded], [greedy(N_NEW)])
         tensors, state = engine.export_kv(seq)
         engine.release(seq)
-        moved = other.import_kv([t.clone() for t in tensors], state, _greedy())
-        assert _decode(other, moved, first) == expected, case
+        moved = other.import_kv([t.clone() for t in tensors], state, greedy(N_NEW))
+        assert decode(other, moved, first, N_NEW) == expected, case
         outputs.add(tuple(expected))
     # The media reach the model: different inputs, different outputs.
     assert len(outputs) == len(_cases(name, engine))
