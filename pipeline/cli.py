@@ -14,6 +14,7 @@ from pipeline.bench.decode import add_arguments as add_decode_arguments
 from pipeline.bench.scale import add_arguments as add_scale_arguments
 from pipeline.bridge.app import BridgeSettings
 from pipeline.config import ConsumerSettings, PipelineConfig, Placement, StreamLimits
+from pipeline.engine_flags import add_engine_flags, vllm_args
 from pipeline.health import HealthSettings
 from pipeline.limit_flags import add_media_flags, add_processor_flags, media_policy, processor_limits
 from pipeline.streams import ProvisioningConflict
@@ -171,6 +172,7 @@ def _model(p: argparse.ArgumentParser) -> None:
         "--no-batch-decode", dest="batch_decode", action="store_false", help="decode each sequence on its own"
     )
     group.add_argument("--no-cuda-graphs", dest="cuda_graphs", action="store_false", help="run decode steps eagerly")
+    add_engine_flags(p)
 
 
 def _health(p: argparse.ArgumentParser) -> None:
@@ -353,6 +355,8 @@ def main(argv: list[str] | None = None) -> int:
             transport=args.transport,
             tensor_settings=TransportSettings(budget_bytes=args.tensor_budget_mb << 20, ttl_s=args.tensor_ttl),
             health=HealthSettings(port=args.health_port, host=args.health_host, stall_after_s=args.health_stall_after),
+            engine=args.engine,
+            vllm_args=vllm_args(args),
         )
         try:
             _run(run_worker(args.role, _config(args), settings))

@@ -18,6 +18,7 @@ import structlog
 from pipeline.auth import NatsAuth
 from pipeline.bridge.app import BridgeSettings
 from pipeline.config import PipelineConfig
+from pipeline.engine_flags import check_mode, engine_flag_args, vllm_args
 from pipeline.limit_flags import media_flag_args, media_policy, processor_limit_args, processor_limits
 from pipeline.nats_server import NatsServer, NatsServerConfig
 from schemas.routes import MODES, PROCESSOR, ROLES
@@ -82,6 +83,8 @@ def _wait_ready(url: str, children: list[subprocess.Popen[bytes]], stop: _Stop, 
 def up(args: argparse.Namespace, config: PipelineConfig, bridge: BridgeSettings) -> int:
     from stages.models import resolve_model
 
+    check_mode(args.engine, config.mode)
+    engine_args = vllm_args(args)
     stop = _Stop()
     # Resolved (and a built-in built) once here, not by every child at once.
     spec = resolve_model(args.model, args.served_model_name)
@@ -119,6 +122,7 @@ def up(args: argparse.Namespace, config: PipelineConfig, bridge: BridgeSettings)
                     log.info("worker_health_port", role=role, url=f"http://127.0.0.1:{health_port}/health/ready")
                     health_port += 1
                 worker_args = [*common, *model_args, *health, *_consumer_args(config, args.drain_grace)]
+                worker_args += engine_flag_args(role, args.engine, engine_args)
                 children.append(subprocess.Popen([*cli, "worker", role, *worker_args]))
         bridge_args = ["--host", bridge.host, "--port", str(bridge.port)]
         bridge_args += ["--request-timeout", str(bridge.request_timeout_s)]

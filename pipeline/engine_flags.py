@@ -1,0 +1,61 @@
+"""``--engine`` and vLLM's pass-through engine arguments, for ``mmpipe
+worker`` and ``mmpipe up`` (which forwards them to the roles vLLM runs)."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+from typing import Any
+
+from schemas.routes import MODES
+from stages.vllm_engine.args import VLLM_ROLES, engine_arg_flags, engine_args
+
+ENGINES = ("torch", "vllm")
+
+
+def add_engine_flags(p: argparse.ArgumentParser) -> None:
+    group = p.add_argument_group("engine (the roles that prefill and decode)")
+    group.add_argument(
+        "--engine",
+        choices=ENGINES,
+        default="torch",
+        help=f"torch: the built-in engine; vllm: vLLM for the roles {', '.join(VLLM_ROLES)} (needs the vllm extra)",
+    )
+    group.add_argument(
+        "--vllm-arg",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="a vLLM engine argument, e.g. max_model_len=4096 or dtype=float32 (repeatable; JSON values)",
+    )
+    group.add_argument(
+        "--vllm-args-file", type=Path, default=None, help="a JSON object of vLLM engine arguments (flags win)"
+    )
+
+
+def vllm_args(args: argparse.Namespace) -> dict[str, Any]:
+    try:
+        return engine_args(args.vllm_arg, args.vllm_args_file)
+    except ValueError as exc:
+        raise SystemExit(f"mmpipe: {exc}") from None
+
+
+def check_mode(engine: str, mode: str) -> None:
+    """``mmpipe up --engine vllm``: every hop of the mode is an encode hop
+    (built in) or one vLLM runs."""
+    if engine != "vllm":
+        return
+    other = [hop for hop in MODES[mode] if hop != "encode" and hop not in VLLM_ROLES]
+    if other:
+        raise SystemExit(
+            f"mmpipe: --engine vllm serves the modes whose hops are encode or {' / '.join(VLLM_ROLES)} "
+            f"(epd, e-pd) so far; {mode} has {', '.join(other)}"
+        )
+
+
+def engine_flag_args(role: str, engine: str, args: dict[str, Any]) -> list[str]:
+    """The flags that give a child worker of ``role`` its engine: vLLM's
+    roles get --engine vllm and its arguments, the others the built-in one."""
+    if engine != "vllm" or role not in VLLM_ROLES:
+        return []
+    return ["--engine", "vllm", *engine_arg_flags(args)]

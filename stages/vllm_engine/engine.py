@@ -1,0 +1,124 @@
+"""vLLM's AsyncLLM behind the calls mmpipe's stage makes: start, one
+request's token stream, abort, close.
+
+Importing this module does not import vLLM; ``start()`` does (after
+``require_vllm`` said it is there). The tokenizer and the EOS ids come from
+the checkpoint directory, as the built-in engine reads them, so the chunks
+mmpipe emits (text, stop strings, finish) are the same for both engines.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncGenerator
+from dataclasses import dataclass
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import structlog
+import torch
+
+from schemas.errors import UnsupportedMedia
+from schemas.processed import MediaKind
+from stages.engine.sampling import SamplingConfig
+from stages.families import MediaEmbedding
+from stages.vllm_engine.args import require_vllm
+
+log = structlog.get_logger(__name__)
+
+
+@dataclass(frozen=True)
+class Delta:
+    """New tokens of one request, and whether vLLM has finished it."""
+
+    token_ids: list[int]
+    finished: bool
+
+
+class VllmEngine:
+    def __init__(self, model_dir: Path, args: dict[str, Any] | None = None) -> None:
+        require_vllm()
+        from transformers import AutoConfig, AutoTokenizer, GenerationConfig
+
+        from stages.engine.torch_engine import _eos_ids
+
+        self.model_dir = Path(model_dir)
+        # mmpipe passes image embeddings (its encoder's) to vLLM: enable_mm_embeds.
+        self.args: dict[str, Any] = {"model": str(self.model_dir), "enable_mm_embeds": True, **(args or {})}
+        self.tokenizer = AutoTokenizer.from_pretrained(str(self.model_dir))
+        config = AutoConfig.from_pretrained(str(self.model_dir))
+        try:
+            generation: Any = GenerationConfig.from_pretrained(str(self.model_dir))
+        except OSError:
+            generation = None
+        self.eos_token_ids: frozenset[int] = frozenset(_eos_ids(SimpleNamespace(generation_config=generation), config))
+        self.max_model_len = 0
+        self._llm: Any = None
+
+    async def start(self) -> None:
+        """Start vLLM's engine (its engine-core process, the model load and
+        warm-up: tens of seconds). Call from the worker's event loop."""
+        from vllm.engine.arg_utils import AsyncEngineArgs
+        from vllm.v1.engine.async_llm import AsyncLLM
+
+        try:
+            engine_args = AsyncEngineArgs(**self.args)
+        except TypeError as exc:
+            raise ValueError(f"vLLM engine arguments {sorted(self.args)}: {exc}") from None
+        self._llm = AsyncLLM.from_engine_args(engine_args)
+        self.max_model_len = int(self._llm.model_config.max_model_len)
+        log.info("vllm_engine_started", model=str(self.model_dir), max_model_len=self.max_model_len, args=self.args)
+
+    def close(self) -> None:
+        if self._llm is not None:
+            self._llm.shutdown()
+            self._llm = None
+
+    @property
+    def unfinished(self) -> int:
+        """Requests vLLM still holds (running or waiting)."""
+        return int(self._llm.get_num_unfinished_requests()) if self._llm is not None else 0
+
+    async def stream(
+        self, request_id: str, prompt_token_ids: list[int], media: list[MediaEmbedding], sampling: SamplingConfig
+    ) -> AsyncGenerator[Delta, None]:
+        """One request's new tokens as vLLM makes them. ``prompt_token_ids``
+        hold one placeholder per image; vLLM expands each to its embeddings."""
+        from vllm import SamplingParams
+        from vllm.sampling_params import RequestOutputKind
+
+        assert self._llm is not None, "start() the engine first"
+        params = SamplingParams(
+            n=1,
+            temperature=sampling.temperature,
+            top_p=sampling.top_p,
+            top_k=max(sampling.top_k, 0),
+            seed=sampling.seed,
+            min_tokens=sampling.min_tokens,
+            max_tokens=sampling.max_tokens,
+            ignore_eos=sampling.ignore_eos,
+            stop_token_ids=sorted(self.eos_token_ids),
+            output_kind=RequestOutputKind.DELTA,
+            # mmpipe detokenizes (stop strings, held-back characters) itself.
+            detokenize=False,
+        )
+        prompt: dict[str, Any] = {"prompt_token_ids": list(prompt_token_ids)}
+        if media:
+            prompt["multi_modal_data"] = _image_embeds(media)
+        async for out in self._llm.generate(prompt, params, request_id):
+            yield Delta([int(t) for t in out.outputs[0].token_ids], bool(out.finished))
+
+    async def abort(self, request_id: str) -> None:
+        if self._llm is not None:
+            await self._llm.abort(request_id)
+
+
+def _image_embeds(media: list[MediaEmbedding]) -> dict[str, Any]:
+    """Qwen-VL images as vLLM's ``image_embeds`` + ``image_grid_thw``: the
+    items' embeddings one after another, one grid row each."""
+    for item in media:
+        if item.kind is not MediaKind.IMAGE:
+            raise UnsupportedMedia(f"the vLLM engine takes images only so far, not {item.kind.value}")
+    embeds = torch.cat([item.embeddings for item in media]) if len(media) > 1 else media[0].embeddings
+    grid = torch.tensor([list(item.grid_thw) for item in media], dtype=torch.long)
+    return {"image": {"image_embeds": embeds, "image_grid_thw": grid}}
