@@ -1,0 +1,244 @@
+"""``--engine vllm`` end to end: ``mmpipe up`` (embedded nats-server, the
+processor, the workers of the mode as OS processes, the bridge) with vLLM
+running the role that prefills and decodes, the official openai client
+against the bridge. EPD: one worker encodes (mmpipe's encoder) and hands
+vLLM the embeddings in memory; E/PD: mmpipe's own encode worker sends them
+over the tensor transport. Every answer is exactly transformers
+``generate()``'s tokens on the same float32 checkpoint (read back from the
+reply stream), streamed or not, text or image; a client that goes away
+aborts the vLLM request; a takeover resumes after the tokens a client holds.
+
+One engine start per mode (a module-scoped stack per mode)."""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import json
+import re
+import signal
+import socket
+import time
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import openai
+import pytest
+
+from pipeline.connection import connect
+from pipeline.replies import stored_chunks
+from pipeline.subjects import Subjects
+from schemas.chunk import TokenChunk
+from schemas.codec import CONTENT_TYPE, MSGPACK, encode
+from schemas.request import ChatMessage, GenerateRequest, ImagePart, ImageURL, SamplingParams, TextPart
+from tests.e2e.conftest import gradient, make_reference, png_data_url
+from tests.e2e.processes import Proc, Processes
+
+N = 12
+MODEL = "tiny-qwen2-vl-vllm"
+ENGINE_ARGS = {
+    "dtype": "float32",  # bf16 would not give generate()'s float32 tokens
+    "enforce_eager": True,  # no torch.compile: a start in seconds, not a minute
+    "skip_mm_profiling": True,
+    "limit_mm_per_prompt": {"image": {"count": 4, "width": 224, "height": 224}, "video": 0},
+}
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@dataclass
+class VllmStack:
+    mode: str
+    base_url: str
+    nats_url: str
+    up: Proc
+
+    def client(self) -> openai.AsyncOpenAI:
+        return openai.AsyncOpenAI(base_url=f"{self.base_url}/v1", api_key="none", max_retries=0)
+
+
+@pytest.fixture(scope="module")
+def reference(vllm_model_dir: Path) -> Any:
+    return make_reference(vllm_model_dir)
+
+
+@pytest.fixture(scope="module", params=["epd", "e-pd"])
+def stack(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory, mmpipe_home: Path, vllm_model_dir: Path
+) -> Iterator[VllmStack]:
+    mode = request.param
+    tmp = tmp_path_factory.mktemp(f"vllm-{mode}")
+    args_file = tmp / "engine-args.json"
+    args_file.write_text(json.dumps(ENGINE_ARGS))
+    port = _free_port()
+    procs = Processes(tmp, mmpipe_home)
+    up = procs.start(
+        "up", "--mode", mode, "--engine", "vllm", "--vllm-args-file", str(args_file),
+        "--vllm-arg", "max_model_len=2048", "--model", str(vllm_model_dir), "--served-model-name", MODEL,
+        "--port", str(port), "--data-dir", str(tmp / "data"), "--transport", "nats", "--log-level", "INFO",
+    )  # fmt: skip
+    try:
+        up.wait_for("mmpipe ready", timeout_s=240)
+        nats_url = re.search(r"nats=(\S+)", up.text())
+        assert nats_url is not None
+        yield VllmStack(mode, f"http://127.0.0.1:{port}", nats_url.group(1), up)
+    finally:
+        code = up.stop(signal.SIGINT, timeout_s=90)
+        procs.stop_all()
+    assert code == 0, up.text()[-3000:]
+    assert "Traceback" not in up.text(), up.text()[-5000:]
+
+
+async def _tokens(stack: VllmStack, request_id: str) -> list[int]:
+    """The token ids of a request as its reply stream holds them."""
+    nc, js = await connect(stack.nats_url, name="test-reader")
+    try:
+        chunks = await stored_chunks(js, Subjects("default"), request_id)
+    finally:
+        await nc.close()
+    return [t for c in chunks for t in getattr(c, "token_ids", [])]
+
+
+async def _ask(stack: VllmStack, content: Any, stream: bool, n: int = N) -> tuple[str, list[int]]:
+    """(text, token ids) of one greedy request of n tokens."""
+    kw: dict[str, Any] = {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": content}],
+        "max_tokens": n,
+        "temperature": 0,
+        "extra_body": {"min_tokens": n},
+    }
+    async with stack.client() as c:
+        if stream:
+            raw = await c.chat.completions.with_raw_response.create(stream=True, **kw)
+            pieces = [chunk async for chunk in await _parsed(raw)]
+            text = "".join(p.choices[0].delta.content or "" for p in pieces if p.choices)
+            assert [p.choices[0].finish_reason for p in pieces if p.choices][-1] == "length"
+        else:
+            raw = await c.chat.completions.with_raw_response.create(**kw)
+            reply = await _parsed(raw)
+            text = reply.choices[0].message.content or ""
+            assert reply.usage is not None and reply.usage.completion_tokens == n
+    return text, await _tokens(stack, raw.headers["x-request-id"])
+
+
+async def _parsed(raw: Any) -> Any:
+    # The stream of a raw streamed response comes from parse() as it is.
+    parsed = raw.parse()
+    return await parsed if inspect.isawaitable(parsed) else parsed
+
+
+def _image(seed: int) -> Any:
+    return gradient(56 + 8 * seed, 48 + 16 * seed, seed)
+
+
+def _image_content(image: Any, text: str = "What is in the picture?") -> list[dict[str, Any]]:
+    return [{"type": "image_url", "image_url": {"url": png_data_url(image)}}, {"type": "text", "text": text}]
+
+
+@pytest.mark.e2e
+async def test_text_streamed_and_not_equals_generate(stack: VllmStack, reference: Any) -> None:
+    tokens, text = reference("Say something about the sea.", [], N)
+    assert await _ask(stack, "Say something about the sea.", stream=True) == (text, tokens)
+    assert await _ask(stack, "Say something about the sea.", stream=False) == (text, tokens)
+
+
+@pytest.mark.e2e
+async def test_image_streamed_and_not_equals_generate(stack: VllmStack, reference: Any) -> None:
+    one = _image(1)
+    tokens, text = reference(_image_content(one), [one], N)
+    assert len(set(tokens)) > 1
+    assert await _ask(stack, _image_content(one), stream=True) == (text, tokens)
+    assert await _ask(stack, _image_content(one), stream=False) == (text, tokens)
+
+
+@pytest.mark.e2e
+async def test_two_images_and_concurrent_requests(stack: VllmStack, reference: Any) -> None:
+    one, two = _image(2), _image(3)
+    pair = [
+        {"type": "text", "text": "Compare"},
+        {"type": "image_url", "image_url": {"url": png_data_url(one)}},
+        {"type": "text", "text": "and"},
+        {"type": "image_url", "image_url": {"url": png_data_url(two)}},
+    ]
+    contents = [pair, _image_content(two, "And this?"), "Tell me a joke."]
+    media: list[list[Any]] = [[one, two], [two], []]
+    expected = [reference(c, m, N) for c, m in zip(contents, media, strict=True)]
+    got = await asyncio.gather(*(_ask(stack, c, stream=i % 2 == 0) for i, c in enumerate(contents)))
+    assert got == [(text, tokens) for tokens, text in expected]
+
+
+@pytest.mark.e2e
+async def test_client_going_away_aborts_the_vllm_request(stack: VllmStack) -> None:
+    async with stack.client() as c:
+        raw = await c.chat.completions.with_raw_response.create(
+            model=MODEL,
+            messages=[{"role": "user", "content": "Tell a very long story."}],
+            max_tokens=1500,
+            temperature=0,
+            stream=True,
+            extra_body={"ignore_eos": True},
+        )
+        request_id = raw.headers["x-request-id"]
+        s = await _parsed(raw)
+        seen = 0
+        async for _ in s:
+            seen += 1
+            if seen == 3:
+                break
+        await s.close()
+    aborted: dict[str, Any] = {}
+    for _ in range(200):
+        for line in stack.up.text().splitlines():
+            if '"vllm_request_aborted"' in line and request_id in line:
+                aborted = json.loads(line[line.index("{") :])
+        if aborted:
+            break
+        await asyncio.sleep(0.1)
+    assert aborted, stack.up.text()[-3000:]
+    assert aborted["unfinished"] == 0  # vLLM holds no request any more
+    stored = len(await _tokens(stack, request_id))
+    await asyncio.sleep(1.0)
+    assert len(await _tokens(stack, request_id)) == stored < 1500  # nothing more is generated
+
+
+@pytest.mark.e2e
+async def test_takeover_resumes_after_the_tokens_a_client_holds(stack: VllmStack, reference: Any) -> None:
+    """An earlier attempt streamed 5 tokens (in the reply stream) and died: the
+    request, sent again, continues at seq 5 with generate()'s tokens."""
+    image = _image(4)
+    tokens, _ = reference(_image_content(image), [image], N)
+    rid = f"resume-{uuid.uuid4().hex}"
+    subjects = Subjects("default")
+    nc, js = await connect(stack.nats_url, name="test-takeover")
+    try:
+        for i, token in enumerate(tokens[:5]):
+            chunk = TokenChunk(request_id=rid, seq=i, token_ids=[token])
+            headers = {CONTENT_TYPE: MSGPACK, "Nats-Msg-Id": f"{rid}:reply:{i}"}
+            await js.publish(subjects.reply(rid), encode(chunk), headers=headers)
+        parts = [ImagePart(ImageURL(png_data_url(image))), TextPart("What is in the picture?")]
+        request = GenerateRequest(
+            request_id=rid,
+            model=MODEL,
+            messages=[ChatMessage(role="user", content=parts)],
+            sampling=SamplingParams(max_tokens=N, temperature=0, min_tokens=N),
+            created=time.time(),
+            deadline=time.time() + 120,
+        )
+        await js.publish(subjects.requests, encode(request), headers={CONTENT_TYPE: MSGPACK, "Nats-Msg-Id": rid})
+        for _ in range(600):
+            chunks = [c for c in await stored_chunks(js, subjects, rid) if isinstance(c, TokenChunk)]
+            if chunks and chunks[-1].finish_reason is not None:
+                break
+            await asyncio.sleep(0.1)
+    finally:
+        await nc.close()
+    assert [c.seq for c in chunks] == list(range(N))  # each token once, in order
+    assert [t for c in chunks for t in c.token_ids] == tokens
