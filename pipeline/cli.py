@@ -262,7 +262,10 @@ def parser() -> argparse.ArgumentParser:
 
 
 def _bench(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    bench = sub.add_parser("bench", help="load the bridge with the openai client; or `bench transport`")
+    # No abbreviations: a subcommand's own --mode must not be taken for this parser's --model or --modes.
+    bench = sub.add_parser(
+        "bench", help="load the bridge with the openai client; or `bench transport`", allow_abbrev=False
+    )
     bench.add_argument("--url", default="http://127.0.0.1:8000/v1", help="the bridge's OpenAI base URL")
     bench.add_argument("--model", default=DEFAULT_MODEL)
     bench.add_argument("--api-key", default=os.environ.get("MMPIPE_API_KEY"))
