@@ -269,28 +269,50 @@ _LLAVA_CHAT_TEMPLATE = (
 )
 
 
+def _llama_text_config() -> dict[str, Any]:
+    endoftext = QWEN2_ADDED_TOKEN_IDS["<|endoftext|>"]
+    rope = {"rope_type": "default", "rope_theta": 10000.0}
+    return {"model_type": "llama", **_text_config(eos_token_id=endoftext, rope_parameters=rope)}
+
+
+def _clip_vision_config(image_size: int) -> dict[str, Any]:
+    return {
+        "model_type": "clip_vision_model",
+        "hidden_size": _VISION_EMBED,
+        "intermediate_size": 2 * _VISION_EMBED,
+        "num_hidden_layers": 2,
+        "num_attention_heads": _VISION_HEADS,
+        "image_size": image_size,
+        "patch_size": 14,
+        "projection_dim": _VISION_EMBED,
+    }
+
+
+def _clip_preprocessor(size: int) -> dict[str, Any]:
+    """CLIP's resize to the shortest edge, centre crop and normalisation."""
+    return {
+        "crop_size": {"height": size, "width": size},
+        "do_center_crop": True,
+        "do_convert_rgb": True,
+        "do_normalize": True,
+        "do_rescale": True,
+        "do_resize": True,
+        "image_mean": _CLIP_MEAN,
+        "image_std": _CLIP_STD,
+        "resample": 3,
+        "rescale_factor": 1 / 255,
+        "size": {"shortest_edge": size},
+    }
+
+
 def _build_llava(out_dir: Path) -> None:
     from transformers import LlavaConfig, LlavaForConditionalGeneration
 
-    endoftext = QWEN2_ADDED_TOKEN_IDS["<|endoftext|>"]
-    tokens_per_image = (_LLAVA_IMAGE // 14) ** 2
     config = LlavaConfig(
-        text_config={
-            "model_type": "llama",
-            **_text_config(eos_token_id=endoftext, rope_parameters={"rope_type": "default", "rope_theta": 10000.0}),
-        },
-        vision_config={
-            "model_type": "clip_vision_model",
-            "hidden_size": _VISION_EMBED,
-            "intermediate_size": 2 * _VISION_EMBED,
-            "num_hidden_layers": 2,
-            "num_attention_heads": _VISION_HEADS,
-            "image_size": _LLAVA_IMAGE,
-            "patch_size": 14,
-            "projection_dim": _VISION_EMBED,
-        },
+        text_config=_llama_text_config(),
+        vision_config=_clip_vision_config(_LLAVA_IMAGE),
         image_token_index=LLAVA_IMAGE_TOKEN_ID,
-        image_seq_length=tokens_per_image,
+        image_seq_length=(_LLAVA_IMAGE // 14) ** 2,
         vision_feature_select_strategy="default",
         vision_feature_layer=-2,
         projector_hidden_act="gelu",
@@ -299,21 +321,8 @@ def _build_llava(out_dir: Path) -> None:
     )
     model = LlavaForConditionalGeneration(config)
     _seeded_init(model, LLAVA_IMAGE_TOKEN_ID)
-    preprocessor = {
-        "crop_size": {"height": _LLAVA_IMAGE, "width": _LLAVA_IMAGE},
-        "do_center_crop": True,
-        "do_convert_rgb": True,
-        "do_normalize": True,
-        "do_rescale": True,
-        "do_resize": True,
-        "image_mean": _CLIP_MEAN,
-        "image_std": _CLIP_STD,
-        "image_processor_type": "CLIPImageProcessor",
-        "resample": 3,
-        "rescale_factor": 1 / 255,
-        "size": {"shortest_edge": _LLAVA_IMAGE},
-    }
-    _save(model, out_dir, [endoftext], preprocessor)
+    preprocessor = {**_clip_preprocessor(_LLAVA_IMAGE), "image_processor_type": "CLIPImageProcessor"}
+    _save(model, out_dir, [QWEN2_ADDED_TOKEN_IDS["<|endoftext|>"]], preprocessor)
     copy_qwen_tokenizer(out_dir, model_max_length=_MAX_POSITIONS)
     _add_tokens(out_dir, [LLAVA_IMAGE_TOKEN], _LLAVA_CHAT_TEMPLATE, "<|endoftext|>")
 
@@ -350,22 +359,9 @@ _LLAVA_NEXT_VIDEO_CHAT_TEMPLATE = (
 def _build_llava_next_video(out_dir: Path) -> None:
     from transformers import LlavaNextVideoConfig, LlavaNextVideoForConditionalGeneration
 
-    endoftext = QWEN2_ADDED_TOKEN_IDS["<|endoftext|>"]
     config = LlavaNextVideoConfig(
-        text_config={
-            "model_type": "llama",
-            **_text_config(eos_token_id=endoftext, rope_parameters={"rope_type": "default", "rope_theta": 10000.0}),
-        },
-        vision_config={
-            "model_type": "clip_vision_model",
-            "hidden_size": _VISION_EMBED,
-            "intermediate_size": 2 * _VISION_EMBED,
-            "num_hidden_layers": 2,
-            "num_attention_heads": _VISION_HEADS,
-            "image_size": _LLAVA_NEXT_VIDEO_FRAME,
-            "patch_size": 14,
-            "projection_dim": _VISION_EMBED,
-        },
+        text_config=_llama_text_config(),
+        vision_config=_clip_vision_config(_LLAVA_NEXT_VIDEO_FRAME),
         video_token_index=LLAVA_VIDEO_TOKEN_ID,
         # Images are not run by mmpipe's adapter; their token is outside the tokenizer.
         image_token_index=LLAVA_VIDEO_TOKEN_ID + 1,
@@ -381,20 +377,13 @@ def _build_llava_next_video(out_dir: Path) -> None:
     )
     model = LlavaNextVideoForConditionalGeneration(config)
     _seeded_init(model, LLAVA_VIDEO_TOKEN_ID)
-    frame = {
-        "crop_size": {"height": _LLAVA_NEXT_VIDEO_FRAME, "width": _LLAVA_NEXT_VIDEO_FRAME},
-        "do_center_crop": True,
-        "do_convert_rgb": True,
-        "do_normalize": True,
-        "do_rescale": True,
-        "do_resize": True,
-        "image_mean": _CLIP_MEAN,
-        "image_std": _CLIP_STD,
-        "resample": 3,
-        "rescale_factor": 1 / 255,
-        "size": {"shortest_edge": _LLAVA_NEXT_VIDEO_FRAME},
-    }
-    _save(model, out_dir, [endoftext], {**frame, "image_processor_type": "CLIPImageProcessor"})
+    frame = _clip_preprocessor(_LLAVA_NEXT_VIDEO_FRAME)
+    _save(
+        model,
+        out_dir,
+        [QWEN2_ADDED_TOKEN_IDS["<|endoftext|>"]],
+        {**frame, "image_processor_type": "CLIPImageProcessor"},
+    )
     video = {**frame, "video_processor_type": "LlavaNextVideoVideoProcessor"}
     (out_dir / "video_preprocessor_config.json").write_text(json.dumps(video, indent=2) + "\n")
     copy_qwen_tokenizer(out_dir, model_max_length=_MAX_POSITIONS)
