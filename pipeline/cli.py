@@ -249,8 +249,10 @@ def parser() -> argparse.ArgumentParser:
 
     model = sub.add_parser("model", help="built-in models")
     msub = model.add_subparsers(dest="model_command", required=True)
-    build = msub.add_parser("build", help="build a built-in model into a directory")
-    build.add_argument("name")
+    build = msub.add_parser("build", help="build a built-in model, or a real-size preset, into a directory")
+    build.add_argument("name", nargs="?", help="a built-in model")
+    build.add_argument("--preset", help="real-size shapes, random weights: qwen2-vl-2b, qwen2-vl-7b (bf16)")
+    build.add_argument("--device", default="cuda", help="where a preset's weights are made (cuda: fast)")
     build.add_argument("--out", type=Path, required=True)
     path = msub.add_parser("path", help="print where a built-in model lives (built on first use)")
     path.add_argument("name")
@@ -387,7 +389,13 @@ def main(argv: list[str] | None = None) -> int:
     elif args.command == "model":
         from stages.models import build_builtin, builtin_path
 
-        if args.model_command == "build":
+        if args.model_command == "build" and args.preset:
+            from stages.models.presets import build_preset
+
+            print(build_preset(args.preset, args.out, args.device))
+        elif args.model_command == "build":
+            if not args.name:
+                raise SystemExit("mmpipe model build: give a built-in model name or --preset")
             print(build_builtin(args.name, args.out))
         else:
             print(builtin_path(args.name))
