@@ -16,4 +16,4 @@ export MMPIPE_VLLM_SCRATCH="$scratch" TMPDIR="$scratch"
 export VLLM_CACHE_ROOT="$scratch/vllm" TORCHINDUCTOR_CACHE_DIR="$scratch/inductor" HF_HOME="$scratch/hf"
 export PATH="$PWD/$VENV/bin:$PATH"
 "$VENV/bin/python" -c "import vllm, stages.vllm_engine.cpu_compat" >/dev/null
-exec "$VENV/bin/python" -m pytest tests/vllm -p no:cacheprovider "$@"
+"$VENV/bin/python" -m pytest tests/vllm -p no:cacheprovider "$@"

