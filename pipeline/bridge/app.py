@@ -183,10 +183,16 @@ class Bridge:
                 if gen.stream:
                     return await self._stream(request, rid, gen.model, int(now), chunks, include_usage)
                 return await self._complete(rid, gen.model, int(now), chunks)
-            except (asyncio.CancelledError, ConnectionResetError):
+            except asyncio.CancelledError:
                 # The client went away: stop the work wherever it is.
                 await self._cancel(rid)
                 raise
+            except ConnectionResetError:
+                # It went away while we wrote to it: the same, and not an error
+                # of ours (raised on, aiohttp would log a 500's traceback).
+                await self._cancel(rid)
+                log.info("client_gone", request_id=rid)
+                return web.Response(status=499)
             finally:
                 await sub.unsubscribe()
         finally:
