@@ -19,8 +19,9 @@ from schemas.errors import ContextLengthExceeded, InvalidRequest
 from schemas.processed import MediaKind
 from stages.engine.reference import load_reference_model, reference_generate
 from stages.engine.sampling import SamplingConfig, select_token, token_seed
-from stages.engine.torch_engine import KvState, Sequence, TorchEngine
+from stages.engine.torch_engine import KvState, TorchEngine
 from stages.families import MediaEmbedding
+from tests.stages.engine_helpers import decode, greedy
 
 N_NEW = 24
 
@@ -69,17 +70,6 @@ def cases(engine: TorchEngine, ref_model: Any, model_dir: Path, images: list[Ima
     return out
 
 
-def _greedy(max_tokens: int = N_NEW) -> SamplingConfig:
-    return SamplingConfig(temperature=0.0, max_tokens=max_tokens, min_tokens=max_tokens)
-
-
-def _run(engine: TorchEngine, seq: Sequence, first: int, n: int) -> list[int]:
-    out = [first]
-    while len(out) < n:
-        out += engine.step([seq])
-    return out
-
-
 def test_engine_attributes(engine: TorchEngine) -> None:
     assert engine.eos_token_ids == frozenset({151645, 151643})
     assert engine.max_model_len == 4096
@@ -98,8 +88,8 @@ def test_encode_shapes(engine: TorchEngine, images: list[Image.Image]) -> None:
 @pytest.mark.parametrize("n_images", [0, 1, 2])
 def test_greedy_matches_generate(engine: TorchEngine, cases: dict[int, Any], n_images: int) -> None:
     prompt, imgs, expected = cases[n_images]
-    [(seq, first)] = engine.prefill([prompt], [engine.encode(imgs)], [_greedy()])
-    tokens = _run(engine, seq, first, N_NEW)
+    [(seq, first)] = engine.prefill([prompt], [engine.encode(imgs)], [greedy(N_NEW)])
+    tokens = decode(engine, seq, first, N_NEW)
     assert tokens == expected
     assert seq.output_token_ids == expected and seq.num_generated == N_NEW
     assert seq.reached_max_tokens
@@ -117,7 +107,7 @@ def test_batched_calls_match_generate(engine: TorchEngine, cases: dict[int, Any]
     order = [2, 0, 1]
     prompts = [cases[n][0] for n in order]
     encoded = [engine.encode(cases[n][1]) for n in order]
-    results = engine.prefill(prompts, encoded, [_greedy()] * 3)
+    results = engine.prefill(prompts, encoded, [greedy(N_NEW)] * 3)
     seqs = [seq for seq, _ in results]
     outputs = [[tok] for _, tok in results]
     for _ in range(N_NEW - 1):
@@ -129,9 +119,9 @@ def test_batched_calls_match_generate(engine: TorchEngine, cases: dict[int, Any]
 @pytest.mark.parametrize(("n_images", "k"), [(2, 1), (2, 11), (0, 5), (1, N_NEW - 1)])
 def test_resume_matches_generate(engine: TorchEngine, cases: dict[int, Any], n_images: int, k: int) -> None:
     prompt, imgs, expected = cases[n_images]
-    [(seq, nxt)] = engine.prefill([prompt], [engine.encode(imgs)], [_greedy()], emitted=[expected[:k]])
+    [(seq, nxt)] = engine.prefill([prompt], [engine.encode(imgs)], [greedy(N_NEW)], emitted=[expected[:k]])
     assert seq.num_generated == k + 1
-    assert _run(engine, seq, nxt, N_NEW - k) == expected[k:]
+    assert decode(engine, seq, nxt, N_NEW - k) == expected[k:]
 
 
 def test_positions_match_transformers_rope_index(
@@ -158,16 +148,16 @@ def test_request_errors(engine: TorchEngine, cases: dict[int, Any], images: list
     prompt = cases[1][0]
     encoded = engine.encode(images)
     with pytest.raises(InvalidRequest, match="placeholders"):
-        engine.prefill([prompt], [encoded], [_greedy()])
+        engine.prefill([prompt], [encoded], [greedy(N_NEW)])
     with pytest.raises(InvalidRequest, match="placeholders"):
-        engine.prefill([cases[2][0]], [encoded[:1]], [_greedy()])
+        engine.prefill([cases[2][0]], [encoded[:1]], [greedy(N_NEW)])
     bad = MediaEmbedding(encoded[0].embeddings[:5], encoded[0].grid_thw)
     with pytest.raises(InvalidRequest, match="does not match"):
-        engine.prefill([prompt], [[bad]], [_greedy()])
+        engine.prefill([prompt], [[bad]], [greedy(N_NEW)])
     with pytest.raises(InvalidRequest, match="vocabulary"):
-        engine.prefill([[1, 2, 10**7]], [[]], [_greedy()])
+        engine.prefill([[1, 2, 10**7]], [[]], [greedy(N_NEW)])
     with pytest.raises(ContextLengthExceeded):
-        engine.prefill([[100] * 4096], [[]], [_greedy()])
+        engine.prefill([[100] * 4096], [[]], [greedy(N_NEW)])
     with pytest.raises(InvalidRequest):
         SamplingConfig(temperature=-1.0)
     with pytest.raises(InvalidRequest):
@@ -176,7 +166,7 @@ def test_request_errors(engine: TorchEngine, cases: dict[int, Any], images: list
 
 def _sample(engine: TorchEngine, prompt: list[int], enc: list[MediaEmbedding], cfg: SamplingConfig) -> list[int]:
     [(seq, first)] = engine.prefill([prompt], [enc], [cfg])
-    out = _run(engine, seq, first, cfg.max_tokens)
+    out = decode(engine, seq, first, cfg.max_tokens)
     engine.release(seq)
     return out
 
@@ -192,7 +182,7 @@ def test_sampling_reproducible_and_resumable(engine: TorchEngine, cases: dict[in
     assert first != greedy_tokens[:16]
     # A takeover that resumes at index 6 draws the same continuation.
     [(seq, nxt)] = engine.prefill([prompt], [enc], [cfg], emitted=[first[:6]])
-    assert _run(engine, seq, nxt, 10) == first[6:]
+    assert decode(engine, seq, nxt, 10) == first[6:]
     # top_k=1 is greedy whatever the temperature.
     top1 = SamplingConfig(temperature=1.5, top_k=1, seed=3, max_tokens=8, min_tokens=8)
     assert _sample(engine, prompt, enc, top1) == greedy_tokens[:8]
@@ -238,20 +228,20 @@ def test_kv_handed_to_another_engine_continues_like_generate(
     engine: TorchEngine, decode_engine: TorchEngine, cases: dict[int, Any], n_images: int
 ) -> None:
     prompt, imgs, expected = cases[n_images]
-    [(seq, first)] = engine.prefill([prompt], [engine.encode(imgs)], [_greedy()])
+    [(seq, first)] = engine.prefill([prompt], [engine.encode(imgs)], [greedy(N_NEW)])
     tensors, state = engine.export_kv(seq)
     assert len(tensors) == 2 * engine.family.num_hidden_layers
     assert state.output_ids == [first] and tensors[0].shape[2] == state.prompt_len
     # Over the wire the tensors are bytes: copies, not views of prefill's cache.
     received = [t.clone() for t in tensors]
     engine.release(seq)
-    moved = decode_engine.import_kv(received, state, _greedy())
-    assert _run(decode_engine, moved, first, N_NEW) == expected
+    moved = decode_engine.import_kv(received, state, greedy(N_NEW))
+    assert decode(decode_engine, moved, first, N_NEW) == expected
     # Without rope_delta the positions are wrong and so are the tokens.
     if n_images:
         shifted = KvState(state.prompt_len, state.output_ids, 0)
-        wrong = decode_engine.import_kv([t.clone() for t in tensors], shifted, _greedy())
-        assert _run(decode_engine, wrong, first, N_NEW) != expected
+        wrong = decode_engine.import_kv([t.clone() for t in tensors], shifted, greedy(N_NEW))
+        assert decode(decode_engine, wrong, first, N_NEW) != expected
 
 
 def test_resume_after_a_hand_off_takes_the_clients_tokens(
@@ -265,7 +255,7 @@ def test_resume_after_a_hand_off_takes_the_clients_tokens(
     moved = decode_engine.import_kv(tensors, state, cfg)
     # The client already holds 5 tokens from an earlier attempt.
     nxt = decode_engine.resume(moved, reference[:5])
-    assert _run(decode_engine, moved, nxt, 7) == reference[5:]
+    assert decode(decode_engine, moved, nxt, 7) == reference[5:]
     with pytest.raises(ValueError, match="disagree"):
         again = decode_engine.import_kv(tensors, state, cfg)
         decode_engine.step([again])
@@ -273,9 +263,9 @@ def test_resume_after_a_hand_off_takes_the_clients_tokens(
 
 
 def test_import_checks_the_shape(engine: TorchEngine, decode_engine: TorchEngine, cases: dict[int, Any]) -> None:
-    [(seq, _)] = engine.prefill([cases[0][0]], [[]], [_greedy()])
+    [(seq, _)] = engine.prefill([cases[0][0]], [[]], [greedy(N_NEW)])
     tensors, state = engine.export_kv(seq)
     with pytest.raises(InvalidRequest, match="layers"):
-        decode_engine.import_kv(tensors[:2], state, _greedy())
+        decode_engine.import_kv(tensors[:2], state, greedy(N_NEW))
     with pytest.raises(InvalidRequest, match="shape"):
-        decode_engine.import_kv(tensors, KvState(state.prompt_len + 1, state.output_ids, 0), _greedy())
+        decode_engine.import_kv(tensors, KvState(state.prompt_len + 1, state.output_ids, 0), greedy(N_NEW))
