@@ -25,6 +25,7 @@ _LIMITS: tuple[tuple[str, str, type, str], ...] = (
     ("video_max_pixels", "--video-frame-max-pixels", int, "sampled frames larger than this are scaled down"),
     ("audio_max_bytes", "--audio-max-bytes", int, "bytes of one audio clip"),
     ("audio_max_duration_s", "--audio-max-seconds", float, "seconds of one audio clip"),
+    ("decoded_cache_bytes", "--decoded-cache-bytes", int, "decoded media an encoding worker keeps by content (0: off)"),
 )
 
 

@@ -35,6 +35,7 @@ from stages.media import (
     decode_video,
     parse_embeddings,
 )
+from stages.media.decoded import DecodedMediaCache
 from stages.scheduler import EngineThread
 
 # Hashing runs at about 1 GB/s: beyond this much, do it off the event loop.
@@ -55,6 +56,7 @@ class MediaEncoder:
         self.fetcher = fetcher
         self.policy = policy
         self.cache = cache
+        self.decoded_cache = DecodedMediaCache(policy.decoded_cache_bytes) if policy.decoded_cache_bytes else None
         # What else changes the embeddings of the same bytes: the weights and their dtype.
         self._model_key = f"{engine.model_dir.resolve()}:{engine.dtype}"
 
@@ -102,10 +104,20 @@ class MediaEncoder:
             return decode_audio(data, self.policy, item.format or None)
         return decode_image(data, self.policy)
 
+    async def _decoded(self, item: MediaItem, data: bytes) -> Media:
+        """The item decoded, from the decoded-media cache when these bytes were read this way before."""
+        if self.decoded_cache is None:
+            return await asyncio.to_thread(self._decode, item, data)
+        options = json.dumps([item.kind.value, item.num_frames, item.fps, item.max_frames, item.format])
+        key = content_key(data, model="", kind="decoded", options=options)
+        if (hit := self.decoded_cache.get(key)) is not None:
+            return hit
+        media = await asyncio.to_thread(self._decode, item, data)
+        self.decoded_cache.put(key, media)
+        return media
+
     async def _encode_media(self, items: list[MediaItem], datas: list[bytes], ctx: HopContext) -> list[MediaEmbedding]:
-        decoded = await asyncio.gather(
-            *(asyncio.to_thread(self._decode, m, d) for m, d in zip(items, datas, strict=True))
-        )
+        decoded = await asyncio.gather(*(self._decoded(m, d) for m, d in zip(items, datas, strict=True)))
         started = time.monotonic()
         encoded = await self.thread.call(self.engine.encode, list(decoded))
         ctx.trace["encode_s"] = time.monotonic() - started

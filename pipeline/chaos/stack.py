@@ -41,6 +41,7 @@ class StackOptions:
     # Small budgets, so "memory stays bounded" is a claim about numbers one can read.
     tensor_budget_mb: int = 32
     embedding_cache_bytes: int = 8 << 20
+    decoded_cache_bytes: int = 8 << 20
     max_inflight: int = 8
     log_level: str = "WARNING"
 
@@ -109,6 +110,7 @@ class ChaosStack:
         args = ["worker", role, "--model", self.model_path, "--served-model-name", self.served_name]
         args += ["--transport", o.transport, "--tensor-budget-mb", str(o.tensor_budget_mb)]
         args += ["--embedding-cache-bytes", str(o.embedding_cache_bytes), "--max-inflight", str(o.max_inflight)]
+        args += ["--decoded-cache-bytes", str(o.decoded_cache_bytes)]
         args += ["--health-port", str(port)]
         member = self._cli(*args, role=role, health_port=port)
         self.members.append(member)
@@ -187,11 +189,11 @@ class ChaosStack:
     def budget_bytes(self, role: str) -> int:
         """What a worker of ``role`` may hold beyond its model: the tensor
         budget (NIXL registers it twice: held tensors and a receive arena)
-        and, where it encodes, the embedding cache."""
+        and, where it encodes, the embedding and decoded-media caches."""
         if role == PROCESSOR or role == "bridge":
             return 0
         o = self.options
-        cache = o.embedding_cache_bytes if role.startswith("encode") else 0
+        cache = o.embedding_cache_bytes + o.decoded_cache_bytes if role.startswith("encode") else 0
         return 2 * (o.tensor_budget_mb << 20) + cache
 
     def stop(self) -> None:

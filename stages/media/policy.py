@@ -77,6 +77,10 @@ class MediaPolicy:
     audio_max_bytes: int = 16 * MiB
     audio_max_duration_s: float = 30.0
 
+    # Decoded images, video frames and audio samples an encoding worker keeps by content
+    # (stages.media.decoded), so media seen again skip decoding; 0 turns it off.
+    decoded_cache_bytes: int = 256 * MiB
+
     def __post_init__(self) -> None:
         for name in (
             "max_bytes",
@@ -93,6 +97,8 @@ class MediaPolicy:
             value = getattr(self, name)
             if not (math.isfinite(value) and value > 0):
                 raise ValueError(f"MediaPolicy.{name} must be positive and finite")
+        if self.decoded_cache_bytes < 0:
+            raise ValueError("MediaPolicy.decoded_cache_bytes must be >= 0")
         if self.fetch_timeout_s <= 0:
             raise ValueError("MediaPolicy.fetch_timeout_s must be positive")
         if self.max_redirects < 0:
