@@ -28,6 +28,7 @@ from nats.aio.client import Client
 from nats.js import JetStreamContext, api
 from nats.js.object_store import ObjectStore
 
+from pipeline.streams import retrying
 from pipeline.subjects import check_token
 from pipeline.transport import metrics
 from pipeline.transport.base import TensorGone, TransportFull, TransportSettings
@@ -87,18 +88,20 @@ class NatsTransport:
         self._watcher: ObjectStore.ObjectWatcher | None = None
         self._closing = False
 
-    async def start(self) -> None:
+    async def _bucket(self, bucket: str) -> ObjectStore:
         js = self._js
-        bucket = tensor_bucket(self._ns)
         try:
-            self._store = await js.object_store(bucket)
+            return await js.object_store(bucket)
         except nats.js.errors.BucketNotFoundError:
             try:
-                self._store = await js.create_object_store(
-                    bucket, ttl=self.settings.ttl_s, replicas=self.settings.replicas
-                )
+                return await js.create_object_store(bucket, ttl=self.settings.ttl_s, replicas=self.settings.replicas)
             except nats.js.errors.BadRequestError:
-                self._store = await js.object_store(bucket)  # another worker created it first
+                return await js.object_store(bucket)  # another worker created it first
+
+    async def start(self) -> None:
+        bucket = tensor_bucket(self._ns)
+        # On a cluster just started (or electing) the bucket may not answer yet: retried.
+        self._store = await retrying(f"object store {bucket}", lambda: self._bucket(bucket), timeout_s=60.0)
         self._watcher = await self._store.watch(updates_only=True)
         self._tasks = [
             asyncio.create_task(self._watch(self._watcher), name=f"nats-tensors-watch-{self.holder}"),

@@ -134,19 +134,21 @@ class NixlTransport:
         self._poller = asyncio.create_task(self._poll(), name=f"nixl-holder-{self.agent_name}")
         log.info("tensor_transport_started", transport=NAME, agent=self.agent_name, mem=self.mem, budget=s.budget_bytes)
 
+    async def _bucket(self, bucket: str) -> Any:
+        js = self._js
+        try:
+            return await js.key_value(bucket)
+        except nats.js.errors.BucketNotFoundError:
+            try:
+                return await js.create_key_value(bucket=bucket, history=1, replicas=self.settings.replicas)
+            except nats.js.errors.BadRequestError:
+                return await js.key_value(bucket)  # another agent created it first
+
     async def _publish_metadata(self, metadata: bytes) -> None:
         """Peers cannot READ memory registered after they loaded our metadata:
         publish again after every registration."""
-        js = self._js
         bucket = agent_bucket(self._ns)
-        try:
-            self._kv = await js.key_value(bucket)
-        except nats.js.errors.BucketNotFoundError:
-            try:
-                self._kv = await js.create_key_value(bucket=bucket, history=1, replicas=self.settings.replicas)
-            except nats.js.errors.BadRequestError:
-                self._kv = await js.key_value(bucket)  # another agent created it first
-        kv = self._kv
+        self._kv = kv = await retrying(f"agent bucket {bucket}", lambda: self._bucket(bucket), timeout_s=60.0)
         # A bucket just created on a cluster may not answer from this node yet.
         await retrying(f"agent metadata in {bucket}", lambda: kv.put(self.agent_name, metadata), timeout_s=30.0)
 
