@@ -102,7 +102,8 @@ class NatsTransport:
         bucket = tensor_bucket(self._ns)
         # On a cluster just started (or electing) the bucket may not answer yet: retried.
         self._store = await retrying(f"object store {bucket}", lambda: self._bucket(bucket), timeout_s=60.0)
-        self._watcher = await self._store.watch(updates_only=True)
+        store = self._store
+        self._watcher = await retrying(f"watch of {bucket}", lambda: store.watch(updates_only=True), timeout_s=60.0)
         self._tasks = [
             asyncio.create_task(self._watch(self._watcher), name=f"nats-tensors-watch-{self.holder}"),
             asyncio.create_task(self._expire(), name=f"nats-tensors-expire-{self.holder}"),
