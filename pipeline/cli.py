@@ -11,6 +11,7 @@ from pathlib import Path
 from pipeline import logging as mm_logging
 from pipeline.auth import ENV, NatsAuth
 from pipeline.bench.decode import add_arguments as add_decode_arguments
+from pipeline.bench.encode import add_arguments as add_encode_arguments
 from pipeline.bench.scale import add_arguments as add_scale_arguments
 from pipeline.bridge.app import BridgeSettings
 from pipeline.config import ConsumerSettings, PipelineConfig, Placement, StreamLimits
@@ -281,6 +282,18 @@ def _bench(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     bench.add_argument("--compare-modes", action="store_true", help="start `mmpipe up` per mode, same load on each")
     bench.add_argument("--modes", default="epd,e-pd,e-p-d,ep-d", help="with --compare-modes")
     bench.add_argument("--transport", choices=("auto", "nixl", "nats"), default="nixl", help="with --compare-modes")
+    bench.add_argument(
+        "--concurrencies", default="", help="with --compare-modes: comma-separated levels, each a run (e.g. 1,8,32)"
+    )
+    bench.add_argument("--device", default="cpu", help="with --compare-modes: the workers' device (cuda on a GPU)")
+    bench.add_argument(
+        "--up-arg", action="append", default=[], help="with --compare-modes: a flag for `mmpipe up` (repeatable)"
+    )
+    bench.add_argument(
+        "--hf-baseline",
+        action="store_true",
+        help="with --compare-modes: plain transformers generate() on the same requests, the ratios' baseline",
+    )
     bench.add_argument("--log-level", default="ERROR", help="ERROR: the results alone")
     bsub = bench.add_subparsers(dest="bench_command")
     transport = bsub.add_parser("transport", help="tensor transfer GB/s between two processes vs. memcpy")
@@ -290,8 +303,13 @@ def _bench(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     transport.add_argument("--nats-url", default=None, help="an existing nats-server (default: start one)")
     transport.add_argument("--json", action="store_true", help="print machine-readable results")
     transport.add_argument("--log-level", default="ERROR", help="ERROR: the results alone")
+    transport.add_argument(
+        "--device", default="cpu", help="cpu (DRAM) or cuda[:N] (VRAM of one GPU, against a device-to-device copy)"
+    )
     decode = bsub.add_parser("decode", help="batch decoder vs generate() and the HBM roofline (GPU)")
     add_decode_arguments(decode)
+    encode = bsub.add_parser("encode", help="encoder images/s: one image per call vs --encode-batch (GPU)")
+    add_encode_arguments(encode)
     scale = bsub.add_parser("scale", help="throughput with 1, 2, 4 workers of a role; R1 vs R3 streams on a cluster")
     add_scale_arguments(scale)
 

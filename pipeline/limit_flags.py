@@ -26,6 +26,13 @@ _LIMITS: tuple[tuple[str, str, type, str], ...] = (
     ("audio_max_bytes", "--audio-max-bytes", int, "bytes of one audio clip"),
     ("audio_max_duration_s", "--audio-max-seconds", float, "seconds of one audio clip"),
     ("decoded_cache_bytes", "--decoded-cache-bytes", int, "decoded media an encoding worker keeps by content (0: off)"),
+    (
+        "encode_batch_items",
+        "--encode-batch",
+        int,
+        "media items one encoder call takes from requests waiting together (1: each alone, exact embeddings; "
+        "more: GPU throughput, last-bit differences)",
+    ),
 )
 
 

@@ -21,6 +21,7 @@ import torch
 
 from schemas.processed import MediaItem, MediaKind, ProcessedRequest
 from stages.contract import HopContext
+from stages.encode_batcher import EncodeBatcher
 from stages.engine import MediaEmbedding, TorchEngine
 from stages.families import Media
 from stages.media import (
@@ -57,6 +58,7 @@ class MediaEncoder:
         self.policy = policy
         self.cache = cache
         self.decoded_cache = DecodedMediaCache(policy.decoded_cache_bytes) if policy.decoded_cache_bytes else None
+        self.batcher = EncodeBatcher(engine, thread, policy.encode_batch_items)
         # What else changes the embeddings of the same bytes: the weights and their dtype.
         self._model_key = f"{engine.model_dir.resolve()}:{engine.dtype}"
 
@@ -119,7 +121,7 @@ class MediaEncoder:
     async def _encode_media(self, items: list[MediaItem], datas: list[bytes], ctx: HopContext) -> list[MediaEmbedding]:
         decoded = await asyncio.gather(*(self._decoded(m, d) for m, d in zip(items, datas, strict=True)))
         started = time.monotonic()
-        encoded = await self.thread.call(self.engine.encode, list(decoded))
+        encoded = await self.batcher.encode(list(decoded))
         ctx.trace["encode_s"] = time.monotonic() - started
         return encoded
 

@@ -41,6 +41,10 @@ def main(args: argparse.Namespace) -> int:
         from pipeline.bench.decode import main as decode_main
 
         return decode_main(args)
+    if args.bench_command == "encode":
+        from pipeline.bench.encode import main as encode_main
+
+        return encode_main(args)
     if args.bench_command == "transport":
         from pipeline.bench.transport import main as transport_main
 

@@ -30,6 +30,7 @@ from pipeline.bench.load import LoadSpec, run_load, spec_from_args, synthetic_im
 from schemas.routes import MODES
 
 BASELINE = "epd"
+HF = "transformers"  # the plain-transformers baseline row (--hf-baseline)
 READY = b"mmpipe ready"
 # The columns compared with the baseline: (summary key, statistic or None for a scalar).
 RATIOS = (("ttft_ms", "p50"), ("itl_ms", "p50"), ("e2e_ms", "p50"), ("requests_per_s", None))
@@ -96,26 +97,74 @@ def ratios(summary: dict[str, Any], baseline: dict[str, Any]) -> dict[str, float
     return out
 
 
-def compare(modes: list[str], spec: LoadSpec, transport: str, api_key: str | None = None) -> list[dict[str, Any]]:
-    """One row per mode: its load summary, and its ratios to the baseline."""
-    images = synthetic_images(spec)  # the very same bytes for every mode
+def compare(
+    modes: list[str],
+    spec: LoadSpec,
+    transport: str,
+    api_key: str | None = None,
+    concurrencies: list[int] | None = None,
+    device: str = "cpu",
+    up_args: tuple[str, ...] = (),
+    hf_baseline: bool = False,
+) -> list[dict[str, Any]]:
+    """One row per mode and concurrency: its load summary, and its ratios to
+    the baseline at the same concurrency (plain transformers with
+    ``hf_baseline``, else EPD). Each mode's stack starts once and serves every
+    concurrency; each concurrency gets images of its own (the embedding cache
+    never hits), the same for every mode."""
+    levels = concurrencies or [spec.concurrency]
+    loads = [(c, replace(spec, concurrency=c, seed=spec.seed + 1000 * i)) for i, c in enumerate(levels)]
+    images = {c: synthetic_images(s) for c, s in loads}  # the very same bytes for every mode
+    extra = ("--device", device, *up_args) if device != "cpu" else tuple(up_args)
     rows: list[dict[str, Any]] = []
+    if hf_baseline:
+        rows += _hf_rows(spec, loads, images, device)
     for mode in modes:
         print(f"mode {mode}: starting mmpipe up ...", file=sys.stderr, flush=True)
         with tempfile.TemporaryDirectory(prefix=f"mmpipe-bench-{mode}-") as tmp:
             t0 = time.monotonic()
-            with mmpipe_up(mode, spec.model, transport, Path(tmp), api_key) as url:
+            with mmpipe_up(mode, spec.model, transport, Path(tmp), api_key, extra=extra) as url:
                 ready_s = time.monotonic() - t0
                 print(f"mode {mode}: ready in {ready_s:.1f} s, running the load ...", file=sys.stderr, flush=True)
-                # `up` serves the model under its directory's (or built-in) name.
-                report = run_async(run_load(replace(spec, url=url, model=Path(spec.model).name), images))
-        summary = report.summary()
-        print(f"mode {mode}: {summary['completed']} completed, {summary['failed']} failed", file=sys.stderr, flush=True)
-        rows.append({"mode": mode, "transport": transport, "summary": summary})
-    base = next((r for r in rows if r["mode"] == BASELINE), rows[0])
+                for c, load in loads:
+                    # `up` serves the model under its directory's (or built-in) name.
+                    report = run_async(run_load(replace(load, url=url, model=Path(spec.model).name), images[c]))
+                    summary = report.summary()
+                    print(
+                        f"mode {mode} concurrency {c}: {summary['completed']} completed, {summary['failed']} failed",
+                        file=sys.stderr,
+                        flush=True,
+                    )
+                    rows.append({"mode": mode, "concurrency": c, "transport": transport, "summary": summary})
+    base_mode = HF if hf_baseline else BASELINE
     for row in rows:
+        base = next(
+            (r for r in rows if r["mode"] == base_mode and r["concurrency"] == row["concurrency"]),
+            next(r for r in rows if r["concurrency"] == row["concurrency"]),
+        )
         row["baseline"] = base["mode"]
         row["ratios"] = ratios(row["summary"], base["summary"])
+    return rows
+
+
+def _hf_rows(
+    spec: LoadSpec, loads: list[tuple[int, LoadSpec]], images: dict[int, Any], device: str
+) -> list[dict[str, Any]]:
+    """The plain-transformers baseline on the same requests, in this process."""
+    from pipeline.bench.hf_baseline import HfServer, run_hf_load
+    from stages.models import resolve_model
+
+    print("transformers: loading the model for generate() ...", file=sys.stderr, flush=True)
+    server = HfServer(resolve_model(spec.model).path, device)
+    rows = []
+    for c, load in loads:
+        summary = run_hf_load(server, load, images[c]).summary()
+        rows.append({"mode": HF, "concurrency": c, "transport": "-", "summary": summary})
+    del server
+    if device.startswith("cuda"):
+        import torch
+
+        torch.cuda.empty_cache()  # the stacks that follow need the memory
     return rows
 
 
@@ -127,11 +176,14 @@ def format_rows(rows: list[dict[str, Any]]) -> str:
     c = rows[0]["summary"]["config"]
     images = f"{c['images_per_request']}×{c['image_size']}" if c["images_per_request"] else "none"
     base = rows[0]["baseline"]
+    levels = sorted({row["concurrency"] for row in rows})
     head = (
-        f"mmpipe bench --compare-modes  transport={rows[0]['transport']}  model={c['model']}  "
-        f"concurrency={c['concurrency']}  requests={c['requests']}  max_tokens={c['max_tokens']}  images={images}"
+        f"mmpipe bench --compare-modes  transport={rows[-1]['transport']}  model={c['model']}  "
+        f"concurrency={','.join(map(str, levels))}  requests={c['requests']}  max_tokens={c['max_tokens']}  "
+        f"images={images}"
     )
-    cols = ["mode", "ok", "fail", "TTFT p50 ms", "ITL p50 ms", "E2E p50 ms", "req/s", "tok/s"]
+    cols = ["mode", "conc", "ok", "fail", "TTFT p50 ms", "TTFT p99 ms", "ITL p50 ms", "ITL p99 ms"]
+    cols += ["E2E p50 ms", "E2E p99 ms", "req/s", "tok/s"]
     cols += [f"TTFT ×{base}", f"ITL ×{base}", f"E2E ×{base}", f"req/s ×{base}"]
     table = [cols]
     for row in rows:
@@ -139,11 +191,15 @@ def format_rows(rows: list[dict[str, Any]]) -> str:
         table.append(
             [
                 row["mode"],
+                str(row["concurrency"]),
                 str(s["completed"]),
                 str(s["failed"]),
                 _num(s["ttft_ms"]["p50"], ".1f"),
+                _num(s["ttft_ms"]["p99"], ".1f"),
                 _num(s["itl_ms"]["p50"], ".1f"),
+                _num(s["itl_ms"]["p99"], ".1f"),
                 _num(s["e2e_ms"]["p50"], ".1f"),
+                _num(s["e2e_ms"]["p99"], ".1f"),
                 _num(s["requests_per_s"], ".2f"),
                 _num(s["tokens_per_s"], ".1f"),
                 _num(r["ttft_ms.p50"], ".2f"),
@@ -173,7 +229,22 @@ def main(args: argparse.Namespace) -> int:
         raise SystemExit(f"--modes: unknown {', '.join(unknown) or 'nothing'}; modes: {', '.join(sorted(MODES))}")
     spec = spec_from_args(args)
     try:
-        rows = compare(modes, spec, args.transport, args.api_key)
+        levels = [int(c) for c in args.concurrencies.split(",") if c.strip()] if args.concurrencies else None
+    except ValueError:
+        raise SystemExit(f"--concurrencies {args.concurrencies!r}: comma-separated numbers are needed") from None
+    if levels is not None and (not levels or min(levels) < 1):
+        raise SystemExit("--concurrencies: each at least 1")
+    try:
+        rows = compare(
+            modes,
+            spec,
+            args.transport,
+            args.api_key,
+            levels,
+            args.device,
+            tuple(args.up_arg),
+            args.hf_baseline,
+        )
     except RuntimeError as exc:  # a stack that did not start: its log tail says why
         print(f"mmpipe bench --compare-modes: {exc}", file=sys.stderr, flush=True)
         return 1

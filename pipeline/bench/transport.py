@@ -20,6 +20,11 @@ Why it is built this way:
   the same run, says how close the transport gets to what memory can do.
 - A small strided checksum of what the reader got is compared with the
   source, outside the timing, so a fast transfer of wrong bytes is an error.
+- ``--device cuda``: both processes hold and read VRAM of the same GPU
+  (UCX's CUDA IPC), and the yardstick is a device-to-device copy of the same
+  bytes on that GPU, timed to completion. NIXL's READ alone (without the
+  lease round trip and the copy out of the receive arena) is shown beside
+  the whole ``get``: the READ is the transfer, the rest is mmpipe's cost.
 """
 
 from __future__ import annotations
@@ -72,8 +77,9 @@ def checksum(t: torch.Tensor) -> int:
 # -- the reader, in the child process ------------------------------------------
 
 
-async def peer(url: str, namespace: str, kind: str, budget: int) -> None:
-    """Reads refs given on stdin and answers ``@@ got <seconds> <nbytes> <checksum>``."""
+async def peer(url: str, namespace: str, kind: str, budget: int, device: str = "cpu") -> None:
+    """Reads refs given on stdin and answers ``@@ got <seconds> <nbytes> <checksum> <read seconds>``
+    (the READ alone: NIXL's, else the whole get)."""
     from pipeline.connection import connect
     from pipeline.transport import TransportSettings, open_transport
     from schemas.tensors import TensorRef
@@ -82,7 +88,8 @@ async def peer(url: str, namespace: str, kind: str, budget: int) -> None:
         print(ANSWER, *parts, flush=True)
 
     nc, js = await connect(url, name="bench-reader")
-    transport = await open_transport(kind, nc, js, namespace, TransportSettings(budget_bytes=budget), "bench-reader")
+    settings = TransportSettings(budget_bytes=budget)
+    transport = await open_transport(kind, nc, js, namespace, settings, "bench-reader", device)
     answer("ready", transport.name)
     loop = asyncio.get_running_loop()
     try:
@@ -93,12 +100,13 @@ async def peer(url: str, namespace: str, kind: str, budget: int) -> None:
             ref = msgspec.convert(cmd["ref"], TensorRef)
             t0 = time.perf_counter()
             try:
-                got = await transport.get(ref)
+                got = await transport.get(ref, device)
             except Exception as exc:
                 answer("error", type(exc).__name__, str(exc).replace("\n", " "))
                 continue
             dt = time.perf_counter() - t0
-            answer("got", repr(dt), sum(t.numel() for t in got), checksum(got[0]))
+            read_s = getattr(transport, "last_read", (0, dt))[1] or dt
+            answer("got", repr(dt), sum(t.numel() for t in got), checksum(got[0]), repr(read_s))
     finally:
         await transport.close()
         await nc.close()
@@ -111,12 +119,14 @@ class Reader:
         self.proc = proc
 
     @classmethod
-    async def spawn(cls, url: str, namespace: str, kind: str, budget: int, log_level: str = "ERROR") -> Reader:
+    async def spawn(
+        cls, url: str, namespace: str, kind: str, budget: int, log_level: str = "ERROR", device: str = "cpu"
+    ) -> Reader:
         env = {**os.environ}
         env.setdefault("NIXL_LOG_LEVEL", "WARN")
         proc = await asyncio.create_subprocess_exec(
             *[sys.executable, "-m", "pipeline.bench.transport", "--peer", "--url", url, "--namespace", namespace],
-            *["--transport", kind, "--budget", str(budget), "--log-level", log_level],
+            *["--transport", kind, "--budget", str(budget), "--log-level", log_level, "--device", device],
             stdin=asyncio.subprocess.PIPE,
             stdout=asyncio.subprocess.PIPE,
             env=env,
@@ -140,14 +150,15 @@ class Reader:
                 if not line:
                     raise RuntimeError(f"the reader process exited with {await self.proc.wait()}")
                 if line.startswith(ANSWER):
-                    return line.split(maxsplit=1)[1].split(maxsplit=3)
+                    return line.split(maxsplit=1)[1].split(maxsplit=4)
 
-    async def get(self, ref: Any) -> tuple[float, int, int]:
+    async def get(self, ref: Any) -> tuple[float, int, int, float]:
+        """(seconds of the get, bytes, checksum, seconds of the READ alone)."""
         await self.send(op="get", ref=msgspec.to_builtins(ref))
         got = await self.answer()
         if got[0] != "got":
             raise RuntimeError(f"the reader failed: {' '.join(got[1:])}")
-        return float(got[1]), int(got[2]), int(got[3])
+        return float(got[1]), int(got[2]), int(got[3]), float(got[4])
 
     async def close(self) -> None:
         if self.proc.returncode is None:
@@ -164,22 +175,41 @@ class Reader:
 
 
 def memcpy_seconds(src: torch.Tensor, repeats: int) -> list[float]:
-    """``dst.copy_(src)`` on preallocated tensors, after one warm-up copy."""
+    """``dst.copy_(src)`` on preallocated tensors, after one warm-up copy; on
+    a GPU timed until the copy has finished (device to device)."""
     dst = torch.empty_like(src)
     dst.copy_(src)
+    cuda = src.device.type == "cuda"
     times = []
     for _ in range(repeats):
+        if cuda:
+            torch.cuda.synchronize(src.device)
         t0 = time.perf_counter()
         dst.copy_(src)
+        if cuda:
+            torch.cuda.synchronize(src.device)
         times.append(time.perf_counter() - t0)
     return times
 
 
-def row_summary(kind: str, nbytes: int, gets: list[float], puts: list[float], copies: list[float]) -> dict[str, Any]:
+def row_summary(
+    kind: str,
+    nbytes: int,
+    gets: list[float],
+    puts: list[float],
+    copies: list[float],
+    reads: list[float] | None = None,
+    device: str = "cpu",
+) -> dict[str, Any]:
     get_p50, copy_p50 = statistics.median(gets), statistics.median(copies)
+    read_p50 = statistics.median(reads or gets)
     gbps = nbytes / get_p50 / 1e9
     memcpy_gbps = nbytes / copy_p50 / 1e9
     return {
+        "device": device,
+        "read_p50_ms": read_p50 * 1000,
+        "read_gbps_p50": nbytes / read_p50 / 1e9,
+        "read_ratio": nbytes / read_p50 / 1e9 / memcpy_gbps,
         "transport": kind,
         "bytes": nbytes,
         "repeats": len(gets),
@@ -194,7 +224,7 @@ def row_summary(kind: str, nbytes: int, gets: list[float], puts: list[float], co
 
 
 async def bench_kind(
-    url: str, kind: str, sizes: list[int], repeats: int, log_level: str = "ERROR"
+    url: str, kind: str, sizes: list[int], repeats: int, log_level: str = "ERROR", device: str = "cpu"
 ) -> list[dict[str, Any]]:
     from pipeline.connection import connect
     from pipeline.transport import TransportSettings, open_transport
@@ -205,27 +235,31 @@ async def bench_kind(
     nc, js = await connect(url, name="bench-holder")
     rows: list[dict[str, Any]] = []
     try:
-        holder = await open_transport(kind, nc, js, namespace, TransportSettings(budget_bytes=budget), "bench-holder")
+        settings = TransportSettings(budget_bytes=budget)
+        holder = await open_transport(kind, nc, js, namespace, settings, "bench-holder", device)
         reader: Reader | None = None
         try:
-            reader = await Reader.spawn(url, namespace, kind, budget, log_level)
+            reader = await Reader.spawn(url, namespace, kind, budget, log_level, device)
             g = torch.Generator().manual_seed(0)
             for size in sizes:
-                src = torch.randint(0, 256, (size,), dtype=torch.uint8, generator=g)
+                src = torch.randint(0, 256, (size,), dtype=torch.uint8, generator=g).to(device)
                 want = checksum(src)
                 gets: list[float] = []
                 puts: list[float] = []
+                reads: list[float] = []
                 for i in range(repeats + 1):  # the first is the warm-up
                     t0 = time.perf_counter()
                     ref = await holder.put([src], owner=f"bench-{size}-{i}")
                     put_s = time.perf_counter() - t0
-                    get_s, got_bytes, got_sum = await reader.get(ref)
+                    get_s, got_bytes, got_sum, read_s = await reader.get(ref)
                     if got_bytes != size or got_sum != want:
                         raise RuntimeError(f"{kind}: the reader got {got_bytes} bytes with the wrong checksum")
                     if i:
                         gets.append(get_s)
                         puts.append(put_s)
-                rows.append(row_summary(kind, size, gets, puts, memcpy_seconds(src, repeats)))
+                        reads.append(read_s)
+                copies = memcpy_seconds(src, repeats)
+                rows.append(row_summary(kind, size, gets, puts, copies, reads, device))
         finally:
             if reader is not None:
                 await reader.close()
@@ -236,7 +270,12 @@ async def bench_kind(
 
 
 async def bench_transports(
-    kinds: list[str], sizes: list[int], repeats: int, nats_url: str | None = None, log_level: str = "ERROR"
+    kinds: list[str],
+    sizes: list[int],
+    repeats: int,
+    nats_url: str | None = None,
+    log_level: str = "ERROR",
+    device: str = "cpu",
 ) -> list[dict[str, Any]]:
     """Every transport of ``kinds`` at every size; a nats-server of its own unless ``nats_url``."""
     from pipeline.nats_server import NatsServer, NatsServerConfig
@@ -250,7 +289,7 @@ async def bench_transports(
         try:
             rows: list[dict[str, Any]] = []
             for kind in kinds:
-                rows += await bench_kind(nats_url, kind, sizes, repeats, log_level)
+                rows += await bench_kind(nats_url, kind, sizes, repeats, log_level, device)
             return rows
         finally:
             if server is not None:
@@ -259,12 +298,14 @@ async def bench_transports(
 
 def format_rows(rows: list[dict[str, Any]]) -> str:
     threads = torch.get_num_threads()
+    device = rows[0].get("device", "cpu")
+    where = f"on {torch.cuda.get_device_name(device)}, VRAM" if device.startswith("cuda") else f"{threads} threads"
     head = (
         f"mmpipe bench transport  holder and reader in two processes; torch {torch.__version__} "
-        f"({threads} threads); median and best of {rows[0]['repeats']} after 1 warm-up; GB = 10^9 B"
+        f"({where}); median and best of {rows[0]['repeats']} after 1 warm-up; GB = 10^9 B"
     )
     cols = ["transport", "size", "get p50 ms", "get best ms", "GB/s p50", "GB/s best", "put p50 ms"]
-    cols += ["memcpy GB/s", "ratio"]
+    cols += ["memcpy GB/s", "ratio", "READ p50 ms", "READ ratio"]
     table = [cols]
     for r in rows:
         table.append(
@@ -278,6 +319,8 @@ def format_rows(rows: list[dict[str, Any]]) -> str:
                 f"{r['put_p50_ms']:.3f}",
                 f"{r['memcpy_gbps']:.2f}",
                 f"{r['ratio']:.3f}",
+                f"{r['read_p50_ms']:.3f}",
+                f"{r['read_ratio']:.3f}",
             ]
         )
     widths = [max(len(line[i]) for line in table) for i in range(len(cols))]
@@ -286,6 +329,7 @@ def format_rows(rows: list[dict[str, Any]]) -> str:
         cells = [c.ljust(w) if i < 2 else c.rjust(w) for i, (c, w) in enumerate(zip(line, widths, strict=True))]
         lines.append("  ".join(cells))
     lines += ["", "ratio = GB/s p50 of the transfer / GB/s of dst.copy_(src) on the same bytes in this process"]
+    lines += ["READ = NIXL's one-sided READ alone (the nats transport: the whole get)"]
     return "\n".join(lines)
 
 
@@ -299,7 +343,10 @@ def main(args: argparse.Namespace) -> int:
     kinds = [k.strip() for k in args.transports.split(",") if k.strip()]
     if not sizes or not kinds or any(k not in ("nixl", "nats") for k in kinds) or args.repeats < 1:
         raise SystemExit("mmpipe bench transport: --sizes, --transports (nixl, nats) and --repeats >= 1 are needed")
-    rows = run_async(bench_transports(kinds, sizes, args.repeats, args.nats_url, args.log_level))
+    device = getattr(args, "device", "cpu")
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise SystemExit("mmpipe bench transport --device cuda: no CUDA device here")
+    rows = run_async(bench_transports(kinds, sizes, args.repeats, args.nats_url, args.log_level, device))
     print(json.dumps(rows, indent=2) if args.json else format_rows(rows), flush=True)
     return 0
 
@@ -314,11 +361,12 @@ def _peer_main() -> None:
     p.add_argument("--transport", required=True)
     p.add_argument("--budget", type=int, required=True)
     p.add_argument("--log-level", default="ERROR")
+    p.add_argument("--device", default="cpu")
     args = p.parse_args()
     mm_logging.configure(args.log_level)
     from pipeline.bench import run_async
 
-    run_async(peer(args.url, args.namespace, args.transport, args.budget))
+    run_async(peer(args.url, args.namespace, args.transport, args.budget, args.device))
 
 
 if __name__ == "__main__":

@@ -102,6 +102,9 @@ class NixlTransport:
         safe_role = "".join(c if c.isalnum() or c in "-_" else "_" for c in role)
         self.agent_name = f"{safe_role}-{uuid.uuid4().hex[:12]}"
         self.last_transfer: tuple[int, float] = (0, 0.0)
+        # The last remote READ alone (bytes, seconds): what UCX took, without
+        # the lease round trip and the copy out of the receive arena.
+        self.last_read: tuple[int, float] = (0, 0.0)
         # Loads NIXL: raises TransportUnavailable when it is not installed.
         self._agent = Agent(self.agent_name, self.device, progress_thread=self.settings.progress_thread)
         self._arena = torch.empty(0, dtype=torch.uint8)
@@ -323,7 +326,9 @@ class NixlTransport:
                 raise
             remote.inflight += 1
             try:
+                t0 = time.monotonic()
                 await self._read(ref, offset, n, lease, min(deadline, trusted_until))
+                self.last_read = (n, time.monotonic() - t0)
             except TensorGone:
                 remote.stale = True
                 raise

@@ -154,13 +154,15 @@ def reference_generate(
     max_new_tokens: int,
     min_new_tokens: int | None = None,
     model: Any = None,
+    streamer: Any = None,
 ) -> list[int]:
     """Greedy new tokens of ``generate()``.
 
     prompt_token_ids holds one placeholder per media item, in the order of
     ``media`` (PIL images, sampled videos, decoded audio). min_new_tokens
     defaults to max_new_tokens (random weights may emit EOS early). Pass an
-    already loaded `model` (from load_reference_model) to skip loading.
+    already loaded `model` (from load_reference_model) to skip loading;
+    ``streamer`` is generate()'s (put() gets the prompt, then each new token).
     """
     model = model if model is not None else load_reference_model(model_dir)
     config = model.config
@@ -196,6 +198,7 @@ def reference_generate(
             do_sample=False,
             max_new_tokens=max_new_tokens,
             min_new_tokens=max_new_tokens if min_new_tokens is None else min_new_tokens,
+            streamer=streamer,
             **kwargs,
         )
     return [int(t) for t in out[0, input_ids.shape[1] :].tolist()]

@@ -81,6 +81,10 @@ class MediaPolicy:
     # (stages.media.decoded), so media seen again skip decoding; 0 turns it off.
     decoded_cache_bytes: int = 256 * MiB
 
+    # Media items one encoder call may take from several requests waiting together
+    # (stages.encode_batcher). 1: each request alone, generate()'s exact embeddings.
+    encode_batch_items: int = 1
+
     def __post_init__(self) -> None:
         for name in (
             "max_bytes",
@@ -90,6 +94,7 @@ class MediaPolicy:
             "video_max_pixels",
             "video_max_source_pixels",
             "audio_max_bytes",
+            "encode_batch_items",
         ):
             if getattr(self, name) <= 0:
                 raise ValueError(f"MediaPolicy.{name} must be positive")

@@ -63,3 +63,55 @@ def test_bench_transport_command_reports_both_transports() -> None:
         assert r["ratio"] == pytest.approx(r["gbps_p50"] / r["memcpy_gbps"])
     table = format_rows(rows)
     assert "nixl" in table and "nats" in table and "ratio" in table
+
+
+@pytest.mark.e2e
+def test_bench_transport_shows_the_nixl_read_alone() -> None:
+    cmd = [sys.executable, "-m", "pipeline.cli", "bench", "transport", "--sizes", "4MB", "--repeats", "3"]
+    done = subprocess.run(
+        [*cmd, "--transports", "nixl", "--json"], cwd=REPO, capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    (row,) = json.loads(done.stdout)
+    assert row["device"] == "cpu"
+    # The READ is part of the get: it cannot take longer than the whole get.
+    assert 0 < row["read_p50_ms"] <= row["get_p50_ms"]
+    assert row["read_ratio"] == pytest.approx(row["read_gbps_p50"] / row["memcpy_gbps"])
+    assert "READ ratio" in format_rows([row])
+
+
+def test_plain_transformers_baseline_queues_one_request_at_a_time(tiny_model_dir: Path) -> None:
+    from pipeline.bench.hf_baseline import HfServer, run_hf_load
+    from pipeline.bench.modes import HF, ratios
+    from pipeline.bench.modes import format_rows as format_modes
+
+    spec = LoadSpec(model=str(tiny_model_dir), concurrency=3, requests=4, max_tokens=5, image_size=(56, 56))
+    server = HfServer(tiny_model_dir, "cpu")
+    report = run_hf_load(server, spec, synthetic_images(spec))
+    assert [(r.ok, r.tokens, len(r.itl_s)) for r in report.results] == [(True, 5, 4)] * 4
+    first, second = report.results[0], report.results[1]
+    # The second client sent at 0 too, and waited for the whole first request.
+    assert second.ttft_s is not None and second.ttft_s > first.e2e_s
+    # Always a request queued: the server never idles, the last one ends the run.
+    assert report.wall_s >= max(r.e2e_s for r in report.results)
+    summary = report.summary()
+    row = {"mode": HF, "concurrency": 3, "transport": "-", "summary": summary, "baseline": HF}
+    row["ratios"] = ratios(summary, summary)
+    assert row["ratios"]["ttft_ms.p50"] == pytest.approx(1.0)
+    table = format_modes([row])
+    assert "transformers" in table and "TTFT p99 ms" in table
+
+
+def test_bench_encode_batches_requests_into_one_call(tiny_model_dir: Path) -> None:
+    import argparse
+
+    from pipeline.bench.encode import add_arguments, format_result, run
+
+    p = argparse.ArgumentParser()
+    add_arguments(p)
+    args = p.parse_args(["--model", str(tiny_model_dir), "--images", "3", "--image-size", "56x56", "--repeats", "1"])
+    result = run(args)
+    assert result["device"] == "cpu" and result["images"] == 3 and result["tokens_per_image"] == 4
+    assert result["mmpipe_calls_per_batch"] == 1.0  # three requests, one tower call
+    assert result["mmpipe_one_ms"] > 0 and result["mmpipe_batch_ms"] > 0 and result["hf_batch_ms"] > 0
+    assert "per-image" in format_result(result)
