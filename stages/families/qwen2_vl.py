@@ -18,7 +18,9 @@ except that frames are resized by PIL's bicubic filter, not torchvision's.
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -79,6 +81,16 @@ def video_frame_patches(
     return grouped.reshape(f // tp * n, channels * tp * area), (f // tp, gh, gw)
 
 
+_POOL: ThreadPoolExecutor | None = None
+
+
+def _preprocess_pool() -> ThreadPoolExecutor:
+    global _POOL
+    if _POOL is None:
+        _POOL = ThreadPoolExecutor(max_workers=min(8, os.cpu_count() or 1), thread_name_prefix="preprocess")
+    return _POOL
+
+
 class Qwen2VLFamily(LanguageModelFamily):
     name: ClassVar[str] = "qwen2_vl"
     architectures: ClassVar[tuple[str, ...]] = ("Qwen2VLForConditionalGeneration",)
@@ -103,9 +115,18 @@ class Qwen2VLFamily(LanguageModelFamily):
     # -- media --------------------------------------------------------------
 
     def preprocess(self, images: list[Image.Image]) -> tuple[torch.Tensor, torch.Tensor]:
-        """pixel_values [patches, C*T*P*P] (float32) and image_grid_thw [n, 3]."""
-        out = self.image_processor(images=images, return_tensors="pt")
-        return out["pixel_values"], out["image_grid_thw"]
+        """pixel_values [patches, C*T*P*P] (float32) and image_grid_thw [n, 3].
+
+        The processor treats each image on its own (resize, normalise,
+        patchify) and concatenates: several images are processed on threads
+        (PIL and numpy release the GIL), which gives the same tensors. On a
+        GPU this CPU work is most of a small image's encode; serial, it would
+        eat the gain of encoding several requests' images in one call."""
+        if len(images) == 1:
+            out = self.image_processor(images=images, return_tensors="pt")
+            return out["pixel_values"], out["image_grid_thw"]
+        outs = list(_preprocess_pool().map(lambda im: self.image_processor(images=[im], return_tensors="pt"), images))
+        return torch.cat([o["pixel_values"] for o in outs]), torch.cat([o["image_grid_thw"] for o in outs])
 
     def num_image_tokens(self, grid: Grid) -> int:
         t, h, w = grid

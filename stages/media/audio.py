@@ -26,7 +26,6 @@ import math
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Final
 
-import av
 import numpy as np
 import soundfile as sf
 import soxr
@@ -179,6 +178,8 @@ def _decode_soundfile(data: bytes, fmt: str, policy: MediaPolicy) -> tuple[np.nd
 
 
 def _decode_av(data: bytes, fmt: str, policy: MediaPolicy) -> tuple[np.ndarray, int]:
+    import av
+
     demuxer = _FORMATS[fmt][2]
     with av.open(io.BytesIO(data), mode="r", format=demuxer, metadata_errors="ignore") as container:
         if not container.streams.audio:
@@ -203,6 +204,9 @@ def _decode_av(data: bytes, fmt: str, policy: MediaPolicy) -> tuple[np.ndarray, 
 
 def _decode_native(data: bytes, fmt: str, policy: MediaPolicy) -> tuple[np.ndarray, int]:
     """Mono float32 samples at the file's own rate."""
+    # PyAV (FFmpeg) only where audio is decoded (see stages.media.video).
+    import av
+
     name, sf_format, _ = _FORMATS[fmt]
     try:
         if sf_format not in _SF_FORMATS:

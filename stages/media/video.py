@@ -26,7 +26,6 @@ import math
 from array import array
 from typing import TYPE_CHECKING
 
-import av
 import numpy as np
 from PIL import Image
 
@@ -254,6 +253,8 @@ def _fit(width: int, height: int, max_pixels: int) -> tuple[int, int]:
 
 
 def _open(data: bytes, demuxer: str) -> InputContainer:
+    import av
+
     # format= forces the demuxer: FFmpeg never probes, so never picks hls, concat or image2.
     return av.open(io.BytesIO(data), mode="r", format=demuxer, metadata_errors="ignore")
 
@@ -279,6 +280,8 @@ def _header_duration(container: InputContainer, stream: VideoStream) -> float | 
     if stream.duration and stream.time_base:
         return float(stream.duration * stream.time_base)
     if container.duration:
+        import av
+
         return container.duration / av.time_base
     return None
 
@@ -444,6 +447,10 @@ def decode_video(data: bytes, policy: MediaPolicy, options: VideoOptions | None 
     for corrupt or truncated video, TooLarge over the policy's byte, duration, frame or pixel caps.
     Frames over ``video_max_pixels`` are scaled down, aspect kept.
     """
+    # PyAV (FFmpeg) is imported where video is decoded, not by every process
+    # that imports stages.media: the bridge, the processor, image-only workers.
+    import av
+
     options = options if options is not None else VideoOptions()
     limit = _frame_limit(options, policy)
     if len(data) > policy.video_max_bytes:

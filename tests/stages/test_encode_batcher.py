@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -102,3 +103,11 @@ async def test_a_cancelled_request_leaves_the_others(engine: TorchEngine, thread
 def test_at_least_one_item_per_call(engine: TorchEngine, thread: EngineThread) -> None:
     with pytest.raises(ValueError, match="at least 1"):
         EncodeBatcher(engine, thread, max_items=0)
+
+
+def test_images_preprocessed_on_threads_equal_the_processors_batch(engine: TorchEngine) -> None:
+    family: Any = engine.family
+    images = [_image(20 + i, (40 + 8 * i, 60)) for i in range(4)]
+    want = family.image_processor(images=images, return_tensors="pt")
+    pixels, grid = family.preprocess(images)
+    assert torch.equal(pixels, want["pixel_values"]) and torch.equal(grid, want["image_grid_thw"])
