@@ -148,7 +148,9 @@ class TorchEngine:
             raise InvalidMedia(f"precomputed embeddings: {exc}") from None
         if not bool(torch.isfinite(embeddings).all()):
             raise InvalidMedia("precomputed embeddings hold NaN or infinite values")
-        return MediaEmbedding(embeddings.to(self.dtype), checked, MediaKind.IMAGE)
+        # On this engine's device, as encode()'s are: a prompt mixing both
+        # kinds concatenates them.
+        return MediaEmbedding(embeddings.to(self.device, self.dtype), checked, MediaKind.IMAGE)
 
     # -- generation ---------------------------------------------------------
 

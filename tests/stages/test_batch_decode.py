@@ -1,7 +1,8 @@
 """The batch decoder: sequences that join and leave between steps, of
 different lengths, with and without images, give exactly the tokens of the
 per-sequence path (itself equal to generate()); what does not fit a slot
-falls back to that path."""
+falls back to that path. On --engine-device cuda the decoder replays CUDA
+graphs and its fused step is compiled."""
 
 from __future__ import annotations
 
@@ -10,12 +11,13 @@ from typing import Any
 
 import numpy as np
 import pytest
+import torch
 from PIL import Image
 
 from stages.engine import DecodeSettings, SamplingConfig, TorchEngine
 from stages.engine.reference import load_reference_model, reference_generate
 from stages.models import builtin_path
-from tests.stages.engine_helpers import chat_prompt
+from tests.stages.engine_helpers import chat_prompt, engine_on
 
 N = 16
 
@@ -25,15 +27,19 @@ N = 16
     params=[(m, fused) for m in ("tiny-qwen2-vl", "tiny-llava", "tiny-qwen2-audio") for fused in (False, True)],
     ids=lambda p: f"{p[0]}-{'fused' if p[1] else 'modules'}",
 )
-def engines(request: pytest.FixtureRequest, mmpipe_home: Path) -> tuple[str, TorchEngine, TorchEngine]:
+def engines(
+    request: pytest.FixtureRequest, mmpipe_home: Path, engine_device: str
+) -> tuple[str, TorchEngine, TorchEngine]:
     """A batch decoder on the model's modules (the CPU default), or on the
-    fused layer step (the GPU default, run eagerly here), and an engine
-    without one (each sequence on its own)."""
+    fused layer step (the GPU default; eager on the CPU, compiled on CUDA),
+    in CUDA graphs on CUDA, and an engine without one (each sequence on
+    its own)."""
     name, fused = request.param
     model_dir = builtin_path(name)
-    batched = TorchEngine(model_dir, decode=DecodeSettings(slots=4, max_len=512, fused=fused))
+    batched = engine_on(engine_device, model_dir, DecodeSettings(slots=4, max_len=512, fused=fused))
     assert batched.decoder is not None and (batched.decoder.fused is not None) == fused
-    alone = TorchEngine(model_dir, decode=DecodeSettings(batched=False))
+    assert batched.decoder.use_graphs == (torch.device(engine_device).type == "cuda")
+    alone = engine_on(engine_device, model_dir, DecodeSettings(batched=False))
     assert batched.decoder is not None and alone.decoder is None
     return name, batched, alone
 
@@ -91,11 +97,12 @@ def test_joining_and_leaving_gives_the_tokens_of_one_at_a_time(engines: Any, tem
     assert batched._slots == []
 
 
-def test_batched_decode_equals_generate(engines: Any) -> None:
+def test_batched_decode_equals_generate(engines: Any, engine_device: str) -> None:
     name, batched, _ = engines
     model_dir = builtin_path(name)
     prompt, _ = _prompts(batched, name)[3]
-    expected = reference_generate(model_dir, prompt, [], N, model=load_reference_model(model_dir))
+    reference = load_reference_model(model_dir, device=engine_device)
+    expected = reference_generate(model_dir, prompt, [], N, model=reference)
     assert _alone(batched, prompt, [], SamplingConfig(temperature=0.0, max_tokens=N, min_tokens=N)) == expected
 
 

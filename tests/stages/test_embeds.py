@@ -25,13 +25,13 @@ from schemas.request import (
     TextPart,
 )
 from stages.contract import HopContext
-from stages.engine import TorchEngine
-from stages.engine.reference import reference_generate
+from stages.engine.reference import load_reference_model, reference_generate
 from stages.hop import HopStage
 from stages.models import builtin_path, resolve_model
 from stages.models.traits import load_traits
 from stages.processor import Processor
 from tests.e2e.conftest import gradient, png_data_url
+from tests.stages.engine_helpers import engine_on
 
 N = 8
 
@@ -46,8 +46,8 @@ def name(request: pytest.FixtureRequest, mmpipe_home: Path) -> str:
 
 
 @pytest.fixture
-async def stage(name: str) -> AsyncIterator[HopStage]:
-    s = HopStage("encode+prefill+decode", TorchEngine(builtin_path(name)), name)
+async def stage(name: str, engine_device: str) -> AsyncIterator[HopStage]:
+    s = HopStage("encode+prefill+decode", engine_on(engine_device, builtin_path(name)), name)
     await s.start()
     yield s
     await s.close()
@@ -64,13 +64,16 @@ async def tokens(stage: HopStage, processor: Processor, req: GenerateRequest) ->
     return [t async for c in stage.run(processed, HopContext()) for t in c.token_ids]  # type: ignore[union-attr]
 
 
-async def test_embeddings_from_the_models_encoder_equal_generate_on_the_image(name: str, stage: HopStage) -> None:
+async def test_embeddings_from_the_models_encoder_equal_generate_on_the_image(
+    name: str, stage: HopStage, engine_device: str
+) -> None:
     processor = Processor(load_traits(resolve_model(name, "m")))
     image = gradient(64, 48, 1)
     [encoded] = stage.engine.encode([image])
     url = payload({"embeddings": encoded.embeddings, "grid": torch.tensor(encoded.grid_thw)})
     prompt = processor.process(request(ImagePart(ImageURL(png_data_url(image))))).prompt_token_ids
-    expected = reference_generate(builtin_path(name), prompt, [image], N)
+    reference = load_reference_model(builtin_path(name), device=engine_device)
+    expected = reference_generate(builtin_path(name), prompt, [image], N, model=reference)
     assert await tokens(stage, processor, request(ImageEmbedsPart(ImageEmbeds(url)))) == expected
     # Mixed with an image sent as pixels: both reach the model.
     mixed = request(ImageEmbedsPart(ImageEmbeds(url)), ImagePart(ImageURL(png_data_url(gradient(30, 40, 2)))))

@@ -1,7 +1,8 @@
 """TorchEngine on tiny-qwen2-vl: greedy tokens equal transformers generate() exactly.
 
-Uses tests/conftest.py's session fixtures mmpipe_home (a temporary MMPIPE_HOME)
-and tiny_model_dir (the built-in, built there once).
+Uses tests/conftest.py's session fixtures mmpipe_home (a temporary MMPIPE_HOME),
+tiny_model_dir (the built-in, built there once) and engine_device (the engine
+and the reference on --engine-device; cpu by default).
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from stages.engine.reference import load_reference_model, reference_generate
 from stages.engine.sampling import SamplingConfig, select_token, token_seed
 from stages.engine.torch_engine import KvState, TorchEngine
 from stages.families import MediaEmbedding
-from tests.stages.engine_helpers import decode, greedy
+from tests.stages.engine_helpers import decode, engine_on, greedy
 
 N_NEW = 24
 
@@ -33,13 +34,13 @@ def model_dir(tiny_model_dir: Path) -> Path:
 
 
 @pytest.fixture(scope="session")
-def engine(model_dir: Path) -> TorchEngine:
-    return TorchEngine(model_dir)
+def engine(model_dir: Path, engine_device: str) -> TorchEngine:
+    return engine_on(engine_device, model_dir)
 
 
 @pytest.fixture(scope="session")
-def ref_model(model_dir: Path) -> Any:
-    return load_reference_model(model_dir)
+def ref_model(model_dir: Path, engine_device: str) -> Any:
+    return load_reference_model(model_dir, device=engine_device)
 
 
 @pytest.fixture(scope="session")
@@ -218,9 +219,9 @@ def test_stop_tokens(engine: TorchEngine, cases: dict[int, Any]) -> None:
 
 
 @pytest.fixture(scope="session")
-def decode_engine(model_dir: Path) -> TorchEngine:
+def decode_engine(model_dir: Path, engine_device: str) -> TorchEngine:
     # A second instance: what a decode worker in another process holds.
-    return TorchEngine(model_dir)
+    return engine_on(engine_device, model_dir)
 
 
 @pytest.mark.parametrize("n_images", [0, 2])

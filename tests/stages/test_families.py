@@ -14,17 +14,20 @@ from schemas.processed import MediaKind
 from stages.engine.reference import load_reference_model, reference_generate
 from stages.engine.torch_engine import TorchEngine
 from stages.models import builtin_path
-from tests.stages.engine_helpers import chat_prompt, decode, greedy
+from tests.stages.engine_helpers import chat_prompt, decode, engine_on, greedy
 
 N_NEW = 12
 FAMILIES = {"tiny-qwen2.5-vl": "qwen2_5_vl", "tiny-llava": "llava"}
 
 
 @pytest.fixture(scope="module", params=list(FAMILIES))
-def loaded(request: pytest.FixtureRequest, mmpipe_home: Path) -> tuple[Path, TorchEngine, TorchEngine, Any]:
+def loaded(
+    request: pytest.FixtureRequest, mmpipe_home: Path, engine_device: str
+) -> tuple[Path, TorchEngine, TorchEngine, Any]:
     model_dir = builtin_path(request.param)
     # Two engines: what a prefill and a decode worker each hold.
-    return model_dir, TorchEngine(model_dir), TorchEngine(model_dir), load_reference_model(model_dir)
+    engine, other = engine_on(engine_device, model_dir), engine_on(engine_device, model_dir)
+    return model_dir, engine, other, load_reference_model(model_dir, device=engine_device)
 
 
 def _images() -> list[Image.Image]:

@@ -20,7 +20,7 @@ from stages.engine.torch_engine import TorchEngine
 from stages.families import Media
 from stages.media import MediaPolicy, VideoOptions, decode_audio, decode_video
 from stages.models import builtin_path
-from tests.stages.engine_helpers import chat_prompt, decode, greedy
+from tests.stages.engine_helpers import chat_prompt, decode, engine_on, greedy
 from tests.stages.test_media_av import encode_audio, encode_video
 
 N_NEW = 10
@@ -56,9 +56,12 @@ def image(seed: int) -> Image.Image:
 @pytest.fixture(
     scope="module", params=["tiny-qwen2-vl", "tiny-qwen2.5-vl", "tiny-llava-next-video", "tiny-qwen2-audio"]
 )
-def loaded(request: pytest.FixtureRequest, mmpipe_home: Path) -> tuple[str, Path, TorchEngine, TorchEngine, Any]:
+def loaded(
+    request: pytest.FixtureRequest, mmpipe_home: Path, engine_device: str
+) -> tuple[str, Path, TorchEngine, TorchEngine, Any]:
     model_dir = builtin_path(request.param)
-    return request.param, model_dir, TorchEngine(model_dir), TorchEngine(model_dir), load_reference_model(model_dir)
+    engine, other = engine_on(engine_device, model_dir), engine_on(engine_device, model_dir)
+    return request.param, model_dir, engine, other, load_reference_model(model_dir, device=engine_device)
 
 
 def _cases(name: str, engine: TorchEngine) -> dict[str, list[Media]]:
@@ -115,7 +118,8 @@ def test_video_positions_equal_transformers_rope_index(
     mmpipe_home: Path, name: str, frames: int, options: dict[str, Any]
 ) -> None:
     """Long videos (more temporal steps than the grid is wide) and sampling
-    rates whose grid steps are fractions of a second, image beside them."""
+    rates whose grid steps are fractions of a second, image beside them.
+    Index arithmetic: on the CPU whatever --engine-device says."""
     model_dir = builtin_path(name)
     engine = TorchEngine(model_dir)
     ref_model = load_reference_model(model_dir)
