@@ -141,6 +141,11 @@ def compare(
                         flush=True,
                     )
                     rows.append({"mode": mode, "concurrency": c, "transport": transport, "summary": summary})
+                    if summary["failed"]:
+                        # The stack's own log says why; its folder goes when the mode ends.
+                        print(
+                            f"mode {mode}: mmpipe up's log ends\n{_tail(Path(tmp) / 'up.log', 6000)}", file=sys.stderr
+                        )
     base_mode = HF if hf_baseline else BASELINE
     for row in rows:
         base = next(

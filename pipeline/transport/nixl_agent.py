@@ -53,6 +53,17 @@ def load_nixl() -> ModuleType:
     )
 
 
+def _ucx_defaults(device: torch.device) -> None:
+    """UCX settings for VRAM, unless the user set them. UCX turns CUDA IPC's
+    GET off on a GPU without active NVLink (one GPU of a host, PCIe cards),
+    and a READ of VRAM then falls back to TCP through host memory: 0.47 GB/s
+    for 1 GB on an H100, against 1,470 GB/s for a device-to-device copy.
+    mmpipe's transfers are READs, so GET over CUDA IPC is turned back on
+    (as NIXL's later releases do)."""
+    if device.type == "cuda":
+        os.environ.setdefault("UCX_CUDA_IPC_ENABLE_GET_ZCOPY", "y")
+
+
 def _bind_thread(device: torch.device) -> None:
     """UCX moves VRAM with the CUDA driver API, which needs the device's
     context current on the calling thread: make it so on the NIXL thread."""
@@ -74,6 +85,7 @@ class ReadOutcome:
 class Agent:
     def __init__(self, name: str, device: torch.device, *, progress_thread: bool) -> None:
         self.name = name
+        _ucx_defaults(device)
         self._api = load_nixl()
         self._progress_thread = progress_thread
         self._thread = ThreadPoolExecutor(
