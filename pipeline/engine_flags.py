@@ -8,7 +8,16 @@ from pathlib import Path
 from typing import Any
 
 from schemas.routes import MODES
-from stages.vllm_engine.args import VLLM_ROLES, engine_arg_flags, engine_args
+from stages.vllm_engine.args import (
+    KV_CONNECTORS,
+    KV_CONSUMER_ROLES,
+    KV_PRODUCER_ROLES,
+    VLLM_ROLES,
+    KvConnectorSettings,
+    engine_arg_flags,
+    engine_args,
+    kv_connector_flags,
+)
 
 ENGINES = ("torch", "vllm")
 
@@ -31,6 +40,27 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
     group.add_argument(
         "--vllm-args-file", type=Path, default=None, help="a JSON object of vLLM engine arguments (flags win)"
     )
+    group.add_argument(
+        "--vllm-kv-connector",
+        choices=KV_CONNECTORS,
+        default="example",
+        help="how vLLM's prefill hands the KV cache to vLLM's decode: example (ExampleConnector, files in "
+        "--vllm-kv-path, one host or a shared volume) or nixl (NixlConnector; needs nixl). "
+        "--vllm-arg kv_transfer_config=... overrides",
+    )
+    group.add_argument(
+        "--vllm-kv-path",
+        default="",
+        help="ExampleConnector's folder, the same for prefill and decode workers "
+        "(default: mmpipe up's <data-dir>/vllm-kv, a worker's <tmp>/mmpipe-vllm-kv)",
+    )
+    group.add_argument(
+        "--vllm-kv-port",
+        type=int,
+        default=0,
+        help="NixlConnector's side-channel port of this worker (0: a free one; mmpipe up always uses 0). "
+        "Other hosts reach it at VLLM_NIXL_SIDE_CHANNEL_HOST (set it to this host's address)",
+    )
 
 
 def vllm_args(args: argparse.Namespace) -> dict[str, Any]:
@@ -38,6 +68,10 @@ def vllm_args(args: argparse.Namespace) -> dict[str, Any]:
         return engine_args(args.vllm_arg, args.vllm_args_file)
     except ValueError as exc:
         raise SystemExit(f"mmpipe: {exc}") from None
+
+
+def vllm_kv_settings(args: argparse.Namespace) -> KvConnectorSettings:
+    return KvConnectorSettings(args.vllm_kv_connector, args.vllm_kv_path, args.vllm_kv_port)
 
 
 def check_mode(engine: str, mode: str) -> None:
@@ -49,13 +83,17 @@ def check_mode(engine: str, mode: str) -> None:
     if other:
         raise SystemExit(
             f"mmpipe: --engine vllm serves the modes whose hops are encode or {' / '.join(VLLM_ROLES)} "
-            f"(epd, e-pd) so far; {mode} has {', '.join(other)}"
+            f"(epd, e-pd, e-p-d, ep-d) so far; {mode} has {', '.join(other)}"
         )
 
 
-def engine_flag_args(role: str, engine: str, args: dict[str, Any]) -> list[str]:
+def engine_flag_args(role: str, engine: str, args: dict[str, Any], kv: KvConnectorSettings | None = None) -> list[str]:
     """The flags that give a child worker of ``role`` its engine: vLLM's
-    roles get --engine vllm and its arguments, the others the built-in one."""
+    roles get --engine vllm and its arguments (and a role on either side of
+    the KV hand-off its connector), the others the built-in one."""
     if engine != "vllm" or role not in VLLM_ROLES:
         return []
-    return ["--engine", "vllm", *engine_arg_flags(args)]
+    out = ["--engine", "vllm", *engine_arg_flags(args)]
+    if kv is not None and role in KV_PRODUCER_ROLES + KV_CONSUMER_ROLES:
+        out += kv_connector_flags(kv)
+    return out

@@ -4,6 +4,7 @@ worker its own OS process, stopped together."""
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import signal
 import subprocess
 import sys
@@ -18,7 +19,7 @@ import structlog
 from pipeline.auth import NatsAuth
 from pipeline.bridge.app import BridgeSettings
 from pipeline.config import PipelineConfig
-from pipeline.engine_flags import check_mode, engine_flag_args, vllm_args
+from pipeline.engine_flags import check_mode, engine_flag_args, vllm_args, vllm_kv_settings
 from pipeline.limit_flags import media_flag_args, media_policy, processor_limit_args, processor_limits
 from pipeline.nats_server import NatsServer, NatsServerConfig
 from schemas.routes import MODES, PROCESSOR, ROLES
@@ -85,6 +86,10 @@ def up(args: argparse.Namespace, config: PipelineConfig, bridge: BridgeSettings)
 
     check_mode(args.engine, config.mode)
     engine_args = vllm_args(args)
+    # One ExampleConnector folder per deployment, which its prefill and
+    # decode workers share; NixlConnector ports are each worker's own.
+    kv = vllm_kv_settings(args)
+    kv = dataclasses.replace(kv, port=0, path=kv.path or str(args.data_dir.resolve() / "vllm-kv"))
     stop = _Stop()
     # Resolved (and a built-in built) once here, not by every child at once.
     spec = resolve_model(args.model, args.served_model_name)
@@ -122,7 +127,7 @@ def up(args: argparse.Namespace, config: PipelineConfig, bridge: BridgeSettings)
                     log.info("worker_health_port", role=role, url=f"http://127.0.0.1:{health_port}/health/ready")
                     health_port += 1
                 worker_args = [*common, *model_args, *health, *_consumer_args(config, args.drain_grace)]
-                worker_args += engine_flag_args(role, args.engine, engine_args)
+                worker_args += engine_flag_args(role, args.engine, engine_args, kv)
                 children.append(subprocess.Popen([*cli, "worker", role, *worker_args]))
         bridge_args = ["--host", bridge.host, "--port", str(bridge.port)]
         bridge_args += ["--request-timeout", str(bridge.request_timeout_s)]

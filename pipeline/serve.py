@@ -27,6 +27,7 @@ from stages.engine_settings import DecodeSettings
 from stages.media import EmbeddingCache, MediaPolicy
 from stages.models import ModelSpec, resolve_model
 from stages.processor import ProcessorLimits
+from stages.vllm_engine.args import KvConnectorSettings
 
 log = structlog.get_logger(__name__)
 
@@ -60,6 +61,8 @@ class WorkerSettings:
     # with vLLM's engine arguments passed through.
     engine: str = "torch"
     vllm_args: dict[str, Any] = field(default_factory=dict)
+    # How a vLLM prefill hands the KV cache to a vLLM decode (those roles only).
+    vllm_kv: KvConnectorSettings = field(default_factory=KvConnectorSettings)
 
 
 def parse_modalities(spec: str) -> frozenset[MediaKind]:
@@ -134,6 +137,7 @@ def _vllm_stage(role: str, settings: WorkerSettings, spec: ModelSpec, tensors: T
             embedding_cache=EmbeddingCache(settings.embedding_cache_bytes, name=role)
             if role.startswith("encode")
             else None,
+            kv=settings.vllm_kv,
         )
     except (VllmUnavailable, ValueError) as exc:
         raise SystemExit(f"mmpipe: {exc}") from None

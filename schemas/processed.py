@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+from typing import Any
 
 import msgspec
 
@@ -69,6 +70,20 @@ class KvHandoff(msgspec.Struct, omit_defaults=True, forbid_unknown_fields=True):
     rope_delta: int = 0
 
 
+class VllmKv(msgspec.Struct, omit_defaults=True, forbid_unknown_fields=True):
+    """Prefill → decode with ``--engine vllm``: the prompt's KV cache moves by
+    vLLM's own KV connector, so only what the decode engine hands back to
+    vLLM travels here (no tensors)."""
+
+    # The ``kv_transfer_params`` vLLM's prefill returned (NixlConnector: the
+    # producer's engine id, side channel and block ids); empty where the
+    # connector keys the cache by the prompt itself (ExampleConnector).
+    params: dict[str, Any] = {}
+    # Tokens a client already held when prefill ran (they are part of the
+    # prefilled prompt): decode uses ``params`` only for that same prompt.
+    resumed: int = 0
+
+
 class ProcessedRequest(msgspec.Struct, omit_defaults=True, forbid_unknown_fields=True):
     # The original request rides along so any hop can restart it from the
     # first hop (a new attempt) when a referenced tensor is gone.
@@ -84,6 +99,7 @@ class ProcessedRequest(msgspec.Struct, omit_defaults=True, forbid_unknown_fields
     hop_index: int = 0
     encoded: EncodedMedia | None = None
     kv: KvHandoff | None = None
+    vllm_kv: VllmKv | None = None
 
     @property
     def hop(self) -> str:
@@ -112,4 +128,4 @@ class ProcessedRequest(msgspec.Struct, omit_defaults=True, forbid_unknown_fields
 
     def restarted(self) -> ProcessedRequest:
         """A new attempt from the first hop: what earlier hops made is gone."""
-        return msgspec.structs.replace(self, attempt=self.attempt + 1, hop_index=0, encoded=None, kv=None)
+        return msgspec.structs.replace(self, attempt=self.attempt + 1, hop_index=0, encoded=None, kv=None, vllm_kv=None)

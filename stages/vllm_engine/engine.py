@@ -1,5 +1,6 @@
 """vLLM's AsyncLLM behind the calls mmpipe's stage makes: start, one
-request's token stream, abort, close.
+request's token stream, a prefill that hands its KV cache to another engine
+(the KV connector's producer), abort, close.
 
 Importing this module does not import vLLM; ``start()`` does (after
 ``require_vllm`` said it is there). The tokenizer and the EOS ids come from
@@ -9,6 +10,8 @@ mmpipe emits (text, stop strings, finish) are the same for both engines.
 
 from __future__ import annotations
 
+import os
+import socket
 from collections.abc import AsyncGenerator
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,7 +25,8 @@ from schemas.errors import UnsupportedMedia
 from schemas.processed import MediaKind
 from stages.engine.sampling import SamplingConfig
 from stages.families import MediaEmbedding
-from stages.vllm_engine.args import require_vllm
+from stages.vllm_engine.args import KvConnectorSettings, require_vllm
+from stages.vllm_engine.metrics import stat_logger_factory
 
 log = structlog.get_logger(__name__)
 
@@ -36,7 +40,13 @@ class Delta:
 
 
 class VllmEngine:
-    def __init__(self, model_dir: Path, args: dict[str, Any] | None = None) -> None:
+    def __init__(
+        self,
+        model_dir: Path,
+        args: dict[str, Any] | None = None,
+        role: str = "",
+        kv: KvConnectorSettings | None = None,
+    ) -> None:
         require_vllm()
         from transformers import AutoConfig, AutoTokenizer, GenerationConfig
 
@@ -52,6 +62,8 @@ class VllmEngine:
         except OSError:
             generation = None
         self.eos_token_ids: frozenset[int] = frozenset(_eos_ids(SimpleNamespace(generation_config=generation), config))
+        self.role = role
+        self.kv = kv or KvConnectorSettings()
         self.max_model_len = 0
         self._llm: Any = None
 
@@ -65,9 +77,22 @@ class VllmEngine:
             engine_args = AsyncEngineArgs(**self.args)
         except TypeError as exc:
             raise ValueError(f"vLLM engine arguments {sorted(self.args)}: {exc}") from None
-        self._llm = AsyncLLM.from_engine_args(engine_args)
+        connector = (self.args.get("kv_transfer_config") or {}).get("kv_connector")
+        if connector == "NixlConnector":
+            # vLLM reads its NIXL side channel from the environment (its
+            # engine-core child inherits it): a port of this worker's own.
+            port = self.kv.port or int(os.environ.get("VLLM_NIXL_SIDE_CHANNEL_PORT") or 0) or _free_port()
+            os.environ["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(port)
+        self._llm = AsyncLLM.from_engine_args(engine_args, stat_loggers=[stat_logger_factory(self.role)])
         self.max_model_len = int(self._llm.model_config.max_model_len)
-        log.info("vllm_engine_started", model=str(self.model_dir), max_model_len=self.max_model_len, args=self.args)
+        log.info(
+            "vllm_engine_started",
+            model=str(self.model_dir),
+            max_model_len=self.max_model_len,
+            args=self.args,
+            kv_connector=connector,
+            side_channel=os.environ.get("VLLM_NIXL_SIDE_CHANNEL_PORT") if connector == "NixlConnector" else None,
+        )
 
     def close(self) -> None:
         if self._llm is not None:
@@ -80,15 +105,53 @@ class VllmEngine:
         return int(self._llm.get_num_unfinished_requests()) if self._llm is not None else 0
 
     async def stream(
-        self, request_id: str, prompt_token_ids: list[int], media: list[MediaEmbedding], sampling: SamplingConfig
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        media: list[MediaEmbedding],
+        sampling: SamplingConfig,
+        kv_transfer_params: dict[str, Any] | None = None,
     ) -> AsyncGenerator[Delta, None]:
         """One request's new tokens as vLLM makes them. ``prompt_token_ids``
-        hold one placeholder per image; vLLM expands each to its embeddings."""
-        from vllm import SamplingParams
+        hold one placeholder per image; vLLM expands each to its embeddings.
+        ``kv_transfer_params``: what a prefill engine returned (the KV
+        connector's consumer loads the prompt's cache with them)."""
         from vllm.sampling_params import RequestOutputKind
 
         assert self._llm is not None, "start() the engine first"
-        params = SamplingParams(
+        params = self._params(sampling, RequestOutputKind.DELTA, kv_transfer_params)
+        async for out in self._llm.generate(_prompt(prompt_token_ids, media), params, request_id):
+            yield Delta([int(t) for t in out.outputs[0].token_ids], bool(out.finished))
+
+    async def prefill(
+        self, request_id: str, prompt_token_ids: list[int], media: list[MediaEmbedding], sampling: SamplingConfig
+    ) -> dict[str, Any]:
+        """Prefill the prompt for another engine to decode: one token's
+        budget and ``do_remote_decode``, so the KV connector's producer keeps
+        (or stores) the prompt's cache. Returns the ``kv_transfer_params``
+        the decode engine needs (empty where the connector needs none)."""
+        from vllm.sampling_params import RequestOutputKind
+
+        assert self._llm is not None, "start() the engine first"
+        one = SamplingConfig(
+            temperature=sampling.temperature,
+            top_p=sampling.top_p,
+            top_k=sampling.top_k,
+            seed=sampling.seed,
+            min_tokens=0,
+            ignore_eos=True,
+            max_tokens=1,
+        )
+        params = self._params(one, RequestOutputKind.FINAL_ONLY, {"do_remote_decode": True})
+        got: dict[str, Any] = {}
+        async for out in self._llm.generate(_prompt(prompt_token_ids, media), params, request_id):
+            got = dict(out.kv_transfer_params or {})
+        return got
+
+    def _params(self, sampling: SamplingConfig, kind: Any, kv_transfer_params: dict[str, Any] | None) -> Any:
+        from vllm import SamplingParams
+
+        return SamplingParams(
             n=1,
             temperature=sampling.temperature,
             top_p=sampling.top_p,
@@ -98,19 +161,28 @@ class VllmEngine:
             max_tokens=sampling.max_tokens,
             ignore_eos=sampling.ignore_eos,
             stop_token_ids=sorted(self.eos_token_ids),
-            output_kind=RequestOutputKind.DELTA,
+            output_kind=kind,
             # mmpipe detokenizes (stop strings, held-back characters) itself.
             detokenize=False,
+            extra_args={"kv_transfer_params": dict(kv_transfer_params)} if kv_transfer_params else None,
         )
-        prompt: dict[str, Any] = {"prompt_token_ids": list(prompt_token_ids)}
-        if media:
-            prompt["multi_modal_data"] = _image_embeds(media)
-        async for out in self._llm.generate(prompt, params, request_id):
-            yield Delta([int(t) for t in out.outputs[0].token_ids], bool(out.finished))
 
     async def abort(self, request_id: str) -> None:
         if self._llm is not None:
             await self._llm.abort(request_id)
+
+
+def _prompt(prompt_token_ids: list[int], media: list[MediaEmbedding]) -> dict[str, Any]:
+    prompt: dict[str, Any] = {"prompt_token_ids": list(prompt_token_ids)}
+    if media:
+        prompt["multi_modal_data"] = _image_embeds(media)
+    return prompt
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("", 0))
+        return int(s.getsockname()[1])
 
 
 def _image_embeds(media: list[MediaEmbedding]) -> dict[str, Any]:

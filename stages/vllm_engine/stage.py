@@ -1,4 +1,4 @@
-"""The hop stage of a role that prefills and decodes with vLLM.
+"""The hop stage of a role that prefills and/or decodes with vLLM.
 
 The same messages, route and reply stream as the built-in ``HopStage``:
 
@@ -15,6 +15,27 @@ The same messages, route and reply stream as the built-in ``HopStage``:
   them; no token the client saw is sent again or changed.
 - A cancel (the worker cancels the request's task), a stop string, or a
   client gone aborts the vLLM request (``AsyncLLM.abort``).
+
+Prefill and decode apart (``encode+prefill`` or ``prefill``, then
+``decode``): the prompt's KV cache moves by vLLM's own KV connector
+(ExampleConnector or NixlConnector; ``args.kv_transfer_config``), never
+through mmpipe's tensor transport. The prefill engine runs the prompt (plus
+what a client already holds) with a one-token budget and
+``do_remote_decode``; the ``kv_transfer_params`` it returns ride in the
+decode message (``VllmKv``), and the decode engine gets them back with the
+same prompt. The prefill engine's one token is dropped: the decode engine
+produces every token itself, the first one included, by computing only the
+prompt's last position(s) over the transferred cache (vLLM's own P/D
+proxy does the same). So the tokens a client sees all come from one engine
+and one stream with ``seq`` from 0 (or after a takeover's tokens), none
+twice and none lost, and the decode metrics show the prompt as
+``external_kv_transfer`` tokens (``metrics``). The decode engine still
+needs the prompt's images (vLLM places M-RoPE positions by their grids,
+ExampleConnector keys the cache by their hashes, and recomputes a partial
+last block): the prefill hop puts the embeddings it used in the tensor
+store again for the decode hop. A decode of another prompt than the one
+prefilled (a takeover after tokens were streamed) passes no
+``kv_transfer_params`` and recomputes that prompt locally.
 """
 
 from __future__ import annotations
@@ -26,10 +47,11 @@ from collections.abc import AsyncGenerator
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import structlog
 
-from schemas.errors import ContextLengthExceeded
-from schemas.processed import ProcessedRequest
+from schemas.errors import ContextLengthExceeded, InvalidRequest
+from schemas.processed import EncodedItem, EncodedMedia, ProcessedRequest, VllmKv
 from schemas.request import GenerateRequest
 from stages.contract import HopContext, StageOutput, TensorStore
 from stages.emitter import ChunkEmitter
@@ -39,7 +61,13 @@ from stages.families import MediaEmbedding
 from stages.hop import receive_embeddings
 from stages.media import EmbeddingCache, MediaFetcher, MediaPolicy
 from stages.scheduler import EngineThread
-from stages.vllm_engine.args import VLLM_ROLES
+from stages.vllm_engine.args import (
+    KV_CONSUMER_ROLES,
+    KV_PRODUCER_ROLES,
+    VLLM_ROLES,
+    KvConnectorSettings,
+    kv_transfer_config,
+)
 from stages.vllm_engine.engine import VllmEngine
 
 log = structlog.get_logger(__name__)
@@ -95,19 +123,79 @@ class VllmHopStage:
             media = await self.encoder.encode(req, ctx)
         else:
             media = await receive_embeddings(self.role, self.tensors, req, "cpu", ctx)
+        if self.role in KV_PRODUCER_ROLES:
+            yield await self._prefill(req, media, ctx, started)
+            return
+        kv_params: dict[str, Any] | None = None
+        if self.role in KV_CONSUMER_ROLES:
+            if req.vllm_kv is None:
+                raise InvalidRequest(f"a request reached {self.role} without the vLLM prefill's KV hand-off")
+            # Only the prompt prefilled has its cache there (see above).
+            same_prompt = req.vllm_kv.resumed == len(ctx.emitted)
+            kv_params = req.vllm_kv.params if same_prompt else None
+            log.info("vllm_decode_started", request_id=req.request.request_id, resumed=len(ctx.emitted), kv=same_prompt)
+        prompt_len = self._check_context(req, media)
+        emitted = ctx.emitted
+        emitter = ChunkEmitter(self.engine, req, prompt_len, emitted)
+        if len(emitted) >= req.max_tokens:
+            yield emitter.finish_now()
+            return
+        async for chunk in self._generate(req, media, emitter, emitted, ctx, started, kv_params):
+            yield chunk
+
+    async def _prefill(
+        self, req: ProcessedRequest, media: list[MediaEmbedding], ctx: HopContext, started: float
+    ) -> ProcessedRequest:
+        """Prefill for a decode hop: the KV cache stays with vLLM's connector;
+        the embeddings go on to decode through the tensor store."""
+        rid = req.request.request_id
+        emitted = ctx.emitted
+        self._check_context(req, media)
+        vllm_id = f"{rid}-{uuid.uuid4().hex[:8]}"
+        done = False
+        try:
+            params = await self.engine.prefill(
+                vllm_id, [*req.prompt_token_ids, *emitted], media, _sampling(req, len(emitted))
+            )
+            done = True
+        finally:
+            if not done:
+                await self._abort(rid, vllm_id)
+        ctx.trace["prefill_s"] = time.monotonic() - started
+        encoded = None
+        if media:
+            assert self.tensors is not None
+            ref = await self.tensors.put([m.embeddings for m in media], owner=rid)
+            ctx.trace["put_bytes"] = float(ref.nbytes)
+            items = [EncodedItem(m.num_tokens, list(m.grid_thw), m.seconds_per_grid) for m in media]
+            encoded = EncodedMedia(ref, items)
+        log.info("vllm_prefilled", request_id=rid, vllm_request_id=vllm_id, kv_params=sorted(params))
+        return msgspec.structs.replace(
+            req,
+            hop_index=req.hop_index + 1,
+            encoded=encoded,
+            kv=None,
+            vllm_kv=VllmKv(params=params, resumed=len(emitted)),
+        )
+
+    def _check_context(self, req: ProcessedRequest, media: list[MediaEmbedding]) -> int:
         prompt_len = len(req.prompt_token_ids) + sum(m.num_tokens - 1 for m in media)
         if prompt_len + req.max_tokens > self.engine.max_model_len:
             raise ContextLengthExceeded(
                 f"a prompt of {prompt_len} tokens plus max_tokens {req.max_tokens} exceeds the context of "
                 f"{self.engine.max_model_len} tokens"
             )
-        emitted = ctx.emitted
-        emitter = ChunkEmitter(self.engine, req, prompt_len, emitted)
-        if len(emitted) >= req.max_tokens:
-            yield emitter.finish_now()
-            return
-        async for chunk in self._generate(req, media, emitter, emitted, ctx, started):
-            yield chunk
+        return prompt_len
+
+    async def _abort(self, rid: str, vllm_id: str) -> None:
+        await self.engine.abort(vllm_id)
+        log.info(
+            "vllm_request_aborted",
+            request_id=rid,
+            vllm_request_id=vllm_id,
+            role=self.role,
+            unfinished=self.engine.unfinished,
+        )
 
     async def _generate(
         self,
@@ -117,6 +205,7 @@ class VllmHopStage:
         emitted: list[int],
         ctx: HopContext,
         started: float,
+        kv_params: dict[str, Any] | None = None,
     ) -> AsyncGenerator[StageOutput, None]:
         rid = req.request.request_id
         # Unique per attempt: a takeover on this worker never meets an older
@@ -127,7 +216,7 @@ class VllmHopStage:
         first = True
         try:
             # Resume rule: what the client holds is part of the prompt now.
-            stream = self.engine.stream(vllm_id, [*req.prompt_token_ids, *emitted], media, sampling)
+            stream = self.engine.stream(vllm_id, [*req.prompt_token_ids, *emitted], media, sampling, kv_params)
             async with contextlib.aclosing(stream) as deltas:
                 async for delta in deltas:
                     finished = delta.finished
@@ -145,14 +234,7 @@ class VllmHopStage:
             yield emitter.finish_now()
         finally:
             if not finished:
-                await self.engine.abort(vllm_id)
-                log.info(
-                    "vllm_request_aborted",
-                    request_id=rid,
-                    vllm_request_id=vllm_id,
-                    role=self.role,
-                    unfinished=self.engine.unfinished,
-                )
+                await self._abort(rid, vllm_id)
 
 
 def _sampling(req: ProcessedRequest, resumed: int) -> SamplingConfig:
@@ -177,6 +259,7 @@ def build_vllm_stage(
     device: str = "cpu",
     media_policy: MediaPolicy | None = None,
     embedding_cache: EmbeddingCache | None = None,
+    kv: KvConnectorSettings | None = None,
 ) -> VllmHopStage:
     """A vLLM stage of ``role``; the engine itself starts in ``start()``.
     A role that encodes also loads the checkpoint on torch for its encoder."""
@@ -187,7 +270,11 @@ def build_vllm_stage(
         raise ValueError(
             f"the vLLM engine serves {', '.join(_ARCHITECTURES)} checkpoints so far; {model_dir} is {architectures}"
         )
-    engine = VllmEngine(model_dir, engine_args)
+    kv = kv or KvConnectorSettings()
+    transfer = kv_transfer_config(role, kv)
+    if transfer is not None and "kv_transfer_config" not in engine_args:  # --vllm-arg wins
+        engine_args = {**engine_args, "kv_transfer_config": transfer}
+    engine = VllmEngine(model_dir, engine_args, role=role, kv=kv)
     encoder = None
     if role.startswith("encode"):
         from stages.engine import DecodeSettings, TorchEngine

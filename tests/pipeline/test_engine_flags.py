@@ -10,14 +10,18 @@ import json
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import pytest
 
 from pipeline.cli import parser
 from pipeline.config import PipelineConfig
-from pipeline.engine_flags import check_mode, engine_flag_args, vllm_args
+from pipeline.engine_flags import check_mode, engine_flag_args, vllm_args, vllm_kv_settings
 from pipeline.serve import WorkerSettings, build_stage
+from schemas.codec import encode
+from schemas.processed import ProcessedRequest, VllmKv
+from schemas.request import ChatMessage, GenerateRequest, SamplingParams
 from stages.models import resolve_model
-from stages.vllm_engine.args import engine_args
+from stages.vllm_engine.args import KvConnectorSettings, engine_args, kv_transfer_config
 
 
 def test_engine_args_from_a_file_and_flags_json_values_and_dashes(tmp_path: Path) -> None:
@@ -53,13 +57,47 @@ def test_worker_flags_reach_the_settings_and_up_forwards_them_to_vllm_roles_only
     assert engine_flag_args("prefill+decode", "torch", {}) == []
 
 
-def test_up_refuses_modes_with_hops_vllm_does_not_run_yet() -> None:
-    check_mode("vllm", "epd")
-    check_mode("vllm", "e-pd")
-    check_mode("torch", "e-p-d")
-    for mode in ("e-p-d", "ep-d"):
-        with pytest.raises(SystemExit, match="epd, e-pd"):
-            check_mode("vllm", mode)
+def test_up_takes_every_mode_with_vllm() -> None:
+    for mode in ("epd", "e-pd", "e-p-d", "ep-d"):
+        check_mode("vllm", mode)
+        check_mode("torch", mode)
+
+
+def test_kv_connector_flags_reach_the_prefill_and_decode_roles_as_producer_and_consumer(tmp_path: Path) -> None:
+    args = parser().parse_args(["worker", "decode", "--engine", "vllm", "--vllm-kv-connector", "nixl"])
+    assert vllm_kv_settings(args) == KvConnectorSettings("nixl", "", 0)
+    assert parser().parse_args(["worker", "decode"]).vllm_kv_connector == "example"
+    kv = KvConnectorSettings("example", str(tmp_path / "kv"))
+    for role in ("prefill", "encode+prefill", "decode"):
+        forwarded = engine_flag_args(role, "vllm", {}, kv)
+        assert forwarded[-4:] == ["--vllm-kv-connector", "example", "--vllm-kv-path", str(tmp_path / "kv")]
+        assert vllm_kv_settings(parser().parse_args(["worker", role, *forwarded])) == kv
+    assert "--vllm-kv-connector" not in engine_flag_args("prefill+decode", "vllm", {}, kv)
+    assert kv_transfer_config("prefill", kv) == {
+        "kv_role": "kv_producer",
+        "kv_connector": "ExampleConnector",
+        "kv_connector_extra_config": {"shared_storage_path": str(tmp_path / "kv")},
+    }
+    consumer = kv_transfer_config("decode", KvConnectorSettings("nixl"))
+    assert consumer == {
+        "kv_role": "kv_consumer",
+        "kv_connector": "NixlConnector",
+        "kv_load_failure_policy": "recompute",
+    }
+    assert kv_transfer_config("prefill+decode", kv) is None
+    with pytest.raises(ValueError, match="--vllm-kv-connector 'other'"):
+        kv_transfer_config("decode", KvConnectorSettings("other"))
+
+
+def test_vllm_kv_rides_in_the_decode_message_and_a_restart_drops_it() -> None:
+    request = GenerateRequest("r1", "m", [ChatMessage("user", "hi")], SamplingParams(max_tokens=4))
+    base = ProcessedRequest(request, [1, 2], [], ["prefill", "decode"], 4, 0)
+    assert b"vllm_kv" not in encode(base)  # omitted when unset
+    params = {"remote_block_ids": [[1, 2]], "remote_host": "10.0.0.1", "do_remote_prefill": True}
+    handed = ProcessedRequest(request, [1, 2], [], ["prefill", "decode"], 4, 0, hop_index=1, vllm_kv=VllmKv(params, 3))
+    decoded = msgspec.msgpack.decode(encode(handed), type=ProcessedRequest)
+    assert decoded.vllm_kv == VllmKv(params, 3)
+    assert decoded.restarted().vllm_kv is None
 
 
 def test_engine_vllm_without_vllm_fails_at_start_naming_what_to_install(
@@ -75,5 +113,5 @@ def test_engine_vllm_without_vllm_fails_at_start_naming_what_to_install(
     settings = WorkerSettings(engine="vllm")
     with pytest.raises(SystemExit, match=r"pip install 'mmpipe\[vllm\]'.*deploy/install-vllm.sh"):
         build_stage("prefill+decode", PipelineConfig(), settings, spec)
-    with pytest.raises(SystemExit, match="runs the roles encode\\+prefill\\+decode, prefill\\+decode"):
+    with pytest.raises(SystemExit, match=r"pip install 'mmpipe\[vllm\]'"):
         build_stage("decode", PipelineConfig(), settings, spec)

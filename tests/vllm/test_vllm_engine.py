@@ -1,14 +1,18 @@
 """``--engine vllm`` end to end: ``mmpipe up`` (embedded nats-server, the
 processor, the workers of the mode as OS processes, the bridge) with vLLM
-running the role that prefills and decodes, the official openai client
+running the roles that prefill and decode, the official openai client
 against the bridge. EPD: one worker encodes (mmpipe's encoder) and hands
 vLLM the embeddings in memory; E/PD: mmpipe's own encode worker sends them
-over the tensor transport. Every answer is exactly transformers
-``generate()``'s tokens on the same float32 checkpoint (read back from the
-reply stream), streamed or not, text or image; a client that goes away
-aborts the vLLM request; a takeover resumes after the tokens a client holds.
+over the tensor transport; E/P/D and EP/D: a vLLM prefill worker hands the
+prompt's KV cache to a vLLM decode worker through vLLM's KV connector
+(E/P/D: ExampleConnector, EP/D: NixlConnector over UCX on CPU). Every
+answer is exactly transformers ``generate()``'s tokens on the same float32
+checkpoint (read back from the reply stream), streamed or not, text or
+image; the decode engine's metrics show the prompt came through the
+connector; a client that goes away aborts the vLLM request; a takeover
+resumes after the tokens a client holds.
 
-One engine start per mode (a module-scoped stack per mode)."""
+One engine start per vLLM role and mode (a module-scoped stack per mode)."""
 
 from __future__ import annotations
 
@@ -27,6 +31,7 @@ from typing import Any
 
 import openai
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from pipeline.connection import connect
 from pipeline.replies import stored_chunks
@@ -34,6 +39,7 @@ from pipeline.subjects import Subjects
 from schemas.chunk import TokenChunk
 from schemas.codec import CONTENT_TYPE, MSGPACK, encode
 from schemas.request import ChatMessage, GenerateRequest, ImagePart, ImageURL, SamplingParams, TextPart
+from schemas.routes import MODES
 from tests.e2e.conftest import gradient, make_reference, png_data_url
 from tests.e2e.processes import Proc, Processes
 
@@ -44,7 +50,13 @@ ENGINE_ARGS = {
     "enforce_eager": True,  # no torch.compile: a start in seconds, not a minute
     "skip_mm_profiling": True,
     "limit_mm_per_prompt": {"image": {"count": 4, "width": 224, "height": 224}, "video": 0},
+    # Small blocks (CPU attention takes multiples of 32; its default is 128):
+    # ExampleConnector hands over whole blocks only, and these test prompts
+    # are tens of tokens.
+    "block_size": 32,
 }
+# The KV connector of each disaggregated mode under test.
+CONNECTORS = {"e-p-d": "example", "ep-d": "nixl"}
 
 
 def _free_port() -> int:
@@ -53,12 +65,28 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def _free_port_run(n: int) -> int:
+    """The first of n consecutive free ports (the workers' health ports)."""
+    for _ in range(50):
+        first = _free_port()
+        try:
+            for port in range(first, first + n):
+                with socket.socket() as s:
+                    s.bind(("127.0.0.1", port))
+        except OSError:
+            continue
+        return first
+    raise AssertionError("no run of free ports")
+
+
 @dataclass
 class VllmStack:
     mode: str
     base_url: str
     nats_url: str
     up: Proc
+    # The /metrics URL of each worker role (one worker each).
+    metrics: dict[str, str]
 
     def client(self) -> openai.AsyncOpenAI:
         return openai.AsyncOpenAI(base_url=f"{self.base_url}/v1", api_key="none", max_retries=0)
@@ -69,7 +97,7 @@ def reference(vllm_model_dir: Path) -> Any:
     return make_reference(vllm_model_dir)
 
 
-@pytest.fixture(scope="module", params=["epd", "e-pd"])
+@pytest.fixture(scope="module", params=["epd", "e-pd", "e-p-d", "ep-d"])
 def stack(
     request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory, mmpipe_home: Path, vllm_model_dir: Path
 ) -> Iterator[VllmStack]:
@@ -79,16 +107,23 @@ def stack(
     args_file.write_text(json.dumps(ENGINE_ARGS))
     port = _free_port()
     procs = Processes(tmp, mmpipe_home)
+    connector = ["--vllm-kv-connector", CONNECTORS[mode]] if mode in CONNECTORS else []
     up = procs.start(
         "up", "--mode", mode, "--engine", "vllm", "--vllm-args-file", str(args_file),
         "--vllm-arg", "max_model_len=2048", "--model", str(vllm_model_dir), "--served-model-name", MODEL,
         "--port", str(port), "--data-dir", str(tmp / "data"), "--transport", "nats", "--log-level", "INFO",
+        "--worker-health-port", str(_free_port_run(6)), *connector,
     )  # fmt: skip
     try:
-        up.wait_for("mmpipe ready", timeout_s=240)
+        up.wait_for("mmpipe ready", timeout_s=300)
         nats_url = re.search(r"nats=(\S+)", up.text())
         assert nats_url is not None
-        yield VllmStack(mode, f"http://127.0.0.1:{port}", nats_url.group(1), up)
+        metrics = {}
+        for line in up.text().splitlines():
+            if '"worker_health_port"' in line:
+                event = json.loads(line[line.index("{") :])
+                metrics[event["role"]] = event["url"].replace("/health/ready", "/metrics")
+        yield VllmStack(mode, f"http://127.0.0.1:{port}", nats_url.group(1), up, metrics)
     finally:
         code = up.stop(signal.SIGINT, timeout_s=90)
         procs.stop_all()
@@ -248,3 +283,49 @@ async def test_takeover_resumes_after_the_tokens_a_client_holds(stack: VllmStack
         await nc.close()
     assert [c.seq for c in chunks] == list(range(N))  # each token once, in order
     assert [t for c in chunks for t in c.token_ids] == tokens
+
+
+def _prompt_tokens(url: str, role: str) -> dict[str, float]:
+    """The worker's mmpipe_vllm_prompt_tokens counters by source."""
+    import urllib.request
+
+    with urllib.request.urlopen(url, timeout=10) as response:
+        text = response.read().decode()
+    out: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == "mmpipe_vllm_prompt_tokens_total" and sample.labels.get("role") == role:
+                out[sample.labels["source"]] = sample.value
+    return out
+
+
+@pytest.mark.e2e
+async def test_metrics_show_where_the_prompt_came_from(stack: VllmStack, reference: Any) -> None:
+    """vLLM's prompt tokens by source on each vLLM worker's /metrics: apart,
+    the decode engine got the prompt from the prefill engine through the KV
+    connector (all but the last block at most computed again); together,
+    the one engine computed it."""
+    text = f"{stack.mode}: " + "Describe the waves, the wind and the gulls over the sea. " * 6
+    tokens, reply = reference(text, [], N)
+    roles = [role for role in MODES[stack.mode] if role != "encode"]
+    before = {role: await asyncio.to_thread(_prompt_tokens, stack.metrics[role], role) for role in roles}
+    assert await _ask(stack, text, stream=True) == (reply, tokens)
+    delta: dict[str, dict[str, float]] = {}
+    for _ in range(100):  # vLLM records its stats as its outputs arrive
+        after = {role: await asyncio.to_thread(_prompt_tokens, stack.metrics[role], role) for role in roles}
+        delta = {r: {k: v - before[r].get(k, 0.0) for k, v in after[r].items()} for r in roles}
+        if all(sum(d.values()) > 0 for d in delta.values()):
+            break
+        await asyncio.sleep(0.1)
+    last = delta[roles[-1]]
+    total = sum(last.values())
+    assert total > 64, delta  # the whole prompt, several blocks of 32
+    if stack.mode in CONNECTORS:
+        prefill = delta[roles[0]]
+        assert prefill["local_compute"] == sum(prefill.values()) == total, delta
+        # ExampleConnector: the prompt less its last token, in whole blocks;
+        # NixlConnector: all of it (the last position is computed again).
+        assert last["external_kv_transfer"] >= total - 32, delta
+        assert last["local_compute"] <= 32, delta
+    else:
+        assert last["external_kv_transfer"] == 0 and last["local_compute"] == total, delta
