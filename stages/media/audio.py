@@ -33,6 +33,7 @@ import soxr
 from schemas.errors import InvalidMedia, MmpipeError, TooLarge, UnsupportedMedia
 from stages.media.fetch import b64decode_lenient, max_base64_chars, parse_data_url
 from stages.media.policy import MediaPolicy
+from stages.media.video import open_container
 
 if TYPE_CHECKING:
     from stages.media.fetch import MediaFetcher
@@ -181,7 +182,7 @@ def _decode_av(data: bytes, fmt: str, policy: MediaPolicy) -> tuple[np.ndarray, 
     import av
 
     demuxer = _FORMATS[fmt][2]
-    with av.open(io.BytesIO(data), mode="r", format=demuxer, metadata_errors="ignore") as container:
+    with open_container(data, demuxer) as container:
         if not container.streams.audio:
             raise InvalidMedia("media has no audio stream")
         stream = container.streams.audio[0]

@@ -252,11 +252,20 @@ def _fit(width: int, height: int, max_pixels: int) -> tuple[int, int]:
     return w, h
 
 
-def _open(data: bytes, demuxer: str) -> InputContainer:
+def open_container(data: bytes, demuxer: str) -> InputContainer:
+    """``data`` opened with the demuxer ``demuxer`` forced: FFmpeg never
+    probes, so never picks hls, concat or image2. PyAV before 19 decodes
+    metadata strictly unless told to ignore bad bytes; 19 dropped the
+    option (the last wheels for Python 3.11 are 18.x, for 3.12+ 19.x)."""
     import av
 
-    # format= forces the demuxer: FFmpeg never probes, so never picks hls, concat or image2.
-    return av.open(io.BytesIO(data), mode="r", format=demuxer, metadata_errors="ignore")
+    if int(av.__version__.split(".")[0]) < 19:
+        return av.open(io.BytesIO(data), mode="r", format=demuxer, metadata_errors="ignore")
+    return av.open(io.BytesIO(data), mode="r", format=demuxer)
+
+
+def _open(data: bytes, demuxer: str) -> InputContainer:
+    return open_container(data, demuxer)
 
 
 def _video_stream(container: InputContainer, policy: MediaPolicy) -> VideoStream:
