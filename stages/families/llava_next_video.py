@@ -11,6 +11,7 @@ Images (LLaVA-NeXT's any-resolution tiling) are not run by this adapter.
 
 from __future__ import annotations
 
+import inspect
 import json
 from pathlib import Path
 from typing import Any, ClassVar
@@ -79,7 +80,7 @@ class LlavaNextVideoFamily(LanguageModelFamily):
                 [self.frame_processor(images=videos[i].frames, return_tensors="pt")["pixel_values"] for i in group]
             )
             features = model.get_video_features(
-                pixel_values_videos=pixels.to(model.device, model.dtype),
+                **{_video_pixels_kwarg(model): pixels.to(model.device, model.dtype)},
                 vision_feature_layer=self.feature_layer,
                 vision_feature_select_strategy=self.select_strategy,
             )
@@ -104,3 +105,10 @@ def _frame_processor(model_dir: Path) -> Any:
             config = json.loads(path.read_text())
             return _ImageProcessor(**{key: config[key] for key in _FRAME_KEYS if key in config})
     raise FileNotFoundError(f"{model_dir} has no video_preprocessor_config.json or preprocessor_config.json")
+
+
+def _video_pixels_kwarg(model: Any) -> str:
+    # transformers 5.17 names get_video_features' frames `pixel_values`, later
+    # releases `pixel_values_videos` (seen on the GPU host, which has 5.17).
+    params = inspect.signature(type(model).get_video_features).parameters
+    return "pixel_values_videos" if "pixel_values_videos" in params else "pixel_values"
