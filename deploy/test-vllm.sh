@@ -16,4 +16,7 @@ export MMPIPE_VLLM_SCRATCH="$scratch" TMPDIR="$scratch"
 export VLLM_CACHE_ROOT="$scratch/vllm" TORCHINDUCTOR_CACHE_DIR="$scratch/inductor" HF_HOME="$scratch/hf"
 export PATH="$PWD/$VENV/bin:$PATH"
 "$VENV/bin/python" -c "import vllm, stages.vllm_engine.cpu_compat" >/dev/null
-"$VENV/bin/python" -m pytest tests/vllm -p no:cacheprovider "$@"
+# Test paths given (tests/vllm/test_x.py[::name]) run alone; else all of tests/vllm.
+paths=tests/vllm
+for arg in "$@"; do [[ $arg == tests/* ]] && paths=; done
+"$VENV/bin/python" -m pytest $paths -p no:cacheprovider "$@"

@@ -380,6 +380,7 @@ def main(argv: list[str] | None = None) -> int:
             health=HealthSettings(port=args.health_port, host=args.health_host, stall_after_s=args.health_stall_after),
             engine=args.engine,
             vllm_args=vllm_args(args),
+            vllm_ec_path=args.vllm_ec_path,
             vllm_kv=vllm_kv_settings(args),
         )
         try:

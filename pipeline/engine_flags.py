@@ -61,6 +61,22 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
         help="NixlConnector's side-channel port of this worker (0: a free one; mmpipe up always uses 0). "
         "Other hosts reach it at VLLM_NIXL_SIDE_CHANNEL_HOST (set it to this host's address)",
     )
+    add_vllm_encoder_flags(group)
+
+
+def add_vllm_encoder_flags(group: argparse._ArgumentGroup) -> None:
+    group.add_argument(
+        "--vllm-ec-path",
+        default="",
+        help="the folder of vLLM's encoder-cache connector (ECExampleConnector), seen by the vLLM encode worker "
+        "(which writes it) and the vLLM prefill workers (which read it); mmpipe up: <data-dir>/vllm-ec",
+    )
+    group.add_argument(
+        "--vllm-encoder",
+        action="store_true",
+        help="mmpipe up --engine vllm: the encode workers run vLLM encoder-only (images only) instead of "
+        "mmpipe's built-in encoder",
+    )
 
 
 def vllm_args(args: argparse.Namespace) -> dict[str, Any]:
@@ -74,11 +90,16 @@ def vllm_kv_settings(args: argparse.Namespace) -> KvConnectorSettings:
     return KvConnectorSettings(args.vllm_kv_connector, args.vllm_kv_path, args.vllm_kv_port)
 
 
-def check_mode(engine: str, mode: str) -> None:
+def check_mode(engine: str, mode: str, vllm_encoder: bool = False) -> None:
     """``mmpipe up --engine vllm``: every hop of the mode is an encode hop
     (built in) or one vLLM runs."""
     if engine != "vllm":
+        if vllm_encoder:
+            raise SystemExit("mmpipe: --vllm-encoder needs --engine vllm")
         return
+    if vllm_encoder and mode != "e-pd":
+        # Tested where the encode hop feeds a vLLM prefill+decode hop only.
+        raise SystemExit(f"mmpipe: --vllm-encoder (vLLM encoder-only on encode) serves mode e-pd so far, not {mode}")
     other = [hop for hop in MODES[mode] if hop != "encode" and hop not in VLLM_ROLES]
     if other:
         raise SystemExit(
@@ -97,3 +118,13 @@ def engine_flag_args(role: str, engine: str, args: dict[str, Any], kv: KvConnect
     if kv is not None and role in KV_PRODUCER_ROLES + KV_CONSUMER_ROLES:
         out += kv_connector_flags(kv)
     return out
+
+
+def vllm_encoder_flag_args(role: str, engine: str, args: dict[str, Any], ec_path: str) -> list[str]:
+    """``mmpipe up --engine vllm --vllm-encoder``: the encode role runs vLLM
+    encoder-only, writing ``ec_path``; every vLLM role reads it."""
+    if engine != "vllm" or not ec_path:
+        return []
+    if role == "encode":
+        return ["--engine", "vllm", *engine_arg_flags(args), "--vllm-ec-path", ec_path]
+    return ["--vllm-ec-path", ec_path] if role in VLLM_ROLES else []

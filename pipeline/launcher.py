@@ -19,7 +19,7 @@ import structlog
 from pipeline.auth import NatsAuth
 from pipeline.bridge.app import BridgeSettings
 from pipeline.config import PipelineConfig
-from pipeline.engine_flags import check_mode, engine_flag_args, vllm_args, vllm_kv_settings
+from pipeline.engine_flags import check_mode, engine_flag_args, vllm_args, vllm_encoder_flag_args, vllm_kv_settings
 from pipeline.limit_flags import media_flag_args, media_policy, processor_limit_args, processor_limits
 from pipeline.nats_server import NatsServer, NatsServerConfig
 from schemas.routes import MODES, PROCESSOR, ROLES
@@ -84,7 +84,9 @@ def _wait_ready(url: str, children: list[subprocess.Popen[bytes]], stop: _Stop, 
 def up(args: argparse.Namespace, config: PipelineConfig, bridge: BridgeSettings) -> int:
     from stages.models import resolve_model
 
-    check_mode(args.engine, config.mode)
+    check_mode(args.engine, config.mode, args.vllm_encoder)
+    # --vllm-encoder: one encoder-cache folder per deployment (vLLM encode writes, vLLM prefill reads).
+    ec_path = (args.vllm_ec_path or str(args.data_dir.resolve() / "vllm-ec")) if args.vllm_encoder else ""
     engine_args = vllm_args(args)
     # One ExampleConnector folder per deployment, which its prefill and
     # decode workers share; NixlConnector ports are each worker's own.
@@ -128,6 +130,7 @@ def up(args: argparse.Namespace, config: PipelineConfig, bridge: BridgeSettings)
                     health_port += 1
                 worker_args = [*common, *model_args, *health, *_consumer_args(config, args.drain_grace)]
                 worker_args += engine_flag_args(role, args.engine, engine_args, kv)
+                worker_args += vllm_encoder_flag_args(role, args.engine, engine_args, ec_path)
                 children.append(subprocess.Popen([*cli, "worker", role, *worker_args]))
         bridge_args = ["--host", bridge.host, "--port", str(bridge.port)]
         bridge_args += ["--request-timeout", str(bridge.request_timeout_s)]

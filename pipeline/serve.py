@@ -63,6 +63,9 @@ class WorkerSettings:
     vllm_args: dict[str, Any] = field(default_factory=dict)
     # How a vLLM prefill hands the KV cache to a vLLM decode (those roles only).
     vllm_kv: KvConnectorSettings = field(default_factory=KvConnectorSettings)
+    # vLLM's encoder-cache folder (--vllm-ec-path): the vLLM encode role
+    # writes it, the vLLM prefill roles read it.
+    vllm_ec_path: str = ""
 
 
 def parse_modalities(spec: str) -> frozenset[MediaKind]:
@@ -120,6 +123,8 @@ def build_stage(
 def _vllm_stage(role: str, settings: WorkerSettings, spec: ModelSpec, tensors: TensorStore | None) -> Stage:
     from stages.vllm_engine import VLLM_ROLES, VllmUnavailable, require_vllm
 
+    if role == "encode":
+        return _vllm_encode_stage(settings, spec)
     if role not in VLLM_ROLES:
         raise SystemExit(f"--engine vllm runs the roles {', '.join(VLLM_ROLES)} so far, not {role}")
     try:
@@ -138,7 +143,23 @@ def _vllm_stage(role: str, settings: WorkerSettings, spec: ModelSpec, tensors: T
             if role.startswith("encode")
             else None,
             kv=settings.vllm_kv,
+            ec_path=settings.vllm_ec_path,
         )
+    except (VllmUnavailable, ValueError) as exc:
+        raise SystemExit(f"mmpipe: {exc}") from None
+
+
+def _vllm_encode_stage(settings: WorkerSettings, spec: ModelSpec) -> Stage:
+    """``encode`` on vLLM encoder-only (stages/vllm_engine/encode_stage.py)."""
+    from stages.vllm_engine import VllmUnavailable, require_vllm
+
+    policy = dataclasses.replace(settings.media, allow_internal=settings.allow_internal_media)
+    try:
+        require_vllm()
+        from stages.vllm_engine.encode_stage import build_vllm_encode_stage
+
+        path = settings.vllm_ec_path
+        return build_vllm_encode_stage(Path(spec.path), spec.served_name, settings.vllm_args, path, policy)
     except (VllmUnavailable, ValueError) as exc:
         raise SystemExit(f"mmpipe: {exc}") from None
 

@@ -84,6 +84,18 @@ class VllmKv(msgspec.Struct, omit_defaults=True, forbid_unknown_fields=True):
     resumed: int = 0
 
 
+class VllmEncoded(msgspec.Struct, omit_defaults=True, forbid_unknown_fields=True):
+    """Encode → prefill when vLLM encoder-only encoded (``--engine vllm`` on
+    ``encode``): the embeddings wait in vLLM's encoder-cache connector
+    (ECExampleConnector: a folder both workers see) under each item's vLLM
+    multimodal hash, so only the keys and the placeholder sizes travel."""
+
+    # One per media item, in prompt order: the connector's key of its encoder output.
+    mm_hashes: list[str]
+    # Each item's token count and patch grid (vLLM sizes the placeholder by it).
+    items: list[EncodedItem]
+
+
 class ProcessedRequest(msgspec.Struct, omit_defaults=True, forbid_unknown_fields=True):
     # The original request rides along so any hop can restart it from the
     # first hop (a new attempt) when a referenced tensor is gone.
@@ -100,6 +112,7 @@ class ProcessedRequest(msgspec.Struct, omit_defaults=True, forbid_unknown_fields
     encoded: EncodedMedia | None = None
     kv: KvHandoff | None = None
     vllm_kv: VllmKv | None = None
+    vllm_encoded: VllmEncoded | None = None
 
     @property
     def hop(self) -> str:
@@ -128,4 +141,6 @@ class ProcessedRequest(msgspec.Struct, omit_defaults=True, forbid_unknown_fields
 
     def restarted(self) -> ProcessedRequest:
         """A new attempt from the first hop: what earlier hops made is gone."""
-        return msgspec.structs.replace(self, attempt=self.attempt + 1, hop_index=0, encoded=None, kv=None, vllm_kv=None)
+        return msgspec.structs.replace(
+            self, attempt=self.attempt + 1, hop_index=0, encoded=None, kv=None, vllm_kv=None, vllm_encoded=None
+        )

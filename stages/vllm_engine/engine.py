@@ -10,6 +10,7 @@ mmpipe emits (text, stop strings, finish) are the same for both engines.
 
 from __future__ import annotations
 
+import asyncio
 import os
 import socket
 from collections.abc import AsyncGenerator
@@ -19,13 +20,12 @@ from types import SimpleNamespace
 from typing import Any
 
 import structlog
-import torch
 
-from schemas.errors import UnsupportedMedia
-from schemas.processed import MediaKind
 from stages.engine.sampling import SamplingConfig
 from stages.families import MediaEmbedding
 from stages.vllm_engine.args import KvConnectorSettings, require_vllm
+from stages.vllm_engine.health import watch_engine
+from stages.vllm_engine.media import mm_prompt
 from stages.vllm_engine.metrics import stat_logger_factory
 
 log = structlog.get_logger(__name__)
@@ -57,6 +57,8 @@ class VllmEngine:
         self.args: dict[str, Any] = {"model": str(self.model_dir), "enable_mm_embeds": True, **(args or {})}
         self.tokenizer = AutoTokenizer.from_pretrained(str(self.model_dir))
         config = AutoConfig.from_pretrained(str(self.model_dir))
+        # Qwen2.5-VL: video positions by seconds, which video_embeds inputs cannot carry in vLLM 0.32.
+        self.timed_video = config.model_type == "qwen2_5_vl"
         try:
             generation: Any = GenerationConfig.from_pretrained(str(self.model_dir))
         except OSError:
@@ -66,6 +68,7 @@ class VllmEngine:
         self.kv = kv or KvConnectorSettings()
         self.max_model_len = 0
         self._llm: Any = None
+        self._watch: asyncio.Task[None] | None = None
 
     async def start(self) -> None:
         """Start vLLM's engine (its engine-core process, the model load and
@@ -85,6 +88,7 @@ class VllmEngine:
             os.environ["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(port)
         self._llm = AsyncLLM.from_engine_args(engine_args, stat_loggers=[stat_logger_factory(self.role)])
         self.max_model_len = int(self._llm.model_config.max_model_len)
+        self._watch = asyncio.create_task(watch_engine(self))  # the worker stops once vLLM's engine core is dead
         log.info(
             "vllm_engine_started",
             model=str(self.model_dir),
@@ -95,6 +99,8 @@ class VllmEngine:
         )
 
     def close(self) -> None:
+        if self._watch is not None:
+            self._watch.cancel()
         if self._llm is not None:
             self._llm.shutdown()
             self._llm = None
@@ -120,7 +126,7 @@ class VllmEngine:
 
         assert self._llm is not None, "start() the engine first"
         params = self._params(sampling, RequestOutputKind.DELTA, kv_transfer_params)
-        async for out in self._llm.generate(_prompt(prompt_token_ids, media), params, request_id):
+        async for out in self._llm.generate(_prompt(prompt_token_ids, media, self.timed_video), params, request_id):
             yield Delta([int(t) for t in out.outputs[0].token_ids], bool(out.finished))
 
     async def prefill(
@@ -144,7 +150,7 @@ class VllmEngine:
         )
         params = self._params(one, RequestOutputKind.FINAL_ONLY, {"do_remote_decode": True})
         got: dict[str, Any] = {}
-        async for out in self._llm.generate(_prompt(prompt_token_ids, media), params, request_id):
+        async for out in self._llm.generate(_prompt(prompt_token_ids, media, self.timed_video), params, request_id):
             got = dict(out.kv_transfer_params or {})
         return got
 
@@ -171,26 +177,18 @@ class VllmEngine:
         if self._llm is not None:
             await self._llm.abort(request_id)
 
+    async def check_health(self) -> None:
+        """Raises where vLLM's engine core is gone (its process died or it
+        failed): what the worker's readiness asks (``health.engine_health``)."""
+        if self._llm is not None:  # none before start() and after close(): the worker says why
+            await self._llm.check_health()
 
-def _prompt(prompt_token_ids: list[int], media: list[MediaEmbedding]) -> dict[str, Any]:
-    prompt: dict[str, Any] = {"prompt_token_ids": list(prompt_token_ids)}
-    if media:
-        prompt["multi_modal_data"] = _image_embeds(media)
-    return prompt
+
+def _prompt(prompt_token_ids: list[int], media: list[MediaEmbedding], timed_video: bool = False) -> dict[str, Any]:
+    return mm_prompt(prompt_token_ids, media, timed_video)
 
 
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("", 0))
         return int(s.getsockname()[1])
-
-
-def _image_embeds(media: list[MediaEmbedding]) -> dict[str, Any]:
-    """Qwen-VL images as vLLM's ``image_embeds`` + ``image_grid_thw``: the
-    items' embeddings one after another, one grid row each."""
-    for item in media:
-        if item.kind is not MediaKind.IMAGE:
-            raise UnsupportedMedia(f"the vLLM engine takes images only so far, not {item.kind.value}")
-    embeds = torch.cat([item.embeddings for item in media]) if len(media) > 1 else media[0].embeddings
-    grid = torch.tensor([list(item.grid_thw) for item in media], dtype=torch.long)
-    return {"image": {"image_embeds": embeds, "image_grid_thw": grid}}

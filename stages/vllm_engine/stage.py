@@ -69,6 +69,7 @@ from stages.vllm_engine.args import (
     kv_transfer_config,
 )
 from stages.vllm_engine.engine import VllmEngine
+from stages.vllm_engine.media import ec_transfer_config, remote_media
 
 log = structlog.get_logger(__name__)
 
@@ -79,6 +80,9 @@ _ARCHITECTURES = ("Qwen2VLForConditionalGeneration", "Qwen2_5_VLForConditionalGe
 class VllmHopStage:
     input_type = ProcessedRequest
     resumes_stream = True
+    # The encoder-cache folder a vLLM encode hop writes (--vllm-ec-path): set
+    # where this engine is that connector's consumer.
+    ec_path: str | None = None
 
     def __init__(
         self,
@@ -107,6 +111,10 @@ class VllmHopStage:
     async def start(self) -> None:
         await self.engine.start()
 
+    async def health(self) -> None:
+        """Raises where vLLM's engine core is gone: the worker is not ready."""
+        await self.engine.check_health()
+
     async def close(self) -> None:
         if self.encoder is not None:
             await self.encoder.fetcher.close()
@@ -121,6 +129,8 @@ class VllmHopStage:
         started = time.monotonic()
         if self.encoder is not None:
             media = await self.encoder.encode(req, ctx)
+        elif req.vllm_encoded is not None:  # a vLLM encode hop's: in the EC connector's folder
+            media = remote_media(req, self.ec_path)
         else:
             media = await receive_embeddings(self.role, self.tensors, req, "cpu", ctx)
         if self.role in KV_PRODUCER_ROLES:
@@ -260,6 +270,7 @@ def build_vllm_stage(
     media_policy: MediaPolicy | None = None,
     embedding_cache: EmbeddingCache | None = None,
     kv: KvConnectorSettings | None = None,
+    ec_path: str = "",
 ) -> VllmHopStage:
     """A vLLM stage of ``role``; the engine itself starts in ``start()``.
     A role that encodes also loads the checkpoint on torch for its encoder."""
@@ -274,6 +285,10 @@ def build_vllm_stage(
     transfer = kv_transfer_config(role, kv)
     if transfer is not None and "kv_transfer_config" not in engine_args:  # --vllm-arg wins
         engine_args = {**engine_args, "kv_transfer_config": transfer}
+    if ec_path and not role.startswith("encode") and "ec_transfer_config" not in engine_args:
+        # The consumer of a vLLM encode hop's encoder outputs (built-in encode
+        # hops' embeddings still come as image_embeds beside them).
+        engine_args = {**engine_args, "ec_transfer_config": ec_transfer_config(False, ec_path)}
     engine = VllmEngine(model_dir, engine_args, role=role, kv=kv)
     encoder = None
     if role.startswith("encode"):
@@ -282,7 +297,9 @@ def build_vllm_stage(
         torch_engine = TorchEngine(model_dir, device=device, decode=DecodeSettings(batched=False))
         policy = media_policy or MediaPolicy()
         encoder = MediaEncoder(torch_engine, EngineThread(), MediaFetcher(policy), policy, embedding_cache)
-    return VllmHopStage(role, engine, served_name, tensors, encoder)
+    stage = VllmHopStage(role, engine, served_name, tensors, encoder)
+    stage.ec_path = ec_path or None
+    return stage
 
 
 __all__ = ["VllmHopStage", "build_vllm_stage"]

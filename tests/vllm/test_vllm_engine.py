@@ -42,6 +42,7 @@ from schemas.request import ChatMessage, GenerateRequest, ImagePart, ImageURL, S
 from schemas.routes import MODES
 from tests.e2e.conftest import gradient, make_reference, png_data_url
 from tests.e2e.processes import Proc, Processes
+from tests.vllm.references import video_request
 
 N = 12
 MODEL = "tiny-qwen2-vl-vllm"
@@ -49,7 +50,8 @@ ENGINE_ARGS = {
     "dtype": "float32",  # bf16 would not give generate()'s float32 tokens
     "enforce_eager": True,  # no torch.compile: a start in seconds, not a minute
     "skip_mm_profiling": True,
-    "limit_mm_per_prompt": {"image": {"count": 4, "width": 224, "height": 224}, "video": 0},
+    # Videos come as video_embeds (mmpipe's encoder): the limits size vLLM's profiling only.
+    "limit_mm_per_prompt": {"image": {"count": 4, "width": 224, "height": 224}, "video": {"count": 1}},
     # Small blocks (CPU attention takes multiples of 32; its default is 128):
     # ExampleConnector hands over whole blocks only, and these test prompts
     # are tens of tokens.
@@ -113,6 +115,7 @@ def stack(
         "--vllm-arg", "max_model_len=2048", "--model", str(vllm_model_dir), "--served-model-name", MODEL,
         "--port", str(port), "--data-dir", str(tmp / "data"), "--transport", "nats", "--log-level", "INFO",
         "--worker-health-port", str(_free_port_run(6)), *connector,
+        "--modalities", "image,video",
     )  # fmt: skip
     try:
         up.wait_for("mmpipe ready", timeout_s=300)
@@ -214,6 +217,14 @@ async def test_two_images_and_concurrent_requests(stack: VllmStack, reference: A
     expected = [reference(c, m, N) for c, m in zip(contents, media, strict=True)]
     got = await asyncio.gather(*(_ask(stack, c, stream=i % 2 == 0) for i, c in enumerate(contents)))
     assert got == [(text, tokens) for tokens, text in expected]
+
+
+@pytest.mark.e2e
+async def test_video_equals_generate(stack: VllmStack, vllm_model_dir: Path) -> None:
+    """mmpipe's encoder makes the video's embeddings; vLLM takes them as
+    video_embeds + video_grid_thw (M-RoPE over frames as generate() does)."""
+    content, expected = video_request(vllm_model_dir, N)
+    assert await _ask(stack, content, stream=True) == expected
 
 
 @pytest.mark.e2e
