@@ -192,10 +192,12 @@ async def test_engine_core_killed_fails_readiness_and_stops_the_worker(all_vllm:
             pass  # the worker has stopped listening
         await asyncio.sleep(0.05)
     # Not ready once vLLM has seen its engine core die (probes in the moment
-    # before it has still pass), then gone rather than left serving errors.
+    # before it has still pass): engine_dead, then draining once the worker
+    # has closed its engine; then gone rather than left serving errors.
     dead = next(i for i, (status, _) in enumerate(seen) if status == 503)
     assert all(status == 503 for status, _ in seen[dead:]), seen
-    assert all(status == "engine_dead" for _, status in seen[dead:]), seen
+    assert seen[dead][1] == "engine_dead", seen
+    assert {status for _, status in seen[dead:]} <= {"engine_dead", "draining"}, seen
     assert not worker.is_running() or worker.status() == psutil.STATUS_ZOMBIE
     assert _events(stack, "vllm_engine_dead")
     # mmpipe up stops the deployment when a worker exits.
