@@ -157,6 +157,12 @@ def _model(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--tensor-ttl", type=float, default=60.0, help="seconds before unread tensors are freed")
     p.add_argument(
+        "--nixl-progress-thread",
+        action="store_true",
+        help="UCX's progress thread in the NIXL agent: READs of this worker's tensors complete at once "
+        "instead of at its next poll (about 1 ms), at the cost of a CPU core it keeps busy",
+    )
+    p.add_argument(
         "--embedding-cache-bytes",
         type=int,
         default=64 << 20,
@@ -304,6 +310,9 @@ def _bench(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     transport.add_argument("--json", action="store_true", help="print machine-readable results")
     transport.add_argument("--log-level", default="ERROR", help="ERROR: the results alone")
     transport.add_argument(
+        "--progress-thread", action="store_true", help="UCX's progress thread in both processes' NIXL agents"
+    )
+    transport.add_argument(
         "--device", default="cpu", help="cpu (DRAM) or cuda[:N] (VRAM of one GPU, against a device-to-device copy)"
     )
     decode = bsub.add_parser("decode", help="batch decoder vs generate() and the HBM roofline (GPU)")
@@ -376,7 +385,11 @@ def main(argv: list[str] | None = None) -> int:
             embedding_cache_bytes=args.embedding_cache_bytes,
             drain_grace_s=args.drain_grace,
             transport=args.transport,
-            tensor_settings=TransportSettings(budget_bytes=args.tensor_budget_mb << 20, ttl_s=args.tensor_ttl),
+            tensor_settings=TransportSettings(
+                budget_bytes=args.tensor_budget_mb << 20,
+                ttl_s=args.tensor_ttl,
+                progress_thread=args.nixl_progress_thread,
+            ),
             health=HealthSettings(port=args.health_port, host=args.health_host, stall_after_s=args.health_stall_after),
             engine=args.engine,
             vllm_args=vllm_args(args),

@@ -111,6 +111,8 @@ def up(args: argparse.Namespace, config: PipelineConfig, bridge: BridgeSettings)
     model_args = ["--model", str(spec.path), "--served-model-name", spec.served_name, "--device", args.device]
     model_args += ["--transport", args.transport, "--tensor-budget-mb", str(args.tensor_budget_mb)]
     model_args += ["--tensor-ttl", str(args.tensor_ttl)]
+    if args.nixl_progress_thread:
+        model_args += ["--nixl-progress-thread"]
     model_args += ["--modalities", args.modalities, "--embedding-cache-bytes", str(args.embedding_cache_bytes)]
     if args.allow_internal_media:
         model_args.append("--allow-internal-media")

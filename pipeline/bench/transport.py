@@ -77,7 +77,9 @@ def checksum(t: torch.Tensor) -> int:
 # -- the reader, in the child process ------------------------------------------
 
 
-async def peer(url: str, namespace: str, kind: str, budget: int, device: str = "cpu") -> None:
+async def peer(
+    url: str, namespace: str, kind: str, budget: int, device: str = "cpu", progress_thread: bool = False
+) -> None:
     """Reads refs given on stdin and answers ``@@ got <seconds> <nbytes> <checksum> <read seconds>``
     (the READ alone: NIXL's, else the whole get)."""
     from pipeline.connection import connect
@@ -88,7 +90,7 @@ async def peer(url: str, namespace: str, kind: str, budget: int, device: str = "
         print(ANSWER, *parts, flush=True)
 
     nc, js = await connect(url, name="bench-reader")
-    settings = TransportSettings(budget_bytes=budget)
+    settings = TransportSettings(budget_bytes=budget, progress_thread=progress_thread)
     transport = await open_transport(kind, nc, js, namespace, settings, "bench-reader", device)
     answer("ready", transport.name)
     loop = asyncio.get_running_loop()
@@ -106,7 +108,8 @@ async def peer(url: str, namespace: str, kind: str, budget: int, device: str = "
                 continue
             dt = time.perf_counter() - t0
             read_s = getattr(transport, "last_read", (0, dt))[1] or dt
-            answer("got", repr(dt), sum(t.numel() for t in got), checksum(got[0]), repr(read_s))
+            phases = json.dumps(getattr(transport, "last_read_phases", {}), separators=(",", ":"))
+            answer("got", repr(dt), sum(t.numel() for t in got), checksum(got[0]), repr(read_s), phases)
     finally:
         await transport.close()
         await nc.close()
@@ -120,13 +123,21 @@ class Reader:
 
     @classmethod
     async def spawn(
-        cls, url: str, namespace: str, kind: str, budget: int, log_level: str = "ERROR", device: str = "cpu"
+        cls,
+        url: str,
+        namespace: str,
+        kind: str,
+        budget: int,
+        log_level: str = "ERROR",
+        device: str = "cpu",
+        progress_thread: bool = False,
     ) -> Reader:
         env = {**os.environ}
         env.setdefault("NIXL_LOG_LEVEL", "WARN")
         proc = await asyncio.create_subprocess_exec(
             *[sys.executable, "-m", "pipeline.bench.transport", "--peer", "--url", url, "--namespace", namespace],
             *["--transport", kind, "--budget", str(budget), "--log-level", log_level, "--device", device],
+            *(["--progress-thread"] if progress_thread else []),
             stdin=asyncio.subprocess.PIPE,
             stdout=asyncio.subprocess.PIPE,
             env=env,
@@ -150,15 +161,15 @@ class Reader:
                 if not line:
                     raise RuntimeError(f"the reader process exited with {await self.proc.wait()}")
                 if line.startswith(ANSWER):
-                    return line.split(maxsplit=1)[1].split(maxsplit=4)
+                    return line.split(maxsplit=1)[1].split(maxsplit=5)
 
-    async def get(self, ref: Any) -> tuple[float, int, int, float]:
-        """(seconds of the get, bytes, checksum, seconds of the READ alone)."""
+    async def get(self, ref: Any) -> tuple[float, int, int, float, dict[str, float]]:
+        """(seconds of the get, bytes, checksum, seconds of the READ alone, the READ's phases)."""
         await self.send(op="get", ref=msgspec.to_builtins(ref))
         got = await self.answer()
         if got[0] != "got":
             raise RuntimeError(f"the reader failed: {' '.join(got[1:])}")
-        return float(got[1]), int(got[2]), int(got[3]), float(got[4])
+        return float(got[1]), int(got[2]), int(got[3]), float(got[4]), json.loads(got[5])
 
     async def close(self) -> None:
         if self.proc.returncode is None:
@@ -224,7 +235,13 @@ def row_summary(
 
 
 async def bench_kind(
-    url: str, kind: str, sizes: list[int], repeats: int, log_level: str = "ERROR", device: str = "cpu"
+    url: str,
+    kind: str,
+    sizes: list[int],
+    repeats: int,
+    log_level: str = "ERROR",
+    device: str = "cpu",
+    progress_thread: bool = False,
 ) -> list[dict[str, Any]]:
     from pipeline.connection import connect
     from pipeline.transport import TransportSettings, open_transport
@@ -235,11 +252,11 @@ async def bench_kind(
     nc, js = await connect(url, name="bench-holder")
     rows: list[dict[str, Any]] = []
     try:
-        settings = TransportSettings(budget_bytes=budget)
+        settings = TransportSettings(budget_bytes=budget, progress_thread=progress_thread)
         holder = await open_transport(kind, nc, js, namespace, settings, "bench-holder", device)
         reader: Reader | None = None
         try:
-            reader = await Reader.spawn(url, namespace, kind, budget, log_level, device)
+            reader = await Reader.spawn(url, namespace, kind, budget, log_level, device, progress_thread)
             g = torch.Generator().manual_seed(0)
             for size in sizes:
                 src = torch.randint(0, 256, (size,), dtype=torch.uint8, generator=g).to(device)
@@ -247,19 +264,24 @@ async def bench_kind(
                 gets: list[float] = []
                 puts: list[float] = []
                 reads: list[float] = []
+                phases: dict[str, list[float]] = {}
                 for i in range(repeats + 1):  # the first is the warm-up
                     t0 = time.perf_counter()
                     ref = await holder.put([src], owner=f"bench-{size}-{i}")
                     put_s = time.perf_counter() - t0
-                    get_s, got_bytes, got_sum, read_s = await reader.get(ref)
+                    get_s, got_bytes, got_sum, read_s, read_phases = await reader.get(ref)
                     if got_bytes != size or got_sum != want:
                         raise RuntimeError(f"{kind}: the reader got {got_bytes} bytes with the wrong checksum")
                     if i:
                         gets.append(get_s)
                         puts.append(put_s)
                         reads.append(read_s)
+                        for name, value in read_phases.items():
+                            phases.setdefault(name, []).append(value)
                 copies = memcpy_seconds(src, repeats)
-                rows.append(row_summary(kind, size, gets, puts, copies, reads, device))
+                row = row_summary(kind, size, gets, puts, copies, reads, device)
+                row["read_phases_p50_ms"] = {k: statistics.median(v) * 1000 for k, v in phases.items()}
+                rows.append(row)
         finally:
             if reader is not None:
                 await reader.close()
@@ -276,6 +298,7 @@ async def bench_transports(
     nats_url: str | None = None,
     log_level: str = "ERROR",
     device: str = "cpu",
+    progress_thread: bool = False,
 ) -> list[dict[str, Any]]:
     """Every transport of ``kinds`` at every size; a nats-server of its own unless ``nats_url``."""
     from pipeline.nats_server import NatsServer, NatsServerConfig
@@ -289,7 +312,7 @@ async def bench_transports(
         try:
             rows: list[dict[str, Any]] = []
             for kind in kinds:
-                rows += await bench_kind(nats_url, kind, sizes, repeats, log_level, device)
+                rows += await bench_kind(nats_url, kind, sizes, repeats, log_level, device, progress_thread)
             return rows
         finally:
             if server is not None:
@@ -302,7 +325,8 @@ def format_rows(rows: list[dict[str, Any]]) -> str:
     where = f"on {torch.cuda.get_device_name(device)}, VRAM" if device.startswith("cuda") else f"{threads} threads"
     head = (
         f"mmpipe bench transport  holder and reader in two processes; torch {torch.__version__} "
-        f"({where}); median and best of {rows[0]['repeats']} after 1 warm-up; GB = 10^9 B"
+        f"({where}{', UCX progress thread' if rows[0].get('progress_thread') else ''}); "
+        f"median and best of {rows[0]['repeats']} after 1 warm-up; GB = 10^9 B"
     )
     cols = ["transport", "size", "get p50 ms", "get best ms", "GB/s p50", "GB/s best", "put p50 ms"]
     cols += ["memcpy GB/s", "ratio", "READ p50 ms", "READ ratio"]
@@ -330,6 +354,10 @@ def format_rows(rows: list[dict[str, Any]]) -> str:
         lines.append("  ".join(cells))
     lines += ["", "ratio = GB/s p50 of the transfer / GB/s of dst.copy_(src) on the same bytes in this process"]
     lines += ["READ = NIXL's one-sided READ alone (the nats transport: the whole get)"]
+    for r in rows:
+        if r.get("read_phases_p50_ms"):
+            parts = "  ".join(f"{k} {v:.3f}" for k, v in r["read_phases_p50_ms"].items())
+            lines.append(f"READ phases p50 ms, {r['transport']} {format_size(r['bytes'])}: {parts}")
     return "\n".join(lines)
 
 
@@ -346,7 +374,10 @@ def main(args: argparse.Namespace) -> int:
     device = getattr(args, "device", "cpu")
     if device.startswith("cuda") and not torch.cuda.is_available():
         raise SystemExit("mmpipe bench transport --device cuda: no CUDA device here")
-    rows = run_async(bench_transports(kinds, sizes, args.repeats, args.nats_url, args.log_level, device))
+    progress = bool(getattr(args, "progress_thread", False))
+    rows = run_async(bench_transports(kinds, sizes, args.repeats, args.nats_url, args.log_level, device, progress))
+    for row in rows:
+        row["progress_thread"] = progress
     print(json.dumps(rows, indent=2) if args.json else format_rows(rows), flush=True)
     return 0
 
@@ -362,11 +393,12 @@ def _peer_main() -> None:
     p.add_argument("--budget", type=int, required=True)
     p.add_argument("--log-level", default="ERROR")
     p.add_argument("--device", default="cpu")
+    p.add_argument("--progress-thread", action="store_true")
     args = p.parse_args()
     mm_logging.configure(args.log_level)
     from pipeline.bench import run_async
 
-    run_async(peer(args.url, args.namespace, args.transport, args.budget, args.device))
+    run_async(peer(args.url, args.namespace, args.transport, args.budget, args.device, args.progress_thread))
 
 
 if __name__ == "__main__":

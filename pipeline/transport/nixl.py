@@ -105,6 +105,7 @@ class NixlTransport:
         # The last remote READ alone (bytes, seconds): what UCX took, without
         # the lease round trip and the copy out of the receive arena.
         self.last_read: tuple[int, float] = (0, 0.0)
+        self.last_read_phases: dict[str, float] = {}
         # Loads NIXL: raises TransportUnavailable when it is not installed.
         self._agent = Agent(self.agent_name, self.device, progress_thread=self.settings.progress_thread)
         self._arena = torch.empty(0, dtype=torch.uint8)
@@ -449,6 +450,7 @@ class NixlTransport:
         remote = (ref.addr, n, ref.device_id)
         notif = f"{ref.key}:{lease}".encode()
         outcome = await self._agent.read(local, self.mem, remote, ref.mem, ref.holder, notif, until)
+        self.last_read_phases = outcome.phases
         if outcome.state == "DONE" and time.monotonic() < until:
             return
         if not outcome.released:
