@@ -57,7 +57,9 @@ async def test_killed_vllm_decode_worker_request_completes_on_the_other(
         assert found is not None
         nats_url = found.group(1)
         common = ["--mode", MODE, "--nats-url", nats_url, "--model", str(vllm_model_dir)]
-        common += ["--served-model-name", MODEL, "--transport", "nats", "--ack-wait", "6"]
+        # A short ack wait: the dead worker's message goes to the other one in
+        # seconds; a short drain: nothing is in flight at the end.
+        common += ["--served-model-name", MODEL, "--transport", "nats", "--ack-wait", "6", "--drain-grace", "2"]
         vllm = ["--engine", "vllm", "--vllm-args-file", str(args_file), "--vllm-arg", "max_model_len=2048"]
         vllm += ["--vllm-kv-connector", "example", "--vllm-kv-path", str(tmp_path / "kv")]
         workers = [procs.start("worker", role, *common) for role in ("processor", "encode")]
@@ -107,6 +109,9 @@ async def test_killed_vllm_decode_worker_request_completes_on_the_other(
         # The other worker continued after the tokens the client held.
         assert any(e["resumed"] >= len(held) for e in _decode_starts(other, rid)), other.text()[-3000:]
     finally:
+        for proc in procs.procs:  # all at once: each vLLM engine takes seconds to stop
+            if proc.popen.poll() is None:
+                proc.popen.terminate()
         await asyncio.to_thread(procs.stop_all)
 
 
