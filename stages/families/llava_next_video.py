@@ -20,7 +20,7 @@ import torch
 from transformers import LlavaNextVideoForConditionalGeneration, PretrainedConfig
 
 from schemas.processed import MediaKind
-from stages.families.base import LanguageModelFamily, Media, MediaEmbedding, encode_by_kind, features_per_item
+from stages.families.base import LanguageModelFamily, Media, MediaEmbedding, encode_by_kind
 from stages.media import DecodedVideo
 
 try:  # transformers 5.x: the PIL backend has its own class (the default one needs torchvision).
@@ -84,16 +84,20 @@ class LlavaNextVideoFamily(LanguageModelFamily):
                 vision_feature_layer=self.feature_layer,
                 vision_feature_select_strategy=self.select_strategy,
             )
-            feats = features_per_item(features, _even_split(features, len(group)))
+            rows = _video_rows(features)
+            feats = list(torch.split(rows, rows.shape[0] // len(group)))
             for i, f in zip(group, feats, strict=True):
                 out[i] = MediaEmbedding(f, (frames, f.shape[0] // frames), MediaKind.VIDEO)
         return [out[i] for i in range(len(videos))]
 
 
-def _even_split(features: Any, items: int) -> list[int]:
-    tensor = features.pooler_output if hasattr(features, "pooler_output") else features
-    rows = tensor.reshape(-1, tensor.shape[-1]).shape[0]
-    return [rows // items] * items
+def _video_rows(features: Any) -> torch.Tensor:
+    """The videos' pooled features as rows, video after video: transformers
+    5.24 returns them as one tensor (pooler_output), 5.17 as a tuple of parts."""
+    feats = features.pooler_output if hasattr(features, "pooler_output") else features
+    if isinstance(feats, (tuple, list)):
+        feats = torch.cat([f.reshape(-1, f.shape[-1]) for f in feats])
+    return feats.reshape(-1, feats.shape[-1])
 
 
 def _frame_processor(model_dir: Path) -> Any:
