@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import shutil
 import signal
 import subprocess
 import sys
@@ -92,6 +93,11 @@ def up(args: argparse.Namespace, config: PipelineConfig, bridge: BridgeSettings)
     # decode workers share; NixlConnector ports are each worker's own.
     kv = vllm_kv_settings(args)
     kv = dataclasses.replace(kv, port=0, path=kv.path or str(args.data_dir.resolve() / "vllm-kv"))
+    if not args.vllm_kv_path and args.engine == "vllm":
+        # ExampleConnector keys its files by prompt tokens and image hashes,
+        # not by model: what an earlier run (maybe of another checkpoint)
+        # left in the default folder must not be loaded as this one's KV.
+        shutil.rmtree(kv.path, ignore_errors=True)
     stop = _Stop()
     # Resolved (and a built-in built) once here, not by every child at once.
     spec = resolve_model(args.model, args.served_model_name)
