@@ -45,6 +45,7 @@ def _kill_tree(proc: Proc) -> None:
 
 
 @pytest.mark.e2e
+@pytest.mark.timeout(600)  # five workers, three vLLM engines, started within the test
 async def test_killed_vllm_decode_worker_request_completes_on_the_other(
     tmp_path: Path, mmpipe_home: Path, vllm_model_dir: Path
 ) -> None:
