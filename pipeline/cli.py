@@ -173,6 +173,13 @@ def _model(p: argparse.ArgumentParser) -> None:
     group = p.add_argument_group("decoding (workers that decode)")
     group.add_argument("--max-batch", type=int, default=32, help="sequences decoded together in one step")
     group.add_argument(
+        "--prefill-batch",
+        type=int,
+        default=1,
+        help="new prompts prefilled together in one forward when they wait together (1: each alone, generate()'s "
+        "exact numerics; more: GPU throughput, last-bit differences)",
+    )
+    group.add_argument(
         "--decode-max-len", type=int, default=4096, help="tokens per sequence in the batch decoder's preallocated cache"
     )
     group.add_argument(
@@ -375,6 +382,7 @@ def main(argv: list[str] | None = None) -> int:
             media=media_policy(args),
             limits=processor_limits(args),
             max_batch=args.max_batch,
+            prefill_batch=args.prefill_batch,
             decode=DecodeSettings(
                 batched=args.batch_decode,
                 slots=args.max_batch,

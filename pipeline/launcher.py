@@ -124,6 +124,7 @@ def up(args: argparse.Namespace, config: PipelineConfig, bridge: BridgeSettings)
         model_args.append("--allow-internal-media")
     model_args += media_flag_args(media_policy(args)) + processor_limit_args(processor_limits(args))
     model_args += ["--max-batch", str(args.max_batch), "--decode-max-len", str(args.decode_max_len)]
+    model_args += ["--prefill-batch", str(args.prefill_batch)]
     model_args += [] if args.batch_decode else ["--no-batch-decode"]
     model_args += [] if args.cuda_graphs else ["--no-cuda-graphs"]
     children: list[subprocess.Popen[bytes]] = []

@@ -39,6 +39,7 @@ class WorkerSettings:
     device: str = "cpu"
     max_inflight: int = 8
     max_batch: int = 32
+    prefill_batch: int = 1
     # The batch decoder of a decoding role (slots, cache length, CUDA graphs).
     decode: DecodeSettings = field(default_factory=DecodeSettings)
     allow_internal_media: bool = False
@@ -117,6 +118,7 @@ def build_stage(
         media_policy=policy,
         max_batch=settings.max_batch,
         embedding_cache=cache,
+        prefill_batch=settings.prefill_batch,
     )
 
 

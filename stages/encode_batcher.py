@@ -20,112 +20,32 @@ differences in the embeddings, the same trade every batching server makes.
 
 from __future__ import annotations
 
-import asyncio
-from dataclasses import dataclass, field
-
-from prometheus_client import Histogram
-
+from stages.call_batcher import CallBatcher
 from stages.engine import MediaEmbedding, TorchEngine
 from stages.families import Media
 from stages.scheduler import EngineThread
 
-BATCH_ITEMS = Histogram(
-    "mmpipe_encode_batch_items",
-    "Media items per encoder call (several requests' items with --encode-batch above 1)",
-    buckets=(1, 2, 4, 8, 16, 32, 64),
-)
-BATCH_REQUESTS = Histogram(
-    "mmpipe_encode_batch_requests",
-    "Requests whose media one encoder call encoded",
-    buckets=(1, 2, 4, 8, 16, 32, 64),
-)
-
-
-@dataclass
-class _Waiting:
-    media: list[Media]
-    done: asyncio.Future[list[MediaEmbedding]] = field(
-        default_factory=lambda: asyncio.get_running_loop().create_future()
-    )
-
 
 class EncodeBatcher:
     def __init__(self, engine: TorchEngine, thread: EngineThread, max_items: int) -> None:
-        if max_items < 1:
-            raise ValueError(f"--encode-batch must be at least 1, not {max_items}")
         self.engine = engine
-        self.thread = thread
-        self.max_items = max_items
-        self.calls = 0
-        self._queue: list[_Waiting] = []
-        self._runner: asyncio.Task[None] | None = None
+        self._batcher: CallBatcher[list[Media], list[MediaEmbedding]] = CallBatcher(
+            "encode", self._run, thread, max_items, weight=len
+        )
+
+    @property
+    def calls(self) -> int:
+        """Encoder calls made so far."""
+        return self._batcher.calls
 
     async def encode(self, media: list[Media]) -> list[MediaEmbedding]:
         """The embeddings of one request's media, made in a call shared with
         whatever other requests wait at the same time."""
-        if self.max_items == 1:
-            self.calls += 1
-            BATCH_ITEMS.observe(len(media))
-            BATCH_REQUESTS.observe(1)
-            return await self.thread.call(self.engine.encode, media)
-        waiting = _Waiting(list(media))
-        self._queue.append(waiting)
-        if self._runner is None or self._runner.done():
-            self._runner = asyncio.create_task(self._run(), name="encode-batcher")
-        try:
-            return await asyncio.shield(waiting.done)
-        except asyncio.CancelledError:
-            # The request was cancelled: its items may still be encoded with the
-            # others (the batch is already running), but nobody waits for them.
-            if waiting in self._queue:
-                self._queue.remove(waiting)
-            # Mark its outcome as seen, so asyncio does not log it as never retrieved.
-            waiting.done.add_done_callback(lambda f: f.cancelled() or f.exception())
-            raise
+        return await self._batcher.submit(list(media))
 
-    def _take(self) -> list[_Waiting]:
-        """Whole requests in arrival order up to ``max_items`` items (at least one request)."""
-        batch: list[_Waiting] = []
-        items = 0
-        while self._queue and (not batch or items + len(self._queue[0].media) <= self.max_items):
-            waiting = self._queue.pop(0)
-            batch.append(waiting)
-            items += len(waiting.media)
-        return batch
-
-    async def _run(self) -> None:
-        while self._queue:
-            batch = self._take()
-            media = [m for w in batch for m in w.media]
-            self.calls += 1
-            BATCH_ITEMS.observe(len(media))
-            BATCH_REQUESTS.observe(len(batch))
-            try:
-                encoded = await self.thread.call(self.engine.encode, media)
-            except Exception as exc:
-                if len(batch) == 1:
-                    _settle(batch[0], exc=exc)
-                    continue
-                # One bad item must not fail the others: encode each request alone.
-                for waiting in batch:
-                    try:
-                        _settle(waiting, await self.thread.call(self.engine.encode, waiting.media))
-                    except Exception as alone:
-                        _settle(waiting, exc=alone)
-                continue
-            it = iter(encoded)
-            for waiting in batch:
-                _settle(waiting, [next(it) for _ in waiting.media])
+    def _run(self, jobs: list[list[Media]]) -> list[list[MediaEmbedding]]:
+        encoded = iter(self.engine.encode([m for job in jobs for m in job]))
+        return [[next(encoded) for _ in job] for job in jobs]
 
 
-def _settle(waiting: _Waiting, result: list[MediaEmbedding] | None = None, exc: BaseException | None = None) -> None:
-    if waiting.done.done():
-        return
-    if exc is not None:
-        waiting.done.set_exception(exc)
-    else:
-        assert result is not None
-        waiting.done.set_result(result)
-
-
-__all__ = ["BATCH_ITEMS", "BATCH_REQUESTS", "EncodeBatcher"]
+__all__ = ["EncodeBatcher"]

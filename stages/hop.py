@@ -28,12 +28,16 @@ from schemas.processed import EncodedItem, EncodedMedia, KvHandoff, ProcessedReq
 from schemas.request import GenerateRequest
 from schemas.routes import HOP_ROLES, moves_tensors
 from schemas.tensors import TensorRef
+from stages.call_batcher import CallBatcher
 from stages.contract import HopContext, StageOutput, TensorStore
 from stages.emitter import ChunkEmitter
 from stages.encoder import MediaEncoder
 from stages.engine import KvState, MediaEmbedding, SamplingConfig, Sequence, TorchEngine
 from stages.media import EmbeddingCache, MediaFetcher, MediaPolicy
 from stages.scheduler import DecodeScheduler, EngineThread
+
+# A new prompt to prefill: its ids (a placeholder per media item), its media, its sampling.
+PrefillJob = tuple[list[int], list[MediaEmbedding], SamplingConfig]
 
 STEPS = ("encode", "prefill", "decode")
 
@@ -64,6 +68,7 @@ class HopStage:
         media_policy: MediaPolicy | None = None,
         max_batch: int = 32,
         embedding_cache: EmbeddingCache | None = None,
+        prefill_batch: int = 1,
     ) -> None:
         self.role = role
         self.steps = _Steps.of(role)
@@ -82,6 +87,11 @@ class HopStage:
             else None
         )
         self.scheduler = DecodeScheduler(engine, self.thread, max_batch=max_batch) if self.steps.decode else None
+        # New prompts waiting together share one forward (--prefill-batch); a
+        # result whose request was cancelled meanwhile frees its cache.
+        self.prefills: CallBatcher[PrefillJob, tuple[Sequence, int]] = CallBatcher(
+            "prefill", engine.prefill_together, self.thread, prefill_batch, orphan=lambda out: engine.release(out[0])
+        )
 
     @property
     def models(self) -> list[str]:
@@ -147,10 +157,13 @@ class HopStage:
                 f"{self.engine.max_model_len} tokens"
             )
         started = time.monotonic()
-        seq, _ = await self.thread.call_or_release(
-            lambda out: self.engine.release(out[0]),
-            lambda: self.engine.prefill([req.prompt_token_ids], [encoded], [_sampling(req)], [ctx.emitted])[0],
-        )
+        if self.prefills.max_items > 1 and not ctx.emitted:
+            seq, _ = await self.prefills.submit((req.prompt_token_ids, encoded, _sampling(req)))
+        else:
+            seq, _ = await self.thread.call_or_release(
+                lambda out: self.engine.release(out[0]),
+                lambda: self.engine.prefill([req.prompt_token_ids], [encoded], [_sampling(req)], [ctx.emitted])[0],
+            )
         ctx.trace["prefill_s"] = time.monotonic() - started
         return seq
 

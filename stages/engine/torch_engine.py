@@ -304,9 +304,36 @@ class TorchEngine:
 
     # -- internals ----------------------------------------------------------
 
-    def _prefill_one(
-        self, prompt: list[int], media: list[MediaEmbedding], sampling: SamplingConfig, emitted: list[int]
-    ) -> tuple[Sequence, int]:
+    def prefill_together(
+        self, jobs: list[tuple[list[int], list[MediaEmbedding], SamplingConfig]]
+    ) -> list[tuple[Sequence, int]]:
+        """Several new prompts in one forward (``--prefill-batch``): left-padded
+        to the longest, padding masked out, each prompt's own positions; then
+        each sequence gets its own cache (its rows of the batch's) and token.
+        One prompt alone is ``prefill`` exactly; together, the matrix products
+        run over other shapes and can round differently in the last bits."""
+        if len(jobs) == 1:
+            prompt, media, sampling = jobs[0]
+            return self.prefill([prompt], [media], [sampling])
+        from stages.engine.prefill_together import padded_forward
+
+        prepared = [self._prepare(prompt, media, []) for prompt, media, _ in jobs]
+        with self._lock, torch.inference_mode():
+            embeds = [
+                self.family.embed_prompt(self.model, ids, media)
+                for (ids, _, _), (_, media, _) in zip(prepared, jobs, strict=True)
+            ]
+            logits, caches = padded_forward(self.model, self.family, embeds, [pos for _, pos, _ in prepared])
+            out = []
+            for (ids, _, delta), (_, _, sampling), row, cache in zip(prepared, jobs, logits, caches, strict=True):
+                seq = Sequence(prompt_len=len(ids), output_ids=[], sampling=sampling, rope_delta=delta, cache=cache)
+                out.append((seq, self._select(seq, row)))
+            return out
+
+    def _prepare(
+        self, prompt: list[int], media: list[MediaEmbedding], emitted: list[int]
+    ) -> tuple[list[int], torch.Tensor, int]:
+        """The prompt's ids with media expanded, its positions and rope delta (checked)."""
         fam = self.family
         for item in media:
             if fam.num_tokens(item) != item.num_tokens:
@@ -325,6 +352,13 @@ class TorchEngine:
                 f"in the model's context of {self.max_model_len}"
             )
         positions, delta = fam.prompt_positions(ids, media)
+        return ids, positions, delta
+
+    def _prefill_one(
+        self, prompt: list[int], media: list[MediaEmbedding], sampling: SamplingConfig, emitted: list[int]
+    ) -> tuple[Sequence, int]:
+        fam = self.family
+        ids, positions, delta = self._prepare(prompt, media, emitted)
         with self._lock, torch.inference_mode():
             embeds = fam.embed_prompt(self.model, ids, media)
             logits, cache = fam.forward(self.model, positions, None, inputs_embeds=embeds)

@@ -101,7 +101,7 @@ async def test_a_cancelled_request_leaves_the_others(engine: TorchEngine, thread
 
 
 def test_at_least_one_item_per_call(engine: TorchEngine, thread: EngineThread) -> None:
-    with pytest.raises(ValueError, match="at least 1"):
+    with pytest.raises(ValueError, match="at least 1 item"):
         EncodeBatcher(engine, thread, max_items=0)
 
 

@@ -1,0 +1,84 @@
+"""Prefill of several prompts in one forward (``--prefill-batch``): each
+sequence leaves with its own cache and next token, the same tokens as its
+prefill alone (the cache equal up to the last bits), and the hop stage
+gathers new prompts that wait together into one call."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from schemas.request import ChatMessage, GenerateRequest, SamplingParams
+from stages.contract import HopContext
+from stages.engine import DecodeSettings, TorchEngine
+from stages.engine.reference import reference_generate
+from stages.hop import HopStage
+from stages.models import builtin_path, resolve_model
+from stages.models.traits import load_traits
+from stages.processor import Processor
+from tests.stages.engine_helpers import chat_prompt, decode, greedy
+
+
+def _image(seed: int, width: int) -> Image.Image:
+    return Image.fromarray(np.random.default_rng(seed).integers(0, 256, (56, width, 3), dtype=np.uint8))
+
+
+@pytest.mark.parametrize("name", ["tiny-qwen2-vl", "tiny-llava"])
+def test_prompts_together_give_each_its_tokens_alone(name: str, mmpipe_home: Path) -> None:
+    engine = TorchEngine(builtin_path(name), decode=DecodeSettings(batched=False))
+    jobs = []
+    for i in range(3):  # different lengths; the middle one text only
+        media = engine.encode([_image(i, 56 + 28 * i)]) if i != 1 else []
+        content = [{"type": "image"}] * len(media) + [{"type": "text", "text": "Say more. " * (i + 1)}]
+        jobs.append((chat_prompt(engine, content), media, greedy(6)))
+    together = engine.prefill_together(jobs)
+    for (seq, first), (prompt, media, sampling) in zip(together, jobs, strict=True):
+        alone, alone_first = engine.prefill([prompt], [media], [sampling])[0]
+        assert (seq.prompt_len, seq.rope_delta) == (alone.prompt_len, alone.rope_delta)
+        for mine, theirs in zip(seq.cache.layers, alone.cache.layers, strict=True):
+            assert mine.keys.shape == theirs.keys.shape  # no padding left in a sequence's cache
+            torch.testing.assert_close(mine.keys, theirs.keys, rtol=1e-4, atol=1e-5)
+            torch.testing.assert_close(mine.values, theirs.values, rtol=1e-4, atol=1e-5)
+        assert decode(engine, seq, first, 6) == decode(engine, alone, alone_first, 6)
+
+
+def test_one_prompt_alone_is_prefill_exactly(tiny_model_dir: Path) -> None:
+    engine = TorchEngine(tiny_model_dir, decode=DecodeSettings(batched=False))
+    job = (chat_prompt(engine, [{"type": "text", "text": "Hello."}]), [], greedy(4))
+    (seq, first), (alone, alone_first) = engine.prefill_together([job])[0], engine.prefill(*map(list, zip(job)))[0]
+    assert first == alone_first
+    for mine, theirs in zip(seq.cache.layers, alone.cache.layers, strict=True):
+        assert torch.equal(mine.keys, theirs.keys) and torch.equal(mine.values, theirs.values)
+
+
+async def test_the_hop_stage_prefills_waiting_prompts_in_one_call(tiny_model_dir: Path) -> None:
+    stage = HopStage("encode+prefill+decode", TorchEngine(tiny_model_dir), "tiny", prefill_batch=4)
+    processor = Processor(load_traits(resolve_model(str(tiny_model_dir), "tiny")))
+    await stage.start()
+    try:
+        requests = [
+            processor.process(
+                GenerateRequest(
+                    f"p{i}",
+                    "tiny",
+                    [ChatMessage("user", "Count to " + "ten, " * i)],
+                    SamplingParams(max_tokens=6, min_tokens=6, temperature=0),
+                )
+            )
+            for i in range(4)
+        ]
+
+        async def run(p: object) -> list[int]:
+            return [t async for c in stage.run(p, HopContext()) for t in c.token_ids]  # type: ignore[arg-type,attr-defined]
+
+        results = await asyncio.gather(*(run(p) for p in requests))
+        assert stage.prefills.calls < len(requests)  # some shared a forward
+        for p, tokens in zip(requests, results, strict=True):
+            assert tokens == reference_generate(tiny_model_dir, p.prompt_token_ids, [], 6)
+    finally:
+        await stage.close()
