@@ -18,6 +18,23 @@ import torch
 from stages.families import Family
 from stages.families.base import cache_kwarg
 
+# Tokens, padding included, one forward may take (rows × the longest row):
+# a bound on the activations and the temporary all-rows cache.
+PADDED_TOKEN_BUDGET = 16384
+
+
+def padded_groups(lengths: list[int], budget: int = PADDED_TOKEN_BUDGET) -> list[list[int]]:
+    """Indices of prompts grouped for padded forwards: by length (less
+    padding), each group's rows × longest within ``budget`` (a prompt longer
+    than that alone)."""
+    groups: list[list[int]] = []
+    for i in sorted(range(len(lengths)), key=lambda i: lengths[i]):
+        if groups and (len(groups[-1]) + 1) * lengths[i] <= budget:
+            groups[-1].append(i)  # sorted: this one is the group's longest
+        else:
+            groups.append([i])
+    return groups
+
 
 def padded_forward(
     model: Any, family: Family, embeds: list[torch.Tensor], positions: list[torch.Tensor]
@@ -57,4 +74,4 @@ def padded_forward(
     return out.logits[:, -1], caches
 
 
-__all__ = ["padded_forward"]
+__all__ = ["PADDED_TOKEN_BUDGET", "padded_forward", "padded_groups"]

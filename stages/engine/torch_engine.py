@@ -315,20 +315,22 @@ class TorchEngine:
         if len(jobs) == 1:
             prompt, media, sampling = jobs[0]
             return self.prefill([prompt], [media], [sampling])
-        from stages.engine.prefill_together import padded_forward
+        from stages.engine.prefill_together import padded_forward, padded_groups
 
         prepared = [self._prepare(prompt, media, []) for prompt, media, _ in jobs]
+        out: list[tuple[Sequence, int] | None] = [None] * len(jobs)
         with self._lock, torch.inference_mode():
-            embeds = [
-                self.family.embed_prompt(self.model, ids, media)
-                for (ids, _, _), (_, media, _) in zip(prepared, jobs, strict=True)
-            ]
-            logits, caches = padded_forward(self.model, self.family, embeds, [pos for _, pos, _ in prepared])
-            out = []
-            for (ids, _, delta), (_, _, sampling), row, cache in zip(prepared, jobs, logits, caches, strict=True):
-                seq = Sequence(prompt_len=len(ids), output_ids=[], sampling=sampling, rope_delta=delta, cache=cache)
-                out.append((seq, self._select(seq, row)))
-            return out
+            for group in padded_groups([len(ids) for ids, _, _ in prepared]):
+                embeds = [self.family.embed_prompt(self.model, prepared[i][0], jobs[i][1]) for i in group]
+                positions = [prepared[i][1] for i in group]
+                logits, caches = padded_forward(self.model, self.family, embeds, positions)
+                for i, row, cache in zip(group, logits, caches, strict=True):
+                    ids, _, delta = prepared[i]
+                    seq = Sequence(
+                        prompt_len=len(ids), output_ids=[], sampling=jobs[i][2], rope_delta=delta, cache=cache
+                    )
+                    out[i] = (seq, self._select(seq, row))
+        return [o for o in out if o is not None]
 
     def _prepare(
         self, prompt: list[int], media: list[MediaEmbedding], emitted: list[int]

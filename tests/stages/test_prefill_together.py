@@ -82,3 +82,15 @@ async def test_the_hop_stage_prefills_waiting_prompts_in_one_call(tiny_model_dir
             assert tokens == reference_generate(tiny_model_dir, p.prompt_token_ids, [], 6)
     finally:
         await stage.close()
+
+
+def test_groups_keep_padded_forwards_within_the_budget() -> None:
+    from stages.engine.prefill_together import padded_groups
+
+    assert padded_groups([5, 3, 9], budget=100) == [[1, 0, 2]]  # shortest first, all in one
+    groups = padded_groups([10, 40, 20, 30, 200], budget=80)
+    assert sorted(i for g in groups for i in g) == [0, 1, 2, 3, 4]  # each prompt exactly once
+    lengths = [10, 40, 20, 30, 200]
+    for g in groups:
+        assert len(g) == 1 or len(g) * max(lengths[i] for i in g) <= 80
+    assert [4] in groups  # longer than the budget: alone
