@@ -264,10 +264,6 @@ def open_container(data: bytes, demuxer: str) -> InputContainer:
     return av.open(io.BytesIO(data), mode="r", format=demuxer)
 
 
-def _open(data: bytes, demuxer: str) -> InputContainer:
-    return open_container(data, demuxer)
-
-
 def _video_stream(container: InputContainer, policy: MediaPolicy) -> VideoStream:
     if not container.streams.video:
         raise InvalidMedia("media has no video stream")
@@ -391,7 +387,7 @@ def _read_frames(
 ) -> list[Image.Image]:
     """Decode the frames at ``wanted`` (sorted indices), seeking past long stretches if ``seek``."""
     out: list[Image.Image] = []
-    with _open(data, demuxer) as container:
+    with open_container(data, demuxer) as container:
         stream = _video_stream(container, policy)
         frames = iter(container.decode(stream))
         decoded = 0  # frames seen since the start; used only when frames lack timestamps
@@ -423,7 +419,7 @@ def _read_frames(
 
 
 def _decode(data: bytes, demuxer: str, policy: MediaPolicy, options: VideoOptions, limit: int) -> DecodedVideo:
-    with _open(data, demuxer) as container:
+    with open_container(data, demuxer) as container:
         stream = _video_stream(container, policy)
         header = _header_duration(container, stream)
         if header is not None:
