@@ -19,7 +19,6 @@ import asyncio
 import json
 import re
 import signal
-import socket
 import time
 import urllib.error
 import urllib.request
@@ -35,7 +34,16 @@ import pytest
 from tests.e2e.conftest import make_reference, png_data_url
 from tests.e2e.processes import Proc, Processes
 from tests.vllm.references import video_content
-from tests.vllm.test_vllm_engine import ENGINE_ARGS, MODEL, N, _ask, _free_port, _image, _image_content
+from tests.vllm.test_vllm_engine import (
+    ENGINE_ARGS,
+    MODEL,
+    N,
+    _ask,
+    _free_port,
+    _free_port_run,
+    _image,
+    _image_content,
+)
 
 
 @dataclass
@@ -49,20 +57,6 @@ class VllmStack:
 
     def client(self) -> openai.AsyncOpenAI:
         return openai.AsyncOpenAI(base_url=f"{self.base_url}/v1", api_key="none", max_retries=0)
-
-
-def _port_run(n: int) -> int:
-    """The first of n consecutive free ports (the workers' health ports)."""
-    for _ in range(50):
-        first = _free_port()
-        try:
-            for port in range(first, first + n):
-                with socket.socket() as s:
-                    s.bind(("127.0.0.1", port))
-        except OSError:
-            continue
-        return first
-    raise AssertionError("no run of free ports")
 
 
 @pytest.fixture(scope="module")
@@ -91,7 +85,7 @@ def all_vllm(
         "up", "--mode", "e-pd", "--engine", "vllm", "--vllm-encoder", "--vllm-ec-path", str(ec_path),
         "--vllm-args-file", str(args_file), "--vllm-arg", "max_model_len=2048", "--model", str(vllm_model_dir),
         "--served-model-name", MODEL, "--port", str(port), "--data-dir", str(tmp / "data"), "--transport", "nats",
-        "--log-level", "INFO", "--worker-health-port", str(_port_run(4)), "--modalities", "image,video",
+        "--log-level", "INFO", "--worker-health-port", str(_free_port_run(4)), "--modalities", "image,video",
     )  # fmt: skip
     state = {"engine_killed": False}
     try:
