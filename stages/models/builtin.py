@@ -154,15 +154,16 @@ def qwen_vl_preprocessor(min_pixels: int = _MIN_PIXELS, max_pixels: int = _MAX_P
     }
 
 
-def _build_qwen2_vl(out_dir: Path) -> None:
-    from transformers import Qwen2VLConfig, Qwen2VLForConditionalGeneration
+def _qwen2_vl_config(text_config: Any, hidden_size: int) -> Any:
+    """A tiny Qwen2-VL: two vision blocks whose merger outputs ``hidden_size``."""
+    from transformers import Qwen2VLConfig
 
-    config = Qwen2VLConfig(
-        text_config=_mrope_text_config(),
+    return Qwen2VLConfig(
+        text_config=text_config,
         vision_config={
             "depth": 2,
             "embed_dim": _VISION_EMBED,
-            "hidden_size": _TEXT_HIDDEN,
+            "hidden_size": hidden_size,
             "mlp_ratio": 2,
             "num_heads": _VISION_HEADS,
             "patch_size": 14,
@@ -173,7 +174,12 @@ def _build_qwen2_vl(out_dir: Path) -> None:
         architectures=["Qwen2VLForConditionalGeneration"],
         **_qwen_vl_tokens(),
     )
-    model = Qwen2VLForConditionalGeneration(config)
+
+
+def _build_qwen2_vl(out_dir: Path) -> None:
+    from transformers import Qwen2VLForConditionalGeneration
+
+    model = Qwen2VLForConditionalGeneration(_qwen2_vl_config(_mrope_text_config(), _TEXT_HIDDEN))
     _seeded_init(model, max(QWEN2_ADDED_TOKEN_IDS.values()))
     _save(model, out_dir, _QWEN_EOS, qwen_vl_preprocessor())
     copy_qwen_tokenizer(out_dir, model_max_length=_MAX_POSITIONS)
@@ -186,7 +192,7 @@ _VLLM_TEXT_HIDDEN = 128
 
 
 def _build_qwen2_vl_vllm(out_dir: Path) -> None:
-    from transformers import Qwen2VLConfig, Qwen2VLForConditionalGeneration
+    from transformers import Qwen2VLForConditionalGeneration
 
     half = _VLLM_TEXT_HIDDEN // _TEXT_HEADS // 2
     rope = {
@@ -200,23 +206,7 @@ def _build_qwen2_vl_vllm(out_dir: Path) -> None:
         rope_parameters=rope,
         use_sliding_window=False,
     )
-    config = Qwen2VLConfig(
-        text_config=text,
-        vision_config={
-            "depth": 2,
-            "embed_dim": _VISION_EMBED,
-            "hidden_size": _VLLM_TEXT_HIDDEN,
-            "mlp_ratio": 2,
-            "num_heads": _VISION_HEADS,
-            "patch_size": 14,
-            "spatial_merge_size": 2,
-            "temporal_patch_size": 2,
-        },
-        tie_word_embeddings=True,
-        architectures=["Qwen2VLForConditionalGeneration"],
-        **_qwen_vl_tokens(),
-    )
-    model = Qwen2VLForConditionalGeneration(config)
+    model = Qwen2VLForConditionalGeneration(_qwen2_vl_config(text, _VLLM_TEXT_HIDDEN))
     _seeded_init(model, max(QWEN2_ADDED_TOKEN_IDS.values()))
     _save(model, out_dir, _QWEN_EOS, qwen_vl_preprocessor())
     copy_qwen_tokenizer(out_dir, model_max_length=_MAX_POSITIONS)
