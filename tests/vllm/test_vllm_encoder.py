@@ -23,7 +23,6 @@ import time
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -32,31 +31,19 @@ import psutil
 import pytest
 
 from tests.e2e.conftest import make_reference, png_data_url
-from tests.e2e.processes import Proc, Processes
+from tests.e2e.processes import Processes
 from tests.vllm.references import video_content
 from tests.vllm.test_vllm_engine import (
     ENGINE_ARGS,
     MODEL,
     N,
+    VllmStack,
     _ask,
     _free_port,
     _free_port_run,
     _image,
     _image_content,
 )
-
-
-@dataclass
-class VllmStack:
-    """What test_vllm_engine's helpers (_ask) read of a stack."""
-
-    mode: str
-    base_url: str
-    nats_url: str
-    up: Proc
-
-    def client(self) -> openai.AsyncOpenAI:
-        return openai.AsyncOpenAI(base_url=f"{self.base_url}/v1", api_key="none", max_retries=0)
 
 
 @pytest.fixture(scope="module")
@@ -97,7 +84,7 @@ def all_vllm(
             if '"worker_health_port"' in line:
                 event = json.loads(line[line.index("{") :])
                 ready[event["role"]] = event["url"]
-        yield VllmStack("e-pd", f"http://127.0.0.1:{port}", nats_url.group(1), up), ec_path, ready, state
+        yield VllmStack("e-pd", f"http://127.0.0.1:{port}", nats_url.group(1), up, metrics={}), ec_path, ready, state
     finally:
         code = up.stop(signal.SIGINT, timeout_s=90)
         procs.stop_all()
