@@ -11,7 +11,8 @@ from typing import Any
 import nats
 import structlog
 from nats.aio.client import Client
-from nats.js import JetStreamContext
+from nats.js import JetStreamContext, api
+from nats.js.errors import NoStreamResponseError
 
 from pipeline.auth import NatsAuth
 
@@ -22,6 +23,40 @@ _REFUSALS = ("authorization violation", "authentication", "user authentication e
 
 PING_INTERVAL_S = 10
 MAX_OUTSTANDING_PINGS = 3
+
+
+# nats.go's JetStream publish retries "no responders" (2 more tries, 250 ms
+# apart); a cluster needs it: a stream just created on other nodes takes a
+# moment to be heard of by this one, and until then a publish finds nobody.
+PUBLISH_RETRIES = 4
+PUBLISH_RETRY_WAIT_S = 0.25
+
+
+class JetStream(JetStreamContext):
+    """nats-py's JetStream context, with the publish retry nats.go has.
+
+    "No responders" means no stream took the message, so trying again
+    cannot store it twice, with or without a ``Nats-Msg-Id``.
+    """
+
+    async def publish(
+        self,
+        subject: str,
+        payload: bytes = b"",
+        timeout: float | None = None,  # noqa: ASYNC109 (JetStreamContext.publish's own signature)
+        stream: str | None = None,
+        headers: dict[str, Any] | None = None,
+        msg_ttl: float | None = None,
+    ) -> api.PubAck:
+        for attempt in range(PUBLISH_RETRIES + 1):
+            try:
+                return await super().publish(subject, payload, timeout, stream, headers, msg_ttl)
+            except NoStreamResponseError:
+                if attempt == PUBLISH_RETRIES:
+                    raise
+                log.info("jetstream_no_responders", subject=subject, attempt=attempt + 1)
+                await asyncio.sleep(PUBLISH_RETRY_WAIT_S)
+        raise AssertionError("unreachable")
 
 
 class NatsRefused(ConnectionError):
@@ -90,7 +125,7 @@ async def connect(url: str, name: str, auth: NatsAuth | None = None) -> tuple[Cl
     refused.cancel()
     client = connecting.result()
     connected = True
-    return client, client.jetstream()
+    return client, JetStream(client)
 
 
 async def shutdown(nc: Client) -> None:
