@@ -104,6 +104,7 @@ class TorchEngine:
         with _quiet_progress_bars():
             model: Any = self.family.model_class.from_pretrained(str(self.model_dir), dtype=self.dtype)
         self.model = model.to(self.device).eval()
+        self.family.on_loaded(self.model, self.device, self.dtype)
         self.tokenizer = AutoTokenizer.from_pretrained(str(self.model_dir))
         limit = self.family.max_position_embeddings
         self.max_model_len = min(max_model_len or limit, limit)

@@ -78,6 +78,8 @@ class Family(Protocol):
     @property
     def model_class(self) -> Any: ...
 
+    def on_loaded(self, model: Any, device: torch.device, dtype: torch.dtype) -> None: ...
+
     def encode(self, model: Any, media: list[Media]) -> list[MediaEmbedding]:
         """Embeddings of a request's media, in order: one tower call per kind,
         as generate() makes them."""
@@ -130,6 +132,10 @@ class LanguageModelFamily:
         self.num_key_value_heads = int(text_config.num_key_value_heads)
         heads = int(text_config.num_attention_heads)
         self.head_dim = int(getattr(text_config, "head_dim", None) or self.hidden_size // heads)
+
+    def on_loaded(self, model: Any, device: torch.device, dtype: torch.dtype) -> None:
+        """Adjust the loaded model for where it runs (a faster kernel that
+        keeps its arithmetic); nothing by default."""
 
     def embeddings_grid(self, grid: Grid, rows: int) -> Grid:
         raise ValueError(f"the {self.name} adapter takes no precomputed image embeddings")

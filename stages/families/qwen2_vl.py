@@ -38,6 +38,7 @@ except ImportError:  # older releases: Qwen2VLImageProcessor is the PIL/numpy on
 from transformers import PretrainedConfig, Qwen2_5_VLForConditionalGeneration, Qwen2VLForConditionalGeneration
 
 from schemas.processed import MediaKind
+from stages.families import vision_attention
 from stages.families.base import (
     Grid,
     LanguageModelFamily,
@@ -127,6 +128,10 @@ class Qwen2VLFamily(LanguageModelFamily):
             return out["pixel_values"], out["image_grid_thw"]
         outs = list(_preprocess_pool().map(lambda im: self.image_processor(images=[im], return_tensors="pt"), images))
         return torch.cat([o["pixel_values"] for o in outs]), torch.cat([o["image_grid_thw"] for o in outs])
+
+    def on_loaded(self, model: Any, device: torch.device, dtype: torch.dtype) -> None:
+        if vision_attention.available(device, dtype):
+            vision_attention.use_packed_attention(model.model.visual.config)
 
     def num_image_tokens(self, grid: Grid) -> int:
         t, h, w = grid
