@@ -115,6 +115,14 @@ class BatchDecoder:
             self.keys[i, slot, :, :length].copy_(k[0])
             self.values[i, slot, :, :length].copy_(v[0])
 
+    def slot_views(self, slot: int, length: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Per layer, views [1, kv_heads, length, head_dim] of a slot's keys
+        and values: where a sequence's cache can be written in place."""
+        return [
+            (self.keys[i, slot : slot + 1, :, :length], self.values[i, slot : slot + 1, :, :length])
+            for i in range(self.shape.layers)
+        ]
+
     def move(self, src: int, dst: int, length: int) -> None:
         """Refill a freed slot with another slot's cache (keeps running slots packed)."""
         self.keys[:, dst, :, :length].copy_(self.keys[:, src, :, :length])

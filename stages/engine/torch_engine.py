@@ -26,6 +26,7 @@ from schemas.processed import MediaKind
 from stages import batch_decoder
 from stages.batch_decoder import BatchDecoder
 from stages.engine.sampling import SamplingConfig, select_token
+from stages.engine.slots import SlotTable
 from stages.engine_settings import DecodeSettings
 from stages.families import Grid, Media, MediaEmbedding, family_for_architecture
 
@@ -46,6 +47,8 @@ class Sequence:
     cache: Any  # transformers Cache until the batch decoder takes it; None after
     # Slot in the batch decoder's cache once admitted there; -1 otherwise.
     slot: int = -1
+    # Its slot is being written by a KV transfer (reserve_kv): no step yet.
+    receiving: bool = False
 
     @property
     def length(self) -> int:
@@ -123,8 +126,7 @@ class TorchEngine:
                 use_graphs=decode.cuda_graphs,
                 fused=decode.fused,
             )
-        # Sequences in the decoder's slots, by slot (slots 0..n-1 are taken).
-        self._slots: list[Sequence] = []
+        self._slots = SlotTable(self.decoder) if self.decoder is not None else None
 
     # -- media --------------------------------------------------------------
 
@@ -191,14 +193,10 @@ class TorchEngine:
         with self._lock, torch.inference_mode():
             batched = [seq for seq in seqs if self._admit(seq)]
             if batched:
-                assert self.decoder is not None
+                assert self.decoder is not None and self._slots is not None
                 # Every slot steps (a slot not asked for writes the same key and
                 # value again: idempotent); only the asked ones take a token.
-                logits = self.decoder.step(
-                    [q.output_ids[-1] for q in self._slots],
-                    [q.length - 1 + q.rope_delta for q in self._slots],
-                    [q.length - 1 for q in self._slots],
-                )
+                logits = self.decoder.step(*self._slots.step_inputs())
                 chosen = self._select_batch(batched, logits)
             return [chosen[id(q)] if q.slot >= 0 else self._step_one(q) for q in seqs]
 
@@ -206,28 +204,22 @@ class TorchEngine:
         seq.cache = None
         if seq.slot < 0:
             return
+        assert self._slots is not None
         with self._lock:
-            # Keep the taken slots packed: the last one moves into the hole.
-            last = self._slots.pop()
-            if last is not seq:
-                assert self.decoder is not None
-                self.decoder.move(last.slot, seq.slot, last.length - 1)
-                last.slot = seq.slot
-                self._slots[seq.slot] = last
-            seq.slot = -1
+            self._slots.free(seq)
 
     def _admit(self, seq: Sequence) -> bool:
         """Whether ``seq`` is (now) in a decoder slot; its cache moves there."""
         if seq.slot >= 0:
+            if seq.receiving:
+                raise ValueError("step on a sequence whose KV cache is still arriving")
             return True
-        decoder = self.decoder
-        if decoder is None or len(self._slots) >= decoder.max_slots:
+        decoder, slots = self.decoder, self._slots
+        if decoder is None or slots is None or not slots.has_room():
             return False
         if seq.prompt_len + seq.sampling.max_tokens > decoder.max_len:
             return False
-        seq.slot = len(self._slots)
-        decoder.load(seq.slot, [(layer.keys, layer.values) for layer in seq.cache.layers])
-        self._slots.append(seq)
+        decoder.load(slots.take(seq), [(layer.keys, layer.values) for layer in seq.cache.layers])
         seq.cache = None
         return True
 
@@ -253,6 +245,16 @@ class TorchEngine:
             tensors += [keys, values]
         return tensors, KvState(seq.prompt_len, list(seq.output_ids), seq.rope_delta)
 
+    def kv_shape(self, state: KvState) -> tuple[int, ...]:
+        """The shape of each of the ``2 * layers`` tensors of a hand-off of
+        ``state`` (checked: a valid next token, room left in the context)."""
+        length = state.prompt_len + len(state.output_ids) - 1
+        if not state.output_ids or any(not 0 <= t < self.family.vocab_size for t in state.output_ids):
+            raise InvalidRequest("KV hand-off without a valid next token")
+        if length + 1 >= self.max_model_len:
+            raise ContextLengthExceeded(f"sequence of {length + 1} tokens fills the context of {self.max_model_len}")
+        return (1, self.family.num_key_value_heads, length, self.family.head_dim)
+
     def import_kv(self, tensors: list[torch.Tensor], state: KvState, sampling: SamplingConfig) -> Sequence:
         """A sequence from another engine's ``export_kv``: checked against
         this model's shape, moved to this engine's device and dtype."""
@@ -261,15 +263,10 @@ class TorchEngine:
         layers = self.family.num_hidden_layers
         if len(tensors) != 2 * layers:
             raise InvalidRequest(f"KV cache of {len(tensors) // 2} layers for a model of {layers}")
-        length = state.prompt_len + len(state.output_ids) - 1
-        want = (1, self.family.num_key_value_heads, length, self.family.head_dim)
+        want = self.kv_shape(state)
         for t in tensors:
             if tuple(t.shape) != want:
                 raise InvalidRequest(f"KV tensor of shape {tuple(t.shape)}; this model and sequence need {want}")
-        if not state.output_ids or any(not 0 <= t < self.family.vocab_size for t in state.output_ids):
-            raise InvalidRequest("KV hand-off without a valid next token")
-        if length + 1 >= self.max_model_len:
-            raise ContextLengthExceeded(f"sequence of {length + 1} tokens fills the context of {self.max_model_len}")
         moved = [t.to(self.device, self.dtype) for t in tensors]
         cache = DynamicCache(ddp_cache_data=list(zip(moved[0::2], moved[1::2], strict=True)))
         return Sequence(
@@ -279,6 +276,46 @@ class TorchEngine:
             rope_delta=state.rope_delta,
             cache=cache,
         )
+
+    def reserve_kv(self, state: KvState, sampling: SamplingConfig) -> tuple[Sequence, list[torch.Tensor]] | None:
+        """A decoder slot for a sequence whose KV cache is still to arrive,
+        and the views of that slot (``[k0, v0, k1, v1, ...]``, each of
+        ``kv_shape(state)``) for a transport to READ the cache straight into:
+        no copy after the transfer. Call ``received`` once it is there, or
+        ``release`` (``tainted`` if a READ into it may still run). None where
+        the sequence would not go to the batch decoder: ``import_kv`` then."""
+        shape = self.kv_shape(state)
+        decoder, slots = self.decoder, self._slots
+        if decoder is None or slots is None or state.prompt_len + sampling.max_tokens > decoder.max_len:
+            return None
+        seq = Sequence(
+            prompt_len=state.prompt_len,
+            output_ids=list(state.output_ids),
+            sampling=sampling,
+            rope_delta=state.rope_delta,
+            cache=None,
+            receiving=True,
+        )
+        with self._lock:
+            if not slots.has_room():
+                return None
+            slot = slots.take(seq)
+        views = decoder.slot_views(slot, shape[2])
+        return seq, [t for pair in views for t in pair]
+
+    def received(self, seq: Sequence) -> None:
+        """The KV cache reserved for ``seq`` has arrived: it steps from now on."""
+        with self._lock:
+            seq.receiving = False
+
+    def abandon(self, seq: Sequence, *, tainted: bool) -> None:
+        """A reserved sequence whose cache will not arrive. ``tainted``: a
+        READ into its slot could not be cancelled, so the slot is never used
+        again (it stays a receiving row nobody reads)."""
+        if tainted:
+            seq.cache = None
+            return
+        self.release(seq)
 
     def resume(self, seq: Sequence, emitted: list[int]) -> int:
         """Bring ``seq`` in line with the tokens a client already has and

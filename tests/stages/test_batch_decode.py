@@ -94,7 +94,7 @@ def test_joining_and_leaving_gives_the_tokens_of_one_at_a_time(engines: Any, tem
                 batched.release(seq)
                 del running[i]
     assert [outputs[i] for i in range(len(prompts))] == expected
-    assert batched._slots == []
+    assert batched._slots is not None and len(batched._slots) == 0
 
 
 def test_batched_decode_equals_generate(engines: Any, engine_device: str) -> None:
@@ -139,3 +139,57 @@ def test_kv_of_a_batched_sequence_exports_as_the_per_sequence_one(engines: Any) 
     assert all(g.shape == w.shape and (g - w).abs().max() < 1e-5 for g, w in zip(got, want, strict=True))
     batched.release(a)
     alone.release(b)
+
+
+def test_a_cache_written_into_its_reserved_slot_decodes_as_the_sequence_it_left(engines: Any) -> None:
+    """reserve_kv: the slot's views take the cache in place (what a NIXL READ
+    does); rows around it keep decoding meanwhile, a slot freed below it
+    becomes a hole the next sequence takes, and a slot a READ may still
+    write is never handed out again."""
+    name, batched, alone = engines
+    prompts = _prompts(batched, name)
+    greedy = SamplingConfig(temperature=0.0, max_tokens=N, min_tokens=N)
+    # What the prefill worker hands over: its sequence after prefill and two steps.
+    (p_a, m_a), (p_b, _), (p_c, _) = prompts[1], prompts[0], prompts[2]
+    [(sent, first)] = alone.prefill([p_a], [m_a], [greedy])
+    head = [first, *alone.step([sent]), *alone.step([sent])]
+    tensors, state = alone.export_kv(sent)
+    alone.release(sent)
+
+    [(b, b_first)] = batched.prefill([p_b], [[]], [greedy])
+    b_out = [b_first, *batched.step([b])]
+    reserved = batched.reserve_kv(state, greedy)
+    assert reserved is not None
+    a, targets = reserved
+    assert a.slot == 1 and a.receiving
+    assert [tuple(t.shape) for t in targets] == [batched.kv_shape(state)] * len(tensors)
+    with pytest.raises(ValueError, match="still arriving"):
+        batched.step([a])
+    b_out += batched.step([b])  # the receiving row steps too, unread
+    for target, tensor in zip(targets, tensors, strict=True):
+        target.copy_(tensor)
+    batched.received(a)
+    a_out = list(head)
+    while len(a_out) < N:
+        token_a, token_b = batched.step([a, b])
+        a_out.append(token_a)
+        b_out.append(token_b)
+    assert a_out == _alone(alone, p_a, m_a, greedy)
+    assert b_out == _alone(alone, p_b, [], greedy)
+
+    # b (slot 0) leaves while a new reservation sits on top: slot 0 becomes a hole, c takes it.
+    batched.release(a)
+    again = batched.reserve_kv(state, greedy)
+    assert again is not None and again[0].slot == 1
+    batched.release(b)
+    assert batched._slots is not None and batched._slots.rows[0] is None
+    [(c, c_first)] = batched.prefill([p_c], [[]], [greedy])
+    c_out = [c_first]
+    while len(c_out) < N:
+        c_out += batched.step([c])
+    assert c.slot == 0 and c_out == _alone(alone, p_c, [], greedy)
+    batched.release(c)
+    # A READ that could not be cancelled: its slot stays out of use for good.
+    batched.abandon(again[0], tainted=True)
+    assert batched._slots.rows == [None, again[0]] and batched._slots.taken == 1
+    batched._slots.rows.clear()  # the module-scoped engine goes on to other tests
