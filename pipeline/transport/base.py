@@ -29,6 +29,11 @@ class TensorGone(MmpipeError):
     retryable = True
 
 
+class TargetTainted(TensorGone):
+    """A READ into the caller's own tensors (``get_into``) failed and could
+    not be cancelled: they may still be written, so they must not be reused."""
+
+
 class ForeignTensorRef(MmpipeError):
     """A ref whose holder is no agent of this worker's namespace (it never
     published metadata in the namespace's bucket), or whose holder name could
@@ -117,6 +122,13 @@ class TensorTransport(Protocol):
     async def get(self, ref: TensorRef, device: torch.device | str = "cpu") -> list[torch.Tensor]:
         """Fresh tensors owned by the caller; the holder may then free its
         copy. Raises TensorGone."""
+        ...
+
+    async def get_into(self, ref: TensorRef, targets: list[torch.Tensor]) -> None:
+        """The tensors written into the caller's ``targets`` (of the ref's
+        dtypes and shapes; views allowed), where the transport can, without a
+        copy of its own. Raises TensorGone, or TargetTainted when the targets
+        may still be written after it."""
         ...
 
     async def release(self, ref: TensorRef) -> None:

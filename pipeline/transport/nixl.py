@@ -26,6 +26,7 @@ import asyncio
 import itertools
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Final, Literal
 
@@ -43,11 +44,11 @@ from pipeline.streams import retrying
 from pipeline.subjects import check_token
 from pipeline.transport import metrics
 from pipeline.transport.arena import FirstFit
-from pipeline.transport.base import ForeignTensorRef, TensorGone, TransportFull, TransportSettings
+from pipeline.transport.base import ForeignTensorRef, TargetTainted, TensorGone, TransportFull, TransportSettings
 from pipeline.transport.copy import copy_bytes
 from pipeline.transport.holder import HeldRegions
-from pipeline.transport.nixl_agent import Agent
-from pipeline.transport.packing import check_specs, layout, pack_into, unpack
+from pipeline.transport.nixl_agent import Agent, Desc
+from pipeline.transport.packing import check_specs, check_targets, contiguous_runs, layout, pack_into, unpack
 from schemas.tensors import LeaseReply, LeaseRequest, TensorRef
 
 log = structlog.get_logger(__name__)
@@ -117,6 +118,8 @@ class NixlTransport:
         self._held = HeldRegions(NAME, self.settings.budget_bytes, self.settings.ttl_s)
         self._leases = itertools.count(1)
         self._remotes: dict[str, _Remote] = {}
+        # Storage registered to READ into (get_into), by address; kept alive until close.
+        self._targets: dict[int, torch.Tensor] = {}
         self._kv: KeyValue | None = None
         self._sub: Any = None
         self._poller: asyncio.Task[None] | None = None
@@ -275,8 +278,7 @@ class NixlTransport:
 
     # -- reader side -----------------------------------------------------
 
-    async def get(self, ref: TensorRef, device: torch.device | str = "cpu") -> list[torch.Tensor]:
-        t0 = time.monotonic()
+    def _check_ref(self, ref: TensorRef) -> None:
         if ref.transport != NAME:
             raise ValueError(f"a {ref.transport!r} tensor ref was given to the {NAME!r} transport")
         check_specs(ref.tensors, ref.nbytes)
@@ -289,18 +291,73 @@ class NixlTransport:
         if time.time() > ref.expires:
             metrics.ERRORS.labels(NAME, "expired_ref").inc()
             raise TensorGone(f"tensors {ref.key} of {ref.holder} expired before they were read")
-        out = torch.empty(ref.nbytes, dtype=torch.uint8, device=device)
-        if ref.holder == self.agent_name:
-            await self._get_local(ref, out)
-        else:
-            await self._get_remote(ref, out, deadline=t0 + self.settings.get_timeout_s)
+
+    def _count(self, ref: TensorRef, t0: float) -> None:
         dt = time.monotonic() - t0
         self.last_transfer = (ref.nbytes, dt)
         metrics.BYTES.labels(NAME, "get").inc(ref.nbytes)
         metrics.TRANSFER_SECONDS.labels(NAME).observe(dt)
+
+    async def get(self, ref: TensorRef, device: torch.device | str = "cpu") -> list[torch.Tensor]:
+        t0 = time.monotonic()
+        self._check_ref(ref)
+        out = torch.empty(ref.nbytes, dtype=torch.uint8, device=device)
+        if ref.holder == self.agent_name:
+            await self._get_local(ref, lambda region: out.copy_(region), out.device)
+        else:
+            await self._get_remote(ref, out, deadline=t0 + self.settings.get_timeout_s)
+        self._count(ref, t0)
         return unpack(out, ref.tensors)
 
-    async def _get_local(self, ref: TensorRef, out: torch.Tensor) -> None:
+    async def get_into(self, ref: TensorRef, targets: list[torch.Tensor]) -> None:
+        """READ the ref's tensors straight into ``targets``: tensors on this
+        transport's device with the specs' dtypes and shapes, strided views
+        allowed (a slot of a KV cache). No receive arena, no copy after the
+        READ. Raises ``TargetTainted`` when a READ could not be cancelled:
+        the targets may still be written and must not be reused."""
+        t0 = time.monotonic()
+        self._check_ref(ref)
+        check_targets(targets, ref.tensors, self.device)
+        if ref.holder == self.agent_name:
+
+            def copy(region: torch.Tensor) -> None:
+                for target, view in zip(targets, unpack(region, ref.tensors), strict=True):
+                    target.copy_(view)
+
+            await self._get_local(ref, copy, self.device)
+        else:
+            await self._register_targets(targets)
+            local, remote = [], []
+            for target, spec in zip(targets, ref.tensors, strict=True):
+                for address, n, offset in contiguous_runs(target):
+                    local.append((address, n, self.device_id))
+                    remote.append((ref.addr + spec.offset + offset, n, ref.device_id))
+            tainted = False
+
+            def taint(forever: bool) -> None:
+                nonlocal tainted
+                tainted = True  # the caller's memory cannot be quarantined for a while: for good
+
+            try:
+                await self._read_leased(ref, local, remote, t0 + self.settings.get_timeout_s, tainted=taint)
+            except TensorGone as exc:
+                if tainted:
+                    raise TargetTainted(f"{exc}; the targets may still be written") from exc
+                raise
+        self._count(ref, t0)
+
+    async def _register_targets(self, targets: list[torch.Tensor]) -> None:
+        """Register the whole storage under each target once (a KV cache:
+        at its first hand-off); it stays registered until close."""
+        for target in targets:
+            storage = target.untyped_storage()
+            if storage.data_ptr() in self._targets or not storage.nbytes():
+                continue
+            whole = torch.empty(0, dtype=torch.uint8, device=self.device).set_(storage)
+            await self._agent.register([whole])
+            self._targets[storage.data_ptr()] = whole
+
+    async def _get_local(self, ref: TensorRef, copy: Callable[[torch.Tensor], object], to: torch.device) -> None:
         """A worker that runs two steps reads its own tensors without NIXL."""
         lease = next(self._leases)
         reason = self._held.lease(ref.key, lease, self.settings.lease_s)
@@ -310,7 +367,7 @@ class NixlTransport:
         assert held is not None
         try:
             region = self._arena[held.offset : held.offset + ref.nbytes]
-            await copy_bytes(lambda: out.copy_(region), ref.nbytes, self.device, out.device)
+            await copy_bytes(lambda: copy(region), ref.nbytes, self.device, to)
         finally:
             self._held.end_lease(ref.key, lease, read=True)
 
@@ -318,28 +375,39 @@ class NixlTransport:
         n = max(ref.nbytes, 1)  # NIXL rejects empty descriptors; a held region is never empty
         offset = await self._reserve_recv(n, deadline)
         try:
-            # The lease first: it tells a dead holder at once, before UCX tries to connect to it.
-            lease, trusted_until = await self._claim(ref, deadline)
-            try:
-                remote = await self._ensure_remote(ref.holder, deadline)
-            except TensorGone:
-                await self._abort_lease(ref, lease)
-                raise
-            remote.inflight += 1
-            try:
-                t0 = time.monotonic()
-                await self._read(ref, offset, n, lease, min(deadline, trusted_until))
-                self.last_read = (n, time.monotonic() - t0)
-            except TensorGone:
-                remote.stale = True
-                raise
-            finally:
-                remote.inflight -= 1
+            local = [(self._recv.data_ptr() + offset, n, self.device_id)]
+            remote = [(ref.addr, n, ref.device_id)]
+
+            def quarantine(forever: bool) -> None:
+                self._quarantine(offset, forever=forever)
+
+            await self._read_leased(ref, local, remote, deadline, tainted=quarantine)
             recv = self._recv[offset : offset + ref.nbytes]
             await copy_bytes(lambda: out.copy_(recv), ref.nbytes, self.device, out.device)
         finally:
             if offset not in self._quarantined:
                 self._free_recv(offset)
+
+    async def _read_leased(
+        self, ref: TensorRef, local: list[Desc], remote: list[Desc], deadline: float, tainted: Callable[[bool], None]
+    ) -> None:
+        # The lease first: it tells a dead holder at once, before UCX tries to connect to it.
+        lease, trusted_until = await self._claim(ref, deadline)
+        try:
+            peer = await self._ensure_remote(ref.holder, deadline)
+        except TensorGone:
+            await self._abort_lease(ref, lease)
+            raise
+        peer.inflight += 1
+        try:
+            t0 = time.monotonic()
+            await self._read(ref, local, remote, lease, min(deadline, trusted_until), tainted)
+            self.last_read = (sum(d[1] for d in local), time.monotonic() - t0)
+        except TensorGone:
+            peer.stale = True
+            raise
+        finally:
+            peer.inflight -= 1
 
     def _free_recv(self, offset: int) -> None:
         self._quarantined.pop(offset, None)
@@ -443,11 +511,18 @@ class NixlTransport:
         except TimeoutError:
             return
 
-    async def _read(self, ref: TensorRef, offset: int, n: int, lease: int, until: float) -> None:
-        """READ the region into the receive arena at ``offset``; the bytes
-        count only if the READ completed before ``until``."""
-        local = (self._recv.data_ptr() + offset, n, self.device_id)
-        remote = (ref.addr, n, ref.device_id)
+    async def _read(
+        self,
+        ref: TensorRef,
+        local: list[Desc],
+        remote: list[Desc],
+        lease: int,
+        until: float,
+        tainted: Callable[[bool], None],
+    ) -> None:
+        """READ the region into ``local``; the bytes count only if the READ
+        completed before ``until``. ``tainted(forever)`` keeps the local
+        memory out of use when a READ we gave up on may still write it."""
         notif = f"{ref.key}:{lease}".encode()
         outcome = await self._agent.read(local, self.mem, remote, ref.mem, ref.holder, notif, until)
         self.last_read_phases = outcome.phases
@@ -455,9 +530,9 @@ class NixlTransport:
             return
         if not outcome.released:
             metrics.ERRORS.labels(NAME, "xfer_not_cancelled").inc()
-            self._quarantine(offset, forever=True)
+            tainted(True)
         elif outcome.state == "PROC":
-            self._quarantine(offset, forever=False)  # cancelled, but keep it out of use a while anyway
+            tainted(False)  # cancelled, but keep it out of use a while anyway
         if not outcome.posted:
             await self._abort_lease(ref, lease)  # no READ touched the region: another reader may have it now
         metrics.ERRORS.labels(NAME, "read_" + outcome.state.lower()).inc()

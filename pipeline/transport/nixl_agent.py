@@ -119,6 +119,10 @@ class Agent:
         metadata: bytes = await self.call(self._agent.get_agent_metadata)
         return metadata
 
+    async def register(self, memory: list[torch.Tensor]) -> None:
+        """Register more local memory to READ into (peers need not know it)."""
+        self._registered.append(await self.call(self._agent.register_memory, memory))
+
     async def notifications(self) -> dict[str, list[bytes]]:
         """New READ notifications by reader; also drives UCX progress."""
         notifs: dict[str, list[bytes]] = await self.call(self._agent.get_new_notifs)
@@ -136,10 +140,18 @@ class Agent:
             log.debug("nixl_forget_failed", peer=peer, error=repr(exc))
 
     async def read(
-        self, local: Desc, local_mem: str, remote: Desc, remote_mem: str, peer: str, notif: bytes, until: float
+        self,
+        local: list[Desc],
+        local_mem: str,
+        remote: list[Desc],
+        remote_mem: str,
+        peer: str,
+        notif: bytes,
+        until: float,
     ) -> ReadOutcome:
-        """READ ``remote`` of ``peer`` into ``local``, polling until done or
-        the monotonic time ``until``; ``notif`` goes to the peer when done."""
+        """READ ``remote`` of ``peer`` into ``local`` (descriptor lists of
+        equal sizes, pairwise), polling until done or the monotonic time
+        ``until``; ``notif`` goes to the peer when done."""
         agent = self._agent
         posted = False
         marks: dict[str, float] = {"start": time.perf_counter()}
@@ -147,8 +159,8 @@ class Agent:
         def post() -> tuple[Any, str]:
             nonlocal posted
             marks["thread"] = time.perf_counter()
-            local_descs = agent.get_xfer_descs([local], local_mem)
-            remote_descs = agent.get_xfer_descs([remote], remote_mem)
+            local_descs = agent.get_xfer_descs(local, local_mem)
+            remote_descs = agent.get_xfer_descs(remote, remote_mem)
             handle = agent.initialize_xfer("READ", local_descs, remote_descs, peer, notif_msg=notif)
             marks["made"] = time.perf_counter()
             posted = True

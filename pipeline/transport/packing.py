@@ -7,6 +7,8 @@ which lets the reader view its slice as any dtype without a copy.
 
 from __future__ import annotations
 
+import itertools
+
 import torch
 
 from schemas.tensors import TensorSpec
@@ -88,3 +90,37 @@ def check_specs(specs: list[TensorSpec], nbytes: int) -> None:
             numel *= d
         if spec.offset < 0 or spec.offset % ALIGN or spec.offset + numel * dtype.itemsize > nbytes:
             raise ValueError(f"tensor spec {spec} does not fit a region of {nbytes} bytes")
+
+
+def contiguous_runs(target: torch.Tensor) -> list[tuple[int, int, int]]:
+    """``target`` (possibly a strided view) as runs of contiguous bytes:
+    (address, bytes, offset of the run in the tensor packed contiguously).
+    A view of a slot of a larger cache ([1, heads, length, dim] out of
+    [.., heads, max_len, dim]) is one run per head."""
+    shape, strides = list(target.shape), list(target.stride())
+    size = target.element_size()
+    # The innermost dims laid out as a contiguous tensor's form one run.
+    inner, run = len(shape), 1
+    while inner > 0 and (shape[inner - 1] == 1 or strides[inner - 1] == run):
+        inner -= 1
+        run *= shape[inner]
+    packed_strides = [1] * len(shape)
+    for d in range(len(shape) - 2, -1, -1):
+        packed_strides[d] = packed_strides[d + 1] * shape[d + 1]
+    runs = []
+    base = target.data_ptr()
+    for index in itertools.product(*(range(n) for n in shape[:inner])):
+        address = base + sum(i * st for i, st in zip(index, strides, strict=False)) * size
+        offset = sum(i * st for i, st in zip(index, packed_strides, strict=False)) * size
+        runs.append((address, run * size, offset))
+    return [r for r in runs if r[1]]
+
+
+def check_targets(targets: list[torch.Tensor], specs: list[TensorSpec], device: torch.device | None = None) -> None:
+    """``targets`` take the tensors of ``specs`` as they are (no conversion)."""
+    if len(targets) != len(specs) or any(
+        t.dtype != to_dtype(s.dtype) or list(t.shape) != list(s.shape) or (device is not None and t.device != device)
+        for t, s in zip(targets, specs, strict=False)
+    ):
+        where = f" on {device}" if device is not None else ""
+        raise ValueError(f"targets do not match the {len(specs)} tensors of the ref{where}")

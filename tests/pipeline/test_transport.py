@@ -402,3 +402,66 @@ def test_first_fit_reuses_and_coalesces() -> None:
     arena.free(768)
     assert arena.used_bytes == 0
     assert arena.alloc(4096) == 0  # all holes merged back into one
+
+
+# -- straight into the reader's own tensors ----------------------------------------
+
+
+def _kv_slot_targets(want: list[torch.Tensor]) -> tuple[list[torch.Tensor], torch.Tensor, torch.Tensor]:
+    """Targets for make_tensors: fresh tensors (one strided) for the mixed
+    ones, and for the KV hand-off views of slot 2 of a larger cache
+    [layers, slots, kv_heads, max_len, head_dim], as a decoder holds it."""
+    keys = torch.zeros(3, 4, 2, 50, 64, dtype=torch.bfloat16)
+    values = torch.zeros_like(keys)
+    targets = [torch.empty(t.shape, dtype=t.dtype) for t in want[:7]]
+    targets[4] = torch.empty(2, 3, dtype=torch.float16).t()
+    for i in range(3):
+        targets += [keys[i, 2:3, :, :37], values[i, 2:3, :, :37]]
+    return targets, keys, values
+
+
+def _only_slot_written(cache: torch.Tensor) -> bool:
+    rest = cache.clone()
+    rest[:, 2, :, :37] = 0
+    return not rest.any() and bool(cache[:, 2, :, :37].any())
+
+
+@pytest.mark.parametrize("kind", KINDS)
+async def test_get_into_writes_a_peers_tensors_in_place(kind: str, make_transport: Factory, spawn_peer: Any) -> None:
+    peer = await spawn_peer(kind)
+    here = await make_transport(kind, "reader")
+    want = make_tensors(3)
+    targets, keys, values = _kv_slot_targets(want)
+    ref = await peer.put(seed=3)
+    # Targets that do not match are refused before anything is read.
+    with pytest.raises(ValueError, match="targets do not match"):
+        await here.get_into(ref, targets[:-1])
+    await here.get_into(ref, targets)
+    assert_same(targets, want)
+    assert _only_slot_written(keys) and _only_slot_written(values)
+    assert here.last_transfer[0] == ref.nbytes
+    for _ in range(200):
+        if await peer.held() == 0:
+            break
+        await asyncio.sleep(0.01)
+    assert await peer.held() == 0
+    with pytest.raises(TensorGone):
+        await here.get_into(ref, targets)  # read once
+
+
+async def test_nixl_get_into_registers_a_cache_once_and_reads_its_own_tensors(make_transport: Factory) -> None:
+    holder = await make_transport("nixl", "holder")
+    reader = await make_transport("nixl", "reader")
+    assert isinstance(reader, NixlTransport)
+    want = make_tensors(5)
+    targets, keys, _ = _kv_slot_targets(want)
+    for seed in (5, 6):
+        await reader.get_into(await holder.put(make_tensors(seed), owner=f"r{seed}"), targets)
+        assert_same(targets, make_tensors(seed))
+    # The cache's two tensors and the six fresh ones not empty: each storage registered once.
+    assert len(reader._targets) == 8 and keys.untyped_storage().data_ptr() in reader._targets
+    # A worker reading what it put itself copies from its own arena.
+    ref = await reader.put(make_tensors(7), owner="r7")
+    await reader.get_into(ref, targets)
+    assert_same(targets, make_tensors(7))
+    assert reader.held_bytes == 0
