@@ -25,6 +25,9 @@ Why it is built this way:
   bytes on that GPU, timed to completion. NIXL's READ alone (without the
   lease round trip and the copy out of the receive arena) is shown beside
   the whole ``get``: the READ is the transfer, the rest is mmpipe's cost.
+- ``into``: the same bytes by ``get_into`` a tensor the reader allocated
+  once (what the decode worker does with its KV cache's slot): no receive
+  arena and no copy after the READ; what remains is the lease round trip.
 """
 
 from __future__ import annotations
@@ -93,6 +96,7 @@ async def peer(
     settings = TransportSettings(budget_bytes=budget, progress_thread=progress_thread)
     transport = await open_transport(kind, nc, js, namespace, settings, "bench-reader", device)
     answer("ready", transport.name)
+    targets: dict[int, torch.Tensor] = {}
     loop = asyncio.get_running_loop()
     try:
         while line := await loop.run_in_executor(None, sys.stdin.readline):
@@ -102,7 +106,14 @@ async def peer(
             ref = msgspec.convert(cmd["ref"], TensorRef)
             t0 = time.perf_counter()
             try:
-                got = await transport.get(ref, device)
+                if cmd.get("into"):
+                    # Preallocated once per size, as a decoder's KV cache is.
+                    size = ref.tensors[0].shape[0]
+                    target = targets.setdefault(size, torch.empty(size, dtype=torch.uint8, device=device))
+                    await transport.get_into(ref, [target])
+                    got = [target]
+                else:
+                    got = await transport.get(ref, device)
             except Exception as exc:
                 answer("error", type(exc).__name__, str(exc).replace("\n", " "))
                 continue
@@ -163,9 +174,10 @@ class Reader:
                 if line.startswith(ANSWER):
                     return line.split(maxsplit=1)[1].split(maxsplit=5)
 
-    async def get(self, ref: Any) -> tuple[float, int, int, float, dict[str, float]]:
-        """(seconds of the get, bytes, checksum, seconds of the READ alone, the READ's phases)."""
-        await self.send(op="get", ref=msgspec.to_builtins(ref))
+    async def get(self, ref: Any, into: bool = False) -> tuple[float, int, int, float, dict[str, float]]:
+        """(seconds of the get, bytes, checksum, seconds of the READ alone, the READ's phases);
+        ``into``: ``get_into`` a tensor the reader holds already."""
+        await self.send(op="get", ref=msgspec.to_builtins(ref), into=into)
         got = await self.answer()
         if got[0] != "got":
             raise RuntimeError(f"the reader failed: {' '.join(got[1:])}")
@@ -278,9 +290,19 @@ async def bench_kind(
                         reads.append(read_s)
                         for name, value in read_phases.items():
                             phases.setdefault(name, []).append(value)
+                intos: list[float] = []
+                for i in range(repeats + 1):
+                    ref = await holder.put([src], owner=f"bench-into-{size}-{i}")
+                    into_s, got_bytes, got_sum, _, _ = await reader.get(ref, into=True)
+                    if got_bytes != size or got_sum != want:
+                        raise RuntimeError(f"{kind}: get_into wrote {got_bytes} bytes with the wrong checksum")
+                    if i:
+                        intos.append(into_s)
                 copies = memcpy_seconds(src, repeats)
                 row = row_summary(kind, size, gets, puts, copies, reads, device)
                 row["read_phases_p50_ms"] = {k: statistics.median(v) * 1000 for k, v in phases.items()}
+                row["into_p50_ms"] = statistics.median(intos) * 1000
+                row["into_ratio"] = statistics.median(copies) / statistics.median(intos)
                 rows.append(row)
         finally:
             if reader is not None:
@@ -329,7 +351,7 @@ def format_rows(rows: list[dict[str, Any]]) -> str:
         f"median and best of {rows[0]['repeats']} after 1 warm-up; GB = 10^9 B"
     )
     cols = ["transport", "size", "get p50 ms", "get best ms", "GB/s p50", "GB/s best", "put p50 ms"]
-    cols += ["memcpy GB/s", "ratio", "READ p50 ms", "READ ratio"]
+    cols += ["memcpy GB/s", "ratio", "READ p50 ms", "READ ratio", "into p50 ms", "into ratio"]
     table = [cols]
     for r in rows:
         table.append(
@@ -345,6 +367,8 @@ def format_rows(rows: list[dict[str, Any]]) -> str:
                 f"{r['ratio']:.3f}",
                 f"{r['read_p50_ms']:.3f}",
                 f"{r['read_ratio']:.3f}",
+                f"{r['into_p50_ms']:.3f}",
+                f"{r['into_ratio']:.3f}",
             ]
         )
     widths = [max(len(line[i]) for line in table) for i in range(len(cols))]
@@ -354,6 +378,7 @@ def format_rows(rows: list[dict[str, Any]]) -> str:
         lines.append("  ".join(cells))
     lines += ["", "ratio = GB/s p50 of the transfer / GB/s of dst.copy_(src) on the same bytes in this process"]
     lines += ["READ = NIXL's one-sided READ alone (the nats transport: the whole get)"]
+    lines += ["into = get_into a tensor the reader holds (a KV cache's slot): lease and READ, no receive arena"]
     for r in rows:
         if r.get("read_phases_p50_ms"):
             parts = "  ".join(f"{k} {v:.3f}" for k, v in r["read_phases_p50_ms"].items())

@@ -78,6 +78,9 @@ def test_bench_transport_shows_the_nixl_read_alone() -> None:
     assert 0 < row["read_p50_ms"] <= row["get_p50_ms"]
     assert row["read_ratio"] == pytest.approx(row["read_gbps_p50"] / row["memcpy_gbps"])
     assert "READ ratio" in format_rows([row])
+    # get_into a tensor the reader holds: the same bytes, checksummed, with its own ratio.
+    assert row["into_p50_ms"] > 0 and row["into_ratio"] > 0
+    assert "into ratio" in format_rows([row])
 
 
 def test_plain_transformers_baseline_queues_one_request_at_a_time(tiny_model_dir: Path) -> None:
