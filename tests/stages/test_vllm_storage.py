@@ -1,0 +1,54 @@
+"""Pruning a vLLM connector folder by age (no vLLM needed: plain files laid
+out as the example connectors write them)."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+from pathlib import Path
+
+from stages.vllm_engine.storage import PRUNED, prune, prune_forever
+
+
+def _item(folder: Path, name: str, age_s: float, now: float) -> Path:
+    item = folder / name
+    item.mkdir(parents=True)
+    data = item / "encoder_cache.safetensors"
+    data.write_bytes(b"x" * 16)
+    for path in (data, item):
+        os.utime(path, (now - age_s, now - age_s))
+    return item
+
+
+def test_only_entries_unchanged_for_the_ttl_go(tmp_path: Path) -> None:
+    now = time.time()
+    old = _item(tmp_path, "old", 700, now)
+    fresh = _item(tmp_path, "fresh", 10, now)
+    touched = _item(tmp_path, "touched", 700, now)
+    (touched / "model-layers-1.safetensors").write_bytes(b"y")  # a file written into it just now
+    stray = tmp_path / "stray.tmp"
+    stray.write_bytes(b"z")
+    os.utime(stray, (now - 900, now - 900))
+    assert prune(tmp_path, ttl_s=600, now=now) == 2
+    assert not old.exists() and not stray.exists() and fresh.exists() and touched.exists()
+    assert prune(tmp_path / "missing", ttl_s=600) == 0
+
+
+def _empty(folder: Path) -> bool:
+    return not any(folder.iterdir())
+
+
+async def test_prune_forever_counts_what_it_deletes(tmp_path: Path) -> None:
+    before = PRUNED.labels("ec")._value.get()
+    _item(tmp_path, "old", 60, time.time())
+    task = asyncio.create_task(prune_forever(tmp_path, ttl_s=4.0, name="ec"))
+    try:
+        for _ in range(60):
+            if PRUNED.labels("ec")._value.get() > before:
+                break
+            await asyncio.sleep(0.1)
+    finally:
+        task.cancel()
+    assert _empty(tmp_path)
+    assert PRUNED.labels("ec")._value.get() == before + 1
