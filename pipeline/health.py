@@ -2,8 +2,9 @@
 an orchestrator can probe it and Prometheus can scrape it:
 
 - ``GET /health/ready``: 200 when the worker is connected to NATS, its
-  role's durable consumer exists and its engine answers (a vLLM stage's
-  ``health()``: vLLM's engine core alive), else 503. A worker that is starting or
+  role's durable consumer exists and its engine answers (the stage's
+  ``health()``: vLLM's engine core alive, the built-in engine's decode loop
+  running), else 503. A worker that is starting or
   draining is not ready either.
 - ``GET /health/live``: 200 while the worker makes progress (its fetch loop
   turns, or one of its requests produces output); 503 once it has made none
@@ -68,8 +69,8 @@ class WorkerHealth:
         if worker is None or not worker.ready.is_set():
             return False, {"status": "starting"}
         body: dict[str, Any] = {"role": worker.role, "worker_id": worker.worker_id, "nats": worker.nc.is_connected}
-        # A stage whose engine runs apart from the worker (vLLM's engine core
-        # process) says whether that engine still answers; asked before the
+        # A stage says whether its engine still serves (vLLM's engine core
+        # process, the built-in engine's decode loop); asked before the
         # drain, so a worker stopping because its engine died says so.
         engine_health = getattr(worker.stage, "health", None)
         if engine_health is not None:

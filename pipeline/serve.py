@@ -104,22 +104,23 @@ def build_stage(
         return _vllm_stage(role, settings, spec, tensors)
     from stages.engine import TorchEngine
     from stages.hop import HopStage
+    from stages.torch_hop import TorchHopEngine
 
     # Only a role that decodes keeps a batch decoder (and its preallocated cache).
     decode = dataclasses.replace(settings.decode, batched=settings.decode.batched and "decode" in role.split("+"))
     engine = TorchEngine(Path(spec.path), device=settings.device, decode=decode)
     policy = dataclasses.replace(settings.media, allow_internal=settings.allow_internal_media)
     cache = EmbeddingCache(settings.embedding_cache_bytes, name=role) if role.startswith("encode") else None
-    return HopStage(
+    hop_engine = TorchHopEngine(
         role,
         engine,
-        spec.served_name,
         tensors,
         media_policy=policy,
         max_batch=settings.max_batch,
         embedding_cache=cache,
         prefill_batch=settings.prefill_batch,
     )
+    return HopStage(role, hop_engine, spec.served_name)
 
 
 def _vllm_stage(role: str, settings: WorkerSettings, spec: ModelSpec, tensors: TensorStore | None) -> Stage:
@@ -152,13 +153,13 @@ def _vllm_stage(role: str, settings: WorkerSettings, spec: ModelSpec, tensors: T
 
 
 def _vllm_encode_stage(settings: WorkerSettings, spec: ModelSpec) -> Stage:
-    """``encode`` on vLLM encoder-only (stages/vllm_engine/encode_stage.py)."""
+    """``encode`` on vLLM encoder-only (stages/vllm_engine/encoder_only.py)."""
     from stages.vllm_engine import VllmUnavailable, require_vllm
 
     policy = dataclasses.replace(settings.media, allow_internal=settings.allow_internal_media)
     try:
         require_vllm()
-        from stages.vllm_engine.encode_stage import build_vllm_encode_stage
+        from stages.vllm_engine.encoder_only import build_vllm_encode_stage
 
         path = settings.vllm_ec_path
         return build_vllm_encode_stage(Path(spec.path), spec.served_name, settings.vllm_args, path, policy)

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, Callable
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
@@ -23,6 +23,7 @@ class EngineThread:
 
     def __init__(self) -> None:
         self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine")
+        self.closed = False
 
     async def call(self, fn: Callable[..., T], *args: Any) -> T:
         return await asyncio.wrap_future(self._pool.submit(fn, *args))
@@ -42,6 +43,7 @@ class EngineThread:
         self._pool.submit(fn, *args)
 
     def close(self) -> None:
+        self.closed = True
         self._pool.shutdown(wait=True, cancel_futures=False)
 
 
@@ -71,17 +73,44 @@ class DecodeScheduler:
         self._waiting: list[_Running] = []
         self._wake = asyncio.Event()
         self._loop_task: asyncio.Task[None] | None = None
+        self._closing = False
 
     def start(self) -> None:
         if self._loop_task is None:
             self._loop_task = asyncio.create_task(self._loop(), name="decode-loop")
+            self._loop_task.add_done_callback(self._stopped)
+
+    def check(self) -> None:
+        """Raises where the decode loop has stopped other than by ``close()``:
+        a sequence handed to it would never get a token."""
+        task = self._loop_task
+        if task is not None and task.done() and not self._closing:
+            error = None if task.cancelled() else task.exception()
+            raise RuntimeError(f"the decode loop has stopped: {error!r}")
+
+    def _stopped(self, task: asyncio.Task[None]) -> None:
+        if self._closing:
+            return
+        log.error("decode_loop_died", error="cancelled" if task.cancelled() else repr(task.exception()))
+        # Its streams fail now rather than wait for tokens that never come.
+        error = RuntimeError("the decode loop has stopped")
+        for entry in self._running + self._waiting:
+            entry.queue.put_nowait(error)
+            entry.done = True
+            if not self._thread.closed:
+                self._thread.submit(self._engine.release, entry.seq)
+        self._running.clear()
+        self._waiting.clear()
 
     async def close(self) -> None:
+        self._closing = True
         if self._loop_task is not None:
             self._loop_task.cancel()
             try:
                 await self._loop_task
             except asyncio.CancelledError:
+                pass
+            except Exception:  # it died before: logged then (_stopped)
                 pass
             self._loop_task = None
 
@@ -89,9 +118,10 @@ class DecodeScheduler:
     def active(self) -> int:
         return len(self._running) + len(self._waiting)
 
-    async def stream(self, seq: Any, is_last: Callable[[int], bool]) -> AsyncIterator[int]:
+    async def stream(self, seq: Any, is_last: Callable[[int], bool]) -> AsyncGenerator[int, None]:
         """Tokens of a prefilled sequence as the shared loop produces them, up
         to the one ``is_last`` accepts, or until the caller stops iterating."""
+        self.check()
         entry = _Running(seq, is_last)
         self._waiting.append(entry)
         self._wake.set()

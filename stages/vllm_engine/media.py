@@ -25,7 +25,7 @@ from typing import Any
 import torch
 
 from schemas.errors import UnsupportedMedia
-from schemas.processed import EncodedItem, MediaKind, ProcessedRequest, VllmEncoded
+from schemas.processed import EncodedItem, MediaItem, MediaKind, ProcessedRequest, VllmEncoded
 from stages.families import MediaEmbedding
 
 # vLLM's ExampleConnector for encoder outputs: safetensors files in a folder
@@ -121,9 +121,14 @@ def remote_media(req: ProcessedRequest, path: Path | str | None) -> list[MediaEm
     for mm_hash in encoded.mm_hashes:
         if not ec_file(path, mm_hash).exists():
             raise TensorGone(f"the encoder output {mm_hash} is not in {path}")
+    return remote_embeddings(encoded, req.media)
+
+
+def remote_embeddings(encoded: VllmEncoded, media: list[MediaItem]) -> list[MediaEmbedding]:
+    """One ``RemoteEmbedding`` per item of ``encoded`` (keys and grids)."""
     return [
         RemoteEmbedding(torch.empty(item.num_tokens, 0), tuple(item.grid_thw), m.kind, mm_hash=mm_hash)
-        for mm_hash, item, m in zip(encoded.mm_hashes, encoded.items, req.media, strict=True)
+        for mm_hash, item, m in zip(encoded.mm_hashes, encoded.items, media, strict=True)
     ]
 
 

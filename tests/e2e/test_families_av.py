@@ -133,7 +133,7 @@ async def test_video_and_audio_equal_generate_in_every_mode(
             # A repeat of the last one is an embedding cache hit with the same answer.
             assert await ask(c, content, stream=False, model=name) == (expected, N)
         [encoder] = [w for w in stack.workers if "encode" in w.role.split("+")]
-        stats = encoder.stage.encoder.cache.stats()  # type: ignore[attr-defined]
+        stats = encoder.stage.engine.encoder.cache.stats()  # type: ignore[attr-defined]
         assert (stats["hits"], stats["misses"]) == (1, len(CASES[name]))
     finally:
         await stop()

@@ -90,10 +90,10 @@ async def test_disconnect_stops_decode_within_a_step_and_frees_tensors(
                 await asyncio.sleep(0.02)
         assert at_cancel, "the bridge published no cancel"
         for _ in range(100):
-            if decode.stage.scheduler.active == 0:  # type: ignore[attr-defined]
+            if decode.stage.engine.scheduler.active == 0:  # type: ignore[attr-defined]
                 break
             await asyncio.sleep(0.01)
-        assert decode.stage.scheduler.active == 0  # type: ignore[attr-defined]
+        assert decode.stage.engine.scheduler.active == 0  # type: ignore[attr-defined]
         stopped = _tokens()
         await asyncio.sleep(0.5)
         # Within one step of the cancel: at most the token of the step under way.

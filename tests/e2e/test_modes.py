@@ -225,10 +225,10 @@ async def test_the_embedding_cache_lives_with_the_encode_role(make_stack: Any, r
         assert await ask(c, content, stream=True) == (expected, N)
         assert await ask(c, content, stream=False) == (expected, N)
     [encoder] = [w for w in stack.workers if w.role == "encode"]
-    cache = encoder.stage.encoder.cache  # type: ignore[attr-defined]
+    cache = encoder.stage.engine.encoder.cache  # type: ignore[attr-defined]
     assert (cache.stats()["hits"], cache.stats()["misses"]) == (1, 1)
     # Prefill and decode workers encode nothing, so they keep no cache.
-    assert all(getattr(w.stage, "encoder", None) is None for w in stack.workers if w.role in ("prefill", "decode"))
+    assert all(w.stage.engine.encoder is None for w in stack.workers if w.role in ("prefill", "decode"))  # type: ignore[attr-defined]
 
 
 @pytest.mark.e2e

@@ -153,10 +153,10 @@ async def test_client_disconnect_cancels_generation(stack: Stack) -> None:
     for _ in range(200):
         # Cancelled work leaves the decode loop and is acked, not redelivered.
         pending = (await js.stream_info(hop_stream)).state.messages
-        if stage.scheduler.active == 0 and pending == 0:  # type: ignore[attr-defined]
+        if stage.engine.scheduler.active == 0 and pending == 0:  # type: ignore[attr-defined]
             break
         await asyncio.sleep(0.05)
-    assert stage.scheduler.active == 0  # type: ignore[attr-defined]
+    assert stage.engine.scheduler.active == 0  # type: ignore[attr-defined]
     assert pending == 0
     tokens = metrics.TOKENS.labels("encode+prefill+decode")._value.get()
     await asyncio.sleep(0.3)

@@ -25,11 +25,13 @@ from schemas.request import (
     TextPart,
 )
 from stages.contract import HopContext
+from stages.engine import TorchEngine
 from stages.engine.reference import load_reference_model, reference_generate
 from stages.hop import HopStage
 from stages.models import builtin_path, resolve_model
 from stages.models.traits import load_traits
 from stages.processor import Processor
+from stages.torch_hop import TorchHopEngine
 from tests.e2e.conftest import gradient, png_data_url
 from tests.stages.engine_helpers import engine_on
 
@@ -47,7 +49,8 @@ def name(request: pytest.FixtureRequest, mmpipe_home: Path) -> str:
 
 @pytest.fixture
 async def stage(name: str, engine_device: str) -> AsyncIterator[HopStage]:
-    s = HopStage("encode+prefill+decode", engine_on(engine_device, builtin_path(name)), name)
+    role = "encode+prefill+decode"
+    s = HopStage(role, TorchHopEngine(role, engine_on(engine_device, builtin_path(name))), name)
     await s.start()
     yield s
     await s.close()
@@ -57,6 +60,11 @@ def request(*parts: Any) -> GenerateRequest:
     return GenerateRequest(
         "e1", "m", [ChatMessage("user", [*parts, TextPart("What is it?")])], SamplingParams(N, 0.0, min_tokens=N)
     )
+
+
+def torch_engine(stage: HopStage) -> TorchEngine:
+    assert isinstance(stage.engine, TorchHopEngine)
+    return stage.engine.torch
 
 
 async def tokens(stage: HopStage, processor: Processor, req: GenerateRequest) -> list[int]:
@@ -69,7 +77,7 @@ async def test_embeddings_from_the_models_encoder_equal_generate_on_the_image(
 ) -> None:
     processor = Processor(load_traits(resolve_model(name, "m")))
     image = gradient(64, 48, 1)
-    [encoded] = stage.engine.encode([image])
+    [encoded] = torch_engine(stage).encode([image])
     url = payload({"embeddings": encoded.embeddings, "grid": torch.tensor(encoded.grid_thw)})
     prompt = processor.process(request(ImagePart(ImageURL(png_data_url(image))))).prompt_token_ids
     reference = load_reference_model(builtin_path(name), device=engine_device)
@@ -82,7 +90,7 @@ async def test_embeddings_from_the_models_encoder_equal_generate_on_the_image(
 
 async def test_payloads_that_do_not_fit_the_model_are_refused(name: str, stage: HopStage) -> None:
     processor = Processor(load_traits(resolve_model(name, "m")))
-    [encoded] = stage.engine.encode([gradient(64, 48, 1)])
+    [encoded] = torch_engine(stage).encode([gradient(64, 48, 1)])
     emb, grid = encoded.embeddings, torch.tensor(encoded.grid_thw)
     nan = emb.clone()
     nan[0, 0] = float("nan")

@@ -22,12 +22,13 @@ from stages.models import resolve_model
 from stages.models.traits import load_traits
 from stages.processor import Processor
 from stages.scheduler import DecodeScheduler
+from stages.torch_hop import TorchHopEngine
 from tests.e2e.conftest import gradient, png_data_url, serve_on_loopback
 
 
 @pytest.fixture
 async def stage(tiny_model_dir: Path) -> AsyncIterator[HopStage]:
-    s = HopStage("encode+prefill+decode", TorchEngine(tiny_model_dir), "tiny")
+    s = HopStage("encode+prefill+decode", TorchHopEngine("encode+prefill+decode", TorchEngine(tiny_model_dir)), "tiny")
     await s.start()
     yield s
     await s.close()
@@ -53,8 +54,8 @@ def processor(tiny_model_dir: Path) -> Processor:
 
 
 def scheduler(stage: HopStage) -> DecodeScheduler:
-    assert stage.scheduler is not None
-    return stage.scheduler
+    assert isinstance(stage.engine, TorchHopEngine) and stage.engine.scheduler is not None
+    return stage.engine.scheduler
 
 
 def image_request(n: int, url: str | None = None, **sampling: Any) -> GenerateRequest:
@@ -141,13 +142,11 @@ async def test_embedding_cache_hit_skips_the_encoder_and_keeps_the_tokens(
     processor: Processor, tiny_model_dir: Path, image_server_url: str
 ) -> None:
     cache = EmbeddingCache(1 << 20, name="test-hop-cache")
-    stage = HopStage(
-        "encode+prefill+decode",
-        TorchEngine(tiny_model_dir),
-        "tiny",
-        media_policy=MediaPolicy(allow_internal=True),
-        embedding_cache=cache,
+    role = "encode+prefill+decode"
+    engine = TorchHopEngine(
+        role, TorchEngine(tiny_model_dir), media_policy=MediaPolicy(allow_internal=True), embedding_cache=cache
     )
+    stage = HopStage(role, engine, "tiny")
     await stage.start()
     try:
         image = gradient(60, 44, 3)

@@ -24,21 +24,21 @@ from __future__ import annotations
 
 import asyncio
 import uuid
-from collections.abc import AsyncGenerator
 from pathlib import Path
 from typing import Any
 
-import msgspec
 import structlog
 
 from schemas.errors import UnsupportedMedia
 from schemas.processed import MediaKind, ProcessedRequest
-from schemas.request import GenerateRequest
-from stages.contract import HopContext, StageOutput
+from stages.contract import HopContext
+from stages.families import MediaEmbedding
+from stages.hop import HopStage
 from stages.media import MediaFetcher, MediaPolicy
 from stages.media.image import decode_image
 from stages.vllm_engine.engine import VllmEngine
-from stages.vllm_engine.media import ec_transfer_config, encoded_items
+from stages.vllm_engine.hop_engine import VllmHopEngine
+from stages.vllm_engine.media import ec_transfer_config, encoded_items, remote_embeddings
 
 log = structlog.get_logger(__name__)
 
@@ -67,65 +67,45 @@ class VllmEncoderEngine(VllmEngine):
         return got
 
 
-class VllmEncodeStage:
-    input_type = ProcessedRequest
-    resumes_stream = False
-    role = "encode"
+class VllmImageEncoder:
+    """The encode step on vLLM encoder-only: a request's images → the keys
+    and grids of their encoder outputs in the connector's storage (as
+    ``RemoteEmbedding``s; ``VllmHopEngine.send_media`` sends the keys on)."""
 
-    def __init__(self, engine: VllmEncoderEngine, served_name: str, policy: MediaPolicy, merge_size: int) -> None:
+    def __init__(self, engine: VllmEncoderEngine, policy: MediaPolicy, merge_size: int) -> None:
         self.engine = engine
-        self.served_name = served_name
         self.policy = policy
         self.fetcher = MediaFetcher(policy)
         self.merge_size = merge_size
 
-    @property
-    def models(self) -> list[str]:
-        return [self.served_name]
-
-    async def start(self) -> None:
-        await self.engine.start()
-
-    async def health(self) -> None:
-        """Raises where vLLM's engine core is gone: the worker is not ready."""
-        await self.engine.check_health()
-
-    async def close(self) -> None:
-        await self.fetcher.close()
-        self.engine.close()
-
-    async def run(
-        self, message: GenerateRequest | ProcessedRequest, ctx: HopContext
-    ) -> AsyncGenerator[StageOutput, None]:
-        assert isinstance(message, ProcessedRequest)
-        req = message
-        encoded = None
-        if req.media:
-            for item in req.media:
-                if item.kind is not MediaKind.IMAGE or item.embeds:
-                    what = "precomputed embeddings" if item.embeds else f"{item.kind.value}s"
-                    raise UnsupportedMedia(
-                        f"the vLLM encoder (--engine vllm on encode) takes images, not {what}; "
-                        "the built-in encoder takes them"
-                    )
-            loop = asyncio.get_running_loop()
-            started = loop.time()
-            datas = await asyncio.gather(
-                *(self.fetcher.fetch(req.media_url(m), max_bytes=self.policy.max_bytes) for m in req.media)
-            )
-            images = await asyncio.gather(*(asyncio.to_thread(decode_image, d, self.policy) for d in datas))
-            vllm_id = f"{req.request.request_id}-enc-{uuid.uuid4().hex[:8]}"
-            params = await self.engine.encode(vllm_id, req.prompt_token_ids, list(images))
-            encoded = encoded_items(params, len(images), self.merge_size)
-            ctx.trace["encode_s"] = loop.time() - started
-            log.info("vllm_encoded", request_id=req.request.request_id, mm_hashes=encoded.mm_hashes)
-        # What this hop read is consumed: only what it made travels on.
-        yield msgspec.structs.replace(req, hop_index=req.hop_index + 1, encoded=None, kv=None, vllm_encoded=encoded)
+    async def encode(self, req: ProcessedRequest, ctx: HopContext) -> list[MediaEmbedding]:
+        if not req.media:
+            return []
+        for item in req.media:
+            if item.kind is not MediaKind.IMAGE or item.embeds:
+                what = "precomputed embeddings" if item.embeds else f"{item.kind.value}s"
+                raise UnsupportedMedia(
+                    f"the vLLM encoder (--engine vllm on encode) takes images, not {what}; "
+                    "the built-in encoder takes them"
+                )
+        loop = asyncio.get_running_loop()
+        started = loop.time()
+        datas = await asyncio.gather(
+            *(self.fetcher.fetch(req.media_url(m), max_bytes=self.policy.max_bytes) for m in req.media)
+        )
+        images = await asyncio.gather(*(asyncio.to_thread(decode_image, d, self.policy) for d in datas))
+        vllm_id = f"{req.request.request_id}-enc-{uuid.uuid4().hex[:8]}"
+        params = await self.engine.encode(vllm_id, req.prompt_token_ids, list(images))
+        encoded = encoded_items(params, len(images), self.merge_size)
+        ctx.trace["encode_s"] = loop.time() - started
+        log.info("vllm_encoded", request_id=req.request.request_id, mm_hashes=encoded.mm_hashes)
+        return remote_embeddings(encoded, req.media)
 
 
 def build_vllm_encode_stage(
     model_dir: Path, served_name: str, engine_args: dict[str, Any], ec_path: str, policy: MediaPolicy
-) -> VllmEncodeStage:
+) -> HopStage:
+    """The ``encode`` role on vLLM encoder-only; vLLM itself starts in ``start()``."""
     from transformers import AutoConfig
 
     if not ec_path:
@@ -136,4 +116,7 @@ def build_vllm_encode_stage(
         raise ValueError(f"the vLLM encoder serves Qwen-VL checkpoints; {model_dir} has no vision_config")
     Path(ec_path).mkdir(parents=True, exist_ok=True)
     args = {"ec_transfer_config": ec_transfer_config(True, ec_path), **engine_args}
-    return VllmEncodeStage(VllmEncoderEngine(model_dir, args), served_name, policy, merge)
+    engine = VllmEncoderEngine(model_dir, args)
+    return HopStage(
+        "encode", VllmHopEngine("encode", engine, encoder=VllmImageEncoder(engine, policy, merge)), served_name
+    )

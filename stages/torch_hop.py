@@ -1,0 +1,186 @@
+"""The built-in engine (``TorchEngine``) behind the ``HopEngine`` interface.
+
+One thread owns the model (``EngineThread``): encode, prefill, decode steps
+and releases run there in submission order, so the event loop stays free
+for NATS traffic and a release queued after a step never races it. New
+prompts waiting together share one prefill forward (``--prefill-batch``);
+decoding is one continuous batch of every in-flight sequence
+(``DecodeScheduler``). Tensors that leave the role (embeddings, KV cache)
+go through mmpipe's ``TensorStore``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import AsyncGenerator, Callable
+from dataclasses import dataclass
+from typing import Any
+
+from schemas.errors import InvalidRequest
+from schemas.processed import KvHandoff, ProcessedRequest
+from schemas.routes import moves_tensors
+from stages.call_batcher import CallBatcher
+from stages.contract import HopContext, TensorStore
+from stages.encoder import MediaEncoder
+from stages.engine import KvState, MediaEmbedding, SamplingConfig, Sequence, TorchEngine
+from stages.hop_engine import (
+    Carried,
+    get_tensors,
+    put_media,
+    put_tensors,
+    receive_embeddings,
+    sampling,
+)
+from stages.media import EmbeddingCache, MediaFetcher, MediaPolicy
+from stages.scheduler import DecodeScheduler, EngineThread
+
+# A new prompt to prefill: its ids (a placeholder per media item), its media, its sampling.
+PrefillJob = tuple[list[int], list[MediaEmbedding], SamplingConfig]
+
+
+@dataclass(eq=False)
+class TorchPrefilled:
+    seq: Sequence
+    # The hop still owns the sequence's cache, so abort() frees it; off once
+    # it is exported, or once the decode loop took it (which frees it then).
+    owned: bool = True
+
+    @property
+    def prompt_len(self) -> int:
+        return self.seq.prompt_len
+
+
+class TorchHopEngine:
+    def __init__(
+        self,
+        role: str,
+        engine: TorchEngine,
+        tensors: TensorStore | None = None,
+        media_policy: MediaPolicy | None = None,
+        max_batch: int = 32,
+        embedding_cache: EmbeddingCache | None = None,
+        prefill_batch: int = 1,
+    ) -> None:
+        if tensors is None and moves_tensors(role):
+            raise ValueError(f"role {role} hands tensors to or from another hop: it needs a tensor store")
+        steps = role.split("+")
+        self.role = role
+        self.torch = engine
+        # What the chunks and the context check read: fixed once the model is loaded.
+        self.tokenizer: Any = engine.tokenizer
+        self.eos_token_ids = engine.eos_token_ids
+        self.max_model_len = engine.max_model_len
+        self.tensors = tensors
+        self.thread = EngineThread()
+        policy = media_policy or MediaPolicy()
+        self.fetcher = MediaFetcher(policy) if "encode" in steps else None
+        self.encoder = (
+            MediaEncoder(engine, self.thread, self.fetcher, policy, embedding_cache)
+            if self.fetcher is not None
+            else None
+        )
+        self.scheduler = DecodeScheduler(engine, self.thread, max_batch=max_batch) if "decode" in steps else None
+        # New prompts waiting together share one forward (--prefill-batch); a
+        # result whose request was cancelled meanwhile frees its cache.
+        self.prefills: CallBatcher[PrefillJob, tuple[Sequence, int]] = CallBatcher(
+            "prefill", engine.prefill_together, self.thread, prefill_batch, orphan=lambda out: engine.release(out[0])
+        )
+
+    async def start(self) -> None:
+        if self.scheduler is not None:
+            self.scheduler.start()
+
+    async def close(self) -> None:
+        if self.scheduler is not None:
+            await self.scheduler.close()
+        if self.fetcher is not None:
+            await self.fetcher.close()
+        self.thread.close()
+
+    async def health(self) -> None:
+        """Raises once the decode loop has stopped other than by ``close()``:
+        the worker would take requests whose streams never get a token. (The
+        engine thread itself cannot die: a call that fails fails its caller.)"""
+        if self.scheduler is not None:
+            self.scheduler.check()
+
+    # -- encode ---------------------------------------------------------------
+
+    async def encode(self, req: ProcessedRequest, ctx: HopContext) -> list[MediaEmbedding]:
+        assert self.encoder is not None, f"role {self.role} does not encode"
+        return await self.encoder.encode(req, ctx)
+
+    async def send_media(self, media: list[MediaEmbedding], req: ProcessedRequest, ctx: HopContext) -> Carried:
+        if not media:  # nothing to encode: prefill needs nothing from here
+            return Carried()
+        return Carried(encoded=await put_media(self.tensors, media, req, ctx))
+
+    async def receive_media(self, req: ProcessedRequest, ctx: HopContext) -> list[MediaEmbedding]:
+        return await receive_embeddings(self.role, self.tensors, req, self.torch.device, ctx)
+
+    # -- prefill --------------------------------------------------------------
+
+    async def prefill(self, req: ProcessedRequest, media: list[MediaEmbedding], ctx: HopContext) -> TorchPrefilled:
+        started = time.monotonic()
+        engine = self.torch
+        if self.prefills.max_items > 1 and not ctx.emitted:
+            seq, _ = await self.prefills.submit((req.prompt_token_ids, media, sampling(req)))
+        else:
+            seq, _ = await self.thread.call_or_release(
+                lambda out: engine.release(out[0]),
+                lambda: engine.prefill([req.prompt_token_ids], [media], [sampling(req)], [ctx.emitted])[0],
+            )
+        ctx.trace["prefill_s"] = time.monotonic() - started
+        return TorchPrefilled(seq)
+
+    async def hand_off(self, handle: TorchPrefilled, req: ProcessedRequest, ctx: HopContext) -> Carried:
+        try:
+            tensors, state = await self.thread.call(self.torch.export_kv, handle.seq)
+            ref = await put_tensors(self.tensors, tensors, req.request.request_id, ctx)
+        finally:
+            await self.abort(handle)  # the store holds a copy now, or it failed
+        return Carried(kv=KvHandoff(ref, state.prompt_len, state.output_ids, state.rope_delta))
+
+    async def receive_prefilled(self, req: ProcessedRequest, ctx: HopContext) -> TorchPrefilled:
+        if req.kv is None:
+            raise InvalidRequest(f"a request reached {self.role} without its KV cache")
+        kv = req.kv
+        tensors = await get_tensors(self.tensors, kv.ref, self.torch.device, ctx)
+        state = KvState(kv.prompt_len, list(kv.output_ids), kv.rope_delta)
+        seq = await self.thread.call_or_release(
+            self.torch.release, lambda: self.torch.import_kv(tensors, state, sampling(req))
+        )
+        return TorchPrefilled(seq)
+
+    # -- decode ---------------------------------------------------------------
+
+    async def decode(
+        self, handle: TorchPrefilled, req: ProcessedRequest, ctx: HopContext, is_eos: Callable[[int], bool]
+    ) -> AsyncGenerator[int, None]:
+        assert self.scheduler is not None, f"role {self.role} does not decode"
+        seq, emitted = handle.seq, ctx.emitted
+        if len(emitted) >= len(seq.output_ids):
+            # The client holds more than this sequence covers (a takeover
+            # raced an earlier attempt): its tokens win.
+            first = [await self.thread.call(self.torch.resume, seq, emitted)]
+        else:
+            first = seq.output_ids[len(emitted) :]
+        for token in first:
+            yield token
+
+        def is_last(token: int) -> bool:
+            # Decided on the decode loop, before the next step: a finished
+            # sequence never takes a step it has no use for.
+            return is_eos(token) or seq.num_generated >= req.max_tokens
+
+        self.scheduler.check()  # a dead loop would take the sequence and never free it
+        handle.owned = False  # from here on the decode loop frees it
+        async with contextlib.aclosing(self.scheduler.stream(seq, is_last)) as tokens:
+            async for token in tokens:
+                yield token
+
+    async def abort(self, handle: TorchPrefilled) -> None:
+        if handle.owned:
+            handle.owned = False
+            self.thread.submit(self.torch.release, handle.seq)

@@ -1,0 +1,258 @@
+"""vLLM behind the ``HopEngine`` interface (``--engine vllm``).
+
+The same messages, route and reply stream as the built-in engine:
+
+- ``encode+prefill+decode`` / ``encode+prefill``: mmpipe's encoder (the
+  checkpoint's own vision tower on torch, with the embedding cache and
+  precomputed embeddings) turns the request's media into embeddings;
+  ``prefill+decode`` / ``prefill`` / ``decode``: they come from an encode
+  hop through the tensor transport. Either way vLLM gets them as
+  ``image_embeds`` + ``image_grid_thw`` (videos likewise) beside the
+  processor's prompt ids (one placeholder per item, expanded by vLLM). From
+  a vLLM encode hop (encoder-only, ``encoder_only``) only each item's hash
+  and grid come (``VllmEncoded``): vLLM loads the encoder output itself.
+- A takeover resumes as the built-in engine does: the prompt plus the tokens
+  the client already holds is the new prompt; no token the client saw is
+  sent again or changed. Each attempt is a vLLM request of its own id, so a
+  takeover on this worker never meets an older vLLM request of the same
+  mmpipe request.
+- A cancel, a stop string, or a client gone aborts the vLLM request
+  (``AsyncLLM.abort``): ``abort()`` after every hop.
+
+Prefill and decode apart (``encode+prefill`` or ``prefill``, then
+``decode``): the prompt's KV cache moves by vLLM's own KV connector
+(ExampleConnector or NixlConnector; ``args.kv_transfer_config``), never
+through mmpipe's tensor transport. The prefill engine runs the prompt (plus
+what a client already holds) with a one-token budget and
+``do_remote_decode``; the ``kv_transfer_params`` it returns ride in the
+decode message (``VllmKv``), and the decode engine gets them back with the
+same prompt. The prefill engine's one token is dropped: the decode engine
+produces every token itself, the first one included, by computing only the
+prompt's last position(s) over the transferred cache (vLLM's own P/D proxy
+does the same). So the tokens a client sees all come from one engine and
+one stream, none twice and none lost, and the decode metrics show the
+prompt as ``external_kv_transfer`` tokens (``metrics``). The decode engine
+still needs the prompt's images (vLLM places M-RoPE positions by their
+grids, ExampleConnector keys the cache by their hashes, and recomputes a
+partial last block): the prefill hop puts the embeddings it used in the
+tensor store again for the decode hop. A decode of another prompt than the
+one prefilled (a takeover after tokens were streamed) passes no
+``kv_transfer_params`` and recomputes that prompt locally.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+import uuid
+from collections.abc import AsyncGenerator, Callable
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import structlog
+
+from schemas.errors import InvalidRequest
+from schemas.processed import EncodedItem, ProcessedRequest, VllmEncoded, VllmKv
+from schemas.routes import moves_tensors
+from stages.contract import HopContext, TensorStore
+from stages.encoder import MediaEncoder
+from stages.families import MediaEmbedding
+from stages.hop_engine import Carried, check_context, prompt_len, put_media, receive_embeddings, sampling
+from stages.media import MediaFetcher
+from stages.vllm_engine.args import KV_PRODUCER_ROLES, VLLM_ROLES
+from stages.vllm_engine.engine import VllmEngine
+from stages.vllm_engine.media import RemoteEmbedding, remote_media
+
+log = structlog.get_logger(__name__)
+
+
+class Encoder(Protocol):
+    """An encode step: mmpipe's ``MediaEncoder`` or vLLM encoder-only's."""
+
+    fetcher: MediaFetcher
+
+    async def encode(self, req: ProcessedRequest, ctx: HopContext) -> list[MediaEmbedding]: ...
+
+
+@dataclass(eq=False)
+class VllmPrefilled:
+    request_id: str
+    prompt_len: int
+    # The prompt vLLM gets: the processor's ids plus what the client holds.
+    prompt_ids: list[int]
+    media: list[MediaEmbedding]
+    # When the prefill (or, on a decode hop, the decode) began: prefill_s
+    # runs from here to the first token.
+    started: float = field(default_factory=time.monotonic)
+    # A prefill hop's: what vLLM's KV producer returned for the decode hop.
+    # A decode hop's: what it hands back to vLLM (None: recompute the prompt).
+    kv_params: dict[str, Any] | None = None
+    # The vLLM request running for it, and whether vLLM has ended it.
+    vllm_id: str | None = None
+    finished: bool = False
+
+
+class VllmHopEngine:
+    def __init__(
+        self,
+        role: str,
+        llm: VllmEngine,
+        tensors: TensorStore | None = None,
+        encoder: Encoder | None = None,
+        ec_path: str | None = None,
+    ) -> None:
+        if role not in VLLM_ROLES and role != "encode":
+            raise ValueError(f"the vLLM engine runs the roles encode, {', '.join(VLLM_ROLES)}, not {role}")
+        if role.startswith("encode") != (encoder is not None):
+            raise ValueError(f"role {role}: an encoder is needed exactly where the role encodes")
+        # vLLM encoder-only hands its outputs over by its own connector.
+        if tensors is None and moves_tensors(role) and role != "encode":
+            raise ValueError(f"role {role} hands embeddings to or from another hop: it needs a tensor store")
+        self.role = role
+        self.llm = llm
+        self.tensors = tensors
+        self.encoder = encoder
+        # The encoder-cache folder a vLLM encode hop writes (--vllm-ec-path):
+        # set where this engine is that connector's consumer.
+        self.ec_path = ec_path
+
+    @property
+    def tokenizer(self) -> Any:
+        return self.llm.tokenizer
+
+    @property
+    def eos_token_ids(self) -> frozenset[int]:
+        return self.llm.eos_token_ids
+
+    @property
+    def max_model_len(self) -> int:
+        return self.llm.max_model_len
+
+    async def start(self) -> None:
+        await self.llm.start()
+
+    async def close(self) -> None:
+        if self.encoder is not None:
+            await self.encoder.fetcher.close()
+        if isinstance(self.encoder, MediaEncoder):  # the torch vision tower beside vLLM: its own thread
+            self.encoder.thread.close()
+        self.llm.close()
+
+    async def health(self) -> None:
+        """Raises where vLLM's engine core is gone."""
+        await self.llm.check_health()
+
+    # -- encode ---------------------------------------------------------------
+
+    async def encode(self, req: ProcessedRequest, ctx: HopContext) -> list[MediaEmbedding]:
+        assert self.encoder is not None, f"role {self.role} does not encode"
+        return await self.encoder.encode(req, ctx)
+
+    async def send_media(self, media: list[MediaEmbedding], req: ProcessedRequest, ctx: HopContext) -> Carried:
+        if not media:
+            return Carried()
+        if all(isinstance(m, RemoteEmbedding) for m in media):  # in the encoder-cache connector: keys only
+            return Carried(vllm_encoded=_keys(media))
+        return Carried(encoded=await put_media(self.tensors, media, req, ctx))
+
+    async def receive_media(self, req: ProcessedRequest, ctx: HopContext) -> list[MediaEmbedding]:
+        if req.vllm_encoded is not None:  # a vLLM encode hop's: in the EC connector's folder
+            return remote_media(req, self.ec_path)
+        return await receive_embeddings(self.role, self.tensors, req, "cpu", ctx)
+
+    # -- prefill --------------------------------------------------------------
+
+    async def prefill(self, req: ProcessedRequest, media: list[MediaEmbedding], ctx: HopContext) -> VllmPrefilled:
+        """Where the role decodes too, vLLM prefills inside the decode
+        request; for a decode hop, a one-token prefill whose KV cache vLLM's
+        connector keeps for it."""
+        rid = req.request.request_id
+        handle = VllmPrefilled(rid, prompt_len(req, media), [*req.prompt_token_ids, *ctx.emitted], media)
+        if self.role not in KV_PRODUCER_ROLES:
+            return handle
+        vllm_id = _vllm_id(rid)
+        done = False
+        try:
+            handle.kv_params = await self.llm.prefill(
+                vllm_id, handle.prompt_ids, media, sampling(req, len(ctx.emitted))
+            )
+            done = True
+        finally:
+            if not done:
+                await self._abort(rid, vllm_id)
+        ctx.trace["prefill_s"] = time.monotonic() - handle.started
+        log.info("vllm_prefilled", request_id=rid, vllm_request_id=vllm_id, kv_params=sorted(handle.kv_params))
+        return handle
+
+    async def hand_off(self, handle: VllmPrefilled, req: ProcessedRequest, ctx: HopContext) -> Carried:
+        """The KV connector's params, and the media the decode engine needs
+        again: embeddings through the tensor store, or (a vLLM encode hop's)
+        the encoder-cache keys it read them by."""
+        kv = VllmKv(params=handle.kv_params or {}, resumed=len(ctx.emitted))
+        if handle.media and req.vllm_encoded is not None:
+            return Carried(vllm_encoded=req.vllm_encoded, vllm_kv=kv)
+        encoded = await put_media(self.tensors, handle.media, req, ctx) if handle.media else None
+        return Carried(encoded=encoded, vllm_kv=kv)
+
+    async def receive_prefilled(self, req: ProcessedRequest, ctx: HopContext) -> VllmPrefilled:
+        media = await self.receive_media(req, ctx)
+        if req.vllm_kv is None:
+            raise InvalidRequest(f"a request reached {self.role} without the vLLM prefill's KV hand-off")
+        # Only the prompt prefilled has its cache there (see above).
+        same_prompt = req.vllm_kv.resumed == len(ctx.emitted)
+        rid = req.request.request_id
+        log.info("vllm_decode_started", request_id=rid, resumed=len(ctx.emitted), kv=same_prompt)
+        return VllmPrefilled(
+            rid,
+            check_context(req, media, self.max_model_len),
+            [*req.prompt_token_ids, *ctx.emitted],
+            media,
+            kv_params=req.vllm_kv.params if same_prompt else None,
+        )
+
+    # -- decode ---------------------------------------------------------------
+
+    async def decode(
+        self, handle: VllmPrefilled, req: ProcessedRequest, ctx: HopContext, is_eos: Callable[[int], bool]
+    ) -> AsyncGenerator[int, None]:
+        # vLLM stops at EOS (unless ignore_eos) and max_tokens itself: is_eos is not needed.
+        handle.vllm_id = _vllm_id(handle.request_id)
+        params = sampling(req, len(ctx.emitted))
+        stream = self.llm.stream(handle.vllm_id, handle.prompt_ids, handle.media, params, handle.kv_params)
+        first = True
+        async with contextlib.aclosing(stream) as deltas:
+            async for delta in deltas:
+                handle.finished = delta.finished
+                if first and delta.token_ids:
+                    ctx.trace["prefill_s"] = time.monotonic() - handle.started
+                    first = False
+                for token in delta.token_ids:
+                    yield token
+
+    async def abort(self, handle: VllmPrefilled) -> None:
+        if handle.vllm_id is not None and not handle.finished:
+            handle.finished = True
+            await self._abort(handle.request_id, handle.vllm_id)
+
+    async def _abort(self, rid: str, vllm_id: str) -> None:
+        await self.llm.abort(vllm_id)
+        log.info(
+            "vllm_request_aborted",
+            request_id=rid,
+            vllm_request_id=vllm_id,
+            role=self.role,
+            unfinished=self.llm.unfinished,
+        )
+
+
+def _vllm_id(rid: str, kind: str = "") -> str:
+    """Unique per attempt: a takeover on this worker never meets an older
+    vLLM request of the same mmpipe request."""
+    return f"{rid}-{kind}{uuid.uuid4().hex[:8]}"
+
+
+def _keys(media: list[MediaEmbedding]) -> VllmEncoded:
+    remote = [m for m in media if isinstance(m, RemoteEmbedding)]
+    return VllmEncoded(
+        mm_hashes=[m.mm_hash for m in remote], items=[EncodedItem(m.num_tokens, list(m.grid_thw)) for m in remote]
+    )

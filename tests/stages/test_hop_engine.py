@@ -1,0 +1,127 @@
+"""The built-in engine driven through the ``HopEngine`` interface alone, as
+``HopStage`` drives any engine: each step on its own role's engine, with a
+real tensor store between them (the NATS object-store transport)."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from pipeline.connection import connect
+from pipeline.nats_server import NatsServer
+from pipeline.transport import TransportSettings, open_transport
+from schemas.processed import ProcessedRequest
+from schemas.request import ChatMessage, GenerateRequest, ImagePart, ImageURL, SamplingParams, TextPart
+from stages.contract import HopContext, TensorStore
+from stages.engine import TorchEngine
+from stages.engine.reference import reference_generate
+from stages.hop_engine import HopEngine, check_context
+from stages.models import resolve_model
+from stages.models.traits import load_traits
+from stages.processor import Processor
+from stages.torch_hop import TorchHopEngine
+from tests.e2e.conftest import gradient, png_data_url
+
+N = 8
+
+
+@pytest.fixture
+async def store(nats_server: NatsServer, namespace: str) -> AsyncIterator[TensorStore]:
+    nc, js = await connect(nats_server.url, name="test-hop-engine")
+    transport = await open_transport("nats", nc, js, namespace, TransportSettings(budget_bytes=64 << 20), "hop")
+    yield transport
+    await transport.close()
+    await nc.close()
+
+
+@pytest.fixture
+async def engines(tiny_model_dir: Path, store: TensorStore) -> AsyncIterator[dict[str, HopEngine[Any]]]:
+    torch_engine = TorchEngine(tiny_model_dir)  # one model for the three roles: only the steps differ
+    out: dict[str, HopEngine[Any]] = {
+        role: TorchHopEngine(role, torch_engine, store) for role in ("encode", "prefill", "decode")
+    }
+    for engine in out.values():
+        await engine.start()
+    yield out
+    for engine in out.values():
+        await engine.close()
+
+
+def image_request(rid: str) -> GenerateRequest:
+    content = [ImagePart(ImageURL(png_data_url(gradient(60, 44, 3)))), TextPart("What is it?")]
+    return GenerateRequest(rid, "tiny", [ChatMessage("user", content)], SamplingParams(N, 0.0, min_tokens=N))
+
+
+async def e_p_d(engines: dict[str, HopEngine[Any]], req: ProcessedRequest, emitted: list[int]) -> list[int]:
+    """Encode, prefill and decode apart, each hop with its own context and
+    only the message between them, as three workers would run them."""
+    encode = engines["encode"]
+    req = (await encode.send_media(await encode.encode(req, HopContext()), req, HopContext())).next_hop(req)
+    assert req.encoded is not None and req.kv is None
+
+    prefill, ctx = engines["prefill"], HopContext(emitted=list(emitted))
+    media = await prefill.receive_media(req, ctx)
+    check_context(req, media, prefill.max_model_len)
+    handle = await prefill.prefill(req, media, ctx)
+    try:
+        req = (await prefill.hand_off(handle, req, ctx)).next_hop(req)
+    finally:
+        await prefill.abort(handle)
+    assert req.encoded is None and req.kv is not None
+    assert {"prefill_s", "get_s", "put_s", "put_bytes"} <= set(ctx.trace)
+
+    decode, ctx = engines["decode"], HopContext(emitted=list(emitted))
+    handle = await decode.receive_prefilled(req, ctx)
+    assert handle.prompt_len > len(req.prompt_token_ids)  # the image's tokens, not its placeholder
+    try:
+        async with contextlib.aclosing(decode.decode(handle, req, ctx, decode.eos_token_ids.__contains__)) as tokens:
+            return [t async for t in tokens]
+    finally:
+        await decode.abort(handle)
+
+
+async def test_encode_prefill_and_decode_apart_equal_generate(
+    engines: dict[str, HopEngine[Any]], tiny_model_dir: Path
+) -> None:
+    processor = Processor(load_traits(resolve_model(str(tiny_model_dir), "tiny")))
+    req = processor.process(image_request("i1"))
+    expected = reference_generate(tiny_model_dir, req.prompt_token_ids, [gradient(60, 44, 3)], N)
+    assert await e_p_d(engines, req, []) == expected
+    # A takeover: the client holds three tokens; the rest follow them.
+    assert await e_p_d(engines, req, expected[:3]) == expected[3:]
+
+
+async def test_health_fails_once_the_decode_loop_has_died(tiny_model_dir: Path) -> None:
+    role = "encode+prefill+decode"
+    engine: HopEngine[Any] = TorchHopEngine(role, TorchEngine(tiny_model_dir))
+    processor = Processor(load_traits(resolve_model(str(tiny_model_dir), "tiny")))
+    req = processor.process(
+        GenerateRequest("h1", "tiny", [ChatMessage("user", "Hi")], SamplingParams(N, 0.0, ignore_eos=True))
+    )
+    await engine.start()
+    try:
+        await engine.health()
+
+        def broken(token: int) -> bool:  # a callback the loop runs, failing: the loop dies of it
+            raise ZeroDivisionError
+
+        ctx = HopContext()
+        handle = await engine.prefill(req, [], ctx)
+        tokens = engine.decode(handle, req, ctx, broken)
+        got: list[int] = []
+        # The stream fails instead of waiting for tokens that never come ...
+        with pytest.raises(RuntimeError, match="decode loop has stopped"):
+            async for token in tokens:
+                got.append(token)
+        assert len(got) == 2  # prefill's token, and the one the loop made before it died
+        await engine.abort(handle)
+        # ... and the worker is no longer ready.
+        with pytest.raises(RuntimeError, match="decode loop has stopped"):
+            await engine.health()
+    finally:
+        await engine.close()
+    await engine.health()  # closed on purpose: nothing to report
