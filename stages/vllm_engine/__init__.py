@@ -1,10 +1,11 @@
-"""vLLM as mmpipe's engine for the roles that prefill and decode together
-(``encode+prefill+decode`` and ``prefill+decode``), chosen with
-``--engine vllm``.
+"""vLLM as mmpipe's engine (``--engine vllm``): ``VllmHopEngine``
+(``hop_engine``) behind the one ``HopStage``, built by ``stage`` (the roles
+that prefill and/or decode) and ``encoder_only`` (``encode``).
 
-Nothing here imports vLLM (or torch) at package import: ``stage`` and
-``engine`` do, and only ``pipeline.serve.build_stage`` imports them, when a
-worker is started with ``--engine vllm``. ``cpu_compat`` is the shim the
+Nothing here imports vLLM (or torch) at package import: those modules do
+(torch at import, vLLM once the engine starts), and only
+``pipeline.serve.build_stage`` imports them, when a worker is started with
+``--engine vllm``. ``cpu_compat`` is the shim the
 CPU venv of ``deploy/install-vllm.sh`` loads in every process.
 """
 
