@@ -151,3 +151,19 @@ class InternalError(MmpipeError):
     code = ErrorCode.INTERNAL
     http_status = 500
     retryable = True
+
+
+class TensorGone(MmpipeError):
+    """The referenced tensors cannot be read any more: the holder died, or it
+    already freed them (read, released, expired). Retryable: the stage restarts
+    the request from its first hop, which makes them again."""
+
+    code = ErrorCode.INTERNAL
+    http_status = 503
+    retryable = True
+
+
+class TargetTainted(TensorGone):
+    """A READ into the caller's own tensors (a transport's ``get_into``)
+    failed and could not be cancelled: they may still be written, so they
+    must not be reused."""

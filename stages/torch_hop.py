@@ -17,9 +17,12 @@ from collections.abc import AsyncGenerator, Callable
 from dataclasses import dataclass
 from typing import Any
 
-from schemas.errors import InvalidRequest
+import torch
+
+from schemas.errors import InvalidRequest, TargetTainted
 from schemas.processed import KvHandoff, ProcessedRequest
 from schemas.routes import moves_tensors
+from schemas.tensors import TensorRef
 from stages.call_batcher import CallBatcher
 from stages.contract import HopContext, TensorStore
 from stages.encoder import MediaEncoder
@@ -146,12 +149,41 @@ class TorchHopEngine:
         if req.kv is None:
             raise InvalidRequest(f"a request reached {self.role} without its KV cache")
         kv = req.kv
-        tensors = await get_tensors(self.tensors, kv.ref, self.torch.device, ctx)
         state = KvState(kv.prompt_len, list(kv.output_ids), kv.rope_delta)
+        # Straight into a decoder slot where the cache fits one as it comes
+        # (this engine's dtype): no copy after the transfer.
+        reserved = await self.thread.call_or_release(
+            self._drop_reserved, lambda: self.torch.reserve_kv(state, sampling(req))
+        )
+        if reserved is not None and _fits(kv.ref, reserved[1]):
+            await self._read_into_slot(reserved[0], kv.ref, reserved[1], ctx)
+            return TorchPrefilled(reserved[0])
+        self._drop_reserved(reserved)
+        tensors = await get_tensors(self.tensors, kv.ref, self.torch.device, ctx)
         seq = await self.thread.call_or_release(
             self.torch.release, lambda: self.torch.import_kv(tensors, state, sampling(req))
         )
         return TorchPrefilled(seq)
+
+    def _drop_reserved(self, reserved: tuple[Sequence, list[torch.Tensor]] | None) -> None:
+        if reserved is not None:
+            self.thread.submit(self.torch.abandon, reserved[0], False)
+
+    async def _read_into_slot(
+        self, seq: Sequence, ref: TensorRef, targets: list[torch.Tensor], ctx: HopContext
+    ) -> None:
+        assert self.tensors is not None, "a role that takes tensors from another hop is built with a tensor store"
+        started = time.monotonic()
+        try:
+            await self.tensors.get_into(ref, targets)
+            ctx.trace["get_s"] = time.monotonic() - started
+            ctx.trace["get_bytes"] = float(ref.nbytes)
+            await self.thread.call(self.torch.received, seq)
+        except BaseException as exc:
+            # After received() if that ran: the thread keeps the order. A READ
+            # that may still write the slot keeps it out of use for good.
+            self.thread.submit(self.torch.abandon, seq, isinstance(exc, TargetTainted))
+            raise
 
     # -- decode ---------------------------------------------------------------
 
@@ -184,3 +216,12 @@ class TorchHopEngine:
         if handle.owned:
             handle.owned = False
             self.thread.submit(self.torch.release, handle.seq)
+
+
+def _fits(ref: TensorRef, targets: list[torch.Tensor]) -> bool:
+    """Whether the ref's tensors are the targets' dtypes and shapes (a
+    prefill worker of another dtype hands over tensors to convert)."""
+    return len(ref.tensors) == len(targets) and all(
+        spec.dtype == str(t.dtype).removeprefix("torch.") and list(spec.shape) == list(t.shape)
+        for spec, t in zip(ref.tensors, targets, strict=True)
+    )

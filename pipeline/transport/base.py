@@ -13,25 +13,12 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 from schemas.errors import ErrorCode, MmpipeError
+from schemas.errors import TargetTainted as TargetTainted  # re-exported: the transports raise them
+from schemas.errors import TensorGone as TensorGone
 from schemas.tensors import TensorRef
 
 if TYPE_CHECKING:  # the bridge imports this module and never needs torch
     import torch
-
-
-class TensorGone(MmpipeError):
-    """The referenced tensors cannot be read any more: the holder died, or it
-    already freed them (read, released, expired). Retryable: the stage restarts
-    the request from its first hop, which makes them again."""
-
-    code = ErrorCode.INTERNAL
-    http_status = 503
-    retryable = True
-
-
-class TargetTainted(TensorGone):
-    """A READ into the caller's own tensors (``get_into``) failed and could
-    not be cancelled: they may still be written, so they must not be reused."""
 
 
 class ForeignTensorRef(MmpipeError):

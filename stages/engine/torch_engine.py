@@ -308,7 +308,7 @@ class TorchEngine:
         with self._lock:
             seq.receiving = False
 
-    def abandon(self, seq: Sequence, *, tainted: bool) -> None:
+    def abandon(self, seq: Sequence, tainted: bool) -> None:
         """A reserved sequence whose cache will not arrive. ``tainted``: a
         READ into its slot could not be cancelled, so the slot is never used
         again (it stays a receiving row nobody reads)."""

@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from schemas.errors import UnsupportedMedia
+from schemas.errors import TensorGone, UnsupportedMedia
 from schemas.processed import EncodedItem, MediaItem, MediaKind, ProcessedRequest, VllmEncoded
 from stages.families import MediaEmbedding
 
@@ -108,8 +108,6 @@ def remote_media(req: ProcessedRequest, path: Path | str | None) -> list[MediaEm
     prefill that is the connector's consumer. A missing file (another
     folder, or cleaned up) is ``TensorGone``: the request runs again from its
     first hop, which writes it again."""
-    from pipeline.transport.base import TensorGone
-
     encoded = req.vllm_encoded
     assert encoded is not None
     if path is None:

@@ -190,6 +190,6 @@ def test_a_cache_written_into_its_reserved_slot_decodes_as_the_sequence_it_left(
     assert c.slot == 0 and c_out == _alone(alone, p_c, [], greedy)
     batched.release(c)
     # A READ that could not be cancelled: its slot stays out of use for good.
-    batched.abandon(again[0], tainted=True)
+    batched.abandon(again[0], True)
     assert batched._slots.rows == [None, again[0]] and batched._slots.taken == 1
     batched._slots.rows.clear()  # the module-scoped engine goes on to other tests

@@ -29,10 +29,11 @@ from tests.e2e.conftest import gradient, png_data_url
 N = 8
 
 
-@pytest.fixture
-async def store(nats_server: NatsServer, namespace: str) -> AsyncIterator[TensorStore]:
+@pytest.fixture(params=["nats", "nixl"])
+async def store(request: pytest.FixtureRequest, nats_server: NatsServer, namespace: str) -> AsyncIterator[TensorStore]:
     nc, js = await connect(nats_server.url, name="test-hop-engine")
-    transport = await open_transport("nats", nc, js, namespace, TransportSettings(budget_bytes=64 << 20), "hop")
+    settings = TransportSettings(budget_bytes=64 << 20)
+    transport = await open_transport(request.param, nc, js, namespace, settings, "hop")
     yield transport
     await transport.close()
     await nc.close()
@@ -77,6 +78,8 @@ async def e_p_d(engines: dict[str, HopEngine[Any]], req: ProcessedRequest, emitt
     decode, ctx = engines["decode"], HopContext(emitted=list(emitted))
     handle = await decode.receive_prefilled(req, ctx)
     assert handle.prompt_len > len(req.prompt_token_ids)  # the image's tokens, not its placeholder
+    # The cache went straight into a slot of the batch decoder, ready to step.
+    assert handle.seq.slot >= 0 and not handle.seq.receiving and {"get_s", "get_bytes"} <= set(ctx.trace)
     try:
         async with contextlib.aclosing(decode.decode(handle, req, ctx, decode.eos_token_ids.__contains__)) as tokens:
             return [t async for t in tokens]
