@@ -1,7 +1,8 @@
 """mmpipe's encoder outputs as vLLM's prompt inputs, and vLLM's encoder-cache
 connector (encoder-only vLLM on the ``encode`` role) as mmpipe sets it up.
 
-Three ways a media item reaches vLLM's language model here, all of Qwen-VL:
+Four ways a media item reaches vLLM's language model here (Qwen-VL's images
+and videos, Qwen2-Audio's audio):
 
 - an image mmpipe's encoder made: ``image_embeds`` + ``image_grid_thw``;
 - a video mmpipe's encoder made: ``video_embeds`` + ``video_grid_thw``
@@ -11,9 +12,11 @@ Three ways a media item reaches vLLM's language model here, all of Qwen-VL:
   multimodal hash as its ``multi_modal_uuids`` entry; the engine, an
   ``ec_consumer``, finds the encoder output by that hash in the connector's
   storage (``allow_missing_mm_embeddings``, which vLLM derives for an EC
-  consumer).
-
-Audio (Qwen2-Audio) is not taken: ``UnsupportedMedia`` (422).
+  consumer);
+- an audio mmpipe's encoder made: ``audio_embeds``, a list of one
+  ``[tokens, hidden]`` tensor per audio (one tensor of all rows would be
+  read as that many audios). vLLM encoder-only does not encode audio
+  (``encoder_only`` refuses it with ``UnsupportedMedia``, 422).
 """
 
 from __future__ import annotations
@@ -75,9 +78,12 @@ def mm_prompt(prompt_token_ids: list[int], media: list[MediaEmbedding], timed_vi
         # vLLM 0.32 does not read from video_embeds inputs (it takes 1.0):
         # refused rather than answered with other positions than generate()'s.
         raise UnsupportedMedia("the vLLM engine takes Qwen2-VL videos; Qwen2.5-VL videos lose their frame timing")
-    others = [m.kind.value for m in media if m.kind not in _KEYS]
-    if others:
-        raise UnsupportedMedia(f"the vLLM engine takes images and videos, not {', '.join(sorted(set(others)))}")
+    audios = [m for m in media if m.kind is MediaKind.AUDIO]
+    if any(isinstance(m, RemoteEmbedding) for m in audios):
+        raise UnsupportedMedia("vLLM encoder-only encodes images, not audio: the built-in encoder takes audio")
+    if audios:
+        # One tensor per audio: a single [rows, hidden] tensor is taken as rows audios.
+        data["audio"] = {"audio_embeds": [m.embeddings for m in audios]}
     prompt["multi_modal_data"] = data
     if uuids:
         prompt["multi_modal_uuids"] = uuids

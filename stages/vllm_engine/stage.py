@@ -19,8 +19,13 @@ from stages.vllm_engine.engine import VllmEngine
 from stages.vllm_engine.hop_engine import VllmHopEngine
 from stages.vllm_engine.media import ec_transfer_config
 
-# Families whose image embeddings vLLM takes as image_embeds + image_grid_thw.
-_ARCHITECTURES = ("Qwen2VLForConditionalGeneration", "Qwen2_5_VLForConditionalGeneration")
+# Families whose embeddings vLLM takes (media.mm_prompt): Qwen-VL's images
+# and videos, Qwen2-Audio's audio.
+_ARCHITECTURES = (
+    "Qwen2VLForConditionalGeneration",
+    "Qwen2_5_VLForConditionalGeneration",
+    "Qwen2AudioForConditionalGeneration",
+)
 
 
 def build_vllm_stage(

@@ -54,6 +54,10 @@ class Reference:
         self.pad = int(config.vision_config.temporal_patch_size) if qwen_vl else 1
 
     def __call__(self, content: list[dict[str, Any]], sources: list[Any]) -> str:
+        return str(self.tokenizer.decode(self.tokens(content, sources), skip_special_tokens=True))
+
+    def tokens(self, content: list[dict[str, Any]], sources: list[Any], n: int = N, exactly: bool = False) -> list[int]:
+        """generate()'s greedy tokens (``exactly``: n of them, EOS or not)."""
         parts: list[dict[str, Any]] = []
         media: list[Any] = []
         given = iter(sources)
@@ -73,8 +77,8 @@ class Reference:
         messages = [{"role": "user", "content": parts}]
         text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
         prompt = self.tokenizer(text, add_special_tokens=False)["input_ids"]
-        tokens = reference_generate(self.dir, prompt, media, max_new_tokens=N, model=self.model)
-        return str(self.tokenizer.decode(tokens, skip_special_tokens=True))
+        min_new = n if exactly else None
+        return reference_generate(self.dir, prompt, media, max_new_tokens=n, min_new_tokens=min_new, model=self.model)
 
 
 def _video_then_image() -> tuple[list[dict[str, Any]], list[Any]]:

@@ -1,5 +1,5 @@
 """What mmpipe hands vLLM for media, without vLLM: the prompt inputs of
-embeddings (image, video) and of encoder outputs a vLLM encode hop left in
+embeddings (image, video, audio) and of encoder outputs a vLLM encode hop left in
 the encoder-cache folder, and the keys that ride in the message."""
 
 from __future__ import annotations
@@ -44,9 +44,18 @@ def test_remote_items_are_grids_and_hashes_only() -> None:
     assert items[0].num_tokens == 6
 
 
-def test_audio_and_timed_videos_are_unsupported() -> None:
-    with pytest.raises(UnsupportedMedia):
-        mm_prompt([1], [MediaEmbedding(torch.ones(3, 4), (3,), MediaKind.AUDIO)])
+def test_audios_become_a_list_of_embeds() -> None:
+    one = MediaEmbedding(torch.ones(3, 4), (3,), MediaKind.AUDIO)
+    two = MediaEmbedding(torch.zeros(5, 4), (5,), MediaKind.AUDIO)
+    data = mm_prompt([1, 2], [one, two])["multi_modal_data"]
+    assert list(data) == ["audio"] and list(data["audio"]) == ["audio_embeds"]
+    # One tensor per audio: vLLM reads a single [rows, hidden] tensor as rows audios.
+    assert [t.shape for t in data["audio"]["audio_embeds"]] == [(3, 4), (5, 4)]
+
+
+def test_remote_audio_and_timed_videos_are_unsupported() -> None:
+    with pytest.raises(UnsupportedMedia):  # vLLM encoder-only encodes images only
+        mm_prompt([1], [RemoteEmbedding(torch.empty(3, 0), (3,), MediaKind.AUDIO, mm_hash="a")])
     with pytest.raises(UnsupportedMedia):  # Qwen2.5-VL: vLLM would drop second_per_grid_ts
         mm_prompt([1], [MediaEmbedding(torch.ones(3, 4), (2, 2, 2), MediaKind.VIDEO, seconds_per_grid=0.5)], True)
 

@@ -17,6 +17,7 @@ One engine start per vLLM role and mode (a module-scoped stack per mode)."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import inspect
 import json
 import re
@@ -87,11 +88,63 @@ class VllmStack:
     base_url: str
     nats_url: str
     up: Proc
-    # The /metrics URL of each worker role (one worker each).
+    # The /metrics URL of each worker role (one worker each; /health/ready beside it).
     metrics: dict[str, str]
+    # mmpipe up's exit code once stopped.
+    code: int | None = None
 
     def client(self) -> openai.AsyncOpenAI:
         return openai.AsyncOpenAI(base_url=f"{self.base_url}/v1", api_key="none", max_retries=0)
+
+
+@contextlib.contextmanager
+def vllm_up(
+    tmp: Path,
+    mmpipe_home: Path,
+    mode: str,
+    model_dir: Path,
+    engine_args: dict[str, Any],
+    *flags: str,
+    served: str = MODEL,
+    modalities: str = "image,video",
+) -> Iterator[VllmStack]:
+    """``mmpipe up --engine vllm`` of ``mode`` until the block ends (SIGINT;
+    its exit code in ``code``)."""
+    args_file = tmp / "engine-args.json"
+    args_file.write_text(json.dumps(engine_args))
+    port = _free_port()
+    procs = Processes(tmp, mmpipe_home)
+    up = procs.start(
+        "up", "--mode", mode, "--engine", "vllm", "--vllm-args-file", str(args_file),
+        "--vllm-arg", "max_model_len=2048", "--model", str(model_dir), "--served-model-name", served,
+        "--port", str(port), "--data-dir", str(tmp / "data"), "--transport", "nats", "--log-level", "INFO",
+        "--worker-health-port", str(_free_port_run(6)), "--modalities", modalities, *flags,
+    )  # fmt: skip
+    stack = VllmStack(mode, f"http://127.0.0.1:{port}", "", up, {})
+    try:
+        up.wait_for("mmpipe ready", timeout_s=300)
+        nats_url = re.search(r"nats=(\S+)", up.text())
+        assert nats_url is not None
+        stack.nats_url = nats_url.group(1)
+        for line in up.text().splitlines():
+            if '"worker_health_port"' in line:
+                event = json.loads(line[line.index("{") :])
+                stack.metrics[event["role"]] = event["url"].replace("/health/ready", "/metrics")
+        yield stack
+    finally:
+        stack.code = up.stop(signal.SIGINT, timeout_s=90)
+        procs.stop_all()
+
+
+def assert_clean_exit(stack: VllmStack) -> None:
+    assert stack.code == 0, stack.up.text()[-3000:]
+    # The one traceback allowed: the bridge's, when it writes to a client that
+    # went away (the cancel test) as that client closes.
+    lines = stack.up.text().splitlines()
+    known = "ClientConnectionResetError: Cannot write to closing transport"
+    for i, line in enumerate(lines):
+        if "Traceback" in line:
+            assert any(known in later for later in lines[i : i + 80]), "\n".join(lines[i : i + 80])
 
 
 @pytest.fixture(scope="module")
@@ -104,40 +157,11 @@ def stack(
     request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory, mmpipe_home: Path, vllm_model_dir: Path
 ) -> Iterator[VllmStack]:
     mode = request.param
-    tmp = tmp_path_factory.mktemp(f"vllm-{mode}")
-    args_file = tmp / "engine-args.json"
-    args_file.write_text(json.dumps(ENGINE_ARGS))
-    port = _free_port()
-    procs = Processes(tmp, mmpipe_home)
     connector = ["--vllm-kv-connector", CONNECTORS[mode]] if mode in CONNECTORS else []
-    up = procs.start(
-        "up", "--mode", mode, "--engine", "vllm", "--vllm-args-file", str(args_file),
-        "--vllm-arg", "max_model_len=2048", "--model", str(vllm_model_dir), "--served-model-name", MODEL,
-        "--port", str(port), "--data-dir", str(tmp / "data"), "--transport", "nats", "--log-level", "INFO",
-        "--worker-health-port", str(_free_port_run(6)), *connector,
-        "--modalities", "image,video",
-    )  # fmt: skip
-    try:
-        up.wait_for("mmpipe ready", timeout_s=300)
-        nats_url = re.search(r"nats=(\S+)", up.text())
-        assert nats_url is not None
-        metrics = {}
-        for line in up.text().splitlines():
-            if '"worker_health_port"' in line:
-                event = json.loads(line[line.index("{") :])
-                metrics[event["role"]] = event["url"].replace("/health/ready", "/metrics")
-        yield VllmStack(mode, f"http://127.0.0.1:{port}", nats_url.group(1), up, metrics)
-    finally:
-        code = up.stop(signal.SIGINT, timeout_s=90)
-        procs.stop_all()
-    assert code == 0, up.text()[-3000:]
-    # The one traceback allowed: the bridge's, when it writes to a client that
-    # went away (the cancel test) as that client closes.
-    lines = up.text().splitlines()
-    known = "ClientConnectionResetError: Cannot write to closing transport"
-    for i, line in enumerate(lines):
-        if "Traceback" in line:
-            assert any(known in later for later in lines[i : i + 80]), "\n".join(lines[i : i + 80])
+    tmp = tmp_path_factory.mktemp(f"vllm-{mode}")
+    with vllm_up(tmp, mmpipe_home, mode, vllm_model_dir, ENGINE_ARGS, *connector) as stack:
+        yield stack
+    assert_clean_exit(stack)
 
 
 async def _tokens(stack: VllmStack, request_id: str) -> list[int]:
@@ -150,10 +174,10 @@ async def _tokens(stack: VllmStack, request_id: str) -> list[int]:
     return [t for c in chunks for t in getattr(c, "token_ids", [])]
 
 
-async def _ask(stack: VllmStack, content: Any, stream: bool, n: int = N) -> tuple[str, list[int]]:
+async def _ask(stack: VllmStack, content: Any, stream: bool, n: int = N, model: str = MODEL) -> tuple[str, list[int]]:
     """(text, token ids) of one greedy request of n tokens."""
     kw: dict[str, Any] = {
-        "model": MODEL,
+        "model": model,
         "messages": [{"role": "user", "content": content}],
         "max_tokens": n,
         "temperature": 0,
