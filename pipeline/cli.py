@@ -403,6 +403,7 @@ def main(argv: list[str] | None = None) -> int:
             vllm_args=vllm_args(args),
             vllm_ec_path=args.vllm_ec_path,
             vllm_kv=vllm_kv_settings(args),
+            vllm_storage_ttl_s=args.vllm_storage_ttl,
         )
         try:
             _run(run_worker(args.role, _config(args), settings))

@@ -12,6 +12,7 @@ from stages.vllm_engine.args import (
     KV_CONNECTORS,
     KV_CONSUMER_ROLES,
     KV_PRODUCER_ROLES,
+    STORAGE_TTL_S,
     VLLM_ROLES,
     KvConnectorSettings,
     engine_arg_flags,
@@ -61,6 +62,15 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
         help="NixlConnector's side-channel port of this worker (0: a free one; mmpipe up always uses 0). "
         "Other hosts reach it at VLLM_NIXL_SIDE_CHANNEL_HOST (set it to this host's address)",
     )
+    group.add_argument(
+        "--vllm-storage-ttl",
+        type=float,
+        default=STORAGE_TTL_S,
+        metavar="S",
+        help="a vLLM worker that writes an example connector's folder (the vLLM encode worker: --vllm-ec-path; "
+        "a prefill worker on ExampleConnector: --vllm-kv-path) deletes what in it has not changed for S "
+        "seconds, every S/4 (0: never)",
+    )
     add_vllm_encoder_flags(group)
 
 
@@ -74,8 +84,8 @@ def add_vllm_encoder_flags(group: argparse._ArgumentGroup) -> None:
     group.add_argument(
         "--vllm-encoder",
         action="store_true",
-        help="mmpipe up --engine vllm: the encode workers run vLLM encoder-only (images only) instead of "
-        "mmpipe's built-in encoder",
+        help="mmpipe up --engine vllm --mode e-pd|e-p-d: the encode workers run vLLM encoder-only (images only) "
+        "instead of mmpipe's built-in encoder",
     )
 
 
@@ -97,9 +107,11 @@ def check_mode(engine: str, mode: str, vllm_encoder: bool = False) -> None:
         if vllm_encoder:
             raise SystemExit("mmpipe: --vllm-encoder needs --engine vllm")
         return
-    if vllm_encoder and mode != "e-pd":
-        # Tested where the encode hop feeds a vLLM prefill+decode hop only.
-        raise SystemExit(f"mmpipe: --vllm-encoder (vLLM encoder-only on encode) serves mode e-pd so far, not {mode}")
+    if vllm_encoder and "encode" not in MODES[mode]:
+        # The encode worker is what runs vLLM encoder-only.
+        raise SystemExit(
+            f"mmpipe: --vllm-encoder (vLLM encoder-only on encode) needs an encode hop: e-pd or e-p-d, not {mode}"
+        )
     other = [hop for hop in MODES[mode] if hop != "encode" and hop not in VLLM_ROLES]
     if other:
         raise SystemExit(
@@ -108,23 +120,36 @@ def check_mode(engine: str, mode: str, vllm_encoder: bool = False) -> None:
         )
 
 
-def engine_flag_args(role: str, engine: str, args: dict[str, Any], kv: KvConnectorSettings | None = None) -> list[str]:
+def engine_flag_args(
+    role: str,
+    engine: str,
+    args: dict[str, Any],
+    kv: KvConnectorSettings | None = None,
+    storage_ttl_s: float = STORAGE_TTL_S,
+) -> list[str]:
     """The flags that give a child worker of ``role`` its engine: vLLM's
     roles get --engine vllm and its arguments (and a role on either side of
     the KV hand-off its connector), the others the built-in one."""
     if engine != "vllm" or role not in VLLM_ROLES:
         return []
-    out = ["--engine", "vllm", *engine_arg_flags(args)]
+    out = ["--engine", "vllm", *engine_arg_flags(args), *_ttl_flag(storage_ttl_s)]
     if kv is not None and role in KV_PRODUCER_ROLES + KV_CONSUMER_ROLES:
         out += kv_connector_flags(kv)
     return out
 
 
-def vllm_encoder_flag_args(role: str, engine: str, args: dict[str, Any], ec_path: str) -> list[str]:
+def vllm_encoder_flag_args(
+    role: str, engine: str, args: dict[str, Any], ec_path: str, storage_ttl_s: float = STORAGE_TTL_S
+) -> list[str]:
     """``mmpipe up --engine vllm --vllm-encoder``: the encode role runs vLLM
-    encoder-only, writing ``ec_path``; every vLLM role reads it."""
+    encoder-only, writing ``ec_path`` (and pruning it); every vLLM role reads it."""
     if engine != "vllm" or not ec_path:
         return []
     if role == "encode":
-        return ["--engine", "vllm", *engine_arg_flags(args), "--vllm-ec-path", ec_path]
+        return ["--engine", "vllm", *engine_arg_flags(args), *_ttl_flag(storage_ttl_s), "--vllm-ec-path", ec_path]
     return ["--vllm-ec-path", ec_path] if role in VLLM_ROLES else []
+
+
+def _ttl_flag(storage_ttl_s: float) -> list[str]:
+    """--vllm-storage-ttl where it is not the default."""
+    return [] if storage_ttl_s == STORAGE_TTL_S else ["--vllm-storage-ttl", str(storage_ttl_s)]

@@ -138,8 +138,8 @@ def up(args: argparse.Namespace, config: PipelineConfig, bridge: BridgeSettings)
                     log.info("worker_health_port", role=role, url=f"http://127.0.0.1:{health_port}/health/ready")
                     health_port += 1
                 worker_args = [*common, *model_args, *health, *_consumer_args(config, args.drain_grace)]
-                worker_args += engine_flag_args(role, args.engine, engine_args, kv)
-                worker_args += vllm_encoder_flag_args(role, args.engine, engine_args, ec_path)
+                worker_args += engine_flag_args(role, args.engine, engine_args, kv, args.vllm_storage_ttl)
+                worker_args += vllm_encoder_flag_args(role, args.engine, engine_args, ec_path, args.vllm_storage_ttl)
                 children.append(subprocess.Popen([*cli, "worker", role, *worker_args]))
         bridge_args = ["--host", bridge.host, "--port", str(bridge.port)]
         bridge_args += ["--request-timeout", str(bridge.request_timeout_s)]

@@ -27,7 +27,7 @@ from stages.engine_settings import DecodeSettings
 from stages.media import EmbeddingCache, MediaPolicy
 from stages.models import ModelSpec, resolve_model
 from stages.processor import ProcessorLimits
-from stages.vllm_engine.args import KvConnectorSettings
+from stages.vllm_engine.args import STORAGE_TTL_S, KvConnectorSettings
 
 log = structlog.get_logger(__name__)
 
@@ -67,6 +67,9 @@ class WorkerSettings:
     # vLLM's encoder-cache folder (--vllm-ec-path): the vLLM encode role
     # writes it, the vLLM prefill roles read it.
     vllm_ec_path: str = ""
+    # --vllm-storage-ttl: a vLLM worker that writes an example connector's
+    # folder deletes what in it is older (0: never).
+    vllm_storage_ttl_s: float = STORAGE_TTL_S
 
 
 def parse_modalities(spec: str) -> frozenset[MediaKind]:
@@ -147,6 +150,7 @@ def _vllm_stage(role: str, settings: WorkerSettings, spec: ModelSpec, tensors: T
             else None,
             kv=settings.vllm_kv,
             ec_path=settings.vllm_ec_path,
+            storage_ttl_s=settings.vllm_storage_ttl_s,
         )
     except (VllmUnavailable, ValueError) as exc:
         raise SystemExit(f"mmpipe: {exc}") from None
@@ -162,7 +166,9 @@ def _vllm_encode_stage(settings: WorkerSettings, spec: ModelSpec) -> Stage:
         from stages.vllm_engine.encoder_only import build_vllm_encode_stage
 
         path = settings.vllm_ec_path
-        return build_vllm_encode_stage(Path(spec.path), spec.served_name, settings.vllm_args, path, policy)
+        return build_vllm_encode_stage(
+            Path(spec.path), spec.served_name, settings.vllm_args, path, policy, settings.vllm_storage_ttl_s
+        )
     except (VllmUnavailable, ValueError) as exc:
         raise SystemExit(f"mmpipe: {exc}") from None
 

@@ -20,6 +20,9 @@ VLLM_ROLES = ("encode+prefill+decode", "prefill+decode", "encode+prefill", "pref
 KV_PRODUCER_ROLES = ("encode+prefill", "prefill")
 KV_CONSUMER_ROLES = ("decode",)
 KV_CONNECTORS = ("example", "nixl")
+# --vllm-storage-ttl: what in the example connectors' folders has not changed
+# for this long is deleted by the worker that writes the folder (storage.py).
+STORAGE_TTL_S = 600.0
 
 INSTALL_HINT = (
     "install the extra: pip install 'mmpipe[vllm]' (a GPU host with vLLM's wheels), "

@@ -17,12 +17,14 @@ transport and works with a torch or a vLLM prefill): vLLM's own image
 processing and vision kernels, no torch copy of the model beside vLLM; but
 images only, no embedding cache of mmpipe's (vLLM's storage is keyed by
 content, so an image seen again is found by the consumer anyway), and the
-storage is a folder vLLM never cleans up.
+storage is a folder vLLM never cleans up (the encode worker prunes it by
+age: storage.py).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import uuid
 from pathlib import Path
 from typing import Any
@@ -36,9 +38,10 @@ from stages.families import MediaEmbedding
 from stages.hop import HopStage
 from stages.media import MediaFetcher, MediaPolicy
 from stages.media.image import decode_image
+from stages.vllm_engine.args import STORAGE_TTL_S
 from stages.vllm_engine.engine import VllmEngine
 from stages.vllm_engine.hop_engine import VllmHopEngine
-from stages.vllm_engine.media import ec_transfer_config, encoded_items, remote_embeddings
+from stages.vllm_engine.media import ec_transfer_config, encoded_items, remote_embeddings, touch_ec_file
 
 log = structlog.get_logger(__name__)
 
@@ -72,11 +75,12 @@ class VllmImageEncoder:
     and grids of their encoder outputs in the connector's storage (as
     ``RemoteEmbedding``s; ``VllmHopEngine.send_media`` sends the keys on)."""
 
-    def __init__(self, engine: VllmEncoderEngine, policy: MediaPolicy, merge_size: int) -> None:
+    def __init__(self, engine: VllmEncoderEngine, policy: MediaPolicy, merge_size: int, ec_path: str) -> None:
         self.engine = engine
         self.policy = policy
         self.fetcher = MediaFetcher(policy)
         self.merge_size = merge_size
+        self.ec_path = ec_path
 
     async def encode(self, req: ProcessedRequest, ctx: HopContext) -> list[MediaEmbedding]:
         if not req.media:
@@ -97,15 +101,24 @@ class VllmImageEncoder:
         vllm_id = f"{req.request.request_id}-enc-{uuid.uuid4().hex[:8]}"
         params = await self.engine.encode(vllm_id, req.prompt_token_ids, list(images))
         encoded = encoded_items(params, len(images), self.merge_size)
+        for mm_hash in set(encoded.mm_hashes):  # vLLM found an output it had written before: used now
+            with contextlib.suppress(FileNotFoundError):  # (the prefill hop tells a missing one)
+                touch_ec_file(self.ec_path, mm_hash)
         ctx.trace["encode_s"] = loop.time() - started
         log.info("vllm_encoded", request_id=req.request.request_id, mm_hashes=encoded.mm_hashes)
         return remote_embeddings(encoded, req.media)
 
 
 def build_vllm_encode_stage(
-    model_dir: Path, served_name: str, engine_args: dict[str, Any], ec_path: str, policy: MediaPolicy
+    model_dir: Path,
+    served_name: str,
+    engine_args: dict[str, Any],
+    ec_path: str,
+    policy: MediaPolicy,
+    storage_ttl_s: float = STORAGE_TTL_S,
 ) -> HopStage:
-    """The ``encode`` role on vLLM encoder-only; vLLM itself starts in ``start()``."""
+    """The ``encode`` role on vLLM encoder-only; vLLM itself starts in
+    ``start()``, and the worker prunes ``ec_path`` (``storage_ttl_s``)."""
     from transformers import AutoConfig
 
     if not ec_path:
@@ -116,7 +129,7 @@ def build_vllm_encode_stage(
         raise ValueError(f"the vLLM encoder serves Qwen-VL checkpoints; {model_dir} has no vision_config")
     Path(ec_path).mkdir(parents=True, exist_ok=True)
     args = {"ec_transfer_config": ec_transfer_config(True, ec_path), **engine_args}
-    engine = VllmEncoderEngine(model_dir, args)
+    engine = VllmEncoderEngine(model_dir, args, storage_ttl_s=storage_ttl_s)
     return HopStage(
-        "encode", VllmHopEngine("encode", engine, encoder=VllmImageEncoder(engine, policy, merge)), served_name
+        "encode", VllmHopEngine("encode", engine, encoder=VllmImageEncoder(engine, policy, merge, ec_path)), served_name
     )

@@ -23,10 +23,11 @@ import structlog
 
 from stages.engine.sampling import SamplingConfig
 from stages.families import MediaEmbedding
-from stages.vllm_engine.args import KvConnectorSettings, require_vllm
+from stages.vllm_engine.args import STORAGE_TTL_S, KvConnectorSettings, require_vllm
 from stages.vllm_engine.health import watch_engine
 from stages.vllm_engine.media import mm_prompt
 from stages.vllm_engine.metrics import stat_logger_factory
+from stages.vllm_engine.storage import StoragePruner, written_folders
 
 log = structlog.get_logger(__name__)
 
@@ -46,6 +47,7 @@ class VllmEngine:
         args: dict[str, Any] | None = None,
         role: str = "",
         kv: KvConnectorSettings | None = None,
+        storage_ttl_s: float = STORAGE_TTL_S,
     ) -> None:
         require_vllm()
         from transformers import AutoConfig, AutoTokenizer, GenerationConfig
@@ -69,6 +71,9 @@ class VllmEngine:
         self.max_model_len = 0
         self._llm: Any = None
         self._watch: asyncio.Task[None] | None = None
+        # The example connectors' folders this engine writes, pruned of what
+        # is older than storage_ttl_s while it runs (storage.py).
+        self.pruner = StoragePruner(written_folders(self.args), storage_ttl_s)
 
     async def start(self) -> None:
         """Start vLLM's engine (its engine-core process, the model load and
@@ -89,6 +94,7 @@ class VllmEngine:
         self._llm = AsyncLLM.from_engine_args(engine_args, stat_loggers=[stat_logger_factory(self.role)])
         self.max_model_len = int(self._llm.model_config.max_model_len)
         self._watch = asyncio.create_task(watch_engine(self))  # the worker stops once vLLM's engine core is dead
+        self.pruner.start()
         log.info(
             "vllm_engine_started",
             model=str(self.model_dir),
@@ -99,6 +105,7 @@ class VllmEngine:
         )
 
     def close(self) -> None:
+        self.pruner.close()
         if self._watch is not None:
             self._watch.cancel()
         if self._llm is not None:

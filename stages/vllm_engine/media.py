@@ -22,6 +22,7 @@ and videos, Qwen2-Audio's audio):
 from __future__ import annotations
 
 import dataclasses
+import os
 from pathlib import Path
 from typing import Any
 
@@ -123,9 +124,18 @@ def remote_media(req: ProcessedRequest, path: Path | str | None) -> list[MediaEm
     if not (len(encoded.mm_hashes) == len(encoded.items) == len(req.media)):
         raise ValueError(f"{len(encoded.mm_hashes)} keys for {len(encoded.items)} items and {len(req.media)} media")
     for mm_hash in encoded.mm_hashes:
-        if not ec_file(path, mm_hash).exists():
-            raise TensorGone(f"the encoder output {mm_hash} is not in {path}")
+        try:
+            touch_ec_file(path, mm_hash)
+        except FileNotFoundError:
+            raise TensorGone(f"the encoder output {mm_hash} is not in {path}") from None
     return remote_embeddings(encoded, req.media)
+
+
+def touch_ec_file(path: Path | str, mm_hash: str) -> None:
+    """Mark an item's encoder output as used now: the folder's pruner
+    (storage.py) deletes what has not changed for its TTL, and vLLM reads an
+    output it finds again without writing it."""
+    os.utime(ec_file(path, mm_hash))
 
 
 def remote_embeddings(encoded: VllmEncoded, media: list[MediaItem]) -> list[MediaEmbedding]:

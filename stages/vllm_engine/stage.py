@@ -14,7 +14,7 @@ from stages.encoder import MediaEncoder
 from stages.hop import HopStage
 from stages.media import EmbeddingCache, MediaFetcher, MediaPolicy
 from stages.scheduler import EngineThread
-from stages.vllm_engine.args import KvConnectorSettings, kv_transfer_config
+from stages.vllm_engine.args import STORAGE_TTL_S, KvConnectorSettings, kv_transfer_config
 from stages.vllm_engine.engine import VllmEngine
 from stages.vllm_engine.hop_engine import VllmHopEngine
 from stages.vllm_engine.media import ec_transfer_config
@@ -39,9 +39,11 @@ def build_vllm_stage(
     embedding_cache: EmbeddingCache | None = None,
     kv: KvConnectorSettings | None = None,
     ec_path: str = "",
+    storage_ttl_s: float = STORAGE_TTL_S,
 ) -> HopStage:
     """A vLLM stage of ``role``; the engine itself starts in ``start()``.
-    A role that encodes also loads the checkpoint on torch for its encoder."""
+    A role that encodes also loads the checkpoint on torch for its encoder.
+    A prefill role on ExampleConnector prunes its folder (``storage_ttl_s``)."""
     from transformers import AutoConfig
 
     architectures = list(getattr(AutoConfig.from_pretrained(str(model_dir)), "architectures", None) or [])
@@ -57,7 +59,7 @@ def build_vllm_stage(
         # The consumer of a vLLM encode hop's encoder outputs (built-in encode
         # hops' embeddings still come as image_embeds beside them).
         engine_args = {**engine_args, "ec_transfer_config": ec_transfer_config(False, ec_path)}
-    engine = VllmEngine(model_dir, engine_args, role=role, kv=kv)
+    engine = VllmEngine(model_dir, engine_args, role=role, kv=kv, storage_ttl_s=storage_ttl_s)
     encoder = None
     if role.startswith("encode"):
         from stages.engine import DecodeSettings, TorchEngine

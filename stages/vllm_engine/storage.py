@@ -9,7 +9,9 @@ resumes the request later; one missing then restarts the request from its
 first hop, which writes it again. So the workers that write a folder
 delete what in it has not changed for ``ttl_s``, every ``ttl_s / 4``. Two
 workers pruning one shared folder is harmless: a folder gone already is
-skipped.
+skipped. vLLM reads an encoder output it finds again rather than writing it
+anew, so the encode and prefill/decode workers touch an item's file when
+they use it (``media.touch_ec_file``): an image in use stays.
 """
 
 from __future__ import annotations
@@ -18,12 +20,13 @@ import asyncio
 import shutil
 import time
 from pathlib import Path
-from typing import Final
+from typing import Any, Final
 
 import structlog
 from prometheus_client import Counter
 
 log = structlog.get_logger(__name__)
+
 
 PRUNED: Final = Counter(
     "mmpipe_vllm_storage_pruned_total", "Entries deleted from a vLLM connector folder for age", ["folder"]
@@ -80,3 +83,40 @@ async def prune_forever(folder: Path, ttl_s: float, name: str) -> None:
         if removed:
             PRUNED.labels(name).inc(removed)
             log.info("vllm_storage_pruned", folder=str(folder), removed=removed, ttl_s=ttl_s)
+
+
+def written_folders(engine_args: dict[str, Any]) -> list[tuple[Path, str]]:
+    """The folders a vLLM engine of ``engine_args`` writes, each with its
+    metrics label: ExampleConnector's as the KV producer (``kv``),
+    ECExampleConnector's as the encoder-cache producer (``ec``). A
+    connector set without a folder (vLLM's default) is left alone."""
+    out: list[tuple[Path, str]] = []
+    for kind, connector in (("kv", "ExampleConnector"), ("ec", "ECExampleConnector")):
+        config = engine_args.get(f"{kind}_transfer_config") or {}
+        path = (config.get(f"{kind}_connector_extra_config") or {}).get("shared_storage_path")
+        producer = config.get(f"{kind}_role") in (f"{kind}_producer", f"{kind}_both")
+        if config.get(f"{kind}_connector") == connector and producer and path:
+            out.append((Path(path), kind))
+    return out
+
+
+class StoragePruner:
+    """``prune_forever`` on each folder a vLLM engine writes, from
+    ``start()`` to ``close()`` (``ttl_s`` 0: never)."""
+
+    def __init__(self, folders: list[tuple[Path, str]], ttl_s: float) -> None:
+        self.folders = folders
+        self.ttl_s = ttl_s
+        self._tasks: list[asyncio.Task[None]] = []
+
+    def start(self) -> None:
+        if self.ttl_s <= 0:
+            return
+        for folder, name in self.folders:
+            self._tasks.append(asyncio.create_task(prune_forever(folder, self.ttl_s, name)))
+            log.info("vllm_storage_pruning", folder=str(folder), name=name, ttl_s=self.ttl_s)
+
+    def close(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        self._tasks.clear()

@@ -73,6 +73,11 @@ def test_kv_connector_flags_reach_the_prefill_and_decode_roles_as_producer_and_c
         assert forwarded[-4:] == ["--vllm-kv-connector", "example", "--vllm-kv-path", str(tmp_path / "kv")]
         assert vllm_kv_settings(parser().parse_args(["worker", role, *forwarded])) == kv
     assert "--vllm-kv-connector" not in engine_flag_args("prefill+decode", "vllm", {}, kv)
+    # --vllm-storage-ttl reaches the workers (the default is theirs too).
+    assert parser().parse_args(["worker", "prefill"]).vllm_storage_ttl == 600.0
+    forwarded = engine_flag_args("prefill", "vllm", {}, kv, storage_ttl_s=0.0)
+    assert parser().parse_args(["worker", "prefill", *forwarded]).vllm_storage_ttl == 0.0
+    assert "--vllm-storage-ttl" not in engine_flag_args("prefill", "vllm", {}, kv)
     assert kv_transfer_config("prefill", kv) == {
         "kv_role": "kv_producer",
         "kv_connector": "ExampleConnector",

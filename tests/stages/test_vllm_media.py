@@ -4,6 +4,8 @@ the encoder-cache folder, and the keys that ride in the message."""
 
 from __future__ import annotations
 
+import os
+import time
 from pathlib import Path
 
 import pytest
@@ -97,8 +99,10 @@ def test_remote_media_needs_the_files(tmp_path: Path) -> None:
         remote_media(req, tmp_path)
     ec_file(tmp_path, "h2").parent.mkdir(parents=True)
     ec_file(tmp_path, "h2").write_bytes(b"x")
+    os.utime(ec_file(tmp_path, "h2"), (1.0, 1.0))
     got = remote_media(req, tmp_path)
     assert [m.mm_hash for m in got if isinstance(m, RemoteEmbedding)] == ["h1", "h2"]
+    assert ec_file(tmp_path, "h2").stat().st_mtime > time.time() - 60  # used now: the pruner keeps it
     with pytest.raises(UnsupportedMedia):  # a worker with no folder configured
         remote_media(req, None)
     assert req.restarted().vllm_encoded is None
@@ -106,10 +110,21 @@ def test_remote_media_needs_the_files(tmp_path: Path) -> None:
 
 def test_vllm_encoder_flags() -> None:
     check_mode("vllm", "e-pd", vllm_encoder=True)
-    for engine, mode in (("torch", "e-pd"), ("vllm", "epd"), ("vllm", "e-p-d")):
+    check_mode("vllm", "e-p-d", vllm_encoder=True)
+    for engine, mode in (("torch", "e-pd"), ("vllm", "epd"), ("vllm", "ep-d")):
         with pytest.raises(SystemExit):
             check_mode(engine, mode, vllm_encoder=True)
     assert vllm_encoder_flag_args("encode", "vllm", {}, "/ec") == ["--engine", "vllm", "--vllm-ec-path", "/ec"]
     assert vllm_encoder_flag_args("prefill+decode", "vllm", {}, "/ec") == ["--vllm-ec-path", "/ec"]
+    # Apart, decode reads the encoder cache too (the prompt's tail it computes may hold an image).
+    assert vllm_encoder_flag_args("decode", "vllm", {}, "/ec") == ["--vllm-ec-path", "/ec"]
+    ttl = ["--vllm-storage-ttl", "30.0"]
+    assert vllm_encoder_flag_args("encode", "vllm", {}, "/ec", 30.0) == [
+        "--engine",
+        "vllm",
+        *ttl,
+        "--vllm-ec-path",
+        "/ec",
+    ]
     assert vllm_encoder_flag_args("processor", "vllm", {}, "/ec") == []
     assert vllm_encoder_flag_args("encode", "vllm", {}, "") == []
