@@ -7,8 +7,9 @@ The same messages, route and reply stream as the built-in engine:
   precomputed embeddings) turns the request's media into embeddings;
   ``prefill+decode`` / ``prefill`` / ``decode``: they come from an encode
   hop through the tensor transport. Either way vLLM gets them as
-  ``image_embeds`` + ``image_grid_thw`` (videos likewise) beside the
-  processor's prompt ids (one placeholder per item, expanded by vLLM). From
+  ``image_embeds`` + ``image_grid_thw`` (videos likewise, audio as
+  ``audio_embeds``: ``media.mm_prompt``) beside the processor's prompt ids
+  (one placeholder per item, expanded by vLLM). From
   a vLLM encode hop (encoder-only, ``encoder_only``) only each item's hash
   and grid come (``VllmEncoded``): vLLM loads the encoder output itself.
 - A takeover resumes as the built-in engine does: the prompt plus the tokens
