@@ -48,10 +48,9 @@ def reference(vllm_model_dir: Path) -> Any:
     return make_reference(vllm_model_dir)
 
 
-# e-p-d runs every step e-pd does (a vLLM prefill that reads the encoder
-# cache) and more (a vLLM decode that reads it too), in one stack start:
-# add "e-pd" to run it too (it passed these tests when e-p-d came in).
-MODES_UNDER_TEST = ["e-p-d"]
+# Both modes vLLM encoder-only serves: e-pd (a vLLM prefill+decode reads the
+# encoder cache) and e-p-d (a vLLM prefill and a vLLM decode both read it).
+MODES_UNDER_TEST = ["e-pd", "e-p-d"]
 
 
 @pytest.fixture(scope="module", params=MODES_UNDER_TEST)
