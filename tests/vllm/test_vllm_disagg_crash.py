@@ -26,10 +26,9 @@ from pipeline.replies import stored_chunks
 from pipeline.subjects import Subjects
 from schemas.chunk import TokenChunk
 from schemas.codec import CONTENT_TYPE, MSGPACK, encode
-from schemas.request import ChatMessage, GenerateRequest, ImagePart, ImageURL, SamplingParams, TextPart
-from tests.e2e.conftest import gradient, make_reference, png_data_url
+from tests.e2e.conftest import gradient, make_reference
 from tests.e2e.processes import Proc, Processes
-from tests.vllm.test_vllm_engine import ENGINE_ARGS, MODEL
+from tests.vllm.test_vllm_engine import ENGINE_ARGS, MODEL, image_request
 
 N = 300
 MODE = "e-p-d"
@@ -72,13 +71,7 @@ async def test_killed_vllm_decode_worker_request_completes_on_the_other(
 
         image = gradient(64, 48, 5)
         rid = "killed-vllm-decode"
-        parts = [ImagePart(ImageURL(png_data_url(image))), TextPart("What is in the picture?")]
-        request = GenerateRequest(
-            request_id=rid,
-            model=MODEL,
-            messages=[ChatMessage(role="user", content=parts)],
-            sampling=SamplingParams(max_tokens=N, temperature=0, min_tokens=N),
-        )
+        request = image_request(rid, image, N)
         subjects = Subjects("default")
         nc, js = await connect(nats_url, name="test-crash")
         try:

@@ -211,6 +211,19 @@ def _image_content(image: Any, text: str = "What is in the picture?") -> list[di
     return [{"type": "image_url", "image_url": {"url": png_data_url(image)}}, {"type": "text", "text": text}]
 
 
+def image_request(rid: str, image: Any, tokens: int, **extra: Any) -> GenerateRequest:
+    """A greedy request of exactly ``tokens`` tokens about ``image``, as a
+    NATS-native caller sends it (the prompt of ``_image_content``'s default)."""
+    parts = [ImagePart(ImageURL(png_data_url(image))), TextPart("What is in the picture?")]
+    return GenerateRequest(
+        request_id=rid,
+        model=MODEL,
+        messages=[ChatMessage(role="user", content=parts)],
+        sampling=SamplingParams(max_tokens=tokens, temperature=0, min_tokens=tokens),
+        **extra,
+    )
+
+
 @pytest.mark.e2e
 async def test_text_streamed_and_not_equals_generate(stack: VllmStack, reference: Any) -> None:
     tokens, text = reference("Say something about the sea.", [], N)
@@ -299,15 +312,7 @@ async def test_takeover_resumes_after_the_tokens_a_client_holds(stack: VllmStack
             chunk = TokenChunk(request_id=rid, seq=i, token_ids=[token])
             headers = {CONTENT_TYPE: MSGPACK, "Nats-Msg-Id": f"{rid}:reply:{i}"}
             await js.publish(subjects.reply(rid), encode(chunk), headers=headers)
-        parts = [ImagePart(ImageURL(png_data_url(image))), TextPart("What is in the picture?")]
-        request = GenerateRequest(
-            request_id=rid,
-            model=MODEL,
-            messages=[ChatMessage(role="user", content=parts)],
-            sampling=SamplingParams(max_tokens=N, temperature=0, min_tokens=N),
-            created=time.time(),
-            deadline=time.time() + 120,
-        )
+        request = image_request(rid, image, N, created=time.time(), deadline=time.time() + 120)
         await js.publish(subjects.requests, encode(request), headers={CONTENT_TYPE: MSGPACK, "Nats-Msg-Id": rid})
         for _ in range(600):
             chunks = [c for c in await stored_chunks(js, subjects, rid) if isinstance(c, TokenChunk)]
