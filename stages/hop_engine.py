@@ -191,6 +191,17 @@ async def get_tensors(
     return out
 
 
+async def get_tensors_into(
+    store: TensorStore | None, ref: TensorRef, targets: list[torch.Tensor], ctx: HopContext
+) -> None:
+    """``get_tensors`` into the caller's own tensors (``TensorStore.get_into``)."""
+    assert store is not None, "a role that takes tensors from another hop is built with a tensor store"
+    started = time.monotonic()
+    await store.get_into(ref, targets)
+    ctx.trace["get_s"] = time.monotonic() - started
+    ctx.trace["get_bytes"] = float(ref.nbytes)
+
+
 async def put_media(
     store: TensorStore | None, media: list[MediaEmbedding], req: ProcessedRequest, ctx: HopContext
 ) -> EncodedMedia:

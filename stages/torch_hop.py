@@ -30,6 +30,7 @@ from stages.engine import KvState, MediaEmbedding, SamplingConfig, Sequence, Tor
 from stages.hop_engine import (
     Carried,
     get_tensors,
+    get_tensors_into,
     put_media,
     put_tensors,
     receive_embeddings,
@@ -172,12 +173,8 @@ class TorchHopEngine:
     async def _read_into_slot(
         self, seq: Sequence, ref: TensorRef, targets: list[torch.Tensor], ctx: HopContext
     ) -> None:
-        assert self.tensors is not None, "a role that takes tensors from another hop is built with a tensor store"
-        started = time.monotonic()
         try:
-            await self.tensors.get_into(ref, targets)
-            ctx.trace["get_s"] = time.monotonic() - started
-            ctx.trace["get_bytes"] = float(ref.nbytes)
+            await get_tensors_into(self.tensors, ref, targets, ctx)
             await self.thread.call(self.torch.received, seq)
         except BaseException as exc:
             # After received() if that ran: the thread keeps the order. A READ

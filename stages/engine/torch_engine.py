@@ -282,7 +282,7 @@ class TorchEngine:
         and the views of that slot (``[k0, v0, k1, v1, ...]``, each of
         ``kv_shape(state)``) for a transport to READ the cache straight into:
         no copy after the transfer. Call ``received`` once it is there, or
-        ``release`` (``tainted`` if a READ into it may still run). None where
+        ``abandon`` (``tainted`` if a READ into it may still run). None where
         the sequence would not go to the batch decoder: ``import_kv`` then."""
         shape = self.kv_shape(state)
         decoder, slots = self.decoder, self._slots
@@ -312,10 +312,8 @@ class TorchEngine:
         """A reserved sequence whose cache will not arrive. ``tainted``: a
         READ into its slot could not be cancelled, so the slot is never used
         again (it stays a receiving row nobody reads)."""
-        if tainted:
-            seq.cache = None
-            return
-        self.release(seq)
+        if not tainted:
+            self.release(seq)
 
     def resume(self, seq: Sequence, emitted: list[int]) -> int:
         """Bring ``seq`` in line with the tokens a client already has and
