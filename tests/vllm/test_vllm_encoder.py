@@ -34,9 +34,19 @@ from prometheus_client.parser import text_string_to_metric_families
 from transformers import AutoTokenizer
 
 from schemas.routes import MODES
-from tests.e2e.conftest import make_reference, png_data_url
+from tests.e2e.conftest import make_reference
 from tests.vllm.references import video_content
-from tests.vllm.test_vllm_engine import ENGINE_ARGS, MODEL, N, VllmStack, _ask, _image, _image_content, vllm_up
+from tests.vllm.test_vllm_engine import (
+    ENGINE_ARGS,
+    MODEL,
+    N,
+    VllmStack,
+    _ask,
+    _image,
+    _image_content,
+    assert_images_and_concurrent_requests,
+    vllm_up,
+)
 
 # --vllm-storage-ttl of the stacks: longer than a hop takes (each use of a
 # file renews it), short enough to see the folders pruned at the end.
@@ -92,21 +102,9 @@ async def test_image_through_vllm_encoder_equals_generate(all_vllm: Any, referen
 
 @pytest.mark.e2e
 async def test_two_images_and_concurrent_requests(all_vllm: Any, reference: Any) -> None:
-    stack = all_vllm[0]
     one, two = _image(2), _image(3)
-    pair = [
-        {"type": "text", "text": "Compare"},
-        {"type": "image_url", "image_url": {"url": png_data_url(one)}},
-        {"type": "text", "text": "and"},
-        {"type": "image_url", "image_url": {"url": png_data_url(two)}},
-        {"type": "text", "text": "and again"},
-        {"type": "image_url", "image_url": {"url": png_data_url(one)}},
-    ]
-    contents = [pair, _image_content(two, "And this?"), "Tell me a joke."]
-    media: list[list[Any]] = [[one, two, one], [two], []]
-    expected = [reference(c, m, N) for c, m in zip(contents, media, strict=True)]
-    got = await asyncio.gather(*(_ask(stack, c, stream=i % 2 == 0) for i, c in enumerate(contents)))
-    assert got == [(text, tokens) for tokens, text in expected]
+    captioned = [("Compare", one), ("and", two), ("and again", one)]  # one image twice
+    await assert_images_and_concurrent_requests(all_vllm[0], reference, captioned)
 
 
 def _image_tokens_past_the_kv_blocks(model_dir: Path, content: list[dict[str, Any]], image_tokens: int) -> bool:

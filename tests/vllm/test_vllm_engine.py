@@ -240,20 +240,28 @@ async def test_image_streamed_and_not_equals_generate(stack: VllmStack, referenc
     assert await _ask(stack, _image_content(one), stream=False) == (text, tokens)
 
 
-@pytest.mark.e2e
-async def test_two_images_and_concurrent_requests(stack: VllmStack, reference: Any) -> None:
-    one, two = _image(2), _image(3)
-    pair = [
-        {"type": "text", "text": "Compare"},
-        {"type": "image_url", "image_url": {"url": png_data_url(one)}},
-        {"type": "text", "text": "and"},
-        {"type": "image_url", "image_url": {"url": png_data_url(two)}},
+async def assert_images_and_concurrent_requests(
+    stack: VllmStack, reference: Any, captioned: list[tuple[str, Any]]
+) -> None:
+    """At once, streamed and not: a prompt of ``captioned`` images (each after
+    its text), one of the second image alone, and one of text; each gets
+    generate()'s tokens."""
+    second = captioned[1][1]
+    images = [
+        part
+        for text, image in captioned
+        for part in ({"type": "text", "text": text}, {"type": "image_url", "image_url": {"url": png_data_url(image)}})
     ]
-    contents = [pair, _image_content(two, "And this?"), "Tell me a joke."]
-    media: list[list[Any]] = [[one, two], [two], []]
+    contents = [images, _image_content(second, "And this?"), "Tell me a joke."]
+    media: list[list[Any]] = [[image for _, image in captioned], [second], []]
     expected = [reference(c, m, N) for c, m in zip(contents, media, strict=True)]
     got = await asyncio.gather(*(_ask(stack, c, stream=i % 2 == 0) for i, c in enumerate(contents)))
     assert got == [(text, tokens) for tokens, text in expected]
+
+
+@pytest.mark.e2e
+async def test_two_images_and_concurrent_requests(stack: VllmStack, reference: Any) -> None:
+    await assert_images_and_concurrent_requests(stack, reference, [("Compare", _image(2)), ("and", _image(3))])
 
 
 @pytest.mark.e2e
