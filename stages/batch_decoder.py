@@ -29,7 +29,16 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from stages.fused_decode import FusedKernels, FusedLayer, can_fuse, fuse_layer
+from stages.fused_decode import (
+    FusedKernels,
+    FusedLayer,
+    StepAttention,
+    can_fuse,
+    default_attention,
+    fuse_layer,
+    masked_step,
+    varlen_step,
+)
 
 # Batch sizes a step is padded up to (each a captured graph on CUDA).
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128)
@@ -90,17 +99,19 @@ class BatchDecoder:
         self.inv_freq = rotary.inv_freq.to(self.device, torch.float32)
         self.attention_scaling = float(getattr(rotary, "attention_scaling", 1.0))
         # Static inputs of a step (graphs read them from these addresses).
-        self.tokens = torch.zeros(max_slots, dtype=torch.long, device=self.device)
-        self.positions = torch.zeros(max_slots, dtype=torch.long, device=self.device)
-        self.write_at = torch.zeros(max_slots, dtype=torch.long, device=self.device)
+        # One tensor, so a step's inputs go to the device in one copy.
+        self._inputs = torch.zeros(3, max_slots, dtype=torch.long, device=self.device)
+        self.tokens, self.positions, self.write_at = self._inputs
         self.rows = torch.arange(max_slots, device=self.device)
         self.use_graphs = use_graphs and self.device.type == "cuda"
         self._graphs: dict[tuple[int, int], tuple[Any, torch.Tensor]] = {}
         fused = self.device.type == "cuda" if fused is None else fused
         self.fused: list[FusedLayer] | None = None
-        if fused and all(can_fuse(layer) for layer in self.lm.layers):
+        if fused and all(can_fuse(layer) for layer in self.lm.layers) and hasattr(self.lm.norm, "variance_epsilon"):
             self.fused = [fuse_layer(layer) for layer in self.lm.layers]
-            self.kernels = FusedKernels(compile=self.device.type == "cuda")
+            self.kernels = FusedKernels(
+                compile=self.device.type == "cuda", attention=default_attention(self.device, self.dtype)
+            )
 
     @property
     def nbytes(self) -> int:
@@ -152,11 +163,13 @@ class BatchDecoder:
             raise ValueError(f"a sequence of {max(lengths) + 1} tokens does not fit a slot of {self.max_len}")
         bucket = _bucket(n, self.max_slots)
         span = min(self.max_len, -(-(max(lengths) + 1) // LENGTH_QUANTUM) * LENGTH_QUANTUM)
+        if self.fused is not None and not self.kernels.masked:
+            span = 0  # attention reads each row's own length: one graph per bucket
         pad = bucket - n
-        self.tokens[:bucket].copy_(torch.tensor(tokens + [0] * pad), non_blocking=True)
-        self.positions[:bucket].copy_(torch.tensor(positions + [0] * pad), non_blocking=True)
         # Padding rows write position 0 of their (free) slots and read only it.
-        self.write_at[:bucket].copy_(torch.tensor(lengths + [0] * pad), non_blocking=True)
+        zeros = [0] * pad
+        inputs = torch.tensor([tokens + zeros, positions + zeros, lengths + zeros])
+        self._inputs[:, :bucket].copy_(inputs, non_blocking=True)
         if not self.use_graphs:
             return self._forward(bucket, span)[:n]
         graph, out = self._graph(bucket, span)
@@ -217,18 +230,38 @@ class BatchDecoder:
         rows = self.rows[:bucket]
         write_at = self.write_at[:bucket]
         cos, sin = (t[:, 0] for t in self._rotary(self.positions[:bucket]))  # [b, 1, d]
-        mask = torch.arange(span, device=self.device)[None, :] <= write_at[:, None]  # [b, span]
+        step = self._step_attention(bucket, span)
         hidden = self.lm.embed_tokens(self.tokens[:bucket])  # [b, hidden]
+        delta = None
         for i, w in enumerate(self.fused):
-            q, key, value = k.before_attention(hidden, w.ln1, w.qkv, w.qkv_bias, w.eps, cos, sin, s.heads, s.kv_heads)
-            self.keys[i][rows, :, write_at] = key
-            self.values[i][rows, :, write_at] = value
-            attended = k.attend(
-                q, self.keys[i, :bucket, :, :span], self.values[i, :bucket, :, :span], mask, self.scaling
+            keys, values = self.keys[i], self.values[i]
+            hidden, q = k.before_attention(
+                hidden,
+                delta,
+                w.ln1,
+                w.qkv,
+                w.qkv_bias,
+                w.eps,
+                cos,
+                sin,
+                s.heads,
+                s.kv_heads,
+                keys,
+                values,
+                rows,
+                write_at,
             )
-            hidden = k.after_attention(hidden, attended, w.o, w.ln2, w.gate_up, w.down, w.eps)
-        logits: torch.Tensor = self.model.lm_head(self.lm.norm(hidden))
+            attended = k.attend(q, keys, values, step, self.scaling)
+            hidden, delta = k.after_attention(hidden, attended, w.o, w.ln2, w.gate_up, w.down, w.eps)
+        assert delta is not None
+        norm = self.lm.norm
+        logits: torch.Tensor = self.model.lm_head(k.final(hidden, delta, norm.weight, float(norm.variance_epsilon)))
         return logits
+
+    def _step_attention(self, bucket: int, span: int) -> StepAttention:
+        if self.kernels.masked:
+            return masked_step(bucket, span, self.write_at)
+        return varlen_step(bucket, self.write_at, self.shape.kv_heads, self.max_len)
 
     def _rotary(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         # As the models' rotary embeddings: float32 angles, cat(freqs, freqs),

@@ -4,12 +4,14 @@ modules launch.
 The model's modules launch some thirty kernels a layer for one token (each
 norm alone is six elementwise kernels); at a few microseconds each that,
 not reading the weights, is what a decode step of a small model costs.
-Here a layer is three pieces around the cache write: before attention
-(norm, one QKV projection over concatenated weights, RoPE), attention over
-the cache (grouped-query without repeating keys and values), and after it
+Here a layer is three pieces: before attention (the previous layer's
+residual add, norm, one QKV projection over concatenated weights, RoPE and
+the cache write), attention over the cache (grouped-query without repeating
+keys and values; on a GPU in half precision flash-attention's varlen
+kernel, which reads each row's own keys and no padding), and after it
 (output projection, residual, norm, one gate+up projection, SiLU, down
-projection, residual). ``torch.compile`` fuses each piece's elementwise
-work into a few kernels; the batch decoder captures the lot in a CUDA graph.
+projection). ``torch.compile`` fuses each piece's elementwise work into a
+few kernels; the batch decoder captures the lot in a CUDA graph.
 
 The arithmetic is the models' (RMSNorm in float32 then the weight in the
 activations' dtype, RoPE by rotate-half, softmax in float32), but fused
@@ -21,6 +23,7 @@ generate()'s tokens); this path runs where speed is the point.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -93,6 +96,7 @@ def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
 
 def before_attention(
     hidden: torch.Tensor,
+    delta: torch.Tensor | None,
     ln: torch.Tensor,
     qkv_weight: torch.Tensor,
     qkv_bias: torch.Tensor | None,
@@ -101,12 +105,57 @@ def before_attention(
     sin: torch.Tensor,
     heads: int,
     kv_heads: int,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """hidden [b, hidden] → q [b, heads, d], k and v [b, kv_heads, d]; cos, sin [b, 1, d]."""
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    rows: torch.Tensor,
+    write_at: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """hidden [b, hidden] plus the last layer's MLP output ``delta`` (None
+    before the first layer) → (hidden, q [b, heads, d]); writes the new key
+    and value of row r into keys, values [slots, kv_heads, len, d] at
+    (rows[r], write_at[r]). cos, sin [b, 1, d].
+
+    The residual add of the layer before is done here so that it, the norm,
+    RoPE and the cache write are a couple of kernels rather than one each."""
+    if delta is not None:
+        hidden = hidden + delta
     b, d = hidden.shape[0], cos.shape[-1]
     qkv = F.linear(rms_norm(hidden, ln, eps), qkv_weight, qkv_bias)
     q, k, v = qkv.split([heads * d, kv_heads * d, kv_heads * d], dim=-1)
-    return rope(q.view(b, heads, d), cos, sin), rope(k.view(b, kv_heads, d), cos, sin), v.view(b, kv_heads, d)
+    keys[rows, :, write_at] = rope(k.view(b, kv_heads, d), cos, sin)
+    values[rows, :, write_at] = v.view(b, kv_heads, d)
+    return hidden, rope(q.view(b, heads, d), cos, sin)
+
+
+@dataclass(frozen=True)
+class StepAttention:
+    """What attention needs of one step, computed once for every layer.
+
+    ``mask`` [bucket, span]: where each row's prefix is (the masked kernels
+    read ``span`` positions of every slot). ``seq_used``, ``cu_q``,
+    ``cu_k``: the varlen form, one sequence per (row, kv head) reading only
+    its own ``seq_used`` keys."""
+
+    bucket: int
+    span: int
+    mask: torch.Tensor | None = None
+    seq_used: torch.Tensor | None = None
+    cu_q: torch.Tensor | None = None
+    cu_k: torch.Tensor | None = None
+
+
+def masked_step(bucket: int, span: int, write_at: torch.Tensor) -> StepAttention:
+    """Rows 0..bucket-1 read positions 0..write_at[r] of ``span``."""
+    mask = torch.arange(span, device=write_at.device)[None, :] <= write_at[:bucket, None]
+    return StepAttention(bucket, span, mask=mask)
+
+
+def varlen_step(bucket: int, write_at: torch.Tensor, kv_heads: int, max_len: int) -> StepAttention:
+    """Row r's kv head h is sequence r * kv_heads + h, its keys at (that) *
+    max_len in a layer's flattened cache, write_at[r] + 1 of them."""
+    seq_used = (write_at[:bucket] + 1).to(torch.int32).repeat_interleave(kv_heads)
+    starts = torch.arange(bucket * kv_heads + 1, dtype=torch.int32, device=write_at.device)
+    return StepAttention(bucket, 0, seq_used=seq_used, cu_q=starts, cu_k=starts * max_len)
 
 
 def attend(
@@ -134,6 +183,78 @@ def attend_sdpa(
     return out.reshape(b, heads * d)
 
 
+# (q [total_q, heads, d], k, v [total_k, kv_heads, d], cu_q, cu_k, max_q, max_k, seq_used, scale) → out like q
+Varlen = Callable[..., torch.Tensor]
+
+
+def flash_varlen(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_q: torch.Tensor,
+    cu_k: torch.Tensor,
+    max_q: int,
+    max_k: int,
+    seq_used: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """torch's flash-attention 2 varlen forward, keys of sequence i read from
+    ``cu_k[i]`` for ``seq_used[i]`` positions (half precision on CUDA)."""
+    out = torch.ops.aten._flash_attention_forward(
+        q, k, v, cu_q, cu_k, max_q, max_k, 0.0, False, False, scale=scale, seqused_k=seq_used
+    )
+    return out[0]
+
+
+def varlen_reference(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_q: torch.Tensor,
+    cu_k: torch.Tensor,
+    max_q: int,
+    max_k: int,
+    seq_used: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """``flash_varlen``'s contract in plain torch, sequence by sequence (any
+    device and dtype): what tests hold the packing against."""
+    out = torch.empty_like(q)
+    groups = q.shape[1] // k.shape[1]
+    for i in range(cu_q.numel() - 1):
+        qs = q[int(cu_q[i]) : int(cu_q[i + 1])].transpose(0, 1)  # [heads, n, d]
+        start = int(cu_k[i])
+        ks = k[start : start + int(seq_used[i])].transpose(0, 1).repeat_interleave(groups, 0)
+        vs = v[start : start + int(seq_used[i])].transpose(0, 1).repeat_interleave(groups, 0)
+        probs = torch.softmax((qs @ ks.transpose(-1, -2)).float() * scale, dim=-1).to(q.dtype)
+        out[int(cu_q[i]) : int(cu_q[i + 1])] = (probs @ vs).transpose(0, 1)
+    return out
+
+
+def attend_varlen(
+    q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, step: StepAttention, scaling: float, varlen: Varlen
+) -> torch.Tensor:
+    """q [b, heads, d] over a layer's whole cache keys, values [slots,
+    kv_heads, len, d]: each (row, kv head) is a sequence of one query token
+    for each head of its group, over its own ``seq_used`` keys, which lie
+    contiguous in the cache at ((row * kv_heads + h) * len). Nothing is
+    copied, padding positions are never read, and the step's span does not
+    matter (one CUDA graph per batch size).
+
+    One token per sequence, not the group's heads as a sequence's tokens:
+    flash-attention does that swap itself for one query token, and then
+    splits the keys across thread blocks (H100, Qwen2-VL-2B shapes, 32
+    rows: 13.6 against 14.3 us a layer)."""
+    assert step.seq_used is not None and step.cu_q is not None and step.cu_k is not None
+    b, heads, d = q.shape
+    kv_heads, length = keys.shape[1], keys.shape[2]
+    flat_k = keys[:b].view(b * kv_heads * length, 1, d)
+    flat_v = values[:b].view(b * kv_heads * length, 1, d)
+    grouped = q.reshape(b * kv_heads, heads // kv_heads, d)  # heads are kv-major
+    out = varlen(grouped, flat_k, flat_v, step.cu_q, step.cu_k, 1, length, step.seq_used, scaling)
+    return out.reshape(b, heads * d)
+
+
 def after_attention(
     hidden: torch.Tensor,
     attended: torch.Tensor,
@@ -142,22 +263,58 @@ def after_attention(
     gate_up: torch.Tensor,
     down: torch.Tensor,
     eps: float,
-) -> torch.Tensor:
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """→ (hidden after attention, the MLP's output): the next layer (or
+    ``final``) adds the two, in the models' order."""
     hidden = hidden + F.linear(attended, o_weight)
     gate, up = F.linear(rms_norm(hidden, ln, eps), gate_up).chunk(2, dim=-1)
-    return hidden + F.linear(F.silu(gate) * up, down)
+    return hidden, F.linear(F.silu(gate) * up, down)
+
+
+def final(hidden: torch.Tensor, delta: torch.Tensor, ln: torch.Tensor, eps: float) -> torch.Tensor:
+    return rms_norm(hidden + delta, ln, eps)
+
+
+def default_attention(device: torch.device, dtype: torch.dtype) -> str:
+    """flash-attention's varlen kernel where it runs (CUDA, half precision),
+    else SDPA under a length mask."""
+    return "flash" if device.type == "cuda" and dtype in (torch.float16, torch.bfloat16) else "sdpa"
 
 
 class FusedKernels:
-    """The three pieces, compiled once for every layer (weights are arguments,
-    never attributes, so one graph serves them all) and for any batch and
-    length (dynamic shapes)."""
+    """The pieces, compiled once for every layer (weights and the layer's
+    cache are arguments, never attributes, so one graph serves them all) and
+    for any batch and length (dynamic shapes).
 
-    def __init__(self, compile: bool, attention: str = "sdpa") -> None:
-        wrap = (lambda fn: torch.compile(fn, dynamic=True)) if compile else (lambda fn: fn)
+    ``attention``: "flash" reads each row's own keys and nothing more (one
+    graph per batch size; ``varlen`` is the kernel, flash_varlen unless a
+    test gives another); "sdpa" (torch's fused kernels) and "compiled" (the
+    grouped matmuls, compiled) read ``span`` positions of every row under a
+    mask. ``mode``: torch.compile's (e.g. "max-autotune-no-cudagraphs")."""
+
+    def __init__(
+        self, compile: bool, attention: str = "sdpa", mode: str | None = None, varlen: Varlen = flash_varlen
+    ) -> None:
+        if attention not in ("flash", "sdpa", "compiled"):
+            raise ValueError(f"attention {attention!r}: flash, sdpa or compiled")
+        wrap = (lambda fn: torch.compile(fn, dynamic=True, mode=mode)) if compile else (lambda fn: fn)
+        self.attention = attention
         self.before_attention = wrap(before_attention)
-        # Measured on an H100 (Qwen2-VL-2B shapes, 32 rows): cuDNN's flash
-        # kernel behind SDPA beats the compiled grouped matmuls, 2.9 ms a step
-        # to 3.4 (README, Benchmarks).
-        self.attend = attend_sdpa if attention == "sdpa" else wrap(attend)
         self.after_attention = wrap(after_attention)
+        self.final = wrap(final)
+        self._varlen = varlen
+        self._masked = attend_sdpa if attention == "sdpa" else wrap(attend)
+
+    @property
+    def masked(self) -> bool:
+        return self.attention != "flash"
+
+    def attend(
+        self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, step: StepAttention, scaling: float
+    ) -> torch.Tensor:
+        """q [bucket, heads, d] over a layer's cache [slots, kv_heads, len, d]."""
+        if not self.masked:
+            return attend_varlen(q, keys, values, step, scaling, self._varlen)
+        assert step.mask is not None
+        b, span = step.bucket, step.span
+        return self._masked(q, keys[:b, :, :span], values[:b, :, :span], step.mask, scaling)

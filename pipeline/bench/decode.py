@@ -36,7 +36,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-baseline", dest="baseline", action="store_false", help="skip generate()")
     p.add_argument("--json", type=str, default="", help="also write the results here")
     p.add_argument("--profile", action="store_true", help="print the kernels of a few decoder steps (torch.profiler)")
-    p.add_argument("--attention", choices=("compiled", "sdpa"), default="sdpa", help="the fused step's attention")
+    p.add_argument(
+        "--attention",
+        choices=("flash", "sdpa", "compiled"),
+        default=None,
+        help="the fused step's attention (default: the decoder's)",
+    )
+    p.add_argument(
+        "--compile-mode", default=None, help="torch.compile mode of the fused step (e.g. max-autotune-no-cudagraphs)"
+    )
 
 
 def main(args: argparse.Namespace) -> int:
@@ -91,8 +99,9 @@ def _preset(preset: str, batches: list[int], args: argparse.Namespace, device: A
         decoder = BatchDecoder(
             model, max_slots=batch, max_len=args.context + args.new_tokens + 1, use_graphs=args.cuda_graphs
         )
-        if decoder.fused is not None and args.attention != "sdpa":
-            decoder.kernels = FusedKernels(compile=device.type == "cuda", attention=args.attention)
+        if decoder.fused is not None and (args.attention or args.compile_mode):
+            attention = args.attention or decoder.kernels.attention
+            decoder.kernels = FusedKernels(compile=device.type == "cuda", attention=attention, mode=args.compile_mode)
         row["decoder_step_ms"] = _decoder_step_ms(model, decoder, ids, args.new_tokens, args.repeats, device)
         if args.profile:
             _profile(decoder, ids, args.context)

@@ -16,6 +16,7 @@ from PIL import Image
 
 from stages.engine import DecodeSettings, SamplingConfig, TorchEngine
 from stages.engine.reference import load_reference_model, reference_generate
+from stages.fused_decode import FusedKernels, varlen_reference
 from stages.models import builtin_path
 from tests.stages.engine_helpers import chat_prompt, engine_on
 
@@ -24,8 +25,11 @@ N = 16
 
 @pytest.fixture(
     scope="module",
-    params=[(m, fused) for m in ("tiny-qwen2-vl", "tiny-llava", "tiny-qwen2-audio") for fused in (False, True)],
-    ids=lambda p: f"{p[0]}-{'fused' if p[1] else 'modules'}",
+    params=[
+        *((m, fused) for m in ("tiny-qwen2-vl", "tiny-llava", "tiny-qwen2-audio") for fused in ("modules", "fused")),
+        ("tiny-qwen2-vl", "varlen"),
+    ],
+    ids=lambda p: f"{p[0]}-{p[1]}",
 )
 def engines(
     request: pytest.FixtureRequest, mmpipe_home: Path, engine_device: str
@@ -33,11 +37,17 @@ def engines(
     """A batch decoder on the model's modules (the CPU default), or on the
     fused layer step (the GPU default; eager on the CPU, compiled on CUDA),
     in CUDA graphs on CUDA, and an engine without one (each sequence on
-    its own)."""
-    name, fused = request.param
+    its own). "varlen": the fused step with the varlen attention of a GPU
+    in half precision, here through its plain-torch contract."""
+    name, step = request.param
+    if step == "varlen" and engine_device != "cpu":
+        pytest.skip("varlen_reference reads lengths on the host (no CUDA graphs): test_fused_decode has the kernel")
     model_dir = builtin_path(name)
+    fused = step != "modules"
     batched = engine_on(engine_device, model_dir, DecodeSettings(slots=4, max_len=512, fused=fused))
     assert batched.decoder is not None and (batched.decoder.fused is not None) == fused
+    if step == "varlen":
+        batched.decoder.kernels = FusedKernels(compile=False, attention="flash", varlen=varlen_reference)
     assert batched.decoder.use_graphs == (torch.device(engine_device).type == "cuda")
     alone = engine_on(engine_device, model_dir, DecodeSettings(batched=False))
     assert batched.decoder is not None and alone.decoder is None

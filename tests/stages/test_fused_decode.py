@@ -1,0 +1,102 @@
+"""The fused step's varlen attention: each row reads its own keys of a
+layer's whole cache, nothing past its length, and gives what the masked
+attention gives. On the CPU through ``varlen_reference`` (the kernel's
+contract in plain torch); on --engine-device cuda through flash-attention's
+kernel in bf16, and the batch decoder in CUDA graphs against the masked one."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from stages.batch_decoder import BatchDecoder
+from stages.engine import DecodeSettings, SamplingConfig, TorchEngine
+from stages.fused_decode import (
+    FusedKernels,
+    flash_varlen,
+    masked_step,
+    varlen_reference,
+    varlen_step,
+)
+from stages.models import builtin_path
+
+
+def _dtype(device: str) -> torch.dtype:
+    return torch.float32 if device == "cpu" else torch.bfloat16
+
+
+@pytest.mark.parametrize(("heads", "kv_heads"), [(12, 2), (4, 4)])
+def test_varlen_attention_reads_each_rows_own_keys(engine_device: str, heads: int, kv_heads: int) -> None:
+    device, dtype = torch.device(engine_device), _dtype(engine_device)
+    slots, max_len, d, bucket = 6, 64, 64, 4
+    gen = torch.Generator().manual_seed(0)
+    keys = torch.randn(slots, kv_heads, max_len, d, generator=gen)
+    values = torch.randn(slots, kv_heads, max_len, d, generator=gen)
+    q = torch.randn(bucket, heads, d, generator=gen)
+    lengths = [1, 17, 64, 40]
+    for row, n in enumerate(lengths):
+        # Past a row's length: keys that would take every weight if read.
+        keys[row, :, n:] = 50.0
+        values[row, :, n:] = 1e3
+    keys, values, q = keys.to(device, dtype), values.to(device, dtype), q.to(device, dtype)
+    write_at = torch.tensor([n - 1 for n in lengths] + [0, 0], device=device)
+    scaling = d**-0.5
+
+    want = FusedKernels(compile=False, attention="sdpa").attend(
+        q, keys, values, masked_step(bucket, max_len, write_at), scaling
+    )
+    step = varlen_step(bucket, write_at, kv_heads, max_len)
+    assert step.seq_used is not None and step.seq_used.tolist() == [n for n in lengths for _ in range(kv_heads)]
+    reference = FusedKernels(compile=False, attention="flash", varlen=varlen_reference)
+    got = reference.attend(q, keys, values, step, scaling)
+    assert got.shape == (bucket, heads * d) and float(got.abs().max()) < 10
+    if device.type == "cpu":
+        torch.testing.assert_close(got, want)
+    else:
+        torch.testing.assert_close(got, want, atol=2e-2, rtol=2e-2)
+    if device.type == "cuda":
+        flash = FusedKernels(compile=False, attention="flash", varlen=flash_varlen).attend(
+            q, keys, values, step, scaling
+        )
+        torch.testing.assert_close(flash, got, atol=2e-2, rtol=2e-2)
+
+
+def test_the_varlen_decoder_gives_the_masked_decoders_logits(mmpipe_home: Path, engine_device: str) -> None:
+    """Rows of different lengths, joining at different steps, in CUDA graphs on a GPU."""
+    device = torch.device(engine_device)
+    engine = TorchEngine(
+        builtin_path("tiny-qwen2-vl"),
+        device=engine_device,
+        dtype=_dtype(engine_device),
+        decode=DecodeSettings(batched=False),
+    )
+    decoders = []
+    for attention in ("flash", "sdpa"):
+        decoder = BatchDecoder(engine.model, max_slots=4, max_len=256, use_graphs=True, fused=True)
+        varlen = flash_varlen if device.type == "cuda" else varlen_reference
+        decoder.kernels = FusedKernels(compile=device.type == "cuda", attention=attention, varlen=varlen)
+        decoders.append(decoder)
+    greedy = SamplingConfig(temperature=0.0, max_tokens=32, min_tokens=32)
+    texts = ["Hi", "Tell me about the sea and the sky.", "1 2 3 4 5 6 7 8 9 10 11 12"]
+    caches, lengths, tokens = [], [], []
+    for text in texts:
+        [(seq, first)] = engine.prefill([engine.tokenizer(text)["input_ids"]], [[]], [greedy])
+        layers, _ = engine.export_kv(seq)
+        caches.append([(layers[2 * i], layers[2 * i + 1]) for i in range(len(layers) // 2)])
+        lengths.append(layers[0].shape[2])
+        tokens.append(first)
+        engine.release(seq)
+    for slot, layers in enumerate(caches):
+        for decoder in decoders:
+            decoder.load(slot, layers)
+    for _ in range(6):
+        flash, masked = (d.step(tokens, lengths, lengths) for d in decoders)
+        assert flash.shape == (len(texts), engine.model.config.text_config.vocab_size)
+        if device.type == "cpu":
+            torch.testing.assert_close(flash, masked, atol=1e-4, rtol=1e-4)
+        else:
+            torch.testing.assert_close(flash.float(), masked.float(), atol=5e-2, rtol=5e-2)
+        tokens = masked.argmax(-1).tolist()
+        lengths = [n + 1 for n in lengths]
