@@ -40,6 +40,7 @@ _STREAM_EXISTS_DIFFERENT = 10058
 # Answers that mean "not now" while a cluster elects leaders, a node is down
 # or another process reconfigures the same stream: provisioning retries them.
 _NOT_NOW_CODES = {
+    10005,  # no suitable peers for placement: a peer not (yet) seen online, as a cluster forms
     10008,  # JetStream system temporarily unavailable
     10023,  # insufficient resources (a node of the placement is down)
     10226,  # stream reconfiguration already in progress
