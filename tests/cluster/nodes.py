@@ -3,12 +3,15 @@
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import os
 import signal
 import subprocess
 import time
 import urllib.error
 import urllib.request
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 from pipeline.nats_server import find_binary
@@ -107,3 +110,15 @@ class Cluster:
     def stop(self) -> None:
         for node in self.nodes:
             node.stop()
+
+
+@contextlib.asynccontextmanager
+async def running_cluster(data: Path) -> AsyncIterator[Cluster]:
+    """A started cluster, stopped on the way out whatever happened (a test
+    that fails while starting its stack leaves no nats-server behind)."""
+    cluster = Cluster(data)
+    try:
+        await asyncio.to_thread(cluster.start)
+        yield cluster
+    finally:
+        await asyncio.to_thread(cluster.stop)

@@ -19,7 +19,7 @@ from pipeline.nats_server import NatsServer
 from pipeline.streams import ProvisioningConflict, ensure_consumer, ensure_streams, stream_configs
 from pipeline.worker import Worker
 from schemas.chunk import FinishReason, TokenChunk
-from tests.cluster.nodes import Cluster
+from tests.cluster.nodes import running_cluster
 from tests.pipeline.test_worker import ScriptStage, collect, publish, request
 
 
@@ -106,48 +106,46 @@ async def test_a_changed_stream_is_updated_or_reported(nats_server: NatsServer, 
 
 @pytest.mark.e2e
 async def test_two_workers_of_a_role_start_at_once_on_a_cluster(tmp_path: Path, namespace: str) -> None:
-    cluster = Cluster(tmp_path)
-    await asyncio.to_thread(cluster.start)
-    config = PipelineConfig(
-        nats_url=cluster.url, namespace=namespace, replicas=3, consumer=ConsumerSettings(ack_wait_s=6.0)
-    )
-    conns = [await connect(url, f"worker-{i}") for i, url in enumerate(cluster.urls[:2])]
-    stages = [ScriptStage(), ScriptStage()]
-    workers = [Worker(nc, js, config, stage, max_inflight=2) for (nc, js), stage in zip(conns, stages, strict=True)]
-    tasks = [asyncio.create_task(w.run()) for w in workers]
-    client, js = await connect(cluster.urls[2], "client")
-    try:
-        ready = asyncio.gather(*(w.ready.wait() for w in workers))
-        await asyncio.wait([asyncio.ensure_future(ready), *tasks], timeout=60, return_when="FIRST_COMPLETED")
-        for task in tasks:
-            if task.done():
-                task.result()  # what stopped a worker
-        assert all(w.ready.is_set() for w in workers)
-        for cfg in stream_configs(config):
-            info = await js.stream_info(cfg.name)
-            assert info.config.num_replicas == 3
-            assert info.cluster is not None and len(info.cluster.replicas or []) == 2
-        s = config.subjects
-        consumer = await js.consumer_info(s.stream("processor"), s.durable("processor"))
-        assert consumer.config.ack_wait == 6.0
-        assert consumer.cluster is not None and len(consumer.cluster.replicas or []) == 2
-        # Both serve the role's one queue (six requests, two at a time each).
-        subs = {rid: await client.subscribe(s.reply(rid)) for rid in (f"c{i}" for i in range(6))}
-        for rid in subs:
-            await publish(js, config, request(rid, "!sleep=0.2 a bb ccc"))
-        for sub in subs.values():
-            chunks = await collect(sub, wait_s=30)
-            assert [c.seq for c in chunks if isinstance(c, TokenChunk)] == [0, 1, 2]
-            assert isinstance(chunks[-1], TokenChunk) and chunks[-1].finish_reason == FinishReason.STOP
-        assert all(stage.calls for stage in stages)
-    finally:
-        for w in workers:
-            w.stop()
-        await asyncio.wait(tasks, timeout=20)
-        for nc, _ in conns:
-            await nc.close()
-        await client.close()
-        await asyncio.to_thread(cluster.stop)
+    async with running_cluster(tmp_path) as cluster:
+        config = PipelineConfig(
+            nats_url=cluster.url, namespace=namespace, replicas=3, consumer=ConsumerSettings(ack_wait_s=6.0)
+        )
+        conns = [await connect(url, f"worker-{i}") for i, url in enumerate(cluster.urls[:2])]
+        stages = [ScriptStage(), ScriptStage()]
+        workers = [Worker(nc, js, config, stage, max_inflight=2) for (nc, js), stage in zip(conns, stages, strict=True)]
+        tasks = [asyncio.create_task(w.run()) for w in workers]
+        client, js = await connect(cluster.urls[2], "client")
+        try:
+            ready = asyncio.gather(*(w.ready.wait() for w in workers))
+            await asyncio.wait([asyncio.ensure_future(ready), *tasks], timeout=60, return_when="FIRST_COMPLETED")
+            for task in tasks:
+                if task.done():
+                    task.result()  # what stopped a worker
+            assert all(w.ready.is_set() for w in workers)
+            for cfg in stream_configs(config):
+                info = await js.stream_info(cfg.name)
+                assert info.config.num_replicas == 3
+                assert info.cluster is not None and len(info.cluster.replicas or []) == 2
+            s = config.subjects
+            consumer = await js.consumer_info(s.stream("processor"), s.durable("processor"))
+            assert consumer.config.ack_wait == 6.0
+            assert consumer.cluster is not None and len(consumer.cluster.replicas or []) == 2
+            # Both serve the role's one queue (six requests, two at a time each).
+            subs = {rid: await client.subscribe(s.reply(rid)) for rid in (f"c{i}" for i in range(6))}
+            for rid in subs:
+                await publish(js, config, request(rid, "!sleep=0.2 a bb ccc"))
+            for sub in subs.values():
+                chunks = await collect(sub, wait_s=30)
+                assert [c.seq for c in chunks if isinstance(c, TokenChunk)] == [0, 1, 2]
+                assert isinstance(chunks[-1], TokenChunk) and chunks[-1].finish_reason == FinishReason.STOP
+            assert all(stage.calls for stage in stages)
+        finally:
+            for w in workers:
+                w.stop()
+            await asyncio.wait(tasks, timeout=20)
+            for nc, _ in conns:
+                await nc.close()
+            await client.close()
 
 
 def test_replicas_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -99,35 +99,52 @@ async def start_stack(
         stage = build_stage(role, config, settings, spec, tensors=tensors)
         worker = Worker(nc, js, config, stage, max_inflight=8, tensors=tensors)
         stack.workers.append(worker)
-        tasks.append(asyncio.create_task(worker.run()))
-        await asyncio.wait_for(worker.ready.wait(), 60)
+        task = asyncio.create_task(worker.run())
+        tasks.append(task)
+        ready = asyncio.ensure_future(worker.ready.wait())
+        await asyncio.wait([ready, task], timeout=60, return_when=asyncio.FIRST_COMPLETED)
+        ready.cancel()
+        if task.done():
+            task.result()  # what stopped the worker, now rather than after the timeout
+        if not worker.ready.is_set():
+            raise TimeoutError(f"the {role} worker was not ready in 60 s")
         return worker
 
-    stack.add_worker = add_worker
-    for role in [PROCESSOR, *MODES[config.mode]]:
-        for _ in range((counts or {}).get(role, 1)):
-            await add_worker(role)
-    nc, js = await connect(config.nats_url, "test-bridge")
-    conns.append(nc)
-    stack.nc = nc
-    bridge = Bridge(nc, js, config, bridge_settings or BridgeSettings(port=0))
-    runner = web.AppRunner(bridge.app(), handler_cancellation=True, access_log=None)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    host, port = runner.addresses[0][:2]
-    stack.base_url = f"http://{host}:{port}"
+    runners: list[web.AppRunner] = []
 
-    async def stop() -> None:
-        await runner.cleanup()
+    async def stop(raise_worker_errors: bool = True) -> None:
+        for runner in runners:
+            await runner.cleanup()
         for worker in stack.workers:
             worker.stop()
-        await asyncio.gather(*tasks)
+        ended = await asyncio.gather(*tasks, return_exceptions=True)
         for tensors in transports:
             await tensors.close()
         for conn in conns:
             await conn.close()
+        errors = [e for e in ended if isinstance(e, BaseException)]
+        if errors and raise_worker_errors:
+            raise errors[0]  # a worker that died during the test fails it
 
+    stack.add_worker = add_worker
+    try:
+        for role in [PROCESSOR, *MODES[config.mode]]:
+            for _ in range((counts or {}).get(role, 1)):
+                await add_worker(role)
+        nc, js = await connect(config.nats_url, "test-bridge")
+        conns.append(nc)
+        stack.nc = nc
+        bridge = Bridge(nc, js, config, bridge_settings or BridgeSettings(port=0))
+        runner = web.AppRunner(bridge.app(), handler_cancellation=True, access_log=None)
+        runners.append(runner)
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+    except BaseException:
+        await stop(raise_worker_errors=False)  # a stack that failed to start leaves nothing running
+        raise
+    host, port = runner.addresses[0][:2]
+    stack.base_url = f"http://{host}:{port}"
     return stack, stop
 
 
