@@ -37,6 +37,7 @@ from stages.fused_decode import (
     default_attention,
     fuse_layer,
     masked_step,
+    rows_step,
     varlen_step,
 )
 
@@ -110,7 +111,8 @@ class BatchDecoder:
         if fused and all(can_fuse(layer) for layer in self.lm.layers) and hasattr(self.lm.norm, "variance_epsilon"):
             self.fused = [fuse_layer(layer) for layer in self.lm.layers]
             self.kernels = FusedKernels(
-                compile=self.device.type == "cuda", attention=default_attention(self.device, self.dtype)
+                compile=self.device.type == "cuda",
+                attention=default_attention(self.device, self.dtype, self.shape.head_dim),
             )
 
     @property
@@ -261,6 +263,8 @@ class BatchDecoder:
     def _step_attention(self, bucket: int, span: int) -> StepAttention:
         if self.kernels.masked:
             return masked_step(bucket, span, self.write_at)
+        if self.kernels.attention == "triton":
+            return rows_step(bucket, self.write_at)
         return varlen_step(bucket, self.write_at, self.shape.kv_heads, self.max_len)
 
     def _rotary(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

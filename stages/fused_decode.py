@@ -23,12 +23,15 @@ generate()'s tokens); this path runs where speed is the point.
 
 from __future__ import annotations
 
+import importlib.util
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.nn.functional as F
+
+from stages import triton_decode
 
 
 @dataclass(frozen=True)
@@ -142,12 +145,18 @@ class StepAttention:
     seq_used: torch.Tensor | None = None
     cu_q: torch.Tensor | None = None
     cu_k: torch.Tensor | None = None
+    lengths: torch.Tensor | None = None
 
 
 def masked_step(bucket: int, span: int, write_at: torch.Tensor) -> StepAttention:
     """Rows 0..bucket-1 read positions 0..write_at[r] of ``span``."""
     mask = torch.arange(span, device=write_at.device)[None, :] <= write_at[:bucket, None]
     return StepAttention(bucket, span, mask=mask)
+
+
+def rows_step(bucket: int, write_at: torch.Tensor) -> StepAttention:
+    """Row r reads its first write_at[r] + 1 positions (the Triton kernel's form)."""
+    return StepAttention(bucket, 0, lengths=write_at[:bucket] + 1)
 
 
 def varlen_step(bucket: int, write_at: torch.Tensor, kv_heads: int, max_len: int) -> StepAttention:
@@ -275,10 +284,16 @@ def final(hidden: torch.Tensor, delta: torch.Tensor, ln: torch.Tensor, eps: floa
     return rms_norm(hidden + delta, ln, eps)
 
 
-def default_attention(device: torch.device, dtype: torch.dtype) -> str:
-    """flash-attention's varlen kernel where it runs (CUDA, half precision),
-    else SDPA under a length mask."""
-    return "flash" if device.type == "cuda" and dtype in (torch.float16, torch.bfloat16) else "sdpa"
+def default_attention(device: torch.device, dtype: torch.dtype, head_dim: int) -> str:
+    """On CUDA in half precision the Triton kernels (faster than flash-
+    attention's at every shape measured: README, Benchmarks) where Triton
+    is installed and the head size suits them, else flash-attention's
+    varlen kernel; elsewhere SDPA under a length mask."""
+    if device.type != "cuda" or dtype not in (torch.float16, torch.bfloat16):
+        return "sdpa"
+    if triton_decode.supported(head_dim) and importlib.util.find_spec("triton") is not None:
+        return "triton"
+    return "flash"
 
 
 class FusedKernels:
@@ -295,8 +310,8 @@ class FusedKernels:
     def __init__(
         self, compile: bool, attention: str = "sdpa", mode: str | None = None, varlen: Varlen = flash_varlen
     ) -> None:
-        if attention not in ("flash", "sdpa", "compiled"):
-            raise ValueError(f"attention {attention!r}: flash, sdpa or compiled")
+        if attention not in ("triton", "flash", "sdpa", "compiled"):
+            raise ValueError(f"attention {attention!r}: triton, flash, sdpa or compiled")
         wrap = (lambda fn: torch.compile(fn, dynamic=True, mode=mode)) if compile else (lambda fn: fn)
         self.attention = attention
         self.before_attention = wrap(before_attention)
@@ -307,13 +322,16 @@ class FusedKernels:
 
     @property
     def masked(self) -> bool:
-        return self.attention != "flash"
+        return self.attention not in ("flash", "triton")
 
     def attend(
         self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, step: StepAttention, scaling: float
     ) -> torch.Tensor:
         """q [bucket, heads, d] over a layer's cache [slots, kv_heads, len, d]."""
-        if not self.masked:
+        if self.attention == "triton":
+            assert step.lengths is not None
+            return triton_decode.attend(q, keys, values, step.lengths, scaling)
+        if self.attention == "flash":
             return attend_varlen(q, keys, values, step, scaling, self._varlen)
         assert step.mask is not None
         b, span = step.bucket, step.span

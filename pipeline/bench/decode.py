@@ -31,6 +31,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--batches", default="1,8,32", help="comma-separated batch sizes")
     p.add_argument("--context", type=int, default=296, help="prompt tokens per row")
     p.add_argument("--new-tokens", type=int, default=128)
+    p.add_argument(
+        "--max-len", type=int, default=0, help="tokens a decoder slot holds (default: context + new tokens + 1)"
+    )
     p.add_argument("--repeats", type=int, default=3, help="timed runs of each (median)")
     p.add_argument("--no-cuda-graphs", dest="cuda_graphs", action="store_false")
     p.add_argument("--no-baseline", dest="baseline", action="store_false", help="skip generate()")
@@ -38,7 +41,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--profile", action="store_true", help="print the kernels of a few decoder steps (torch.profiler)")
     p.add_argument(
         "--attention",
-        choices=("flash", "sdpa", "compiled"),
+        choices=("triton", "flash", "sdpa", "compiled"),
         default=None,
         help="the fused step's attention (default: the decoder's)",
     )
@@ -97,7 +100,10 @@ def _preset(preset: str, batches: list[int], args: argparse.Namespace, device: A
         if args.baseline:
             row["generate_step_ms"] = _generate_step_ms(model, ids, args.new_tokens, args.repeats, device)
         decoder = BatchDecoder(
-            model, max_slots=batch, max_len=args.context + args.new_tokens + 1, use_graphs=args.cuda_graphs
+            model,
+            max_slots=batch,
+            max_len=args.max_len or args.context + args.new_tokens + 1,
+            use_graphs=args.cuda_graphs,
         )
         if decoder.fused is not None and (args.attention or args.compile_mode):
             attention = args.attention or decoder.kernels.attention

@@ -1,11 +1,14 @@
-"""The fused step's varlen attention: each row reads its own keys of a
+"""The fused step's unmasked attentions: each row reads its own keys of a
 layer's whole cache, nothing past its length, and gives what the masked
-attention gives. On the CPU through ``varlen_reference`` (the kernel's
-contract in plain torch); on --engine-device cuda through flash-attention's
-kernel in bf16, and the batch decoder in CUDA graphs against the masked one."""
+attention gives. flash-attention's varlen kernel: on the CPU through
+``varlen_reference`` (its contract in plain torch), on --engine-device cuda
+the kernel in bf16. The Triton kernels (stages/triton_decode.py): on CUDA
+only (Triton's CPU interpreter, 3.5, fails under numpy 2.4). And the batch
+decoder on either, in CUDA graphs on a GPU, against the masked one."""
 
 from __future__ import annotations
 
+import importlib.util
 from pathlib import Path
 
 import pytest
@@ -15,8 +18,10 @@ from stages.batch_decoder import BatchDecoder
 from stages.engine import DecodeSettings, SamplingConfig, TorchEngine
 from stages.fused_decode import (
     FusedKernels,
+    default_attention,
     flash_varlen,
     masked_step,
+    rows_step,
     varlen_reference,
     varlen_step,
 )
@@ -61,11 +66,20 @@ def test_varlen_attention_reads_each_rows_own_keys(engine_device: str, heads: in
             q, keys, values, step, scaling
         )
         torch.testing.assert_close(flash, got, atol=2e-2, rtol=2e-2)
+        triton = FusedKernels(compile=False, attention="triton").attend(
+            q, keys, values, rows_step(bucket, write_at), scaling
+        )
+        torch.testing.assert_close(triton, got, atol=2e-2, rtol=2e-2)
 
 
-def test_the_varlen_decoder_gives_the_masked_decoders_logits(mmpipe_home: Path, engine_device: str) -> None:
-    """Rows of different lengths, joining at different steps, in CUDA graphs on a GPU."""
+@pytest.mark.parametrize("attention", ["flash", "triton"])
+def test_the_unmasked_decoder_gives_the_masked_decoders_logits(
+    mmpipe_home: Path, engine_device: str, attention: str
+) -> None:
+    """Rows of different lengths, in CUDA graphs on a GPU."""
     device = torch.device(engine_device)
+    if attention == "triton" and device.type != "cuda":
+        pytest.skip("the Triton kernels run on CUDA only here")
     engine = TorchEngine(
         builtin_path("tiny-qwen2-vl"),
         device=engine_device,
@@ -73,10 +87,10 @@ def test_the_varlen_decoder_gives_the_masked_decoders_logits(mmpipe_home: Path, 
         decode=DecodeSettings(batched=False),
     )
     decoders = []
-    for attention in ("flash", "sdpa"):
+    for kind in (attention, "sdpa"):
         decoder = BatchDecoder(engine.model, max_slots=4, max_len=256, use_graphs=True, fused=True)
         varlen = flash_varlen if device.type == "cuda" else varlen_reference
-        decoder.kernels = FusedKernels(compile=device.type == "cuda", attention=attention, varlen=varlen)
+        decoder.kernels = FusedKernels(compile=device.type == "cuda", attention=kind, varlen=varlen)
         decoders.append(decoder)
     greedy = SamplingConfig(temperature=0.0, max_tokens=32, min_tokens=32)
     texts = ["Hi", "Tell me about the sea and the sky.", "1 2 3 4 5 6 7 8 9 10 11 12"]
@@ -92,11 +106,21 @@ def test_the_varlen_decoder_gives_the_masked_decoders_logits(mmpipe_home: Path, 
         for decoder in decoders:
             decoder.load(slot, layers)
     for _ in range(6):
-        flash, masked = (d.step(tokens, lengths, lengths) for d in decoders)
-        assert flash.shape == (len(texts), engine.model.config.text_config.vocab_size)
+        unmasked, masked = (d.step(tokens, lengths, lengths) for d in decoders)
+        assert unmasked.shape == (len(texts), engine.model.config.text_config.vocab_size)
         if device.type == "cpu":
-            torch.testing.assert_close(flash, masked, atol=1e-4, rtol=1e-4)
+            torch.testing.assert_close(unmasked, masked, atol=1e-4, rtol=1e-4)
         else:
-            torch.testing.assert_close(flash.float(), masked.float(), atol=5e-2, rtol=5e-2)
+            torch.testing.assert_close(unmasked.float(), masked.float(), atol=5e-2, rtol=5e-2)
         tokens = masked.argmax(-1).tolist()
         lengths = [n + 1 for n in lengths]
+
+
+def test_the_default_attention_by_device_dtype_and_head_size() -> None:
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    half = "triton" if importlib.util.find_spec("triton") is not None else "flash"
+    assert default_attention(cuda, torch.bfloat16, 128) == half
+    assert default_attention(cuda, torch.float16, 64) == half
+    assert default_attention(cuda, torch.bfloat16, 80) == "flash"  # not a power of two: Triton's tl.arange
+    assert default_attention(cuda, torch.float32, 128) == "sdpa"  # neither kernel takes float32
+    assert default_attention(cpu, torch.bfloat16, 128) == "sdpa"
