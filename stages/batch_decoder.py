@@ -178,6 +178,23 @@ class BatchDecoder:
         graph.replay()
         return out[:n]
 
+    def capture(self) -> list[int]:
+        """Capture the step's graph for every batch size a step can pad to,
+        as vLLM does at start: a batch size first seen under load would
+        otherwise hold every running sequence while it compiles and
+        captures (a 1 s stall in a GPU benchmark). Only where one graph
+        serves every length (unmasked attention; a masked step has a graph
+        per length as well), and only before any sequence holds a slot:
+        the capture's steps write position 0 of the slots they run.
+        Returns the batch sizes captured."""
+        if not self.use_graphs or self.fused is None or self.kernels.masked:
+            return []
+        sizes = sorted({_bucket(n, self.max_slots) for n in range(1, self.max_slots + 1)})
+        with torch.inference_mode():
+            for bucket in sizes:
+                self._graph(bucket, 0)
+        return sizes
+
     def _graph(self, bucket: int, span: int) -> tuple[Any, torch.Tensor]:
         key = (bucket, span)
         if key not in self._graphs:

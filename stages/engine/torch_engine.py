@@ -14,11 +14,13 @@ from __future__ import annotations
 
 import contextlib
 import threading
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import structlog
 import torch
 
 from schemas.errors import ContextLengthExceeded, InvalidMedia, InvalidRequest
@@ -29,6 +31,8 @@ from stages.engine.sampling import SamplingConfig, select_token
 from stages.engine.slots import SlotTable
 from stages.engine_settings import DecodeSettings
 from stages.families import Grid, Media, MediaEmbedding, family_for_architecture
+
+log = structlog.get_logger(__name__)
 
 
 @dataclass(eq=False)
@@ -127,6 +131,11 @@ class TorchEngine:
                 fused=decode.fused,
             )
         self._slots = SlotTable(self.decoder) if self.decoder is not None else None
+        if self.decoder is not None:
+            started = time.monotonic()
+            sizes = self.decoder.capture()
+            if sizes:
+                log.info("cuda_graphs_captured", batch_sizes=sizes, seconds=round(time.monotonic() - started, 2))
 
     # -- media --------------------------------------------------------------
 

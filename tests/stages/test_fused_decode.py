@@ -124,3 +124,27 @@ def test_the_default_attention_by_device_dtype_and_head_size() -> None:
     assert default_attention(cuda, torch.bfloat16, 80) == "flash"  # not a power of two: Triton's tl.arange
     assert default_attention(cuda, torch.float32, 128) == "sdpa"  # neither kernel takes float32
     assert default_attention(cpu, torch.bfloat16, 128) == "sdpa"
+
+
+def test_every_batch_sizes_graph_is_captured_at_start(mmpipe_home: Path, engine_device: str) -> None:
+    """No batch size first seen under load stops the running ones to compile
+    and capture: a decoding engine in half precision on a GPU has every
+    graph before its first sequence (a CPU has none to capture)."""
+    device = torch.device(engine_device)
+    engine = TorchEngine(
+        builtin_path("tiny-qwen2-vl"), device=engine_device, dtype=_dtype(engine_device), decode=DecodeSettings(slots=4)
+    )
+    assert engine.decoder is not None
+    captured = set(engine.decoder._graphs)
+    assert captured == ({(1, 0), (2, 0), (4, 0)} if device.type == "cuda" else set())
+    greedy = SamplingConfig(temperature=0.0, max_tokens=8, min_tokens=8)
+    prompt = engine.tokenizer("Count to three.")["input_ids"]
+    running = []
+    for _ in range(3):  # batches of 1, 2 and 3 (padded to 4)
+        [(seq, _)] = engine.prefill([prompt], [[]], [greedy])
+        running.append(seq)
+        tokens = engine.step(running)
+        assert len(tokens) == len(running) and all(0 <= t < engine.family.vocab_size for t in tokens)
+    assert set(engine.decoder._graphs) == captured
+    for seq in running:
+        engine.release(seq)
