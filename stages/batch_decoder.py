@@ -29,17 +29,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from stages.fused_decode import (
-    FusedKernels,
-    FusedLayer,
-    StepAttention,
-    can_fuse,
-    default_attention,
-    fuse_layer,
-    masked_step,
-    rows_step,
-    varlen_step,
-)
+from stages.fused_decode import FusedKernels, FusedLayer, can_fuse, default_attention, fuse_layer
 
 # Batch sizes a step is padded up to (each a captured graph on CUDA).
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128)
@@ -182,7 +172,7 @@ class BatchDecoder:
         """Capture the step's graph for every batch size a step can pad to,
         as vLLM does at start: a batch size first seen under load would
         otherwise hold every running sequence while it compiles and
-        captures (a 1 s stall in a GPU benchmark). Only where one graph
+        captures (the likely cause of a 1 s stall in a GPU benchmark). Only where one graph
         serves every length (unmasked attention; a masked step has a graph
         per length as well), and only before any sequence holds a slot:
         the capture's steps write position 0 of the slots they run.
@@ -249,7 +239,7 @@ class BatchDecoder:
         rows = self.rows[:bucket]
         write_at = self.write_at[:bucket]
         cos, sin = (t[:, 0] for t in self._rotary(self.positions[:bucket]))  # [b, 1, d]
-        step = self._step_attention(bucket, span)
+        step = k.prepare(bucket, span, self.write_at, s.kv_heads, self.max_len)
         hidden = self.lm.embed_tokens(self.tokens[:bucket])  # [b, hidden]
         delta = None
         for i, w in enumerate(self.fused):
@@ -276,13 +266,6 @@ class BatchDecoder:
         norm = self.lm.norm
         logits: torch.Tensor = self.model.lm_head(k.final(hidden, delta, norm.weight, float(norm.variance_epsilon)))
         return logits
-
-    def _step_attention(self, bucket: int, span: int) -> StepAttention:
-        if self.kernels.masked:
-            return masked_step(bucket, span, self.write_at)
-        if self.kernels.attention == "triton":
-            return rows_step(bucket, self.write_at)
-        return varlen_step(bucket, self.write_at, self.shape.kv_heads, self.max_len)
 
     def _rotary(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         # As the models' rotary embeddings: float32 angles, cat(freqs, freqs),

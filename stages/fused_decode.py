@@ -324,6 +324,14 @@ class FusedKernels:
     def masked(self) -> bool:
         return self.attention not in ("flash", "triton")
 
+    def prepare(self, bucket: int, span: int, write_at: torch.Tensor, kv_heads: int, max_len: int) -> StepAttention:
+        """What ``attend`` needs of a step, once for every layer."""
+        if self.masked:
+            return masked_step(bucket, span, write_at)
+        if self.attention == "triton":
+            return rows_step(bucket, write_at)
+        return varlen_step(bucket, write_at, kv_heads, max_len)
+
     def attend(
         self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, step: StepAttention, scaling: float
     ) -> torch.Tensor:
