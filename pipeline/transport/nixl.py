@@ -17,7 +17,9 @@ Why it looks the way it does:
   A reader can therefore never get another request's bytes. As a bonus the
   request tells a dead holder at once (no responders) instead of after a
   transfer timeout, and a ref is read at most once.
-- The agent itself (its thread, UCX progress) is in ``nixl_agent.py``.
+- The agent itself (its thread, UCX progress) is in ``nixl_agent.py``; the
+  reader's side of a READ from another process (the lease, the holder's
+  metadata, the READ) in ``nixl_reader.py``.
 """
 
 from __future__ import annotations
@@ -27,8 +29,7 @@ import itertools
 import time
 import uuid
 from collections.abc import Callable
-from dataclasses import dataclass
-from typing import Any, Final, Literal
+from typing import Any, Literal
 
 import msgspec
 import nats.errors
@@ -47,31 +48,14 @@ from pipeline.transport.arena import FirstFit
 from pipeline.transport.base import ForeignTensorRef, TargetTainted, TensorGone, TransportFull, TransportSettings
 from pipeline.transport.copy import copy_bytes
 from pipeline.transport.holder import HeldRegions
-from pipeline.transport.nixl_agent import Agent, Desc
+from pipeline.transport.nixl_agent import Agent
+from pipeline.transport.nixl_reader import NAME, RemoteReads, agent_bucket, lease_subject
 from pipeline.transport.packing import check_specs, check_targets, contiguous_runs, layout, pack_into, unpack
 from schemas.tensors import LeaseReply, LeaseRequest, TensorRef
 
 log = structlog.get_logger(__name__)
 
-NAME: Final = "nixl"
-# A reader trusts a lease for this share of its length: slack for clock drift
-# between hosts and for the holder noticing the lapse a little early.
-_LEASE_TRUST = 0.9
-
-
-def agent_bucket(namespace: str) -> str:
-    return f"MMPIPE_{namespace}_AGENTS"
-
-
-def lease_subject(namespace: str, holder: str) -> str:
-    return f"mmpipe.{namespace}.tensor.{holder}"
-
-
-@dataclass
-class _Remote:
-    inflight: int = 0
-    # Set after a failed transfer: reload its metadata once nobody uses it.
-    stale: bool = False
+__all__ = ["NAME", "NixlTransport", "agent_bucket", "lease_subject"]
 
 
 class NixlTransport:
@@ -103,12 +87,9 @@ class NixlTransport:
         safe_role = "".join(c if c.isalnum() or c in "-_" else "_" for c in role)
         self.agent_name = f"{safe_role}-{uuid.uuid4().hex[:12]}"
         self.last_transfer: tuple[int, float] = (0, 0.0)
-        # The last remote READ alone (bytes, seconds): what UCX took, without
-        # the lease round trip and the copy out of the receive arena.
-        self.last_read: tuple[int, float] = (0, 0.0)
-        self.last_read_phases: dict[str, float] = {}
         # Loads NIXL: raises TransportUnavailable when it is not installed.
         self._agent = Agent(self.agent_name, self.device, progress_thread=self.settings.progress_thread)
+        self._reads = RemoteReads(nc, self._ns, self.settings, self._agent, self.mem)
         self._arena = torch.empty(0, dtype=torch.uint8)
         self._recv = torch.empty(0, dtype=torch.uint8)
         self._recv_alloc = FirstFit(0)
@@ -117,7 +98,6 @@ class NixlTransport:
         self._quarantined: dict[int, asyncio.TimerHandle | None] = {}
         self._held = HeldRegions(NAME, self.settings.budget_bytes, self.settings.ttl_s)
         self._leases = itertools.count(1)
-        self._remotes: dict[str, _Remote] = {}
         # Storage registered to READ into (get_into), by address; kept alive until close.
         self._targets: dict[int, torch.Tensor] = {}
         self._kv: KeyValue | None = None
@@ -155,7 +135,9 @@ class NixlTransport:
         """Peers cannot READ memory registered after they loaded our metadata:
         publish again after every registration."""
         bucket = agent_bucket(self._ns)
-        self._kv = kv = await retrying(f"agent bucket {bucket}", lambda: self._bucket(bucket), timeout_s=60.0)
+        self._kv = self._reads.kv = kv = await retrying(
+            f"agent bucket {bucket}", lambda: self._bucket(bucket), timeout_s=60.0
+        )
         # A bucket just created on a cluster may not answer from this node yet.
         await retrying(f"agent metadata in {bucket}", lambda: kv.put(self.agent_name, metadata), timeout_s=30.0)
 
@@ -278,6 +260,16 @@ class NixlTransport:
 
     # -- reader side -----------------------------------------------------
 
+    @property
+    def last_read(self) -> tuple[int, float]:
+        """The last remote READ alone (bytes, seconds): what UCX took, without
+        the lease round trip and the copy out of the receive arena."""
+        return self._reads.last_read
+
+    @property
+    def last_read_phases(self) -> dict[str, float]:
+        return self._reads.last_read_phases
+
     def _check_ref(self, ref: TensorRef) -> None:
         if ref.transport != NAME:
             raise ValueError(f"a {ref.transport!r} tensor ref was given to the {NAME!r} transport")
@@ -339,7 +331,7 @@ class NixlTransport:
                 tainted = True  # the caller's memory cannot be quarantined for a while: for good
 
             try:
-                await self._read_leased(ref, local, remote, t0 + self.settings.get_timeout_s, tainted=taint)
+                await self._reads.read(ref, local, remote, t0 + self.settings.get_timeout_s, tainted=taint)
             except TensorGone as exc:
                 if tainted:
                     raise TargetTainted(f"{exc}; the targets may still be written") from exc
@@ -381,33 +373,12 @@ class NixlTransport:
             def quarantine(forever: bool) -> None:
                 self._quarantine(offset, forever=forever)
 
-            await self._read_leased(ref, local, remote, deadline, tainted=quarantine)
+            await self._reads.read(ref, local, remote, deadline, tainted=quarantine)
             recv = self._recv[offset : offset + ref.nbytes]
             await copy_bytes(lambda: out.copy_(recv), ref.nbytes, self.device, out.device)
         finally:
             if offset not in self._quarantined:
                 self._free_recv(offset)
-
-    async def _read_leased(
-        self, ref: TensorRef, local: list[Desc], remote: list[Desc], deadline: float, tainted: Callable[[bool], None]
-    ) -> None:
-        # The lease first: it tells a dead holder at once, before UCX tries to connect to it.
-        lease, trusted_until = await self._claim(ref, deadline)
-        try:
-            peer = await self._ensure_remote(ref.holder, deadline)
-        except TensorGone:
-            await self._abort_lease(ref, lease)
-            raise
-        peer.inflight += 1
-        try:
-            t0 = time.monotonic()
-            await self._read(ref, local, remote, lease, min(deadline, trusted_until), tainted)
-            self.last_read = (sum(d[1] for d in local), time.monotonic() - t0)
-        except TensorGone:
-            peer.stale = True
-            raise
-        finally:
-            peer.inflight -= 1
 
     def _free_recv(self, offset: int) -> None:
         self._quarantined.pop(offset, None)
@@ -433,116 +404,3 @@ class NixlTransport:
             except TimeoutError:
                 raise TransportFull(f"no room for {n} bytes in the receive arena within the get timeout") from None
         return offset
-
-    async def _ensure_remote(self, holder: str, deadline: float) -> _Remote:
-        remote = self._remotes.get(holder)
-        if remote is not None and (not remote.stale or remote.inflight):
-            return remote
-        if remote is not None:
-            # The holder may have died or re-registered: forget it, load it afresh.
-            del self._remotes[holder]
-            await self._agent.forget(holder)
-        assert self._kv is not None
-        try:
-            timeout = min(self.settings.request_timeout_s, max(0.001, deadline - time.monotonic()))
-            entry = await asyncio.wait_for(self._kv.get(holder), timeout)
-        except nats.js.errors.NotFoundError:
-            metrics.ERRORS.labels(NAME, "holder_unknown").inc()
-            raise TensorGone(f"tensor holder {holder} is gone (no agent metadata)") from None
-        except TimeoutError:
-            metrics.ERRORS.labels(NAME, "metadata_timeout").inc()
-            raise TensorGone(f"metadata of tensor holder {holder} did not arrive in time") from None
-        if entry.value is None:
-            raise TensorGone(f"tensor holder {holder} is gone (empty agent metadata)")
-        try:
-            loaded = await self._agent.connect(entry.value)
-        except Exception as exc:
-            # NIXL connects while loading: an unreachable holder fails here.
-            metrics.ERRORS.labels(NAME, "add_remote_failed").inc()
-            log.warning("nixl_add_remote_failed", holder=holder, error=repr(exc))
-            raise TensorGone(f"tensor holder {holder} is unreachable: {exc!r}") from None
-        if loaded != holder:
-            raise TensorGone(f"agent metadata under {holder} names agent {loaded!r}")
-        remote = self._remotes[holder] = _Remote()
-        return remote
-
-    async def _claim(self, ref: TensorRef, deadline: float) -> tuple[int, float]:
-        """Ask the holder to pin the region; returns the lease id and the
-        monotonic time until which a completed READ can be trusted."""
-        sent = time.monotonic()
-        timeout = min(self.settings.request_timeout_s, max(0.001, deadline - sent))
-        try:
-            msg = await self._nc.request(
-                lease_subject(self._ns, ref.holder), msgspec.msgpack.encode(LeaseRequest(key=ref.key)), timeout=timeout
-            )
-        except nats.errors.NoRespondersError:
-            await self._refuse_foreign(ref.holder)
-            metrics.ERRORS.labels(NAME, "holder_gone").inc()
-            raise TensorGone(f"tensor holder {ref.holder} is gone") from None
-        except nats.errors.TimeoutError:
-            metrics.ERRORS.labels(NAME, "lease_timeout").inc()
-            raise TensorGone(f"tensor holder {ref.holder} did not answer within {timeout:.1f}s") from None
-        try:
-            reply = msgspec.msgpack.decode(msg.data, type=LeaseReply)
-        except msgspec.DecodeError as exc:
-            metrics.ERRORS.labels(NAME, "bad_lease_reply").inc()
-            raise TensorGone(f"tensor holder {ref.holder} sent a bad lease reply: {exc}") from None
-        if not reply.lease:
-            metrics.ERRORS.labels(NAME, f"lease_{reply.reason or 'refused'}").inc()
-            raise TensorGone(f"tensors {ref.key} of {ref.holder} cannot be read ({reply.reason})")
-        return reply.lease, sent + reply.lease_s * _LEASE_TRUST
-
-    async def _refuse_foreign(self, holder: str) -> None:
-        """Nobody answers for ``holder`` on this namespace's lease subject. A
-        holder that died or closed has (or had) metadata in the namespace's
-        bucket; one that never had is no agent of this namespace: refuse the
-        ref (not retryable) instead of treating it as a lost tensor."""
-        assert self._kv is not None
-        try:
-            await asyncio.wait_for(self._kv.get(holder), self.settings.request_timeout_s)
-        except nats.js.errors.NotFoundError as exc:
-            if getattr(exc, "entry", None) is not None or getattr(exc, "op", None):
-                return  # a delete marker: an agent of ours that closed
-            metrics.ERRORS.labels(NAME, "foreign_ref").inc()
-            raise ForeignTensorRef(
-                f"tensor holder {holder} is not an agent of namespace {self._ns!r} (it never published metadata "
-                f"in {agent_bucket(self._ns)}): a tensor ref is accepted only from this namespace's agents"
-            ) from None
-        except TimeoutError:
-            return
-
-    async def _read(
-        self,
-        ref: TensorRef,
-        local: list[Desc],
-        remote: list[Desc],
-        lease: int,
-        until: float,
-        tainted: Callable[[bool], None],
-    ) -> None:
-        """READ the region into ``local``; the bytes count only if the READ
-        completed before ``until``. ``tainted(forever)`` keeps the local
-        memory out of use when a READ we gave up on may still write it."""
-        notif = f"{ref.key}:{lease}".encode()
-        outcome = await self._agent.read(local, self.mem, remote, ref.mem, ref.holder, notif, until)
-        self.last_read_phases = outcome.phases
-        if outcome.state == "DONE" and time.monotonic() < until:
-            return
-        if not outcome.released:
-            metrics.ERRORS.labels(NAME, "xfer_not_cancelled").inc()
-            tainted(True)
-        elif outcome.state == "PROC":
-            tainted(False)  # cancelled, but keep it out of use a while anyway
-        if not outcome.posted:
-            await self._abort_lease(ref, lease)  # no READ touched the region: another reader may have it now
-        metrics.ERRORS.labels(NAME, "read_" + outcome.state.lower()).inc()
-        log.warning("nixl_read_failed", holder=ref.holder, key=ref.key, state=outcome.state, error=outcome.error)
-        ended = "completed after its lease ran out" if outcome.state == "DONE" else f"ended {outcome.state}"
-        raise TensorGone(f"READ of {ref.key} from {ref.holder} {ended} {outcome.error}".rstrip())
-
-    async def _abort_lease(self, ref: TensorRef, lease: int) -> None:
-        try:
-            payload = msgspec.msgpack.encode(LeaseRequest(key=ref.key, abort=True, lease=lease))
-            await self._nc.publish(lease_subject(self._ns, ref.holder), payload)
-        except Exception as exc:
-            log.warning("nixl_lease_abort_failed", holder=ref.holder, key=ref.key, error=repr(exc))

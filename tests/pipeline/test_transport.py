@@ -212,7 +212,7 @@ async def test_nixl_holder_killed_between_lease_and_read(
     warm = await peer.put(seed=4)
     await reader.get(warm)  # the UCX connection exists before the holder dies
     ref = await peer.put(seed=5)
-    claim = reader._claim
+    claim = reader._reads.claim
 
     async def claim_then_kill(ref: TensorRef, deadline: float) -> tuple[int, float]:
         lease = await claim(ref, deadline)
@@ -220,7 +220,7 @@ async def test_nixl_holder_killed_between_lease_and_read(
         await peer.proc.wait()
         return lease
 
-    monkeypatch.setattr(reader, "_claim", claim_then_kill)
+    monkeypatch.setattr(reader._reads, "claim", claim_then_kill)
     started = time.monotonic()
     with pytest.raises(TensorGone):
         await reader.get(ref)
