@@ -91,7 +91,8 @@ def _kernels() -> tuple[Any, Any]:
         programs,
         GROUPS: tl.constexpr, GROUPS_P: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr,
     ):  # fmt: skip
-        b = tl.program_id(0)
+        # 64-bit offsets: a slot's stride times 128 rows passes 2**31 at long lengths.
+        b = tl.program_id(0).to(tl.int64)
         h = tl.program_id(1)
         s = tl.program_id(2)
         length = tl.load(Lengths + b).to(tl.int32)
@@ -131,7 +132,7 @@ def _kernels() -> tuple[Any, Any]:
         spb, sph, sps, spg, slb, slh, sls, sob, soh,
         GROUPS: tl.constexpr, GROUPS_P: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr,
     ):  # fmt: skip
-        b = tl.program_id(0)
+        b = tl.program_id(0).to(tl.int64)
         h = tl.program_id(1)
         used = tl.minimum(programs, tl.cdiv(tl.load(Lengths + b).to(tl.int32), BLOCK_N))
         g = tl.arange(0, GROUPS_P)
