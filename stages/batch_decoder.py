@@ -29,7 +29,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from stages.fused_decode import FusedKernels, FusedLayer, can_fuse, default_attention, fuse_layer
+from stages.fused_decode import FusedKernels, FusedLayer, can_fuse, default_attention, fuse_layer, length_mask
 
 # Batch sizes a step is padded up to (each a captured graph on CUDA).
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128)
@@ -154,9 +154,10 @@ class BatchDecoder:
         if max(lengths) + 1 > self.max_len:
             raise ValueError(f"a sequence of {max(lengths) + 1} tokens does not fit a slot of {self.max_len}")
         bucket = _bucket(n, self.max_slots)
-        span = min(self.max_len, -(-(max(lengths) + 1) // LENGTH_QUANTUM) * LENGTH_QUANTUM)
         if self.fused is not None and not self.kernels.masked:
             span = 0  # attention reads each row's own length: one graph per bucket
+        else:
+            span = min(self.max_len, -(-(max(lengths) + 1) // LENGTH_QUANTUM) * LENGTH_QUANTUM)
         pad = bucket - n
         # Padding rows write position 0 of their (free) slots and read only it.
         zeros = [0] * pad
@@ -208,8 +209,7 @@ class BatchDecoder:
         rows = self.rows[:bucket]
         write_at = self.write_at[:bucket]
         cos, sin = self._rotary(self.positions[:bucket])
-        # [bucket, 1, 1, span]: each row reads its prefix and the token written now.
-        mask = (torch.arange(span, device=self.device)[None, :] <= write_at[:, None])[:, None, None, :]
+        mask = length_mask(bucket, span, self.write_at)[:, None, None, :]  # [bucket, 1, 1, span]
         hidden = self.lm.embed_tokens(self.tokens[:bucket])[:, None, :]  # [b, 1, hidden]
         for i, layer in enumerate(self.lm.layers):
             attn = layer.self_attn

@@ -148,10 +148,13 @@ class StepAttention:
     lengths: torch.Tensor | None = None
 
 
+def length_mask(bucket: int, span: int, write_at: torch.Tensor) -> torch.Tensor:
+    """[bucket, span]: row r reads positions 0..write_at[r] (its prefix and the token written now)."""
+    return torch.arange(span, device=write_at.device)[None, :] <= write_at[:bucket, None]
+
+
 def masked_step(bucket: int, span: int, write_at: torch.Tensor) -> StepAttention:
-    """Rows 0..bucket-1 read positions 0..write_at[r] of ``span``."""
-    mask = torch.arange(span, device=write_at.device)[None, :] <= write_at[:bucket, None]
-    return StepAttention(bucket, span, mask=mask)
+    return StepAttention(bucket, span, mask=length_mask(bucket, span, write_at))
 
 
 def rows_step(bucket: int, write_at: torch.Tensor) -> StepAttention:
