@@ -18,13 +18,20 @@ as it is for every token after the prompt).
 
 Running sequences stay packed in slots ``0..n-1``: a step runs rows
 ``0..bucket-1``; a finished sequence's slot is refilled with the last one.
+
+Greedy tokens are chosen inside the step (argmax, EOS masked below a
+request's min_tokens), and a row's input token can come from the previous
+step's choice on the device (``feed``): the next step can be queued before
+the host has read the last one's tokens (``launch``), so the GPU does not
+wait on the host between steps, as vLLM's async scheduling.
 """
 
 from __future__ import annotations
 
 import bisect
+from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -36,6 +43,40 @@ BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128)
 # Attention reads the cache up to the next multiple of this (at least): the
 # padding is work, each multiple a graph to capture.
 LENGTH_QUANTUM = 128
+
+
+class StepInputs(NamedTuple):
+    """Per row of a step: its last token (used where ``feed`` < 0), rotary
+    position, write position (tokens already in the slot), the row of the
+    previous step's ``sampled`` to take the token from instead (-1: none),
+    whether EOS is masked for its choice (min_tokens not reached), and
+    whether its choice is wanted (1) or the row only rewrites its pending
+    token (0: its ``sampled`` entry keeps the fed token)."""
+
+    tokens: list[int]
+    positions: list[int]
+    write_at: list[int]
+    feed: list[int]
+    mask_eos: list[int]
+    asked: list[int]
+
+
+class Launched:
+    """A step queued on the device; ``tokens()`` waits for its choices."""
+
+    def __init__(self, sampled: torch.Tensor, n: int) -> None:
+        pinned = sampled.device.type == "cuda"
+        self._host = torch.empty(n, dtype=torch.long, pin_memory=pinned)
+        # Queued behind the step and before the next one, which overwrites ``sampled``.
+        self._host.copy_(sampled[:n], non_blocking=pinned)
+        self._event = torch.cuda.Event() if pinned else None
+        if self._event is not None:
+            self._event.record()
+
+    def tokens(self) -> list[int]:
+        if self._event is not None:
+            self._event.synchronize()
+        return self._host.tolist()
 
 
 @dataclass(frozen=True)
@@ -66,7 +107,15 @@ class BatchDecoder:
     """``fused``: the layer step of stages.fused_decode (compiled on CUDA)
     instead of the model's modules; default: on CUDA only."""
 
-    def __init__(self, model: Any, max_slots: int, max_len: int, use_graphs: bool, fused: bool | None = None) -> None:
+    def __init__(
+        self,
+        model: Any,
+        max_slots: int,
+        max_len: int,
+        use_graphs: bool,
+        fused: bool | None = None,
+        eos_ids: Iterable[int] = (),
+    ) -> None:
         self.model = model
         self.lm = _language_model(model)
         attn = self.lm.layers[0].self_attn
@@ -91,8 +140,12 @@ class BatchDecoder:
         self.attention_scaling = float(getattr(rotary, "attention_scaling", 1.0))
         # Static inputs of a step (graphs read them from these addresses).
         # One tensor, so a step's inputs go to the device in one copy.
-        self._inputs = torch.zeros(3, max_slots, dtype=torch.long, device=self.device)
-        self.tokens, self.positions, self.write_at = self._inputs
+        self._inputs = torch.zeros(len(StepInputs._fields), max_slots, dtype=torch.long, device=self.device)
+        self.tokens, self.positions, self.write_at, self.feed, self.mask_eos, self.asked = self._inputs
+        # Each row's chosen token of the last step (argmax), where the next step can feed it from.
+        self.sampled = torch.zeros(max_slots, dtype=torch.long, device=self.device)
+        eos = sorted(set(eos_ids))
+        self._eos = torch.tensor(eos, dtype=torch.long, device=self.device) if eos else None
         self.rows = torch.arange(max_slots, device=self.device)
         self.use_graphs = use_graphs and self.device.type == "cuda"
         self._graphs: dict[tuple[int, int], tuple[Any, torch.Tensor]] = {}
@@ -141,12 +194,22 @@ class BatchDecoder:
     # -- a step ---------------------------------------------------------------
 
     @torch.inference_mode()
-    def step(self, tokens: list[int], positions: list[int], lengths: list[int]) -> torch.Tensor:
-        """Logits [n, vocab] of one new token for slots 0..n-1.
+    def step(
+        self,
+        tokens: list[int],
+        positions: list[int],
+        lengths: list[int],
+        feed: list[int] | None = None,
+        mask_eos: list[int] | None = None,
+        asked: list[int] | None = None,
+    ) -> torch.Tensor:
+        """Logits [n, vocab] of one new token for slots 0..n-1; their greedy
+        choices land in ``sampled[:n]``.
 
         ``tokens[i]`` is slot i's last token (not yet in its cache),
         ``positions[i]`` its rotary position and ``lengths[i]`` the number of
-        tokens already in the slot (where the new one is written).
+        tokens already in the slot (where the new one is written). The rest
+        as ``StepInputs`` (default: no feed, no EOS mask, every row asked).
         """
         n = len(tokens)
         if n > self.max_slots:
@@ -161,13 +224,25 @@ class BatchDecoder:
         pad = bucket - n
         # Padding rows write position 0 of their (free) slots and read only it.
         zeros = [0] * pad
-        inputs = torch.tensor([tokens + zeros, positions + zeros, lengths + zeros])
-        self._inputs[:, :bucket].copy_(inputs, non_blocking=True)
+        rows = [
+            tokens + zeros,
+            positions + zeros,
+            lengths + zeros,
+            (feed or [-1] * n) + [-1] * pad,
+            (mask_eos or [0] * n) + zeros,
+            (asked or [1] * n) + zeros,
+        ]
+        self._inputs[:, :bucket].copy_(torch.tensor(rows), non_blocking=True)
         if not self.use_graphs:
             return self._forward(bucket, span)[:n]
         graph, out = self._graph(bucket, span)
         graph.replay()
         return out[:n]
+
+    def launch(self, inputs: StepInputs) -> Launched:
+        """Queue a step; its tokens are read later (the next step may be queued first)."""
+        self.step(*inputs)
+        return Launched(self.sampled, len(inputs.tokens))
 
     def capture(self) -> list[int]:
         """Capture the step's graph for every batch size a step can pad to,
@@ -210,7 +285,8 @@ class BatchDecoder:
         write_at = self.write_at[:bucket]
         cos, sin = self._rotary(self.positions[:bucket])
         mask = length_mask(bucket, span, self.write_at)[:, None, None, :]  # [bucket, 1, 1, span]
-        hidden = self.lm.embed_tokens(self.tokens[:bucket])[:, None, :]  # [b, 1, hidden]
+        tokens = self._fed_tokens(bucket)
+        hidden = self.lm.embed_tokens(tokens)[:, None, :]  # [b, 1, hidden]
         for i, layer in enumerate(self.lm.layers):
             attn = layer.self_attn
             residual = hidden
@@ -231,7 +307,7 @@ class BatchDecoder:
             hidden = hidden + layer.mlp(layer.post_attention_layernorm(hidden))
         hidden = self.lm.norm(hidden)
         logits: torch.Tensor = self.model.lm_head(hidden)[:, 0]
-        return logits
+        return self._choose(bucket, logits, tokens)
 
     def _forward_fused(self, bucket: int, span: int) -> torch.Tensor:
         assert self.fused is not None
@@ -240,7 +316,8 @@ class BatchDecoder:
         write_at = self.write_at[:bucket]
         cos, sin = (t[:, 0] for t in self._rotary(self.positions[:bucket]))  # [b, 1, d]
         step = k.prepare(bucket, span, self.write_at, s.kv_heads, self.max_len)
-        hidden = self.lm.embed_tokens(self.tokens[:bucket])  # [b, hidden]
+        tokens = self._fed_tokens(bucket)
+        hidden = self.lm.embed_tokens(tokens)  # [b, hidden]
         delta = None
         for i, w in enumerate(self.fused):
             keys, values = self.keys[i], self.values[i]
@@ -265,6 +342,22 @@ class BatchDecoder:
         assert delta is not None
         norm = self.lm.norm
         logits: torch.Tensor = self.model.lm_head(k.final(hidden, delta, norm.weight, float(norm.variance_epsilon)))
+        return self._choose(bucket, logits, tokens)
+
+    def _fed_tokens(self, bucket: int) -> torch.Tensor:
+        # Read before this step writes ``sampled`` (stream order): the previous step's choices.
+        feed = self.feed[:bucket]
+        return torch.where(feed >= 0, self.sampled[feed.clamp(min=0)], self.tokens[:bucket])
+
+    def _choose(self, bucket: int, logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+        """Greedy choices into ``sampled`` (generate()'s argmax: first index
+        on ties; EOS at -inf below min_tokens, in the logits returned too,
+        as the host's sampling would mask them); a row not asked keeps its
+        fed token there, for a later step to feed again."""
+        if self._eos is not None:
+            eos = logits[:, self._eos]
+            logits[:, self._eos] = torch.where(self.mask_eos[:bucket, None] > 0, float("-inf"), eos)
+        self.sampled[:bucket] = torch.where(self.asked[:bucket] > 0, logits.argmax(-1), tokens)
         return logits
 
     def _rotary(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -1,6 +1,14 @@
 """The decode loop: every in-flight sequence advances in one engine step;
 sequences join and leave between steps (continuous batching). Engine calls
-run on one thread so the event loop stays free for NATS traffic."""
+run on one thread so the event loop stays free for NATS traffic.
+
+With an engine that can launch a step without waiting for it (``launch`` /
+``collect``), the loop keeps one step ahead: step k+1 is queued on the
+device before step k's tokens are read and handed out, so the device is not
+idle while the host reads tokens, wakes consumers and picks the next batch.
+A sequence that step k ends has taken step k+1 too; that token is dropped.
+Sequences that join start at step k+2.
+"""
 
 from __future__ import annotations
 
@@ -74,6 +82,9 @@ class DecodeScheduler:
         self._wake = asyncio.Event()
         self._loop_task: asyncio.Task[None] | None = None
         self._closing = False
+        self._pipelined = hasattr(engine, "launch") and hasattr(engine, "collect")
+        # The launched step whose tokens are not handed out yet, and its batch.
+        self._ahead: tuple[Any, list[_Running]] | None = None
 
     def start(self) -> None:
         if self._loop_task is None:
@@ -144,29 +155,80 @@ class DecodeScheduler:
             if room > 0 and self._waiting:
                 self._running += self._waiting[:room]
                 del self._waiting[:room]
-            if not self._running:
+            if not self._running and self._ahead is None:
                 self._wake.clear()
                 await self._wake.wait()
                 continue
             batch = list(self._running)
+            if self._pipelined and await self._advance(batch):
+                continue
             try:
                 tokens = await self._thread.call(self._engine.step, [e.seq for e in batch])
             except Exception as exc:
-                log.exception("decode_step_failed", batch=len(batch))
-                for entry in batch:
-                    entry.queue.put_nowait(exc)
-                    entry.done = True
+                self._fail(batch, exc)
                 continue
-            for entry, token in zip(batch, tokens, strict=True):
-                if entry.done:
-                    continue
-                entry.queue.put_nowait(token)
-                if entry.is_last(token):
-                    entry.queue.put_nowait(_END)
-                    entry.done = True
+            self._hand_out(batch, tokens)
             # Let consumers take their token (and say whether they are done)
             # before the next step.
             await asyncio.sleep(0)
+
+    async def _advance(self, batch: list[_Running]) -> bool:
+        """Launch the batch's step, then hand out the previous launch's
+        tokens. False where the batch must ``step`` instead (the engine would
+        not launch it), with nothing launched left over."""
+        ahead, self._ahead = self._ahead, None
+        engine = self._engine
+
+        def launch_then_collect() -> tuple[Any, Any]:
+            # One hop to the engine thread: queue the next step first, then
+            # wait for the last. Errors come back as values: each is its batch's.
+            launched: Any = None
+            if batch:
+                try:
+                    launched = engine.launch([e.seq for e in batch])
+                except Exception as exc:
+                    launched = exc
+            collected: Any = None
+            if ahead is not None:
+                try:
+                    collected = engine.collect(ahead[0])
+                except Exception as exc:
+                    collected = exc
+            return launched, collected
+
+        try:
+            launched, tokens = await self._thread.call(launch_then_collect)
+        except Exception as exc:  # the engine thread itself failed
+            self._fail(batch + (ahead[1] if ahead is not None else []), exc)
+            return True
+        if ahead is not None:
+            if isinstance(tokens, BaseException):
+                self._fail(ahead[1], tokens)
+            else:
+                self._hand_out(ahead[1], tokens)
+        if isinstance(launched, BaseException):
+            self._fail(batch, launched)
+            return True
+        if launched is not None:
+            self._ahead = (launched, batch)
+        await asyncio.sleep(0)
+        # Not launched: step it, unless tokens were just handed out (the batch may have changed).
+        return launched is not None or ahead is not None
+
+    def _fail(self, batch: list[_Running], exc: BaseException) -> None:
+        log.error("decode_step_failed", batch=len(batch), error=repr(exc), exc_info=exc)
+        for entry in batch:
+            entry.queue.put_nowait(exc)
+            entry.done = True
+
+    def _hand_out(self, batch: list[_Running], tokens: list[int]) -> None:
+        for entry, token in zip(batch, tokens, strict=True):
+            if entry.done:
+                continue
+            entry.queue.put_nowait(token)
+            if entry.is_last(token):
+                entry.queue.put_nowait(_END)
+                entry.done = True
 
     def _drop_done(self) -> None:
         for entry in [e for e in self._running + self._waiting if e.done]:

@@ -10,11 +10,18 @@ slot cannot move, a freed slot stays a hole until a new sequence takes it.
 Every row steps (one batch shape whatever the mix): a hole and a receiving
 slot take a step nobody reads. A receiving row writes only the position
 after the cache being received, which its first real step writes again.
+
+A sequence may have steps launched whose tokens are not read yet
+(``inflight``): its cache already holds (or will, in stream order) those
+steps' inputs, so positions, a move's length and the next input count them,
+and its next token is fed from the device row of its last launch.
 """
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
+
+from stages.batch_decoder import StepInputs
 
 if TYPE_CHECKING:
     from stages.batch_decoder import BatchDecoder
@@ -56,7 +63,8 @@ class SlotTable:
             self.rows.pop()
         elif last is not None and not last.receiving:
             self.rows.pop()
-            self.decoder.move(last.slot, slot, last.length - 1)
+            # Queued after any launched step of ``last``: its writes move too.
+            self.decoder.move(last.slot, slot, last.length - 1 + last.inflight)
             last.slot = slot
             self.rows[slot] = last
         else:
@@ -64,14 +72,23 @@ class SlotTable:
         while self.rows and self.rows[-1] is None:
             self.rows.pop()
 
-    def step_inputs(self) -> tuple[list[int], list[int], list[int]]:
-        """Each row's last token, rotary position and write position."""
-        tokens: list[int] = []
-        positions: list[int] = []
-        write_at: list[int] = []
-        for seq in self.rows:
-            live = seq is not None and not seq.receiving
-            tokens.append(seq.output_ids[-1] if live else 0)  # type: ignore[union-attr]
-            positions.append(seq.length - 1 + seq.rope_delta if live else 0)  # type: ignore[union-attr]
-            write_at.append(seq.length - 1 if seq is not None else 0)
-        return tokens, positions, write_at
+    def step_inputs(self, asked: set[int] | None = None) -> StepInputs:
+        """Each row's inputs to a step (``asked``: the slots whose tokens are
+        wanted; default every live row)."""
+        inputs = StepInputs([], [], [], [], [], [])
+        for row, seq in enumerate(self.rows):
+            if seq is None or seq.receiving:
+                # Nobody reads this row's step: a hole writes position 0 of a free
+                # slot, a receiving slot the position after its incoming cache.
+                for column, value in zip(inputs, (0, 0, seq.length - 1 if seq else 0, -1, 0, 0), strict=True):
+                    column.append(value)
+                continue
+            ahead = seq.length - 1 + seq.inflight
+            fed = seq.feed_row >= 0
+            inputs.tokens.append(0 if fed else seq.output_ids[-1])
+            inputs.positions.append(ahead + seq.rope_delta)
+            inputs.write_at.append(ahead)
+            inputs.feed.append(seq.feed_row if fed else -1)
+            inputs.mask_eos.append(int(seq.num_generated + seq.inflight < seq.sampling.min_tokens))
+            inputs.asked.append(int(asked is None or row in asked))
+        return inputs

@@ -26,7 +26,7 @@ import torch
 from schemas.errors import ContextLengthExceeded, InvalidMedia, InvalidRequest
 from schemas.processed import MediaKind
 from stages import batch_decoder
-from stages.batch_decoder import BatchDecoder
+from stages.batch_decoder import BatchDecoder, Launched
 from stages.engine.sampling import SamplingConfig, select_token
 from stages.engine.slots import SlotTable
 from stages.engine_settings import DecodeSettings
@@ -53,6 +53,10 @@ class Sequence:
     slot: int = -1
     # Its slot is being written by a KV transfer (reserve_kv): no step yet.
     receiving: bool = False
+    # Steps launched for it whose tokens are not collected yet (``launch``),
+    # and the decoder row its last launched token waits in on the device.
+    inflight: int = 0
+    feed_row: int = -1
 
     @property
     def length(self) -> int:
@@ -73,6 +77,14 @@ class Sequence:
     @property
     def released(self) -> bool:
         return self.cache is None and self.slot < 0
+
+
+@dataclass(frozen=True)
+class Launch:
+    """A launched step: its sequences with their rows, and the device step."""
+
+    rows: list[tuple[Sequence, int]]
+    launched: Launched
 
 
 @dataclass(frozen=True)
@@ -129,6 +141,7 @@ class TorchEngine:
                 max_len=min(decode.max_len, self.max_model_len),
                 use_graphs=decode.cuda_graphs,
                 fused=decode.fused,
+                eos_ids=self.eos_token_ids,
             )
         self._slots = SlotTable(self.decoder) if self.decoder is not None else None
         if self.decoder is not None:
@@ -197,6 +210,8 @@ class TorchEngine:
         for seq in seqs:
             if seq.released:
                 raise ValueError("step on a released sequence")
+            if seq.inflight:
+                raise ValueError("step on a sequence whose launched step is not collected")
             if seq.length >= self.max_model_len:
                 raise ContextLengthExceeded(f"sequence reached the model's context of {self.max_model_len} tokens")
         with self._lock, torch.inference_mode():
@@ -205,9 +220,59 @@ class TorchEngine:
                 assert self.decoder is not None and self._slots is not None
                 # Every slot steps (a slot not asked for writes the same key and
                 # value again: idempotent); only the asked ones take a token.
-                logits = self.decoder.step(*self._slots.step_inputs())
+                logits = self.decoder.step(*self._slots.step_inputs({q.slot for q in batched}))
                 chosen = self._select_batch(batched, logits)
             return [chosen[id(q)] if q.slot >= 0 else self._step_one(q) for q in seqs]
+
+    def launch(self, seqs: list[Sequence]) -> Launch | None:
+        """Queue one step of ``seqs`` on the device and return without waiting
+        for it; ``collect`` reads its tokens and appends them. A sequence with
+        a launched step not yet collected feeds that step's token from the
+        device, so the next step can be queued before the host has read the
+        last one (the decode loop keeps one step ahead: the GPU never waits
+        for the host between steps). None, with nothing queued, where the
+        batch cannot go this way: a sequence that samples on the host (not
+        greedy) or runs outside the batch decoder; ``step`` it instead, once
+        nothing launched is left uncollected.
+
+        A step may run for a sequence that the previous step's token ends (it
+        is launched before that token is read): it writes one position past
+        the last token, which the slot holds (admission counts max_tokens),
+        and its token is dropped."""
+        decoder, slots = self.decoder, self._slots
+        if decoder is None or slots is None:
+            return None
+        for seq in seqs:
+            if seq.released:
+                raise ValueError("launch on a released sequence")
+            if not seq.sampling.greedy:
+                return None
+            wanted = seq.num_generated + seq.inflight < seq.sampling.max_tokens
+            if wanted and seq.length + seq.inflight >= self.max_model_len:
+                raise ContextLengthExceeded(f"sequence reached the model's context of {self.max_model_len} tokens")
+        with self._lock, torch.inference_mode():
+            if not all(self._admit(seq) for seq in seqs):
+                return None
+            launched = decoder.launch(slots.step_inputs({seq.slot for seq in seqs}))
+            for seq in seqs:
+                seq.inflight += 1
+                seq.feed_row = seq.slot
+            return Launch([(seq, seq.slot) for seq in seqs], launched)
+
+    def collect(self, launch: Launch) -> list[int]:
+        """The tokens of a launched step (waits for it), each appended to its
+        sequence unless that was released meanwhile."""
+        values = launch.launched.tokens()
+        with self._lock:
+            tokens = []
+            for seq, row in launch.rows:
+                seq.inflight -= 1
+                if not seq.inflight:
+                    seq.feed_row = -1
+                if not seq.released:
+                    seq.output_ids.append(values[row])
+                tokens.append(values[row])
+            return tokens
 
     def release(self, seq: Sequence) -> None:
         seq.cache = None
@@ -436,18 +501,17 @@ class TorchEngine:
         return logits
 
     def _select_batch(self, seqs: list[Sequence], logits: torch.Tensor) -> dict[int, int]:
-        """Tokens of batched sequences (by id), greedy ones in one argmax:
-        one device sync for them all instead of one a sequence."""
+        """Tokens of batched sequences (by id): greedy ones as the step chose
+        them (argmax, EOS masked until min_tokens as select_token does), read
+        in one device sync for them all."""
+        assert self.decoder is not None
         greedy = [q for q in seqs if q.sampling.greedy]
         chosen: dict[int, int] = {}
         if greedy:
-            rows = logits[torch.tensor([q.slot for q in greedy], device=logits.device)].float()
-            for i, q in enumerate(greedy):
-                if q.num_generated < q.sampling.min_tokens:  # as select_token: EOS masked until min_tokens
-                    rows[i, self._eos_tensor.to(rows.device)] = float("-inf")
-            for q, token in zip(greedy, rows.argmax(-1).tolist(), strict=True):
-                q.output_ids.append(token)
-                chosen[id(q)] = token
+            sampled = self.decoder.sampled[: logits.shape[0]].tolist()
+            for q in greedy:
+                q.output_ids.append(sampled[q.slot])
+                chosen[id(q)] = sampled[q.slot]
         for q in seqs:
             if not q.sampling.greedy:
                 chosen[id(q)] = self._select(q, logits[q.slot])

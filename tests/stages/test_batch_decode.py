@@ -107,6 +107,64 @@ def test_joining_and_leaving_gives_the_tokens_of_one_at_a_time(engines: Any, tem
     assert batched._slots is not None and len(batched._slots) == 0
 
 
+def test_steps_launched_one_ahead_give_the_tokens_of_one_at_a_time(engines: Any) -> None:
+    """The decode loop's way (stages.scheduler): step k+1 is launched before
+    step k's tokens are read, so every token after the first launch comes
+    from the device; a sequence that ends takes one step more (dropped),
+    and is freed while that step is launched: the last slot moves into its
+    place with the launched step's write. EOS is masked on the device until
+    min_tokens (here below max_tokens)."""
+    name, batched, alone = engines
+    prompts = _prompts(batched, name)
+    samplings = [SamplingConfig(max_tokens=N - 2 * i, min_tokens=N // 2 - i) for i in range(len(prompts))]
+    expected = [_alone(alone, p, m, s) for (p, m), s in zip(prompts, samplings, strict=True)]
+    outputs: dict[int, list[int]] = {}
+    running: dict[int, Any] = {}
+    ahead: tuple[Any, list[tuple[int, Any]]] | None = None
+    pending = list(range(len(prompts)))
+    while pending or running or ahead:
+        if pending and len(running) < 4:
+            i = pending.pop(0)
+            (prompt, media), sampling = prompts[i], samplings[i]
+            [(seq, first)] = batched.prefill([prompt], [media], [sampling])
+            outputs[i], running[i] = [first], seq
+        batch = list(running.items())
+        launch = batched.launch([seq for _, seq in batch]) if batch else None
+        assert launch is not None or not batch
+        if ahead is not None:
+            launched, was = ahead
+            for (i, seq), token in zip(was, batched.collect(launched), strict=True):
+                if i not in running:
+                    continue  # ended by the step before: this token is dropped
+                outputs[i].append(token)
+                assert seq.output_ids == outputs[i]
+                if len(outputs[i]) == samplings[i].max_tokens:
+                    batched.release(seq)
+                    del running[i]
+        ahead = (launch, batch) if launch is not None else None
+    assert [outputs[i] for i in range(len(prompts))] == expected
+    assert batched._slots is not None and len(batched._slots) == 0
+
+
+def test_what_cannot_launch_steps_instead(engines: Any) -> None:
+    _, batched, _ = engines
+    prompt = batched.tokenizer("Sample me")["input_ids"]
+    [(greedy, _)] = batched.prefill([prompt], [[]], [SamplingConfig(max_tokens=4)])
+    [(sampled, _)] = batched.prefill([prompt], [[]], [SamplingConfig(temperature=0.8, max_tokens=4)])
+    too_long = SamplingConfig(max_tokens=600)  # over the 512-token slots
+    [(outside, _)] = batched.prefill([prompt], [[]], [too_long])
+    assert batched.launch([greedy, sampled]) is None  # sampled on the host
+    assert batched.launch([outside]) is None and outside.slot < 0
+    launch = batched.launch([greedy])
+    assert launch is not None and greedy.inflight == 1
+    with pytest.raises(ValueError, match="not collected"):
+        batched.step([greedy])
+    [token] = batched.collect(launch)
+    assert greedy.inflight == 0 and greedy.output_ids[-1] == token
+    for seq in (greedy, sampled, outside):
+        batched.release(seq)
+
+
 def test_batched_decode_equals_generate(engines: Any, engine_device: str) -> None:
     name, batched, _ = engines
     model_dir = builtin_path(name)
