@@ -20,7 +20,8 @@ def test_bench_decode_prints_and_writes_every_row(tmp_path: Path, capsys: pytest
     results = json.loads(out.read_text())
     assert [(r["preset"], r["batch"]) for r in results["runs"]] == [("qwen2-vl-smoke", 1), ("qwen2-vl-smoke", 3)]
     for row in results["runs"]:
-        assert row["decoder_step_ms"] > 0 and row["generate_step_ms"] > 0
+        assert row["decoder_step_ms"] > 0 and row["generate_step_ms"] > 0 and row["decoder_sync_step_ms"] > 0
+        assert row["ahead_tokens_equal"] is True
         assert row["decoder_tok_s"] == pytest.approx(row["batch"] * 1e3 / row["decoder_step_ms"])
     # The first batch checks the decoder's greedy tokens against generate() on the same prefill.
     assert 0 < results["runs"][0]["greedy_agree"] <= 1
