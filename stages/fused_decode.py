@@ -31,7 +31,10 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from stages import triton_decode
+from stages import triton_decode, triton_linear
+
+# y = x @ w.T (+ bias): F.linear (cuBLAS), or the skinny Triton kernel.
+Linear = Callable[..., torch.Tensor]
 
 
 @dataclass(frozen=True)
@@ -112,6 +115,7 @@ def before_attention(
     values: torch.Tensor,
     rows: torch.Tensor,
     write_at: torch.Tensor,
+    linear: Linear = F.linear,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """hidden [b, hidden] plus the last layer's MLP output ``delta`` (None
     before the first layer) → (hidden, q [b, heads, d]); writes the new key
@@ -123,7 +127,7 @@ def before_attention(
     if delta is not None:
         hidden = hidden + delta
     b, d = hidden.shape[0], cos.shape[-1]
-    qkv = F.linear(rms_norm(hidden, ln, eps), qkv_weight, qkv_bias)
+    qkv = linear(rms_norm(hidden, ln, eps), qkv_weight, qkv_bias)
     q, k, v = qkv.split([heads * d, kv_heads * d, kv_heads * d], dim=-1)
     keys[rows, :, write_at] = rope(k.view(b, kv_heads, d), cos, sin)
     values[rows, :, write_at] = v.view(b, kv_heads, d)
@@ -275,12 +279,21 @@ def after_attention(
     gate_up: torch.Tensor,
     down: torch.Tensor,
     eps: float,
+    linear: Linear = F.linear,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """→ (hidden after attention, the MLP's output): the next layer (or
     ``final``) adds the two, in the models' order."""
-    hidden = hidden + F.linear(attended, o_weight)
-    gate, up = F.linear(rms_norm(hidden, ln, eps), gate_up).chunk(2, dim=-1)
-    return hidden, F.linear(F.silu(gate) * up, down)
+    hidden = hidden + linear(attended, o_weight)
+    gate, up = linear(rms_norm(hidden, ln, eps), gate_up).chunk(2, dim=-1)
+    return hidden, linear(F.silu(gate) * up, down)
+
+
+def skinny_linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """The Triton kernel up to its batch limit, cuBLAS past it (a decoder
+    of more than 64 slots)."""
+    if x.shape[0] <= triton_linear.MAX_M:
+        return triton_linear.skinny_linear(x, w, bias)
+    return F.linear(x, w, bias)
 
 
 def final(hidden: torch.Tensor, delta: torch.Tensor, ln: torch.Tensor, eps: float) -> torch.Tensor:
@@ -299,6 +312,14 @@ def default_attention(device: torch.device, dtype: torch.dtype, head_dim: int) -
     return "flash"
 
 
+def _bound(piece: Callable[..., Any], linear: Linear) -> Callable[..., Any]:
+    # A closure, not an argument: torch.compile takes the kernel as a constant.
+    def bound(*args: Any) -> Any:
+        return piece(*args, linear=linear)
+
+    return bound
+
+
 class FusedKernels:
     """The pieces, compiled once for every layer (weights and the layer's
     cache are arguments, never attributes, so one graph serves them all) and
@@ -308,17 +329,30 @@ class FusedKernels:
     graph per batch size; ``varlen`` is the kernel, flash_varlen unless a
     test gives another); "sdpa" (torch's fused kernels) and "compiled" (the
     grouped matmuls, compiled) read ``span`` positions of every row under a
-    mask. ``mode``: torch.compile's (e.g. "max-autotune-no-cudagraphs")."""
+    mask. ``mode``: torch.compile's (e.g. "max-autotune-no-cudagraphs").
+    ``linear``: the projections' kernel, "cublas" (F.linear) or "triton"
+    (``skinny_linear``: faster alone at every decode shape measured, but in
+    the compiled step only at 2B-shaped batches of 1 and 8, and slower at 32
+    and at 7B shapes (README, Benchmarks), so not the default)."""
 
     def __init__(
-        self, compile: bool, attention: str = "sdpa", mode: str | None = None, varlen: Varlen = flash_varlen
+        self,
+        compile: bool,
+        attention: str = "sdpa",
+        mode: str | None = None,
+        varlen: Varlen = flash_varlen,
+        linear: str = "cublas",
     ) -> None:
         if attention not in ("triton", "flash", "sdpa", "compiled"):
             raise ValueError(f"attention {attention!r}: triton, flash, sdpa or compiled")
+        if linear not in ("cublas", "triton"):
+            raise ValueError(f"linear {linear!r}: cublas or triton")
         wrap = (lambda fn: torch.compile(fn, dynamic=True, mode=mode)) if compile else (lambda fn: fn)
         self.attention = attention
-        self.before_attention = wrap(before_attention)
-        self.after_attention = wrap(after_attention)
+        self.linear = linear
+        project: Linear = skinny_linear if linear == "triton" else F.linear
+        self.before_attention = wrap(_bound(before_attention, project))
+        self.after_attention = wrap(_bound(after_attention, project))
         self.final = wrap(final)
         self._varlen = varlen
         self._masked = attend_sdpa if attention == "sdpa" else wrap(attend)

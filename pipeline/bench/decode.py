@@ -46,6 +46,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="the fused step's attention (default: the decoder's)",
     )
     p.add_argument(
+        "--linear", choices=("cublas", "triton"), default=None, help="the projections' kernel (default: the decoder's)"
+    )
+    p.add_argument(
         "--compile-mode", default=None, help="torch.compile mode of the fused step (e.g. max-autotune-no-cudagraphs)"
     )
 
@@ -105,9 +108,13 @@ def _preset(preset: str, batches: list[int], args: argparse.Namespace, device: A
             max_len=args.max_len or args.context + args.new_tokens + 1,
             use_graphs=args.cuda_graphs,
         )
-        if decoder.fused is not None and (args.attention or args.compile_mode):
-            attention = args.attention or decoder.kernels.attention
-            decoder.kernels = FusedKernels(compile=device.type == "cuda", attention=attention, mode=args.compile_mode)
+        if decoder.fused is not None and (args.attention or args.compile_mode or args.linear):
+            decoder.kernels = FusedKernels(
+                compile=device.type == "cuda",
+                attention=args.attention or decoder.kernels.attention,
+                mode=args.compile_mode,
+                linear=args.linear or decoder.kernels.linear,
+            )
         timed = (model, decoder, ids, args.new_tokens, args.repeats, device)
         row["decoder_step_ms"], ahead_tokens = _decoder_step_ms(*timed, ahead=True)
         # Each step's tokens read before the next is launched: what one step ahead saves.

@@ -72,13 +72,14 @@ def test_varlen_attention_reads_each_rows_own_keys(engine_device: str, heads: in
         torch.testing.assert_close(triton, got, atol=2e-2, rtol=2e-2)
 
 
-@pytest.mark.parametrize("attention", ["flash", "triton"])
+@pytest.mark.parametrize(("attention", "linear"), [("flash", "cublas"), ("triton", "cublas"), ("triton", "triton")])
 def test_the_unmasked_decoder_gives_the_masked_decoders_logits(
-    mmpipe_home: Path, engine_device: str, attention: str
+    mmpipe_home: Path, engine_device: str, attention: str, linear: str
 ) -> None:
-    """Rows of different lengths, in CUDA graphs on a GPU."""
+    """Rows of different lengths, in CUDA graphs on a GPU; with the skinny
+    Triton projections against cuBLAS's."""
     device = torch.device(engine_device)
-    if attention == "triton" and device.type != "cuda":
+    if "triton" in (attention, linear) and device.type != "cuda":
         pytest.skip("the Triton kernels run on CUDA only here")
     engine = TorchEngine(
         builtin_path("tiny-qwen2-vl"),
@@ -87,10 +88,10 @@ def test_the_unmasked_decoder_gives_the_masked_decoders_logits(
         decode=DecodeSettings(batched=False),
     )
     decoders = []
-    for kind in (attention, "sdpa"):
+    for kind, project in ((attention, linear), ("sdpa", "cublas")):
         decoder = BatchDecoder(engine.model, max_slots=4, max_len=256, use_graphs=True, fused=True)
         varlen = flash_varlen if device.type == "cuda" else varlen_reference
-        decoder.kernels = FusedKernels(compile=device.type == "cuda", attention=kind, varlen=varlen)
+        decoder.kernels = FusedKernels(compile=device.type == "cuda", attention=kind, varlen=varlen, linear=project)
         decoders.append(decoder)
     greedy = SamplingConfig(temperature=0.0, max_tokens=32, min_tokens=32)
     texts = ["Hi", "Tell me about the sea and the sky.", "1 2 3 4 5 6 7 8 9 10 11 12"]
@@ -114,6 +115,13 @@ def test_the_unmasked_decoder_gives_the_masked_decoders_logits(
             torch.testing.assert_close(unmasked.float(), masked.float(), atol=5e-2, rtol=5e-2)
         tokens = masked.argmax(-1).tolist()
         lengths = [n + 1 for n in lengths]
+
+
+def test_the_projections_are_cublas_unless_asked() -> None:
+    assert FusedKernels(compile=False).linear == "cublas"
+    assert FusedKernels(compile=False, linear="triton").linear == "triton"
+    with pytest.raises(ValueError, match="cublas or triton"):
+        FusedKernels(compile=False, linear="cutlass")
 
 
 def test_the_default_attention_by_device_dtype_and_head_size() -> None:
