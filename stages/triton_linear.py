@@ -7,7 +7,7 @@ Qwen2-VL-2B and 7B shapes: small N gives it few tiles, and its split-K
 adds a reduce kernel. Here a program streams one [BLOCK_N, K / S] stripe of
 the weight (contiguous along K, ``num_stages`` loads in flight) against the
 whole batch, S (split-K) chosen so that every SM gets a program. On an H100
-in CUDA graphs (.scratch/skinny_bench.py) the kernel takes 3.9 against
+in CUDA graphs (python -m pipeline.bench.linear) the kernel takes 3.9 against
 cuBLAS's 5.6 us (2B qkv), 11.3 against 13.7 (2B down), 48 against 54 (7B
 down), 156 against 177 (2B lm_head); small matrices stay far from the
 bandwidth, a launch's fixed microseconds being most of their time.
@@ -73,7 +73,7 @@ def choose(n: int, k: int, sms: int) -> Config:
     MIN_SPLIT_BLOCKS chunks. Each split costs an fp32 [M, N] written and
     read back and a pipeline filled once more; an SM without a program
     costs its share of the bandwidth. On an H100 (132 SMs), Qwen2-VL-2B and
-    7B shapes, M 1..32 (.scratch/skinny_bench.py), this is the best split
+    7B shapes, M 1..32 (python -m pipeline.bench.linear), this is the best split
     of 1, 2, 4, 8 or within ~5% of it; splitting further (a few programs
     an SM, to even out the tail) measured slower. The batch size does not
     move the best split there, so it is not an input (nor a guard under

@@ -2,8 +2,8 @@
 that are and are not a multiple of tl.dot's 16 rows, N and K that are not
 multiples of the kernel's blocks, split-K, bias, and inside torch.compile.
 On CUDA only (Triton 3.5's CPU interpreter keeps bf16 as uint16 and its
-tl.dot multiplies those integers; .scratch/skinny_interp.py checks the
-kernel there with that patched)."""
+tl.dot multiplies those integers: the kernel was checked there once with
+that dot patched, which no test can rely on)."""
 
 from __future__ import annotations
 
