@@ -332,8 +332,8 @@ class FusedKernels:
     mask. ``mode``: torch.compile's (e.g. "max-autotune-no-cudagraphs").
     ``linear``: the projections' kernel, "cublas" (F.linear) or "triton"
     (``skinny_linear``: faster alone at every decode shape measured, but in
-    the compiled step only at 2B-shaped batches of 1 and 8, and slower at 32
-    and at 7B shapes (README, Benchmarks), so not the default)."""
+    the compiled step only at one row, and slower at 32 rows (README,
+    Benchmarks), so not the default)."""
 
     def __init__(
         self,
