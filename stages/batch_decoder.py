@@ -154,6 +154,8 @@ class BatchDecoder:
         eos = sorted(set(eos_ids))
         self._eos = torch.tensor(eos, dtype=torch.long, device=self.device) if eos else None
         self.rows = torch.arange(max_slots, device=self.device)
+        # The Triton attention's (one per (row, kv head)), zero between its launches.
+        self._counters = torch.zeros(max_slots * s.kv_heads, dtype=torch.int32, device=self.device)
         self.use_graphs = use_graphs and self.device.type == "cuda"
         self._graphs: dict[tuple[int, int], tuple[Any, torch.Tensor]] = {}
         fused = self.device.type == "cuda" if fused is None else fused
@@ -322,7 +324,7 @@ class BatchDecoder:
         rows = self.rows[:bucket]
         write_at = self.write_at[:bucket]
         cos, sin = (t[:, 0] for t in self._rotary(self.positions[:bucket]))  # [b, 1, d]
-        step = k.prepare(bucket, span, self.write_at, s.kv_heads, self.max_len)
+        step = k.prepare(bucket, span, self.write_at, s.kv_heads, self.max_len, self._counters)
         tokens = self._fed_tokens(bucket)
         hidden = self.lm.embed_tokens(tokens)  # [b, hidden]
         delta = None
@@ -345,7 +347,7 @@ class BatchDecoder:
                 write_at,
             )
             attended = k.attend(q, keys, values, step, self.scaling)
-            hidden, delta = k.after_attention(hidden, attended, w.o, w.ln2, w.gate_up, w.down, w.eps)
+            hidden, delta = k.after_attention(hidden, k.project(attended, w.o), w.ln2, w.gate_up, w.down, w.eps)
         assert delta is not None
         norm = self.lm.norm
         logits: torch.Tensor = self.model.lm_head(k.final(hidden, delta, norm.weight, float(norm.variance_epsilon)))

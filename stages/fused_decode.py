@@ -9,7 +9,7 @@ residual add, norm, one QKV projection over concatenated weights, RoPE and
 the cache write), attention over the cache (grouped-query without repeating
 keys and values; on a GPU in half precision flash-attention's varlen
 kernel, which reads each row's own keys and no padding), and after it
-(output projection, residual, norm, one gate+up projection, SiLU, down
+(output projection; residual, norm, one gate+up projection, SiLU, down
 projection). ``torch.compile`` fuses each piece's elementwise work into a
 few kernels; the batch decoder captures the lot in a CUDA graph.
 
@@ -150,6 +150,7 @@ class StepAttention:
     cu_q: torch.Tensor | None = None
     cu_k: torch.Tensor | None = None
     lengths: torch.Tensor | None = None
+    counters: torch.Tensor | None = None  # the Triton kernel's (triton_decode.attend)
 
 
 def length_mask(bucket: int, span: int, write_at: torch.Tensor) -> torch.Tensor:
@@ -161,9 +162,9 @@ def masked_step(bucket: int, span: int, write_at: torch.Tensor) -> StepAttention
     return StepAttention(bucket, span, mask=length_mask(bucket, span, write_at))
 
 
-def rows_step(bucket: int, write_at: torch.Tensor) -> StepAttention:
+def rows_step(bucket: int, write_at: torch.Tensor, counters: torch.Tensor | None = None) -> StepAttention:
     """Row r reads its first write_at[r] + 1 positions (the Triton kernel's form)."""
-    return StepAttention(bucket, 0, lengths=write_at[:bucket] + 1)
+    return StepAttention(bucket, 0, lengths=write_at[:bucket] + 1, counters=counters)
 
 
 def varlen_step(bucket: int, write_at: torch.Tensor, kv_heads: int, max_len: int) -> StepAttention:
@@ -273,17 +274,22 @@ def attend_varlen(
 
 def after_attention(
     hidden: torch.Tensor,
-    attended: torch.Tensor,
-    o_weight: torch.Tensor,
+    projected: torch.Tensor,
     ln: torch.Tensor,
     gate_up: torch.Tensor,
     down: torch.Tensor,
     eps: float,
     linear: Linear = F.linear,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """→ (hidden after attention, the MLP's output): the next layer (or
-    ``final``) adds the two, in the models' order."""
-    hidden = hidden + linear(attended, o_weight)
+    """hidden plus attention's output projection ``projected`` → (hidden
+    after attention, the MLP's output): the next layer (or ``final``) adds
+    the two, in the models' order.
+
+    The projection comes in made (``FusedKernels.project``): compiled
+    together, its matmul and the residual add became one addmm, whose
+    residual is first copied into the output (a kernel a layer more) and
+    which rounds the sum once where the models round the product first."""
+    hidden = hidden + projected
     gate, up = linear(rms_norm(hidden, ln, eps), gate_up).chunk(2, dim=-1)
     return hidden, linear(F.silu(gate) * up, down)
 
@@ -351,6 +357,7 @@ class FusedKernels:
         self.attention = attention
         self.linear = linear
         project: Linear = skinny_linear if linear == "triton" else F.linear
+        self.project = project
         self.before_attention = wrap(_bound(before_attention, project))
         self.after_attention = wrap(_bound(after_attention, project))
         self.final = wrap(final)
@@ -361,12 +368,21 @@ class FusedKernels:
     def masked(self) -> bool:
         return self.attention not in ("flash", "triton")
 
-    def prepare(self, bucket: int, span: int, write_at: torch.Tensor, kv_heads: int, max_len: int) -> StepAttention:
-        """What ``attend`` needs of a step, once for every layer."""
+    def prepare(
+        self,
+        bucket: int,
+        span: int,
+        write_at: torch.Tensor,
+        kv_heads: int,
+        max_len: int,
+        counters: torch.Tensor | None = None,
+    ) -> StepAttention:
+        """What ``attend`` needs of a step, once for every layer (``counters``:
+        the Triton kernel's, kept by the caller for every step)."""
         if self.masked:
             return masked_step(bucket, span, write_at)
         if self.attention == "triton":
-            return rows_step(bucket, write_at)
+            return rows_step(bucket, write_at, counters)
         return varlen_step(bucket, write_at, kv_heads, max_len)
 
     def attend(
@@ -375,7 +391,7 @@ class FusedKernels:
         """q [bucket, heads, d] over a layer's cache [slots, kv_heads, len, d]."""
         if self.attention == "triton":
             assert step.lengths is not None
-            return triton_decode.attend(q, keys, values, step.lengths, scaling)
+            return triton_decode.attend(q, keys, values, step.lengths, scaling, step.counters)
         if self.attention == "flash":
             return attend_varlen(q, keys, values, step, scaling, self._varlen)
         assert step.mask is not None

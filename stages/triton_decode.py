@@ -4,7 +4,10 @@ One query token per row, grouped-query: the heads of a kv head's group are
 the rows of one small matrix, so each key and value is read once per kv
 head, not once per query head. A row's keys are dealt out in blocks to a
 few programs (flash-decoding), each leaving its partial output and
-log-sum-exp; a second kernel combines the partials. A row reads its own
+log-sum-exp; the last of them to finish combines the partials (a counter
+per (row, kv head), which that program resets), so a layer's attention is
+one kernel, not a split kernel and a combine kernel (in a CUDA graph each
+kernel also costs its gap before the next). A row reads its own
 length of its slot ([slots, kv_heads, max_len, head_dim], as it lies) and
 nothing past it; the grid depends on the batch size only (not on the
 slot's size or the rows' lengths), so a CUDA graph serves any length.
@@ -43,58 +46,60 @@ def programs_per_row(rows: int, kv_heads: int) -> int:
 
 
 def attend(
-    q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, lengths: torch.Tensor, scaling: float
+    q: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    lengths: torch.Tensor,
+    scaling: float,
+    counters: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """q [b, heads, d] over keys, values [slots, kv_heads, max_len, d] (rows
-    0..b-1), row r reading its first lengths[r] positions; → [b, heads * d]."""
+    0..b-1), row r reading its first lengths[r] positions; → [b, heads * d].
+    ``counters``: int32 zeros, b * kv_heads at least, left zero again (a
+    decoder keeps one for all its steps and layers; fresh ones if None)."""
     b, heads, d = q.shape
     kv_heads = keys.shape[1]
     groups = heads // kv_heads
     groups_p = max(16, 1 << (groups - 1).bit_length())  # tl.dot wants 16 rows at least
     programs = programs_per_row(b, kv_heads)
-    split, combine = _kernels()
+    if counters is None:
+        counters = torch.zeros(b * kv_heads, dtype=torch.int32, device=q.device)
+    elif counters.numel() < b * kv_heads or counters.dtype != torch.int32:
+        raise ValueError(f"counters: int32, {b * kv_heads} at least")
     partial = torch.empty((b, kv_heads, programs, groups_p, d), dtype=torch.float32, device=q.device)
     lse = torch.empty((b, kv_heads, programs, groups_p), dtype=torch.float32, device=q.device)
     q = q.contiguous()
     out = torch.empty_like(q)
-    split[(b, kv_heads, programs)](
-        q, keys, values, lengths, partial, lse, scaling,
+    _kernel()[(b, kv_heads, programs)](
+        q, keys, values, lengths, partial, lse, out, counters, scaling,
         q.stride(0), q.stride(1),
         keys.stride(0), keys.stride(1), keys.stride(2),
         values.stride(0), values.stride(1), values.stride(2),
         partial.stride(0), partial.stride(1), partial.stride(2), partial.stride(3),
         lse.stride(0), lse.stride(1), lse.stride(2),
-        programs,
-        GROUPS=groups, GROUPS_P=groups_p, D=d, BLOCK_N=BLOCK_N,
-        num_warps=4, num_stages=2,
-    )  # fmt: skip
-    combine[(b, kv_heads)](
-        partial, lse, out, lengths, programs,
-        partial.stride(0), partial.stride(1), partial.stride(2), partial.stride(3),
-        lse.stride(0), lse.stride(1), lse.stride(2),
         out.stride(0), out.stride(1),
         GROUPS=groups, GROUPS_P=groups_p, D=d, BLOCK_N=BLOCK_N,
-        num_warps=4,
+        num_warps=4, num_stages=2,
     )  # fmt: skip
     return out.reshape(b, heads * d)
 
 
 @functools.cache
-def _kernels() -> tuple[Any, Any]:
+def _kernel() -> Any:
     import triton
     import triton.language as tl
 
     @triton.jit
-    def split_kernel(  # type: ignore[no-untyped-def]  # Triton reads annotations as types
-        Q, K, V, Lengths, Partial, Lse, scale,
-        sqb, sqh, skb, skh, skn, svb, svh, svn, spb, sph, sps, spg, slb, slh, sls,
-        programs,
+    def decode_attention(  # type: ignore[no-untyped-def]  # Triton reads annotations as types
+        Q, K, V, Lengths, Partial, Lse, Out, Counters, scale,
+        sqb, sqh, skb, skh, skn, svb, svh, svn, spb, sph, sps, spg, slb, slh, sls, sob, soh,
         GROUPS: tl.constexpr, GROUPS_P: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr,
     ):  # fmt: skip
         # 64-bit offsets: a slot's stride times 128 rows passes 2**31 at long lengths.
         b = tl.program_id(0).to(tl.int64)
         h = tl.program_id(1)
         s = tl.program_id(2)
+        programs = tl.num_programs(2)
         length = tl.load(Lengths + b).to(tl.int32)
         start = s * BLOCK_N
         g = tl.arange(0, GROUPS_P)
@@ -122,40 +127,38 @@ def _kernels() -> tuple[Any, Any]:
         # A program past the row's length read nothing and writes nothing: the combine stops before it.
         live = rows & (start < length)
         safe = tl.where(total > 0, total, 1.0)
-        where = b * spb + h * sph + s * sps
-        tl.store(Partial + where + g[:, None] * spg + d[None, :], acc / safe[:, None], mask=live[:, None])
-        tl.store(Lse + b * slb + h * slh + s * sls + g, m + tl.log(safe), mask=live)
-
-    @triton.jit
-    def combine_kernel(  # type: ignore[no-untyped-def]
-        Partial, Lse, Out, Lengths, programs,
-        spb, sph, sps, spg, slb, slh, sls, sob, soh,
-        GROUPS: tl.constexpr, GROUPS_P: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr,
-    ):  # fmt: skip
-        b = tl.program_id(0).to(tl.int64)
-        h = tl.program_id(1)
-        used = tl.minimum(programs, tl.cdiv(tl.load(Lengths + b).to(tl.int32), BLOCK_N))
-        g = tl.arange(0, GROUPS_P)
-        d = tl.arange(0, D)
-        rows = g < GROUPS
+        partial_base = Partial + b * spb + h * sph
         lse_base = Lse + b * slb + h * slh + g
-        m = tl.full([GROUPS_P], float("-inf"), tl.float32)
-        for s in range(0, used):
-            m = tl.maximum(m, tl.load(lse_base + s * sls, mask=rows, other=0.0))
-        total = tl.zeros([GROUPS_P], tl.float32)
-        acc = tl.zeros([GROUPS_P, D], tl.float32)
-        for s in range(0, used):
-            w = tl.exp(tl.load(lse_base + s * sls, mask=rows, other=0.0) - m)
-            part = tl.load(
-                Partial + b * spb + h * sph + s * sps + g[:, None] * spg + d[None, :], mask=rows[:, None], other=0.0
-            )
-            acc += w[:, None] * part
-            total += w
-        out = acc / tl.where(rows, total, 1.0)[:, None]
-        tl.store(
-            Out + b * sob + (h * GROUPS + g)[:, None] * soh + d[None, :],
-            out.to(Out.dtype.element_ty),
-            mask=rows[:, None],
-        )
+        tl.store(partial_base + s * sps + g[:, None] * spg + d[None, :], acc / safe[:, None], mask=live[:, None])
+        tl.store(lse_base + s * sls, m + tl.log(safe), mask=live)
 
-    return split_kernel, combine_kernel
+        # Every program counts itself in, after its stores (the atomic releases
+        # them); the last one in (it acquires them all) combines, in program
+        # order whoever it is, and leaves the counter at zero for the next launch.
+        counter = Counters + b * tl.num_programs(1) + h
+        if tl.atomic_add(counter, 1, sem="acq_rel") == programs - 1:
+            tl.store(counter, 0)
+            used = tl.minimum(programs, tl.cdiv(length, BLOCK_N))
+            top = tl.full([GROUPS_P], float("-inf"), tl.float32)
+            for i in range(0, used):
+                top = tl.maximum(top, tl.load(lse_base + i * sls, mask=rows, other=0.0, cache_modifier=".cg"))
+            weight = tl.zeros([GROUPS_P], tl.float32)
+            out = tl.zeros([GROUPS_P, D], tl.float32)
+            for i in range(0, used):
+                w = tl.exp(tl.load(lse_base + i * sls, mask=rows, other=0.0, cache_modifier=".cg") - top)
+                part = tl.load(
+                    partial_base + i * sps + g[:, None] * spg + d[None, :],
+                    mask=rows[:, None],
+                    other=0.0,
+                    cache_modifier=".cg",
+                )
+                out += w[:, None] * part
+                weight += w
+            out = out / tl.where(rows, weight, 1.0)[:, None]
+            tl.store(
+                Out + b * sob + (h * GROUPS + g)[:, None] * soh + d[None, :],
+                out.to(Out.dtype.element_ty),
+                mask=rows[:, None],
+            )
+
+    return decode_attention
