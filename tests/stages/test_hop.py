@@ -178,3 +178,38 @@ async def test_embedding_cache_hit_skips_the_encoder_and_keeps_the_tokens(
         assert cache.stats()["entries"] == 2 and cache.stats()["hits"] == 1
     finally:
         await stage.close()
+
+
+async def test_sequences_ending_at_different_steps_and_a_sampled_one_keep_their_tokens(
+    stage: HopStage, processor: Processor, tiny_model_dir: Path
+) -> None:
+    """The decode loop launches each step before reading the last one's
+    tokens: a sequence that ends has taken one step more (its slot refilled
+    by the last one while that step runs), and a batch holding a sequence
+    that samples on the host steps one at a time until it leaves."""
+
+    def request(i: int, n: int, **sampling: Any) -> Any:
+        params = SamplingParams(max_tokens=n, min_tokens=n, **sampling)
+        return processor.process(GenerateRequest(f"m{i}", "tiny", [ChatMessage("user", f"Count to {i}.")], params))
+
+    def tokens(chunks: list[TokenChunk]) -> list[int]:
+        return [t for c in chunks for t in c.token_ids]
+
+    def expected(p: Any) -> list[int]:
+        return reference_generate(tiny_model_dir, p.prompt_token_ids, [], p.max_tokens)
+
+    # Greedy only: every step after the first is launched ahead. The first to
+    # end leaves a hole that the last row (12 tokens, a step in flight) fills.
+    greedy = [request(i, n, temperature=0) for i, n in enumerate((3, 9, 5, 12))]
+    results = await asyncio.gather(*(run(stage, p) for p in greedy))
+    assert [tokens(r) for r in results] == [expected(p) for p in greedy]
+    # With a sampled one: one step at a time while it runs, ahead again after it.
+    sampled = request(9, 4, temperature=0.9, seed=3)
+    alone = tokens(await run(stage, sampled))
+    mixed = [greedy[1], sampled, greedy[3]]
+    results = await asyncio.gather(*(run(stage, p) for p in mixed))
+    assert [tokens(r) for r in results] == [expected(greedy[1]), alone, expected(greedy[3])]
+    assert scheduler(stage).active == 0
+    engine = stage.engine
+    assert isinstance(engine, TorchHopEngine) and engine.torch._slots is not None
+    assert engine.torch._slots.taken == 0
