@@ -36,7 +36,8 @@ from typing import Any, NamedTuple
 import torch
 import torch.nn.functional as F
 
-from stages.fused_decode import FusedKernels, FusedLayer, can_fuse, default_attention, fuse_layer, length_mask
+from stages.decode_attention import length_mask
+from stages.fused_decode import FusedKernels, FusedLayer, can_fuse, default_attention, fuse_layer
 
 # Batch sizes a step is padded up to (each a captured graph on CUDA).
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128)

@@ -8,7 +8,8 @@ tests and benchmarks.
 from __future__ import annotations
 
 from stages.engine.sampling import SamplingConfig, select_token
-from stages.engine.torch_engine import KvState, Sequence, TorchEngine
+from stages.engine.sequence import KvState, Sequence
+from stages.engine.torch_engine import TorchEngine
 from stages.engine_settings import DecodeSettings
 from stages.families import MediaEmbedding
 

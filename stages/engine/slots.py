@@ -25,7 +25,7 @@ from stages.batch_decoder import StepInputs
 
 if TYPE_CHECKING:
     from stages.batch_decoder import BatchDecoder
-    from stages.engine.torch_engine import Sequence
+    from stages.engine.sequence import Sequence
 
 
 class SlotTable:

@@ -1,13 +1,15 @@
 """The engine: a Hugging Face model class run directly on torch.
 
-Calls are synchronous and meant for a worker thread. The API is batch-shaped
-but v1 runs each sequence on its own (batch of one): greedy tokens then equal
-``generate()``'s exactly, which a padded batch would not guarantee.
+Calls are synchronous and meant for a worker thread. Prefill runs each
+prompt on its own (or several padded together, ``prefill_together``);
+decode steps every sequence in the batch decoder's slots in one forward
+(stages/batch_decoder.py), a sequence that does not fit one on its own.
 
-Each sequence owns its KV cache (a transformers DynamicCache), its rope delta
-(M-RoPE shift of text positions after images) and all its token ids. A token
-returned by prefill/step is already appended to the sequence but not yet in
-its cache; the next step feeds it.
+Each sequence (stages/engine/sequence.py) owns its KV cache or slot, its
+rope delta (M-RoPE shift of text positions after images) and its
+generated token ids. A token returned by prefill, step or collect is
+already appended to the sequence but not yet in its cache; the next step
+feeds it.
 """
 
 from __future__ import annotations
@@ -16,7 +18,6 @@ import contextlib
 import threading
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -26,75 +27,14 @@ import torch
 from schemas.errors import ContextLengthExceeded, InvalidMedia, InvalidRequest
 from schemas.processed import MediaKind
 from stages import batch_decoder
-from stages.batch_decoder import BatchDecoder, Launched
+from stages.batch_decoder import BatchDecoder
 from stages.engine.sampling import SamplingConfig, select_token
+from stages.engine.sequence import KvState, Launch, Sequence
 from stages.engine.slots import SlotTable
 from stages.engine_settings import DecodeSettings
 from stages.families import Grid, Media, MediaEmbedding, family_for_architecture
 
 log = structlog.get_logger(__name__)
-
-
-@dataclass(eq=False)
-class Sequence:
-    """Per-request state between engine calls.
-
-    The prompt itself is not kept: decoding needs only its length (positions)
-    and the tokens generated since, so a decode worker can hold a sequence it
-    received as KV cache without the prompt ids.
-    """
-
-    prompt_len: int  # expanded: each media placeholder counted as its tokens
-    output_ids: list[int]  # generated so far; the last one is not yet in the cache
-    sampling: SamplingConfig
-    rope_delta: int
-    cache: Any  # transformers Cache until the batch decoder takes it; None after
-    # Slot in the batch decoder's cache once admitted there; -1 otherwise.
-    slot: int = -1
-    # Its slot is being written by a KV transfer (reserve_kv): no step yet.
-    receiving: bool = False
-    # Steps launched for it whose tokens are not collected yet (``launch``),
-    # and the decoder row its last launched token waits in on the device.
-    inflight: int = 0
-    feed_row: int = -1
-
-    @property
-    def length(self) -> int:
-        return self.prompt_len + len(self.output_ids)
-
-    @property
-    def num_generated(self) -> int:
-        return len(self.output_ids)
-
-    @property
-    def output_token_ids(self) -> list[int]:
-        return self.output_ids
-
-    @property
-    def reached_max_tokens(self) -> bool:
-        return self.num_generated >= self.sampling.max_tokens
-
-    @property
-    def released(self) -> bool:
-        return self.cache is None and self.slot < 0
-
-
-@dataclass(frozen=True)
-class Launch:
-    """A launched step: its sequences with their rows, and the device step."""
-
-    rows: list[tuple[Sequence, int]]
-    launched: Launched
-
-
-@dataclass(frozen=True)
-class KvState:
-    """What travels with a sequence's KV cache to another engine: enough to
-    rebuild the sequence there (the per-layer tensors travel beside it)."""
-
-    prompt_len: int
-    output_ids: list[int]
-    rope_delta: int
 
 
 def _default_dtype(device: str) -> torch.dtype:

@@ -14,9 +14,10 @@ import pytest
 import torch
 from PIL import Image
 
+from stages.decode_attention import varlen_reference
 from stages.engine import DecodeSettings, SamplingConfig, TorchEngine
 from stages.engine.reference import load_reference_model, reference_generate
-from stages.fused_decode import FusedKernels, varlen_reference
+from stages.fused_decode import FusedKernels
 from stages.models import builtin_path
 from tests.stages.engine_helpers import chat_prompt, engine_on
 

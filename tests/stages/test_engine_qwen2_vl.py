@@ -20,7 +20,8 @@ from schemas.errors import ContextLengthExceeded, InvalidRequest
 from schemas.processed import MediaKind
 from stages.engine.reference import load_reference_model, reference_generate
 from stages.engine.sampling import SamplingConfig, select_token, token_seed
-from stages.engine.torch_engine import KvState, TorchEngine
+from stages.engine.sequence import KvState
+from stages.engine.torch_engine import TorchEngine
 from stages.families import MediaEmbedding
 from tests.stages.engine_helpers import decode, engine_on, greedy
 

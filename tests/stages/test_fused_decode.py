@@ -15,16 +15,9 @@ import pytest
 import torch
 
 from stages.batch_decoder import BatchDecoder
+from stages.decode_attention import flash_varlen, masked_step, rows_step, varlen_reference, varlen_step
 from stages.engine import DecodeSettings, SamplingConfig, TorchEngine
-from stages.fused_decode import (
-    FusedKernels,
-    default_attention,
-    flash_varlen,
-    masked_step,
-    rows_step,
-    varlen_reference,
-    varlen_step,
-)
+from stages.fused_decode import FusedKernels, default_attention
 from stages.models import builtin_path
 
 

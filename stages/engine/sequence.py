@@ -1,0 +1,72 @@
+"""A sequence's state between engine calls, a launched step, and what
+travels with a KV cache to another engine."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from stages.batch_decoder import Launched
+from stages.engine.sampling import SamplingConfig
+
+
+@dataclass(eq=False)
+class Sequence:
+    """Per-request state between engine calls.
+
+    The prompt itself is not kept: decoding needs only its length (positions)
+    and the tokens generated since, so a decode worker can hold a sequence it
+    received as KV cache without the prompt ids.
+    """
+
+    prompt_len: int  # expanded: each media placeholder counted as its tokens
+    output_ids: list[int]  # generated so far; the last one is not yet in the cache
+    sampling: SamplingConfig
+    rope_delta: int
+    cache: Any  # transformers Cache until the batch decoder takes it; None after
+    # Slot in the batch decoder's cache once admitted there; -1 otherwise.
+    slot: int = -1
+    # Its slot is being written by a KV transfer (reserve_kv): no step yet.
+    receiving: bool = False
+    # Steps launched for it whose tokens are not collected yet (``launch``),
+    # and the decoder row its last launched token waits in on the device.
+    inflight: int = 0
+    feed_row: int = -1
+
+    @property
+    def length(self) -> int:
+        return self.prompt_len + len(self.output_ids)
+
+    @property
+    def num_generated(self) -> int:
+        return len(self.output_ids)
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.output_ids
+
+    @property
+    def reached_max_tokens(self) -> bool:
+        return self.num_generated >= self.sampling.max_tokens
+
+    @property
+    def released(self) -> bool:
+        return self.cache is None and self.slot < 0
+
+
+@dataclass(frozen=True)
+class Launch:
+    """A launched step: its sequences with their rows, and the device step."""
+
+    rows: list[tuple[Sequence, int]]
+    launched: Launched
+
+
+@dataclass(frozen=True)
+class KvState:
+    """What travels with a sequence's KV cache to another engine: enough to
+    rebuild the sequence there (the per-layer tensors travel beside it)."""
+
+    prompt_len: int
+    output_ids: list[int]
+    rope_delta: int
