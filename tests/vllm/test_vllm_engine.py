@@ -165,10 +165,19 @@ def stack(
 
 
 async def _tokens(stack: VllmStack, request_id: str) -> list[int]:
-    """The token ids of a request as its reply stream holds them."""
+    """The token ids of a request as its reply stream holds them. The bridge
+    hears a chunk as the stream stores it (core NATS and the stream's ingest
+    are two paths in the server), so the last chunk may be stored a moment
+    after the HTTP reply ended: read until the finishing chunk is there."""
     nc, js = await connect(stack.nats_url, name="test-reader")
     try:
-        chunks = await stored_chunks(js, Subjects("default"), request_id)
+        deadline = time.monotonic() + 10
+        while True:
+            chunks = await stored_chunks(js, Subjects("default"), request_id)
+            finished = any(isinstance(c, TokenChunk) and c.finish_reason is not None for c in chunks)
+            if finished or time.monotonic() > deadline:
+                break
+            await asyncio.sleep(0.05)
     finally:
         await nc.close()
     return [t for c in chunks for t in getattr(c, "token_ids", [])]
