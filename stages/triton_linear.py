@@ -56,10 +56,6 @@ def available() -> bool:
     return True
 
 
-def supported(m: int, dtype: torch.dtype) -> bool:
-    return 1 <= m <= MAX_M and dtype in DTYPES
-
-
 def block_m(m: int) -> int:
     """x's rows padded to what tl.dot takes (16 at least, a power of two).
     Written as comparisons, not bit tricks, so a symbolic batch size under
