@@ -44,7 +44,9 @@ class TensorRef(msgspec.Struct, omit_defaults=True, forbid_unknown_fields=True):
 
 
 class LeaseRequest(msgspec.Struct, omit_defaults=True, forbid_unknown_fields=True):
-    """Reader to NIXL holder (core NATS request): may I read ``key`` now?
+    """Reader to NIXL holder (core NATS request): may I read ``key`` now,
+    under ``lease``? The reader picks the lease id (0: the holder does), so a
+    READ posted before the reply can name it in its notification.
 
     With ``abort`` set, the reader gives back a lease it never used (no READ
     was posted), so another reader need not wait for the lease to lapse.

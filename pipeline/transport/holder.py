@@ -2,7 +2,11 @@
 held for readers, who may read them now, and when they are freed.
 
 A region goes: reserved (being filled) -> held -> leased to one reader ->
-freed when that reader's READ notification comes back. A lease that lapses
+freed when that reader's READ notification comes back. A reader that
+already knows the holder posts its READ together with its lease request,
+so the notification can come before the request: it is kept, and counts
+once that lease is granted (the region was then still held, and so was
+never reused under the READ). A lease that lapses
 without one (the reader died or gave up) returns the region to held, so a
 redelivered message can still read it. A region read or released while a
 lease is out is freed only when that lease ends: the reader may be in the
@@ -16,7 +20,7 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import structlog
 
@@ -40,6 +44,14 @@ class Held:
     done: bool = False
     # Set once the bytes are in place and the ref may go out.
     ready: bool = False
+    # Every lease granted on it: a READ notification counts only under one of them.
+    granted: list[int] = field(default_factory=list)
+    # Notifications of READs whose lease was not granted (yet): posted beside the request.
+    early: set[int] = field(default_factory=set)
+
+
+# A reader refused a lease leaves its early notification behind: keep only a few.
+_EARLY_MAX = 8
 
 
 class HeldRegions:
@@ -116,6 +128,12 @@ class HeldRegions:
             return "claimed"
         if time.time() > held.expires:
             return "expired"
+        held.granted.append(lease)
+        if lease in held.early:
+            # Its READ completed before this grant, while the region was still held: read.
+            held.done = True
+            self.free(held)
+            return ""
         held.lease = lease
         held.lease_until = time.monotonic() + lease_s
         self._wake.set()  # the poller must drive UCX progress and catch the notification now
@@ -126,6 +144,10 @@ class HeldRegions:
         held = self._regions.get(key)
         if held is None:
             return False
+        if read and lease not in held.granted:
+            if len(held.early) < _EARLY_MAX:
+                held.early.add(lease)
+            return True
         if read:
             # Even a notification of an older, lapsed lease means the bytes were read.
             held.done = True

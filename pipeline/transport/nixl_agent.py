@@ -81,6 +81,8 @@ class ReadOutcome:
     # The transfer handle is released, i.e. a running READ was cancelled.
     released: bool
     error: str = ""
+    # When the READ was seen done (time.monotonic()), to hold against a lease.
+    ended: float = 0.0
     # Seconds in each phase (a READ that ran): to the agent's thread, making the
     # transfer (descriptors, initialize_xfer), posting it, polling it there, then
     # in the event loop's polling and the release.
@@ -180,6 +182,7 @@ class Agent:
                 handle.release()
                 raise
             if state == "DONE":
+                marks["ended"] = time.monotonic()
                 # Finished while polled here: release it here too, saving the two
                 # thread hops (about 0.1 ms each) of the event loop's way below.
                 handle.release()
@@ -196,7 +199,7 @@ class Agent:
             # transfer() failing (e.g. NIXL_ERR_REMOTE_DISCONNECT) released its handle.
             return ReadOutcome("FAILED", posted=posted, released=True, error=repr(exc))
         if handle is None:  # done and released on the agent's thread
-            return ReadOutcome(state, posted=True, released=True, phases=_phases(marks))
+            return ReadOutcome(state, posted=True, released=True, ended=marks["ended"], phases=_phases(marks))
         delay = 0.0001
         error = ""
         while state == "PROC" and time.monotonic() < until:
@@ -206,6 +209,7 @@ class Agent:
                 state = await self.call(agent.check_xfer_state, handle)
             except Exception as exc:  # e.g. the holder disconnected mid-READ
                 state, error = "ERR", repr(exc)
+        ended = time.monotonic()
         marks["done"] = time.perf_counter()
         try:
             await self.call(handle.release)
@@ -213,7 +217,7 @@ class Agent:
             log.error("nixl_xfer_not_cancelled", peer=peer, error=repr(exc))
             return ReadOutcome(state, posted=True, released=False, error=repr(exc))
         marks["released"] = time.perf_counter()
-        return ReadOutcome(state, posted=True, released=True, error=error, phases=_phases(marks))
+        return ReadOutcome(state, posted=True, released=True, error=error, ended=ended, phases=_phases(marks))
 
     async def close(self) -> None:
         if self._agent is not None:

@@ -1,13 +1,15 @@
 """The reader's side of a NIXL READ from another process: the lease over
 core NATS, the holder's agent metadata (loaded once, loaded again after a
 failed transfer), and the READ itself, whose bytes count only if it
-completed within the lease (why leases: ``nixl.py``)."""
+completed within the lease (why leases, and why a READ of a known holder
+goes out beside its lease request: ``nixl.py``)."""
 
 from __future__ import annotations
 
 import asyncio
+import secrets
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Final, Literal
 
@@ -29,6 +31,12 @@ NAME: Final = "nixl"
 # A reader trusts a lease for this share of its length: slack for clock drift
 # between hosts and for the holder noticing the lapse a little early.
 _LEASE_TRUST = 0.9
+
+
+def new_lease() -> int:
+    """A lease id: random, so a reader can name its lease before the holder
+    answers, and two readers' ids never meet; never 0 (the holder picks)."""
+    return secrets.randbits(62) + 1
 
 
 def agent_bucket(namespace: str) -> str:
@@ -72,23 +80,33 @@ class RemoteReads:
         """READ ``remote`` (the ref's region, as descriptors) into ``local``
         under a lease, by ``deadline``. ``tainted(forever)``: the local memory
         must stay out of use (a READ we gave up on may still write it)."""
-        # The lease first: it tells a dead holder at once, before UCX tries to connect to it.
-        lease, trusted_until = await self.claim(ref, deadline)
-        try:
-            peer = await self._ensure_remote(ref.holder, deadline)
-        except TensorGone:
-            await self._abort_lease(ref, lease)
-            raise
+        lease = new_lease()
+        peer = self._remotes.get(ref.holder)
+        claim: asyncio.Future[tuple[int, float]]
+        if peer is not None and not peer.stale:
+            # A holder we READ from before: the lease request and the READ go out together.
+            claim = asyncio.ensure_future(self.claim(ref, deadline, lease))
+            await asyncio.sleep(0)  # the request leaves first: its round trip is the longer
+        else:
+            # The lease first: it tells a dead holder at once, before UCX tries to connect to it.
+            claim = asyncio.get_running_loop().create_future()
+            claim.set_result(await self.claim(ref, deadline, lease))
+            try:
+                peer = await self._ensure_remote(ref.holder, deadline)
+            except TensorGone:
+                await self._abort_lease(ref, lease)
+                raise
         peer.inflight += 1
         try:
             t0 = time.monotonic()
-            await self._read(ref, local, remote, lease, min(deadline, trusted_until), tainted)
+            await self._read(ref, local, remote, lease, claim, deadline, tainted, peer)
             self.last_read = (sum(d[1] for d in local), time.monotonic() - t0)
-        except TensorGone:
-            peer.stale = True
-            raise
         finally:
             peer.inflight -= 1
+            if not claim.done():
+                claim.cancel()
+            elif not claim.cancelled():
+                claim.exception()  # retrieved: a failed READ may have left before awaiting it
 
     async def _ensure_remote(self, holder: str, deadline: float) -> _Remote:
         remote = self._remotes.get(holder)
@@ -122,15 +140,15 @@ class RemoteReads:
         remote = self._remotes[holder] = _Remote()
         return remote
 
-    async def claim(self, ref: TensorRef, deadline: float) -> tuple[int, float]:
-        """Ask the holder to pin the region; returns the lease id and the
-        monotonic time until which a completed READ can be trusted."""
+    async def claim(self, ref: TensorRef, deadline: float, lease: int) -> tuple[int, float]:
+        """Ask the holder to pin the region under ``lease``; returns the lease
+        id and the monotonic time until which a completed READ can be trusted
+        (a READ posted after this call began)."""
         sent = time.monotonic()
         timeout = min(self._settings.request_timeout_s, max(0.001, deadline - sent))
+        payload = msgspec.msgpack.encode(LeaseRequest(key=ref.key, lease=lease))
         try:
-            msg = await self._nc.request(
-                lease_subject(self._ns, ref.holder), msgspec.msgpack.encode(LeaseRequest(key=ref.key)), timeout=timeout
-            )
+            msg = await self._nc.request(lease_subject(self._ns, ref.holder), payload, timeout=timeout)
         except nats.errors.NoRespondersError:
             await self._refuse_foreign(ref.holder)
             metrics.ERRORS.labels(NAME, "holder_gone").inc()
@@ -146,6 +164,9 @@ class RemoteReads:
         if not reply.lease:
             metrics.ERRORS.labels(NAME, f"lease_{reply.reason or 'refused'}").inc()
             raise TensorGone(f"tensors {ref.key} of {ref.holder} cannot be read ({reply.reason})")
+        if reply.lease != lease:
+            metrics.ERRORS.labels(NAME, "bad_lease_reply").inc()
+            raise TensorGone(f"tensor holder {ref.holder} granted lease {reply.lease}, not the {lease} asked for")
         return reply.lease, sent + reply.lease_s * _LEASE_TRUST
 
     async def _refuse_foreign(self, holder: str) -> None:
@@ -173,16 +194,29 @@ class RemoteReads:
         local: list[Desc],
         remote: list[Desc],
         lease: int,
-        until: float,
+        claim: Awaitable[tuple[int, float]],
+        deadline: float,
         tainted: Callable[[bool], None],
+        peer: _Remote,
     ) -> None:
-        """READ the region into ``local``; the bytes count only if the READ
-        completed before ``until``. ``tainted(forever)`` keeps the local
-        memory out of use when a READ we gave up on may still write it."""
+        """READ the region into ``local``; the bytes count only if ``claim``
+        grants the lease and the READ completed within it. ``tainted(forever)``
+        keeps the local memory out of use when a READ we gave up on may still
+        write it."""
         notif = f"{ref.key}:{lease}".encode()
-        outcome = await self._agent.read(local, self._mem, remote, ref.mem, ref.holder, notif, until)
+        outcome = await self._agent.read(local, self._mem, remote, ref.mem, ref.holder, notif, deadline)
         self.last_read_phases = outcome.phases
-        if outcome.state == "DONE" and time.monotonic() < until:
+        if outcome.state != "DONE":
+            peer.stale = True  # the holder may have died or re-registered: reload its metadata
+        try:
+            _, trusted_until = await claim
+        except TensorGone:
+            # No lease: whatever the READ wrote is not this ref's bytes.
+            if not outcome.released:
+                metrics.ERRORS.labels(NAME, "xfer_not_cancelled").inc()
+                tainted(True)
+            raise
+        if outcome.state == "DONE" and outcome.ended < trusted_until:
             return
         if not outcome.released:
             metrics.ERRORS.labels(NAME, "xfer_not_cancelled").inc()

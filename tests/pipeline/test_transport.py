@@ -206,19 +206,18 @@ async def test_holder_killed(kind: str, make_transport: Factory, spawn_peer: Any
 async def test_nixl_holder_killed_between_lease_and_read(
     make_transport: Factory, spawn_peer: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    # A holder met for the first time: the lease comes back before UCX connects.
     peer = await spawn_peer("nixl")
     reader = await make_transport("nixl", "reader", get_timeout_s=3, lease_s=4)
     assert isinstance(reader, NixlTransport)
-    warm = await peer.put(seed=4)
-    await reader.get(warm)  # the UCX connection exists before the holder dies
     ref = await peer.put(seed=5)
     claim = reader._reads.claim
 
-    async def claim_then_kill(ref: TensorRef, deadline: float) -> tuple[int, float]:
-        lease = await claim(ref, deadline)
+    async def claim_then_kill(ref: TensorRef, deadline: float, lease: int) -> tuple[int, float]:
+        granted = await claim(ref, deadline, lease)
         peer.kill()
         await peer.proc.wait()
-        return lease
+        return granted
 
     monkeypatch.setattr(reader._reads, "claim", claim_then_kill)
     started = time.monotonic()
@@ -226,6 +225,24 @@ async def test_nixl_holder_killed_between_lease_and_read(
         await reader.get(ref)
     assert time.monotonic() - started < 3 + 1
     assert reader._recv_alloc.used_bytes == 0 or reader._quarantined
+
+
+async def test_nixl_holder_killed_with_the_connection_up(make_transport: Factory, spawn_peer: Any) -> None:
+    # A known holder: the READ goes out beside the lease request, to a dead process.
+    peer = await spawn_peer("nixl")
+    reader = await make_transport("nixl", "reader", get_timeout_s=3, lease_s=4)
+    assert isinstance(reader, NixlTransport)
+    assert_same(await reader.get(await peer.put(seed=4)), make_tensors(4))
+    ref = await peer.put(seed=5)
+    peer.kill()
+    await peer.proc.wait()
+    started = time.monotonic()
+    with pytest.raises(TensorGone):
+        await reader.get(ref)
+    assert time.monotonic() - started < 3 + 1
+    assert reader._recv_alloc.used_bytes == 0 or reader._quarantined
+    # The holder's metadata is loaded afresh next time: it may have re-registered.
+    assert reader._reads._remotes[ref.holder].stale
 
 
 # -- one process -------------------------------------------------------------------
@@ -277,6 +294,31 @@ async def test_nixl_two_readers_of_one_ref_one_wins(make_transport: Factory) -> 
     results = await asyncio.gather(*(r.get(ref) for r in readers), return_exceptions=True)
     assert sorted(type(r).__name__ for r in results) == ["TensorGone", "list"]
     assert_same(next(r for r in results if isinstance(r, list)), make_tensors(10))
+
+
+async def test_nixl_read_of_a_known_holder_goes_out_before_its_lease(
+    make_transport: Factory, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    holder = await make_transport("nixl", "holder")
+    reader = await make_transport("nixl", "reader")
+    assert isinstance(holder, NixlTransport) and isinstance(reader, NixlTransport)
+    assert_same(await reader.get(await holder.put(make_tensors(11), owner="r11")), make_tensors(11))
+    ref = await holder.put(make_tensors(12), owner="r12")
+    claim = reader._reads.claim
+    notified_first: list[bool] = []
+
+    async def slow_request(ref: TensorRef, deadline: float, lease: int) -> tuple[int, float]:
+        # The lease request held back (a slow network): the READ must not wait for it.
+        held = holder._held.get(ref.key)
+        assert held is not None
+        await eventually(lambda: lease in held.early, within=5.0)
+        notified_first.append(True)
+        return await claim(ref, deadline, lease)
+
+    monkeypatch.setattr(reader._reads, "claim", slow_request)
+    assert_same(await reader.get(ref), make_tensors(12))
+    assert notified_first == [True]
+    assert holder.held_bytes == 0  # freed when the lease was granted: its READ was already done
 
 
 async def test_nixl_reads_its_own_tensors_without_a_transfer(make_transport: Factory) -> None:
@@ -388,6 +430,21 @@ async def test_a_region_released_while_leased_waits_for_the_lease() -> None:
     assert regions.lease(held.key, 5, lease_s=5) == ""
     regions.end_lease(held.key, 5, read=True)
     assert regions.used_bytes == 0
+
+
+async def test_a_read_notified_before_its_lease_counts_once_the_lease_is_granted() -> None:
+    # A reader that knows the holder posts its READ beside the lease request: the READ's
+    # notification may come first, and must not count (nor be lost) until that lease is granted.
+    regions = HeldRegions("nixl", 1 << 20, ttl_s=60)
+    held = await regions.reserve(100, owner="r", wait_s=0)
+    regions.publish(held)
+    assert regions.end_lease(held.key, 7, read=True)
+    assert regions.get(held.key) is held and not held.done
+    assert regions.lease(held.key, 8, lease_s=5) == ""  # lease 7 was never granted: another may read
+    regions.end_lease(held.key, 8, read=False)
+    assert regions.lease(held.key, 7, lease_s=5) == ""  # granted to a READ already done: read, freed
+    assert regions.get(held.key) is None and regions.used_bytes == 0
+    assert regions.lease(held.key, 9, lease_s=5) == "unknown"
 
 
 def test_first_fit_reuses_and_coalesces() -> None:
