@@ -322,6 +322,11 @@ def _bench(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     transport.add_argument(
         "--device", default="cpu", help="cpu (DRAM) or cuda[:N] (VRAM of one GPU, against a device-to-device copy)"
     )
+    transport.add_argument(
+        "--reader-device",
+        default=None,
+        help="the reader's device if not --device's: cuda:1 reads cuda:0's VRAM (NVLink), against a copy_ across them",
+    )
     decode = bsub.add_parser("decode", help="batch decoder vs generate() and the HBM roofline (GPU)")
     add_decode_arguments(decode)
     encode = bsub.add_parser("encode", help="encoder images/s: one image per call vs --encode-batch (GPU)")

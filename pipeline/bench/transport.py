@@ -25,6 +25,10 @@ Why it is built this way:
   bytes on that GPU, timed to completion. NIXL's READ alone (without the
   lease round trip and the copy out of the receive arena) is shown beside
   the whole ``get``: the READ is the transfer, the rest is mmpipe's cost.
+- ``--reader-device cuda:1``: the reader on another GPU than the holder
+  (UCX's CUDA IPC over NVLink, as a prefill and a decode worker on two GPUs
+  are); the yardstick is then a ``copy_`` from the holder's GPU to the
+  reader's.
 - ``into``: the same bytes by ``get_into`` a tensor the reader allocated
   once (what the decode worker does with its KV cache's slot): no receive
   arena and no copy after the READ; what remains is the lease round trip.
@@ -197,20 +201,24 @@ class Reader:
 # -- the holder, in this process -----------------------------------------------
 
 
-def memcpy_seconds(src: torch.Tensor, repeats: int) -> list[float]:
-    """``dst.copy_(src)`` on preallocated tensors, after one warm-up copy; on
-    a GPU timed until the copy has finished (device to device)."""
-    dst = torch.empty_like(src)
+def memcpy_seconds(src: torch.Tensor, repeats: int, to: torch.device | None = None) -> list[float]:
+    """``dst.copy_(src)`` on preallocated tensors (``dst`` on ``to``, else
+    beside ``src``), after one warm-up copy; on a GPU timed until the copy
+    has finished on both devices (device to device)."""
+    dst = torch.empty_like(src, device=to or src.device)
     dst.copy_(src)
-    cuda = src.device.type == "cuda"
+    gpus = {d for d in (src.device, dst.device) if d.type == "cuda"}
+
+    def sync() -> None:
+        for gpu in gpus:
+            torch.cuda.synchronize(gpu)
+
     times = []
     for _ in range(repeats):
-        if cuda:
-            torch.cuda.synchronize(src.device)
+        sync()
         t0 = time.perf_counter()
         dst.copy_(src)
-        if cuda:
-            torch.cuda.synchronize(src.device)
+        sync()
         times.append(time.perf_counter() - t0)
     return times
 
@@ -254,6 +262,7 @@ async def bench_kind(
     log_level: str = "ERROR",
     device: str = "cpu",
     progress_thread: bool = False,
+    reader_device: str | None = None,
 ) -> list[dict[str, Any]]:
     from pipeline.connection import connect
     from pipeline.transport import TransportSettings, open_transport
@@ -268,7 +277,8 @@ async def bench_kind(
         holder = await open_transport(kind, nc, js, namespace, settings, "bench-holder", device)
         reader: Reader | None = None
         try:
-            reader = await Reader.spawn(url, namespace, kind, budget, log_level, device, progress_thread)
+            reader_on = reader_device or device
+            reader = await Reader.spawn(url, namespace, kind, budget, log_level, reader_on, progress_thread)
             g = torch.Generator().manual_seed(0)
             for size in sizes:
                 src = torch.randint(0, 256, (size,), dtype=torch.uint8, generator=g).to(device)
@@ -298,8 +308,9 @@ async def bench_kind(
                         raise RuntimeError(f"{kind}: get_into wrote {got_bytes} bytes with the wrong checksum")
                     if i:
                         intos.append(into_s)
-                copies = memcpy_seconds(src, repeats)
+                copies = memcpy_seconds(src, repeats, torch.device(reader_on))
                 row = row_summary(kind, size, gets, puts, copies, reads, device)
+                row["reader_device"] = reader_on
                 row["read_phases_p50_ms"] = {k: statistics.median(v) * 1000 for k, v in phases.items()}
                 row["into_p50_ms"] = statistics.median(intos) * 1000
                 row["into_ratio"] = statistics.median(copies) / statistics.median(intos)
@@ -321,6 +332,7 @@ async def bench_transports(
     log_level: str = "ERROR",
     device: str = "cpu",
     progress_thread: bool = False,
+    reader_device: str | None = None,
 ) -> list[dict[str, Any]]:
     """Every transport of ``kinds`` at every size; a nats-server of its own unless ``nats_url``."""
     from pipeline.nats_server import NatsServer, NatsServerConfig
@@ -334,7 +346,9 @@ async def bench_transports(
         try:
             rows: list[dict[str, Any]] = []
             for kind in kinds:
-                rows += await bench_kind(nats_url, kind, sizes, repeats, log_level, device, progress_thread)
+                rows += await bench_kind(
+                    nats_url, kind, sizes, repeats, log_level, device, progress_thread, reader_device
+                )
             return rows
         finally:
             if server is not None:
@@ -345,6 +359,8 @@ def format_rows(rows: list[dict[str, Any]]) -> str:
     threads = torch.get_num_threads()
     device = rows[0].get("device", "cpu")
     where = f"on {torch.cuda.get_device_name(device)}, VRAM" if device.startswith("cuda") else f"{threads} threads"
+    if rows[0].get("reader_device", device) != device:
+        where += f", holder on {device}, reader on {rows[0]['reader_device']}"
     head = (
         f"mmpipe bench transport  holder and reader in two processes; torch {torch.__version__} "
         f"({where}{', UCX progress thread' if rows[0].get('progress_thread') else ''}); "
@@ -377,6 +393,7 @@ def format_rows(rows: list[dict[str, Any]]) -> str:
         cells = [c.ljust(w) if i < 2 else c.rjust(w) for i, (c, w) in enumerate(zip(line, widths, strict=True))]
         lines.append("  ".join(cells))
     lines += ["", "ratio = GB/s p50 of the transfer / GB/s of dst.copy_(src) on the same bytes in this process"]
+    lines += ["(dst on the reader's device)"] if rows[0].get("reader_device", device) != device else []
     lines += ["READ = NIXL's one-sided READ alone (the nats transport: the whole get)"]
     lines += ["into = get_into a tensor the reader holds (a KV cache's slot): lease and READ, no receive arena"]
     for r in rows:
@@ -400,7 +417,16 @@ def main(args: argparse.Namespace) -> int:
     if device.startswith("cuda") and not torch.cuda.is_available():
         raise SystemExit("mmpipe bench transport --device cuda: no CUDA device here")
     progress = bool(getattr(args, "progress_thread", False))
-    rows = run_async(bench_transports(kinds, sizes, args.repeats, args.nats_url, args.log_level, device, progress))
+    reader_device = getattr(args, "reader_device", None)
+    if reader_device and reader_device.startswith("cuda") != device.startswith("cuda"):
+        raise SystemExit("mmpipe bench transport: --reader-device must be of --device's kind (cpu, or cuda:N)")
+    if reader_device and reader_device.startswith("cuda"):
+        index = torch.device(reader_device).index or 0
+        if index >= torch.cuda.device_count():
+            raise SystemExit(f"mmpipe bench transport --reader-device {reader_device}: no such CUDA device here")
+    rows = run_async(
+        bench_transports(kinds, sizes, args.repeats, args.nats_url, args.log_level, device, progress, reader_device)
+    )
     for row in rows:
         row["progress_thread"] = progress
     print(json.dumps(rows, indent=2) if args.json else format_rows(rows), flush=True)
