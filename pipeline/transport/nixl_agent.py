@@ -34,6 +34,7 @@ T = TypeVar("T")
 
 _MODULES = ("nixl._api", "nixl_cu13._api", "nixl_cu12._api")
 Desc = tuple[int, int, int]  # (address, bytes, device id)
+_SETTLE_POLLS = 10
 
 
 def load_nixl() -> ModuleType:
@@ -100,6 +101,8 @@ class Agent:
         )
         self._agent: Any = None
         self._registered: list[Any] = []
+        # Transfers whose release failed: released again (or dropped) on the agent's thread at close.
+        self._unreleased: list[Any] = []
         # How long a posted READ is polled on the agent's thread before the event loop polls it.
         self._spin_s = 0.003 if device.type == "cuda" else 0.0005
 
@@ -155,17 +158,20 @@ class Agent:
         equal sizes, pairwise), polling until done or the monotonic time
         ``until``; ``notif`` goes to the peer when done."""
         agent = self._agent
-        posted = False
         marks: dict[str, float] = {"start": time.perf_counter()}
 
-        def post() -> tuple[Any, str]:
-            nonlocal posted
+        # Nothing raised on the agent's thread comes back as an exception: a traceback
+        # would keep this frame (the handle, the agent) alive until a garbage collection
+        # on whatever thread, where a NIXL destructor must not run.
+        def post() -> tuple[Any, str, str]:
             marks["thread"] = time.perf_counter()
-            local_descs = agent.get_xfer_descs(local, local_mem)
-            remote_descs = agent.get_xfer_descs(remote, remote_mem)
-            handle = agent.initialize_xfer("READ", local_descs, remote_descs, peer, notif_msg=notif)
+            try:
+                local_descs = agent.get_xfer_descs(local, local_mem)
+                remote_descs = agent.get_xfer_descs(remote, remote_mem)
+                handle = agent.initialize_xfer("READ", local_descs, remote_descs, peer, notif_msg=notif)
+            except Exception as exc:
+                return None, "FAILED", repr(exc)
             marks["made"] = time.perf_counter()
-            posted = True
             try:
                 state = agent.transfer(handle)
                 marks["posted"] = time.perf_counter()
@@ -178,50 +184,68 @@ class Agent:
                     time.sleep(0)  # let the event loop's thread have the GIL between polls
                     state = agent.check_xfer_state(handle)
                 marks["spun"] = time.perf_counter()
-            except Exception:
-                handle.release()
-                raise
+            except Exception as exc:
+                # e.g. NIXL_ERR_REMOTE_DISCONNECT: the holder died after we loaded its metadata.
+                return self._release(handle), "ERR", repr(exc)
             if state == "DONE":
                 marks["ended"] = time.monotonic()
                 # Finished while polled here: release it here too, saving the two
                 # thread hops (about 0.1 ms each) of the event loop's way below.
                 handle.release()
                 marks["done"] = marks["released"] = time.perf_counter()
-                return None, state
-            return handle, state
+                return None, state, ""
+            return handle, state, ""
 
         try:
-            handle, state = await asyncio.wait_for(self.call(post), max(0.001, until - time.monotonic()))
+            handle, state, error = await asyncio.wait_for(self.call(post), max(0.001, until - time.monotonic()))
         except TimeoutError:
             # The thread may still be posting: count it as started and never cancelled.
             return ReadOutcome("PROC", posted=True, released=False, error="post timed out")
-        except Exception as exc:
-            # transfer() failing (e.g. NIXL_ERR_REMOTE_DISCONNECT) released its handle.
-            return ReadOutcome("FAILED", posted=posted, released=True, error=repr(exc))
+        if state == "FAILED":  # no transfer was made
+            return ReadOutcome(state, posted=False, released=True, error=error)
+        if handle is None and state != "DONE":  # failed, released on the agent's thread
+            return ReadOutcome(state, posted=True, released=True, error=error)
         if handle is None:  # done and released on the agent's thread
             return ReadOutcome(state, posted=True, released=True, ended=marks["ended"], phases=_phases(marks))
         delay = 0.0001
-        error = ""
         while state == "PROC" and time.monotonic() < until:
             await asyncio.sleep(delay)
             delay = min(delay * 2, 0.002)
-            try:
-                state = await self.call(agent.check_xfer_state, handle)
-            except Exception as exc:  # e.g. the holder disconnected mid-READ
-                state, error = "ERR", repr(exc)
+            state, error = await self.call(_poll, agent, handle)
         ended = time.monotonic()
         marks["done"] = time.perf_counter()
-        try:
-            await self.call(handle.release)
-        except Exception as exc:
-            log.error("nixl_xfer_not_cancelled", peer=peer, error=repr(exc))
-            return ReadOutcome(state, posted=True, released=False, error=repr(exc))
+        if await self.call(self._release, handle) is not None:
+            log.error("nixl_xfer_not_cancelled", peer=peer, state=state)
+            return ReadOutcome(state, posted=True, released=False, error=error or "release failed")
         marks["released"] = time.perf_counter()
-        return ReadOutcome(state, posted=True, released=True, error=error, ended=ended, phases=_phases(marks))
+        phases = _phases(marks) if state == "DONE" else {}
+        return ReadOutcome(state, posted=True, released=True, error=error, ended=ended, phases=phases)
+
+    def _release(self, handle: Any) -> Any:
+        """Release (cancel) a transfer on the agent's thread; None when done,
+        else the handle, kept until close: dropped anywhere else, its
+        destructor would call into NIXL from that thread."""
+        try:
+            handle.release()
+            return None
+        except Exception as exc:
+            log.warning("nixl_release_failed", agent=self.name, error=repr(exc))
+            self._unreleased.append(handle)
+            return handle
 
     async def close(self) -> None:
         if self._agent is not None:
             agent, self._agent = self._agent, None
+            # UCX must purge what a dead peer's endpoint still queues before it is torn
+            # down: destroyed at once, it can abort the process (ucs_arbiter assertion).
+            for _ in range(_SETTLE_POLLS):
+                await self.call(agent.get_new_notifs)
+                await asyncio.sleep(0.005)
+            stuck, self._unreleased = self._unreleased, []
+            for handle in stuck:
+                await self.call(self._release, handle)
+            # Still unreleased: dropped here, on the agent's thread, before the agent.
+            await self.call(self._unreleased.clear)
             for registered in self._registered:
                 try:
                     await self.call(agent.deregister_memory, registered)
@@ -232,6 +256,14 @@ class Agent:
             del agent
             await self.call(doomed.clear)
         self._thread.shutdown(wait=False)
+
+
+def _poll(agent: Any, handle: Any) -> tuple[str, str]:
+    try:
+        state: str = agent.check_xfer_state(handle)
+        return state, ""
+    except Exception as exc:  # e.g. the holder disconnected mid-READ
+        return "ERR", repr(exc)
 
 
 def _phases(marks: dict[str, float]) -> dict[str, float]:

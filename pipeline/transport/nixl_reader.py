@@ -105,8 +105,8 @@ class RemoteReads:
             peer.inflight -= 1
             if not claim.done():
                 claim.cancel()
-            elif not claim.cancelled():
-                claim.exception()  # retrieved: a failed READ may have left before awaiting it
+            # Retrieved (or it would be logged as never retrieved): a READ that raised left before awaiting it.
+            claim.add_done_callback(lambda c: c.cancelled() or c.exception())
 
     async def _ensure_remote(self, holder: str, deadline: float) -> _Remote:
         remote = self._remotes.get(holder)
