@@ -192,6 +192,9 @@ def default_attention(device: torch.device, dtype: torch.dtype, head_dim: int) -
     return "flash"
 
 
+RECOMPILE_LIMIT = 64
+
+
 def _bound(piece: Callable[..., Any], linear: Linear) -> Callable[..., Any]:
     # A closure, not an argument: torch.compile takes the kernel as a constant.
     def bound(*args: Any) -> Any:
@@ -228,6 +231,13 @@ class FusedKernels:
         if linear not in ("cublas", "triton"):
             raise ValueError(f"linear {linear!r}: cublas or triton")
         wrap = (lambda fn: torch.compile(fn, dynamic=True, mode=mode)) if compile else (lambda fn: fn)
+        if compile:
+            # A piece compiles again per model (head counts are constants), for one row
+            # (a size-1 dimension specializes) and for the first layer (no delta): six
+            # graphs a model on one code object. Past torch's default of eight, the
+            # rest would run eagerly without a word but a warning (a second model in
+            # one process did: bench decode's 7B after its 2B).
+            torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT)
         self.attention = attention
         self.linear = linear
         project: Linear = skinny_linear if linear == "triton" else F.linear

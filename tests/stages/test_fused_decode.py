@@ -17,7 +17,7 @@ import torch
 from stages.batch_decoder import BatchDecoder
 from stages.decode_attention import flash_varlen, masked_step, rows_step, varlen_reference, varlen_step
 from stages.engine import DecodeSettings, SamplingConfig, TorchEngine
-from stages.fused_decode import FusedKernels, default_attention
+from stages.fused_decode import RECOMPILE_LIMIT, FusedKernels, default_attention
 from stages.models import builtin_path
 
 
@@ -119,6 +119,13 @@ def test_the_projections_are_cublas_unless_asked() -> None:
     assert FusedKernels(compile=False, linear="triton").linear == "triton"
     with pytest.raises(ValueError, match="cublas or triton"):
         FusedKernels(compile=False, linear="cutlass")
+
+
+# torch.compile's first use imports torch.utils.mkldnn, which warns of itself on the CPU wheel.
+@pytest.mark.filterwarnings("ignore:`torch.jit.script_method` is deprecated:DeprecationWarning")
+def test_compiled_pieces_may_compile_for_several_models_in_one_process() -> None:
+    FusedKernels(compile=True)
+    assert torch._dynamo.config.recompile_limit >= RECOMPILE_LIMIT >= 4 * 6
 
 
 def test_the_default_attention_by_device_dtype_and_head_size() -> None:
