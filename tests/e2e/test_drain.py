@@ -13,13 +13,11 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 
 from pipeline.config import PipelineConfig
 from pipeline.connection import connect
-from pipeline.replies import CHUNK_DECODER
+from pipeline.replies import stored_chunks
 from schemas.chunk import TokenChunk
-from schemas.codec import CONTENT_TYPE
 from stages.models import ModelSpec
 from tests.e2e.conftest import client, gradient, image_content, png_data_url, start_stack
 from tests.e2e.processes import Processes
@@ -52,16 +50,17 @@ async def _stream(c: Any, content: Any, started: asyncio.Event) -> tuple[str, st
 
 
 async def _stored_chunks(js: Any, config: PipelineConfig, rid: str) -> list[TokenChunk]:
-    sub = await js.pull_subscribe(
-        config.subjects.reply(rid),
-        stream=config.subjects.reply_stream,
-        config=ConsumerConfig(deliver_policy=DeliverPolicy.ALL, ack_policy=AckPolicy.NONE, inactive_threshold=10.0),
-    )
-    try:
-        msgs = await sub.fetch(1000, timeout=1.0)
-    finally:
-        await sub.unsubscribe()
-    chunks = [CHUNK_DECODER.decode(m.data, (m.headers or {}).get(CONTENT_TYPE)) for m in msgs]
+    """The request's chunks as its reply stream holds them. The client hears
+    a chunk as the stream stores it (core NATS and the stream's ingest are two
+    paths in the server), so the last one may be stored a moment after the
+    client's stream ended: read until the finishing chunk is there."""
+    deadline = time.monotonic() + 10
+    while True:
+        chunks = await stored_chunks(js, config.subjects, rid)
+        finished = any(isinstance(c, TokenChunk) and c.finish_reason is not None for c in chunks)
+        if finished or time.monotonic() > deadline:
+            break
+        await asyncio.sleep(0.05)
     assert all(isinstance(c, TokenChunk) for c in chunks), chunks
     return chunks  # type: ignore[return-value]
 
