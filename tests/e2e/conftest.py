@@ -7,6 +7,7 @@ import asyncio
 import base64
 import contextlib
 import io
+import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -21,9 +22,12 @@ from transformers import AutoTokenizer
 from pipeline.bridge.app import Bridge, BridgeSettings
 from pipeline.config import PipelineConfig
 from pipeline.connection import connect
+from pipeline.replies import stored_chunks
 from pipeline.serve import WorkerSettings, build_stage
+from pipeline.subjects import Subjects
 from pipeline.transport import TransportSettings, open_transport
 from pipeline.worker import Worker
+from schemas.chunk import ReplyChunk, TokenChunk
 from schemas.routes import MODES, PROCESSOR, moves_tensors
 from stages.engine.reference import load_reference_model, reference_generate
 from stages.models import ModelSpec, resolve_model
@@ -257,3 +261,19 @@ async def ask(
             usage = chunk.usage.completion_tokens
     assert finish == "length"
     return "".join(text), usage
+
+
+async def finished_reply(js: Any, subjects: Subjects, request_id: str, within: float = 10.0) -> list[ReplyChunk]:
+    """A request's chunks as its reply stream holds them, once the finishing
+    chunk is stored (or ``within`` seconds have passed). A client hears a
+    chunk as the stream stores it (core NATS and the stream's ingest are two
+    paths in the server), so the last chunk may be stored a moment after
+    the client's stream ended."""
+    deadline = time.monotonic() + within
+    while True:
+        chunks = await stored_chunks(js, subjects, request_id)
+        if any(isinstance(c, TokenChunk) and c.finish_reason is not None for c in chunks):
+            return chunks
+        if time.monotonic() > deadline:
+            return chunks
+        await asyncio.sleep(0.05)

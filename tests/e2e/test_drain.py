@@ -16,10 +16,9 @@ import pytest
 
 from pipeline.config import PipelineConfig
 from pipeline.connection import connect
-from pipeline.replies import stored_chunks
 from schemas.chunk import TokenChunk
 from stages.models import ModelSpec
-from tests.e2e.conftest import client, gradient, image_content, png_data_url, start_stack
+from tests.e2e.conftest import client, finished_reply, gradient, image_content, png_data_url, start_stack
 from tests.e2e.processes import Processes
 
 N = 256
@@ -50,17 +49,7 @@ async def _stream(c: Any, content: Any, started: asyncio.Event) -> tuple[str, st
 
 
 async def _stored_chunks(js: Any, config: PipelineConfig, rid: str) -> list[TokenChunk]:
-    """The request's chunks as its reply stream holds them. The client hears
-    a chunk as the stream stores it (core NATS and the stream's ingest are two
-    paths in the server), so the last one may be stored a moment after the
-    client's stream ended: read until the finishing chunk is there."""
-    deadline = time.monotonic() + 10
-    while True:
-        chunks = await stored_chunks(js, config.subjects, rid)
-        finished = any(isinstance(c, TokenChunk) and c.finish_reason is not None for c in chunks)
-        if finished or time.monotonic() > deadline:
-            break
-        await asyncio.sleep(0.05)
+    chunks = await finished_reply(js, config.subjects, rid)
     assert all(isinstance(c, TokenChunk) for c in chunks), chunks
     return chunks  # type: ignore[return-value]
 

@@ -35,13 +35,12 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from pipeline.connection import connect
-from pipeline.replies import stored_chunks
 from pipeline.subjects import Subjects
 from schemas.chunk import TokenChunk
 from schemas.codec import CONTENT_TYPE, MSGPACK, encode
 from schemas.request import ChatMessage, GenerateRequest, ImagePart, ImageURL, SamplingParams, TextPart
 from schemas.routes import MODES
-from tests.e2e.conftest import gradient, make_reference, png_data_url
+from tests.e2e.conftest import finished_reply, gradient, make_reference, png_data_url
 from tests.e2e.processes import Proc, Processes
 from tests.vllm.references import video_request
 
@@ -165,19 +164,10 @@ def stack(
 
 
 async def _tokens(stack: VllmStack, request_id: str) -> list[int]:
-    """The token ids of a request as its reply stream holds them. The bridge
-    hears a chunk as the stream stores it (core NATS and the stream's ingest
-    are two paths in the server), so the last chunk may be stored a moment
-    after the HTTP reply ended: read until the finishing chunk is there."""
+    """The token ids of a request as its reply stream holds them."""
     nc, js = await connect(stack.nats_url, name="test-reader")
     try:
-        deadline = time.monotonic() + 10
-        while True:
-            chunks = await stored_chunks(js, Subjects("default"), request_id)
-            finished = any(isinstance(c, TokenChunk) and c.finish_reason is not None for c in chunks)
-            if finished or time.monotonic() > deadline:
-                break
-            await asyncio.sleep(0.05)
+        chunks = await finished_reply(js, Subjects("default"), request_id)
     finally:
         await nc.close()
     return [t for c in chunks for t in getattr(c, "token_ids", [])]
@@ -331,11 +321,7 @@ async def test_takeover_resumes_after_the_tokens_a_client_holds(stack: VllmStack
             await js.publish(subjects.reply(rid), encode(chunk), headers=headers)
         request = image_request(rid, image, N, created=time.time(), deadline=time.time() + 120)
         await js.publish(subjects.requests, encode(request), headers={CONTENT_TYPE: MSGPACK, "Nats-Msg-Id": rid})
-        for _ in range(600):
-            chunks = [c for c in await stored_chunks(js, subjects, rid) if isinstance(c, TokenChunk)]
-            if chunks and chunks[-1].finish_reason is not None:
-                break
-            await asyncio.sleep(0.1)
+        chunks = [c for c in await finished_reply(js, subjects, rid, within=60.0) if isinstance(c, TokenChunk)]
     finally:
         await nc.close()
     assert [c.seq for c in chunks] == list(range(N))  # each token once, in order
