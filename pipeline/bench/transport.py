@@ -113,7 +113,9 @@ async def peer(
                 if cmd.get("into"):
                     # Preallocated once per size, as a decoder's KV cache is.
                     size = ref.tensors[0].shape[0]
-                    target = targets.setdefault(size, torch.empty(size, dtype=torch.uint8, device=device))
+                    if size not in targets:
+                        targets[size] = torch.empty(size, dtype=torch.uint8, device=device)
+                    target = targets[size]
                     await transport.get_into(ref, [target])
                     got = [target]
                 else:
