@@ -14,7 +14,9 @@ Why it looks the way it does:
   notification comes back or the lease lapses. The reader accepts its bytes
   only if the READ completed within the lease, measured from before it sent
   the request, so the holder's lease (which starts later) still covered it.
-  A reader can therefore never get another request's bytes.
+  A reader can therefore never get another request's bytes. As a bonus the
+  request tells a dead holder at once (no responders) instead of after a
+  transfer timeout, and a ref is read at most once.
 - A reader that already knows the holder posts its READ beside the lease
   request instead of after its reply (the round trip is ~0.5 ms over core
   NATS, as long as a whole 1 GB READ on one GPU). It names the lease itself
@@ -22,9 +24,7 @@ Why it looks the way it does:
   and keeps the bytes only if the lease is granted: a granted lease means
   the region was held, never freed and so never reused, from the ref's
   publication until the lease ends. A refused lease makes the READ's bytes
-  garbage the reader drops; the holder's memory is only read, never written. As a bonus the
-  request tells a dead holder at once (no responders) instead of after a
-  transfer timeout, and a ref is read at most once.
+  garbage the reader drops; the holder's memory is only read, never written.
 - The agent itself (its thread, UCX progress) is in ``nixl_agent.py``; the
   reader's side of a READ from another process (the lease, the holder's
   metadata, the READ) in ``nixl_reader.py``.
