@@ -195,6 +195,8 @@ class Agent:
                 handle.release()
                 marks["done"] = marks["released"] = time.perf_counter()
                 return None, state, ""
+            if state != "PROC":  # ERR: released here like a raising transfer
+                return self._release(handle), state, ""
             return handle, state, ""
 
         try:
@@ -204,8 +206,8 @@ class Agent:
             return ReadOutcome("PROC", posted=True, released=False, error="post timed out")
         if state == "FAILED":  # no transfer was made
             return ReadOutcome(state, posted=False, released=True, error=error)
-        if handle is None and state != "DONE":  # failed, released on the agent's thread
-            return ReadOutcome(state, posted=True, released=True, error=error)
+        if state == "ERR":  # release tried once on the agent's thread; kept until close if it failed
+            return ReadOutcome(state, posted=True, released=handle is None, error=error)
         if handle is None:  # done and released on the agent's thread
             return ReadOutcome(state, posted=True, released=True, ended=marks["ended"], phases=_phases(marks))
         delay = 0.0001
