@@ -1,8 +1,9 @@
 """Credentials and TLS for NATS, shared by every process of a deployment.
 
-They come from the environment (``MMPIPE_NATS_*``), so secrets stay out of
-command lines (``ps`` shows those) and every process ``mmpipe up`` starts
-inherits them; the CLI flags only set the same variables.
+They are settings like any other (``--nats-user`` or ``MMPIPE_NATS_USER``, a
+config file); the CLI puts what it resolved into its environment, so the
+connection reads them there and every process it starts inherits them, and
+secrets stay out of command lines (``ps`` shows those).
 """
 
 from __future__ import annotations
@@ -12,33 +13,20 @@ import ssl
 from dataclasses import dataclass, fields
 from typing import Any
 
-ENV = {
-    "user": "MMPIPE_NATS_USER",
-    "password": "MMPIPE_NATS_PASSWORD",
-    "token": "MMPIPE_NATS_TOKEN",
-    "creds_file": "MMPIPE_NATS_CREDS",
-    "nkey_seed_file": "MMPIPE_NATS_NKEY",
-    "tls_ca": "MMPIPE_NATS_TLS_CA",
-    "tls_cert": "MMPIPE_NATS_TLS_CERT",
-    "tls_key": "MMPIPE_NATS_TLS_KEY",
-    "tls_hostname": "MMPIPE_NATS_TLS_HOSTNAME",
-}
+from schemas.settings import SETTING, setting
 
 
 @dataclass(frozen=True)
 class NatsAuth:
-    user: str = ""
-    password: str = ""
-    token: str = ""
-    # A .creds file (JWT + nkey seed), as `nsc` writes it.
-    creds_file: str = ""
-    # A file holding an nkey seed (SU...).
-    nkey_seed_file: str = ""
-    # Verify the server with this CA; present a client certificate for mutual TLS.
-    tls_ca: str = ""
-    tls_cert: str = ""
-    tls_key: str = ""
-    tls_hostname: str = ""
+    user: str = setting("", flag="nats-user", help="NATS user (with --nats-password)")
+    password: str = setting("", flag="nats-password", help="NATS password")
+    token: str = setting("", flag="nats-token", help="NATS token")
+    creds_file: str = setting("", flag="nats-creds", help="a .creds file (JWT + nkey seed), as `nsc` writes it")
+    nkey_seed_file: str = setting("", flag="nats-nkey", help="a file holding an nkey seed (SU...)")
+    tls_ca: str = setting("", flag="nats-tls-ca", help="verify the NATS server with this CA")
+    tls_cert: str = setting("", flag="nats-tls-cert", help="a client certificate for mutual TLS (with its key)")
+    tls_key: str = setting("", flag="nats-tls-key", help="the client certificate's key")
+    tls_hostname: str = setting("", flag="nats-tls-hostname", help="the server name TLS verifies")
 
     def __post_init__(self) -> None:
         if bool(self.user) != bool(self.password):
@@ -86,6 +74,11 @@ class NatsAuth:
         if self.token:
             return f'authorization {{\n  token: "{_quoted(self.token)}"\n}}\n'
         return ""
+
+
+# The variables are the settings' own (MMPIPE_ and the flag), so the
+# credentials given as flags, as variables or in a config file are one set.
+ENV = {f.name: "MMPIPE_" + f.metadata[SETTING].flag.upper().replace("-", "_") for f in fields(NatsAuth)}
 
 
 def _quoted(value: str) -> str:

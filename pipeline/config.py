@@ -6,15 +6,28 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from pipeline.subjects import Subjects
+from schemas.routes import MODES
+from schemas.settings import section, setting
+
+DEFAULT_NATS_URL = "nats://127.0.0.1:4222"
 
 
 @dataclass(frozen=True)
 class StreamLimits:
-    max_msgs: int = 10_000
+    max_msgs: int = setting(
+        10_000,
+        flag="queue-max-msgs",
+        help="messages a work queue holds (a full request queue is the bridge's 429; a full inner one holds "
+        "the upstream worker)",
+    )
     # Every bounded stream reserves its max_bytes from the JetStream file limit.
-    max_bytes: int = 256 * 1024 * 1024
+    max_bytes: int = setting(256 * 1024 * 1024, flag="queue-max-bytes", help="bytes a work queue holds")
     # Retried publishes with the same Nats-Msg-Id inside this window are dropped.
     duplicate_window_s: float = 120.0
+
+    def __post_init__(self) -> None:
+        if self.max_msgs < 1 or self.max_bytes < 1:
+            raise ValueError("--queue-max-msgs and --queue-max-bytes must be positive")
 
 
 @dataclass(frozen=True)
@@ -24,12 +37,14 @@ class ConsumerSettings:
     # Unacked this long, a message goes to another worker. Workers send
     # in_progress every ack_wait/3, so only a dead or cut-off worker hits it:
     # it is how long a crashed worker's requests wait before a takeover.
-    ack_wait_s: float = 30.0
-    # Deliveries of one message before it is dead-lettered (retryable
-    # failures are naked with backoff until then).
-    max_deliver: int = 5
-    # Shared by all workers of a role: the most messages out at once.
-    max_ack_pending: int = 1024
+    ack_wait_s: float = setting(
+        30.0,
+        flag="ack-wait",
+        help="seconds before a message a dead worker held goes to another worker (heartbeats every third of it)",
+    )
+    # Retryable failures are naked with backoff until then.
+    max_deliver: int = setting(5, help="deliveries of a message before it is dead-lettered")
+    max_ack_pending: int = setting(1024, help="messages out at once over all workers of a role")
 
 
 @dataclass(frozen=True)
@@ -37,8 +52,10 @@ class Placement:
     """Where JetStream puts a stream's replicas: a cluster by name and/or
     servers carrying all these tags (``server_tags`` in nats-server's config)."""
 
-    cluster: str | None = None
-    tags: tuple[str, ...] = ()
+    cluster: str | None = setting(None, flag="placement-cluster", help="the NATS cluster (by name) to place streams in")
+    tags: tuple[str, ...] = setting(
+        (), flag="placement-tags", help="place the streams on servers with all these server_tags (comma separated)"
+    )
 
     def __bool__(self) -> bool:
         return bool(self.cluster or self.tags)
@@ -48,20 +65,40 @@ class Placement:
 class PipelineConfig:
     # One URL, or several comma separated (the nodes of a cluster): the
     # client connects to any and reconnects across them.
-    nats_url: str = "nats://127.0.0.1:4222"
-    namespace: str = "default"
-    mode: str = "epd"
-    requests_limits: StreamLimits = field(default_factory=StreamLimits)
-    hop_limits: StreamLimits = field(default_factory=StreamLimits)
+    nats_url: str = setting(
+        DEFAULT_NATS_URL,
+        help="a NATS server URL, or a cluster's URLs comma separated (reconnects across them); "
+        "mmpipe up: an external server instead of its embedded one",
+    )
+    namespace: str = setting("default", help="keeps deployments on one NATS apart (subjects, streams, buckets)")
+    mode: str = setting(
+        "epd",
+        choices=tuple(MODES),
+        help="the route, which hops a request takes (in epd one worker does them all)",
+    )
+    # The work queues of every hop; the request queue too unless
+    # ``requests_limits`` gives it its own.
+    hop_limits: StreamLimits = section(StreamLimits, "JetStream work queues")
+    requests_limits: StreamLimits | None = None
     # Every role's consumer, unless ``role_consumers`` names the role.
-    consumer: ConsumerSettings = field(default_factory=ConsumerSettings)
+    consumer: ConsumerSettings = section(
+        ConsumerSettings, "the durable consumer of each role (every worker of a role should agree)"
+    )
     role_consumers: Mapping[str, ConsumerSettings] = field(default_factory=dict)
-    # Copies of each stream (3 on a 3-node cluster). None: 1 for a stream
-    # this process creates, and an existing stream keeps what it has, so a
-    # process started without the flag never shrinks a replicated stream.
-    replicas: int | None = None
-    # None: an existing stream keeps its placement.
-    placement: Placement | None = None
+    # None: 1 for a stream this process creates, and an existing stream
+    # keeps what it has, so a process started without it never shrinks a
+    # replicated stream.
+    replicas: int | None = setting(
+        None,
+        help="copies of each stream, 3 on a 3-node cluster (unset: 1 for a new stream, an existing one keeps its own)",
+    )
+    # Empty: an existing stream keeps its placement.
+    placement: Placement = section(Placement, "where JetStream places the streams")
+
+    def __post_init__(self) -> None:
+        if self.replicas is not None and self.replicas < 1:
+            raise ValueError("--replicas must be at least 1")
+
     # Chunks stay this long in the reply stream: long enough for a takeover
     # to read what was emitted, short enough not to grow without bound.
     reply_max_age_s: float = 600.0
@@ -73,6 +110,10 @@ class PipelineConfig:
     # Attempts of a request from its first hop (a lost tensor restarts it)
     # before it is given up as dead.
     max_attempts: int = 3
+
+    @property
+    def request_queue_limits(self) -> StreamLimits:
+        return self.requests_limits or self.hop_limits
 
     @property
     def subjects(self) -> Subjects:

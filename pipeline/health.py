@@ -25,6 +25,7 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from pipeline.streams import consumer_exists
+from schemas.settings import setting
 
 if TYPE_CHECKING:
     from pipeline.worker import Worker
@@ -39,14 +40,21 @@ METRICS_PATH = "/metrics"
 @dataclass(frozen=True)
 class HealthSettings:
     # 0: no endpoints (a bare-host worker needs none).
-    port: int = 0
+    port: int = setting(
+        0,
+        flag="health-port",
+        help="serve /health/ready, /health/live and /metrics on this port (0: none); mmpipe up: the first of "
+        "consecutive ports, one a worker in start order",
+    )
     # Loopback by default, like the bridge; a pod binds 0.0.0.0 so the
     # kubelet and Prometheus reach it.
-    host: str = "127.0.0.1"
+    host: str = setting("127.0.0.1", flag="health-host", help="the address the health port listens on")
     # The fetch loop turns at least once a second while it has free slots, and
     # every output of a request counts as progress: this long without either
     # means the worker is stuck (a long prefill must fit well inside it).
-    stall_after_s: float = 120.0
+    stall_after_s: float = setting(
+        120.0, flag="health-stall-after", help="seconds without progress after which /health/live answers 503"
+    )
     # A probe must answer within the kubelet's timeout even when JetStream is slow.
     consumer_check_timeout_s: float = 2.0
 

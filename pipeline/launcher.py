@@ -3,8 +3,8 @@ worker its own OS process, stopped together."""
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
+import os
 import shutil
 import signal
 import subprocess
@@ -12,18 +12,19 @@ import sys
 import time
 import urllib.error
 import urllib.request
+from dataclasses import dataclass
 from pathlib import Path
 from types import FrameType
 
 import structlog
 
 from pipeline.auth import NatsAuth
-from pipeline.bridge.app import BridgeSettings
-from pipeline.config import PipelineConfig
-from pipeline.engine_flags import check_mode, engine_flag_args, vllm_args, vllm_encoder_flag_args, vllm_kv_settings
-from pipeline.limit_flags import media_flag_args, media_policy, processor_limit_args, processor_limits
 from pipeline.nats_server import NatsServer, NatsServerConfig
+from pipeline.serve import WorkerSettings
+from pipeline.settings import BridgeProcess, UpProcess, WorkerProcess, handed_env
+from pipeline.settings.kinds import NatsServerSettings, UpSettings
 from schemas.routes import MODES, PROCESSOR, ROLES
+from stages.vllm_engine.args import VLLM_ROLES
 
 log = structlog.get_logger(__name__)
 
@@ -41,6 +42,26 @@ def parse_worker_counts(spec: str, mode: str) -> dict[str, int]:
     return counts
 
 
+def check_mode(engine: str, mode: str, vllm_encoder: bool = False) -> None:
+    """``mmpipe up --engine vllm``: every hop of the mode is an encode hop
+    (built in) or one vLLM runs."""
+    if engine != "vllm":
+        if vllm_encoder:
+            raise SystemExit("mmpipe: --vllm-encoder needs --engine vllm")
+        return
+    if vllm_encoder and "encode" not in MODES[mode]:
+        # The encode worker is what runs vLLM encoder-only.
+        raise SystemExit(
+            f"mmpipe: --vllm-encoder (vLLM encoder-only on encode) needs an encode hop: e-pd or e-p-d, not {mode}"
+        )
+    other = [hop for hop in MODES[mode] if hop != "encode" and hop not in VLLM_ROLES]
+    if other:
+        raise SystemExit(
+            f"mmpipe: --engine vllm serves the modes whose hops are encode or {' / '.join(VLLM_ROLES)} "
+            f"(epd, e-pd, e-p-d, ep-d) so far; {mode} has {', '.join(other)}"
+        )
+
+
 class _Stop:
     def __init__(self) -> None:
         self.requested = False
@@ -51,9 +72,10 @@ class _Stop:
         self.requested = True
 
 
-def run_nats(data_dir: Path, host: str, port: int) -> int:
+def run_nats(settings: NatsServerSettings) -> int:
     stop = _Stop()
-    config = NatsServerConfig(data_dir=data_dir.resolve() / "nats", host=host, port=port, auth=NatsAuth.from_env())
+    data_dir = Path(settings.data_dir).resolve() / "nats"
+    config = NatsServerConfig(data_dir=data_dir, host=settings.host, port=settings.port, auth=NatsAuth.from_env())
     server = NatsServer(config)
     server.start()
     print(f"nats-server ready: {server.url}", flush=True)
@@ -82,70 +104,42 @@ def _wait_ready(url: str, children: list[subprocess.Popen[bytes]], stop: _Stop, 
     return False
 
 
-def up(args: argparse.Namespace, config: PipelineConfig, bridge: BridgeSettings) -> int:
+def up(settings: UpProcess, external_nats: bool) -> int:
     from stages.models import resolve_model
 
-    check_mode(args.engine, config.mode, args.vllm_encoder)
-    # --vllm-encoder: one encoder-cache folder per deployment (vLLM encode writes, vLLM prefill reads).
-    ec_path = (args.vllm_ec_path or str(args.data_dir.resolve() / "vllm-ec")) if args.vllm_encoder else ""
-    engine_args = vllm_args(args)
-    # One ExampleConnector folder per deployment, which its prefill and
-    # decode workers share; NixlConnector ports are each worker's own.
-    kv = vllm_kv_settings(args)
-    kv = dataclasses.replace(kv, port=0, path=kv.path or str(args.data_dir.resolve() / "vllm-kv"))
-    if not args.vllm_kv_path and args.engine == "vllm":
+    mode = settings.common.pipeline.mode
+    check_mode(settings.worker.engine, mode, settings.up.vllm_encoder)
+    data_dir = Path(settings.up.data_dir).resolve()
+    worker = settings.worker
+    if worker.engine == "vllm" and not worker.vllm_kv.path:
         # ExampleConnector keys its files by prompt tokens and image hashes,
         # not by model: what an earlier run (maybe of another checkpoint)
         # left in the default folder must not be loaded as this one's KV.
-        shutil.rmtree(kv.path, ignore_errors=True)
+        shutil.rmtree(data_dir / "vllm-kv", ignore_errors=True)
     stop = _Stop()
     # Resolved (and a built-in built) once here, not by every child at once.
-    spec = resolve_model(args.model, args.served_model_name)
-    counts = parse_worker_counts(args.workers, config.mode)
+    spec = resolve_model(worker.model, worker.served_model_name)
+    counts = parse_worker_counts(settings.up.workers, mode)
     server: NatsServer | None = None
-    nats_url = config.nats_url
-    if not args.external_nats:
-        data_dir: Path = args.data_dir.resolve()
+    nats_url = settings.common.pipeline.nats_url
+    if not external_nats:
         # The embedded server asks for the same user/password or token the
         # workers and the bridge present (from the environment they inherit).
-        auth = NatsAuth.from_env()
-        server = NatsServer(NatsServerConfig(data_dir=data_dir / "nats", port=args.nats_port, auth=auth))
+        server = NatsServer(
+            NatsServerConfig(data_dir=data_dir / "nats", port=settings.up.nats_port, auth=NatsAuth.from_env())
+        )
         nats_url = server.start()
-    common = ["--nats-url", nats_url, "--namespace", config.namespace, "--mode", config.mode]
-    common += ["--log-level", args.log_level, "--ack-wait", str(config.consumer.ack_wait_s)]
-    common += _stream_args(config)
-    model_args = ["--model", str(spec.path), "--served-model-name", spec.served_name, "--device", args.device]
-    model_args += ["--transport", args.transport, "--tensor-budget-mb", str(args.tensor_budget_mb)]
-    model_args += ["--tensor-ttl", str(args.tensor_ttl)]
-    if args.nixl_progress_thread:
-        model_args += ["--nixl-progress-thread"]
-    model_args += ["--modalities", args.modalities, "--embedding-cache-bytes", str(args.embedding_cache_bytes)]
-    if args.allow_internal_media:
-        model_args.append("--allow-internal-media")
-    model_args += media_flag_args(media_policy(args)) + processor_limit_args(processor_limits(args))
-    model_args += ["--max-batch", str(args.max_batch), "--decode-max-len", str(args.decode_max_len)]
-    model_args += ["--prefill-batch", str(args.prefill_batch)]
-    model_args += [] if args.batch_decode else ["--no-batch-decode"]
-    model_args += [] if args.cuda_graphs else ["--no-cuda-graphs"]
+    spec_settings = dataclasses.replace(
+        settings, worker=dataclasses.replace(worker, model=str(spec.path), served_model_name=spec.served_name)
+    )
     children: list[subprocess.Popen[bytes]] = []
-    cli = [sys.executable, "-m", "pipeline.cli"]
+    bridge = settings.bridge
     try:
-        health_port = args.worker_health_port
-        for role in ROLES:
-            for _ in range(counts.get(role, 0)):
-                health = ["--health-port", str(health_port)] if health_port else []
-                if health_port:
-                    log.info("worker_health_port", role=role, url=f"http://127.0.0.1:{health_port}/health/ready")
-                    health_port += 1
-                worker_args = [*common, *model_args, *health, *_consumer_args(config, args.drain_grace)]
-                worker_args += engine_flag_args(role, args.engine, engine_args, kv, args.vllm_storage_ttl)
-                worker_args += vllm_encoder_flag_args(role, args.engine, engine_args, ec_path, args.vllm_storage_ttl)
-                children.append(subprocess.Popen([*cli, "worker", role, *worker_args]))
-        bridge_args = ["--host", bridge.host, "--port", str(bridge.port)]
-        bridge_args += ["--request-timeout", str(bridge.request_timeout_s)]
-        if bridge.api_key:
-            bridge_args += ["--api-key", bridge.api_key]
-        children.append(subprocess.Popen([*cli, "bridge", *common, *bridge_args]))
+        for planned in plan(spec_settings, nats_url, counts, data_dir):
+            if planned.health_port:
+                url = f"http://127.0.0.1:{planned.health_port}/health/ready"
+                log.info("worker_health_port", role=planned.role, url=url)
+            children.append(subprocess.Popen([sys.executable, "-m", "pipeline.cli", *planned.argv], env=planned.env))
         base = f"http://{bridge.host}:{bridge.port}"
         if not _wait_ready(f"{base}/health", children, stop, timeout_s=300):
             if stop.requested:
@@ -154,7 +148,7 @@ def up(args: argparse.Namespace, config: PipelineConfig, bridge: BridgeSettings)
             return 1
         workers = ", ".join(f"{role}×{n}" for role, n in counts.items())
         print(
-            f"mmpipe ready: {base}/v1  mode={config.mode} model={spec.served_name} nats={nats_url} workers: {workers}",
+            f"mmpipe ready: {base}/v1  mode={mode} model={spec.served_name} nats={nats_url} workers: {workers}",
             flush=True,
         )
         while not stop.requested:
@@ -165,25 +159,58 @@ def up(args: argparse.Namespace, config: PipelineConfig, bridge: BridgeSettings)
             time.sleep(0.2)
         return 0
     finally:
-        _stop_all(children, grace_s=args.drain_grace + 10)
+        _stop_all(children, grace_s=worker.drain_grace_s + 10)
         if server is not None:
             server.stop()
 
 
-def _stream_args(config: PipelineConfig) -> list[str]:
-    out = ["--replicas", str(config.replicas)] if config.replicas is not None else []
-    out += ["--queue-max-msgs", str(config.hop_limits.max_msgs), "--queue-max-bytes", str(config.hop_limits.max_bytes)]
-    if config.placement and config.placement.cluster:
-        out += ["--placement-cluster", config.placement.cluster]
-    if config.placement and config.placement.tags:
-        out += ["--placement-tags", ",".join(config.placement.tags)]
+@dataclass(frozen=True)
+class Child:
+    role: str
+    # After `mmpipe`: the command alone; the settings ride in the environment.
+    argv: list[str]
+    env: dict[str, str]
+    health_port: int = 0
+
+
+def plan(settings: UpProcess, nats_url: str, counts: dict[str, int], data_dir: Path) -> list[Child]:
+    """The processes ``mmpipe up`` starts, in order: every worker of
+    ``counts`` (each with its role's settings) and the bridge, all on
+    ``nats_url``."""
+    pipeline = dataclasses.replace(settings.common.pipeline, nats_url=nats_url)
+    common = dataclasses.replace(settings.common, pipeline=pipeline)
+    env = dict(os.environ)
+    out: list[Child] = []
+    health_port = settings.worker.health.port
+    for role in ROLES:
+        for _ in range(counts.get(role, 0)):
+            worker = role_settings(role, settings.worker, settings.up, data_dir, health_port)
+            handed = handed_env("worker", WorkerProcess(common, worker))
+            out.append(Child(role, ["worker", role], {**env, **handed}, health_port))
+            health_port += 1 if health_port else 0
+    out.append(Child("bridge", ["bridge"], {**env, **handed_env("bridge", BridgeProcess(common, settings.bridge))}))
     return out
 
 
-def _consumer_args(config: PipelineConfig, drain_grace_s: float) -> list[str]:
-    c = config.consumer
-    out = ["--max-deliver", str(c.max_deliver), "--max-ack-pending", str(c.max_ack_pending)]
-    return [*out, "--drain-grace", str(drain_grace_s)]
+def role_settings(
+    role: str, worker: WorkerSettings, up: UpSettings, data_dir: Path, health_port: int
+) -> WorkerSettings:
+    """What a worker of ``role`` gets from ``mmpipe up``'s worker settings:
+    vLLM only on the roles it runs (the encode role too with
+    --vllm-encoder), one connector folder per deployment shared by its
+    prefill and decode workers, a free NixlConnector port each, its own
+    health port."""
+    vllm = worker.engine == "vllm"
+    engine = "vllm" if vllm and (role in VLLM_ROLES or (role == "encode" and up.vllm_encoder)) else "torch"
+    kv = dataclasses.replace(worker.vllm_kv, port=0, path=worker.vllm_kv.path or str(data_dir / "vllm-kv"))
+    ec_path = (worker.vllm_ec_path or str(data_dir / "vllm-ec")) if vllm and up.vllm_encoder else ""
+    return dataclasses.replace(
+        worker,
+        engine=engine,
+        vllm_kv=kv,
+        vllm_ec_path=ec_path if engine == "vllm" or role in VLLM_ROLES else "",
+        health=dataclasses.replace(worker.health, port=health_port),
+    )
 
 
 def _stop_all(children: list[subprocess.Popen[bytes]], grace_s: float = 40.0) -> None:

@@ -9,6 +9,7 @@ import structlog
 
 
 def configure(level: str = "INFO", json: bool | None = None) -> None:
+    level = level.upper()
     if json is None:
         json = not sys.stderr.isatty()
     renderer: structlog.types.Processor = (

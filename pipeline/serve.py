@@ -7,7 +7,7 @@ import asyncio
 import dataclasses
 import signal
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -22,54 +22,112 @@ from pipeline.transport.base import TensorTransport, TransportSettings
 from pipeline.worker import Worker
 from schemas.processed import MediaKind
 from schemas.routes import HOP_ROLES, PROCESSOR, moves_tensors
+from schemas.settings import section, setting
 from stages.contract import Stage, TensorStore
 from stages.engine_settings import DecodeSettings
 from stages.media import EmbeddingCache, MediaPolicy
-from stages.models import ModelSpec, resolve_model
+from stages.models import DEFAULT_MODEL, ModelSpec, resolve_model
 from stages.processor import ProcessorLimits
-from stages.vllm_engine.args import STORAGE_TTL_S, KvConnectorSettings
+from stages.vllm_engine.args import STORAGE_TTL_S, KvConnectorSettings, engine_args_file
 
 log = structlog.get_logger(__name__)
 
 
+ENGINES = ("torch", "vllm")
+
+
 @dataclass(frozen=True)
 class WorkerSettings:
-    model: str = "tiny-qwen2-vl"
-    served_model_name: str | None = None
-    device: str = "cpu"
-    max_inflight: int = 8
-    max_batch: int = 32
-    prefill_batch: int = 1
-    # The batch decoder of a decoding role (slots, cache length, CUDA graphs).
-    decode: DecodeSettings = field(default_factory=DecodeSettings)
-    allow_internal_media: bool = False
-    # Media limits (bytes, pixels, frames, seconds, local directories); allow_internal_media overrides its switch.
-    media: MediaPolicy = field(default_factory=MediaPolicy)
-    # What the processor accepts (media per request, prompt tokens, max_tokens default).
-    limits: ProcessorLimits = field(default_factory=ProcessorLimits)
-    # Media kinds the processor accepts, comma separated.
-    modalities: str = "image"
-    # Embeddings kept by a worker that encodes, keyed by media content (0: off).
-    embedding_cache_bytes: int = 64 << 20
-    drain_grace_s: float = 30.0
-    # "nixl", "nats" (the JetStream object store) or "auto": NIXL when it
-    # imports, else the object store with a warning.
-    transport: str = "auto"
-    tensor_settings: TransportSettings = field(default_factory=TransportSettings)
-    # /health/ready, /health/live and /metrics on a port of its own (port 0: none).
-    health: HealthSettings = field(default_factory=HealthSettings)
-    # "torch" (built in) or "vllm" (the roles that prefill and decode together),
-    # with vLLM's engine arguments passed through.
-    engine: str = "torch"
-    vllm_args: dict[str, Any] = field(default_factory=dict)
-    # How a vLLM prefill hands the KV cache to a vLLM decode (those roles only).
-    vllm_kv: KvConnectorSettings = field(default_factory=KvConnectorSettings)
-    # vLLM's encoder-cache folder (--vllm-ec-path): the vLLM encode role
-    # writes it, the vLLM prefill roles read it.
-    vllm_ec_path: str = ""
-    # --vllm-storage-ttl: a vLLM worker that writes an example connector's
-    # folder deletes what in it is older (0: never).
-    vllm_storage_ttl_s: float = STORAGE_TTL_S
+    """What a worker of any role runs with (the processor is a role too)."""
+
+    model: str = setting(DEFAULT_MODEL, help="a built-in model name or a local checkpoint directory")
+    served_model_name: str | None = setting(
+        None, help="the model name clients send (unset: the built-in name, or the checkpoint folder's)"
+    )
+    device: str = setting("auto", help="auto (CUDA when torch sees a GPU, else CPU), cpu, cuda or cuda:N")
+    # Until the KV cache is paged, a decoding worker holds what its batch
+    # decoder can run together: more in flight would only queue in it.
+    max_inflight: int | None = setting(
+        None, help="requests one worker runs at once; it fetches only into free slots (unset: --max-batch)"
+    )
+    max_batch: int = setting(32, help="sequences decoded together in one step (the batch decoder's slots)")
+    prefill_batch: int = setting(
+        1,
+        help="new prompts prefilled together in one forward when they wait together (1: each alone, generate()'s "
+        "exact numerics; more: GPU throughput, last-bit differences)",
+    )
+    decode: DecodeSettings = section(DecodeSettings, "decoding (workers that decode)")
+    media: MediaPolicy = section(MediaPolicy, "media limits (workers that encode)")
+    limits: ProcessorLimits = section(ProcessorLimits, "request limits (the processor)")
+    modalities: str = setting(
+        "image", help="media kinds the processor accepts, comma separated: image, video, audio (others get 422)"
+    )
+    embedding_cache_bytes: int = setting(
+        64 << 20, help="bytes of media embeddings an encoding worker keeps, keyed by content (0: off)"
+    )
+    drain_grace_s: float = setting(
+        30.0,
+        flag="drain-grace",
+        help="on SIGTERM, seconds to finish in-flight work before handing the rest to other workers",
+    )
+    # auto: NIXL when it imports, else the object store with a warning.
+    transport: str = setting(
+        "auto",
+        choices=("auto", "nixl", "nats"),
+        help="how tensors move between hops: NIXL, the NATS object store, or auto (NIXL if it imports)",
+    )
+    tensor_settings: TransportSettings = section(TransportSettings, "tensor hand-offs (workers that hand off)")
+    health: HealthSettings = section(HealthSettings, "health and metrics endpoints (probes and Prometheus)")
+    engine: str = setting(
+        "torch",
+        choices=ENGINES,
+        help="torch: the built-in engine; vllm: vLLM for the roles that prefill and decode (needs the vllm extra)",
+    )
+    vllm_args: dict[str, Any] = setting(
+        flag="vllm-arg",
+        factory=dict,
+        metavar="KEY=VALUE",
+        help="a vLLM engine argument, e.g. max_model_len=4096 or dtype=float32 (repeatable; JSON values)",
+    )
+    vllm_args_file: str = setting("", help="a JSON object of vLLM engine arguments (--vllm-arg wins)")
+    vllm_kv: KvConnectorSettings = section(KvConnectorSettings, "vLLM's KV hand-off (--engine vllm)")
+    # The vLLM encode role writes it, the vLLM prefill roles read it.
+    vllm_ec_path: str = setting(
+        "",
+        help="the folder of vLLM's encoder-cache connector (ECExampleConnector), seen by the vLLM encode worker "
+        "(which writes it) and the vLLM prefill workers (which read it); mmpipe up: <data-dir>/vllm-ec",
+    )
+    vllm_storage_ttl_s: float = setting(
+        STORAGE_TTL_S,
+        flag="vllm-storage-ttl",
+        help="a vLLM worker that writes an example connector's folder (the vLLM encode worker: --vllm-ec-path; "
+        "a prefill worker on ExampleConnector: --vllm-kv-path) deletes what in it has not changed for S "
+        "seconds, every S/4 (0: never)",
+    )
+
+    def __post_init__(self) -> None:
+        for name in ("max_batch", "prefill_batch"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name.replace('_', '-')} must be at least 1")
+        if self.max_inflight is not None and self.max_inflight < 1:
+            raise ValueError("max-inflight must be at least 1")
+
+    @property
+    def inflight(self) -> int:
+        return self.max_inflight or self.max_batch
+
+    def engine_args(self) -> dict[str, Any]:
+        """vLLM's engine arguments: the file's, then --vllm-arg over them."""
+        from_file = engine_args_file(self.vllm_args_file) if self.vllm_args_file else {}
+        return {**from_file, **self.vllm_args}
+
+
+def resolve_device(device: str) -> str:
+    if device != "auto":
+        return device
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
 
 
 def parse_modalities(spec: str) -> frozenset[MediaKind]:
@@ -110,9 +168,11 @@ def build_stage(
     from stages.torch_hop import TorchHopEngine
 
     # Only a role that decodes keeps a batch decoder (and its preallocated cache).
-    decode = dataclasses.replace(settings.decode, batched=settings.decode.batched and "decode" in role.split("+"))
-    engine = TorchEngine(Path(spec.path), device=settings.device, decode=decode)
-    policy = dataclasses.replace(settings.media, allow_internal=settings.allow_internal_media)
+    decode = dataclasses.replace(
+        settings.decode, batched=settings.decode.batched and "decode" in role.split("+"), slots=settings.max_batch
+    )
+    engine = TorchEngine(Path(spec.path), device=resolve_device(settings.device), decode=decode)
+    policy = settings.media
     cache = EmbeddingCache(settings.embedding_cache_bytes, name=role) if role.startswith("encode") else None
     hop_engine = TorchHopEngine(
         role,
@@ -141,10 +201,10 @@ def _vllm_stage(role: str, settings: WorkerSettings, spec: ModelSpec, tensors: T
             role,
             Path(spec.path),
             spec.served_name,
-            settings.vllm_args,
+            settings.engine_args(),
             tensors,
-            device=settings.device,
-            media_policy=dataclasses.replace(settings.media, allow_internal=settings.allow_internal_media),
+            device=resolve_device(settings.device),
+            media_policy=settings.media,
             embedding_cache=EmbeddingCache(settings.embedding_cache_bytes, name=role)
             if role.startswith("encode")
             else None,
@@ -160,14 +220,14 @@ def _vllm_encode_stage(settings: WorkerSettings, spec: ModelSpec) -> Stage:
     """``encode`` on vLLM encoder-only (stages/vllm_engine/encoder_only.py)."""
     from stages.vllm_engine import VllmUnavailable, require_vllm
 
-    policy = dataclasses.replace(settings.media, allow_internal=settings.allow_internal_media)
+    policy = settings.media
     try:
         require_vllm()
         from stages.vllm_engine.encoder_only import build_vllm_encode_stage
 
         path = settings.vllm_ec_path
         return build_vllm_encode_stage(
-            Path(spec.path), spec.served_name, settings.vllm_args, path, policy, settings.vllm_storage_ttl_s
+            Path(spec.path), spec.served_name, settings.engine_args(), path, policy, settings.vllm_storage_ttl_s
         )
     except (VllmUnavailable, ValueError) as exc:
         raise SystemExit(f"mmpipe: {exc}") from None
@@ -200,16 +260,15 @@ async def _serve_role(role: str, config: PipelineConfig, settings: WorkerSetting
 
             # Its bucket is replicated like the streams (a new one; an existing one keeps its own).
             tensor_settings = dataclasses.replace(settings.tensor_settings, replicas=config.replicas or 1)
-            tensors = await open_transport(
-                settings.transport, nc, js, config.namespace, tensor_settings, role, settings.device
-            )
+            device = resolve_device(settings.device)
+            tensors = await open_transport(settings.transport, nc, js, config.namespace, tensor_settings, role, device)
         stage = build_stage(role, config, settings, tensors=tensors)
         worker = Worker(
             nc,
             js,
             config,
             stage,
-            max_inflight=settings.max_inflight,
+            max_inflight=settings.inflight,
             drain_grace_s=settings.drain_grace_s,
             tensors=tensors,
         )

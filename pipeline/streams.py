@@ -106,7 +106,7 @@ def stream_configs(config: PipelineConfig) -> list[StreamConfig]:
     """Every stream of the namespace. ``num_replicas`` / ``placement`` are
     None where the config leaves them to what exists (see PipelineConfig)."""
     s = config.subjects
-    streams = [_work_queue(s.stream(PROCESSOR), s.requests, config.requests_limits)]
+    streams = [_work_queue(s.stream(PROCESSOR), s.requests, config.request_queue_limits)]
     streams += [_work_queue(s.stream(role), s.work(role), config.hop_limits) for role in HOP_ROLES]
     streams.append(
         StreamConfig(

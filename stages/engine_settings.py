@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from schemas.settings import setting
+
 
 @dataclass(frozen=True)
 class DecodeSettings:
@@ -13,10 +15,18 @@ class DecodeSettings:
     (CUDA graphs on a GPU). Off, or for a sequence that does not fit, each
     sequence runs the model on its own cache."""
 
-    batched: bool = True
+    batched: bool = setting(
+        True, flag="batch-decode", help="decode every running sequence in one step (off: each on its own)"
+    )
+    # The worker's --max-batch.
     slots: int = 32
-    max_len: int = 4096
-    cuda_graphs: bool = True
-    # The fused layer step (stages.fused_decode) instead of the model's
-    # modules; None: on CUDA only (the CPU keeps generate()'s exact numerics).
-    fused: bool | None = None
+    max_len: int = setting(
+        4096, flag="decode-max-len", help="tokens per sequence in the batch decoder's preallocated cache"
+    )
+    cuda_graphs: bool = setting(True, help="capture decode steps as CUDA graphs (off: run them eagerly)")
+    # None: on CUDA only (the CPU keeps generate()'s exact numerics).
+    fused: bool | None = setting(
+        None,
+        flag="fused-decode",
+        help="the fused layer step (one kernel set per layer) instead of the model's modules (unset: on CUDA only)",
+    )

@@ -30,6 +30,7 @@ from schemas.request import (
     VideoPart,
 )
 from schemas.routes import HOP_ROLES, route_for
+from schemas.settings import setting
 from stages.contract import HopContext, StageOutput
 
 _ROLES = ("system", "user", "assistant")
@@ -38,13 +39,21 @@ _MEDIA_SCHEMES = ("data:", "https://", "http://", "file://")
 
 @dataclass(frozen=True)
 class ProcessorLimits:
-    max_images: int = 8
-    max_videos: int = 2
-    max_audios: int = 4
-    max_prompt_tokens: int = 32_768
-    # Used when a request gives no max_tokens (capped by what the context leaves).
-    default_max_tokens: int = 256
-    max_stop_strings: int = 8
+    max_images: int = setting(8, help="images in one request (0: none)")
+    max_videos: int = setting(2, help="videos in one request (0: none)")
+    max_audios: int = setting(4, help="audio clips in one request (0: none)")
+    max_prompt_tokens: int = setting(32_768, help="prompt tokens before media are expanded (413 over it)")
+    # Capped by what the context leaves.
+    default_max_tokens: int = setting(256, help="max_tokens of a request that gives none")
+    max_stop_strings: int = setting(8, help="stop strings in one request")
+
+    def __post_init__(self) -> None:
+        for name, least in (("max_prompt_tokens", 1), ("default_max_tokens", 1)):
+            if getattr(self, name) < least:
+                raise ValueError(f"{name.replace('_', '-')} must be at least {least}")
+        for name in ("max_images", "max_videos", "max_audios", "max_stop_strings"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name.replace('_', '-')} must be at least 0")
 
 
 @dataclass(frozen=True)

@@ -37,7 +37,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--repeats", type=int, default=3, help="timed runs of each (median)")
     p.add_argument("--no-cuda-graphs", dest="cuda_graphs", action="store_false")
     p.add_argument("--no-baseline", dest="baseline", action="store_false", help="skip generate()")
-    p.add_argument("--json", type=str, default="", help="also write the results here")
+    p.add_argument("--output", default="", metavar="FILE", help="also write the results here, as JSON")
     p.add_argument("--profile", action="store_true", help="print the kernels of a few decoder steps (torch.profiler)")
     p.add_argument(
         "--attention",
@@ -76,7 +76,7 @@ def main(args: argparse.Namespace) -> int:
     for preset in args.presets.split(","):
         results["runs"] += _preset(preset, batches, args, device, peak)
     _table(results)
-    out = args.json or (os.path.join(os.environ["OUT"], "bench_decode.json") if os.environ.get("OUT") else "")
+    out = args.output or (os.path.join(os.environ["OUT"], "bench_decode.json") if os.environ.get("OUT") else "")
     if out:
         with open(out, "w") as f:
             json.dump(results, f, indent=1)

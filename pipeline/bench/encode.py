@@ -36,7 +36,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--image-size", dest="encode_image_size", default="448x448", help="WIDTHxHEIGHT")
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--device", dest="encode_device", default="", help="default: cuda if there is one")
-    p.add_argument("--json", dest="encode_json", default="", help="also write the results here")
+    p.add_argument("--output", default="", metavar="FILE", help="also write the results here, as JSON")
 
 
 def _images(n: int, size: tuple[int, int], seed: int = 0) -> list[Any]:
@@ -188,7 +188,7 @@ def main(args: argparse.Namespace) -> int:
         raise SystemExit("mmpipe bench encode: --images and --repeats must be at least 1")
     result = run(args)
     print(format_result(result), flush=True)
-    out = args.encode_json or (os.path.join(os.environ["OUT"], "bench_encode.json") if os.environ.get("OUT") else "")
+    out = args.output or (os.path.join(os.environ["OUT"], "bench_encode.json") if os.environ.get("OUT") else "")
     if out:
         with open(out, "w") as f:
             json.dump(result, f, indent=1)

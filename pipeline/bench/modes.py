@@ -27,6 +27,7 @@ from typing import Any
 
 from pipeline.bench import run_async
 from pipeline.bench.load import LoadSpec, run_load, spec_from_args, synthetic_images
+from pipeline.serve import resolve_device
 from schemas.routes import MODES
 
 BASELINE = "epd"
@@ -103,7 +104,7 @@ def compare(
     transport: str,
     api_key: str | None = None,
     concurrencies: list[int] | None = None,
-    device: str = "cpu",
+    device: str = "auto",
     up_args: tuple[str, ...] = (),
     hf_baseline: bool = False,
 ) -> list[dict[str, Any]]:
@@ -115,7 +116,9 @@ def compare(
     levels = concurrencies or [spec.concurrency]
     loads = [(c, replace(spec, concurrency=c, seed=spec.seed + 1000 * i)) for i, c in enumerate(levels)]
     images = {c: synthetic_images(s) for c, s in loads}  # the very same bytes for every mode
-    extra = ("--device", device, *up_args) if device != "cpu" else tuple(up_args)
+    # The baseline runs where the workers do.
+    device = resolve_device(device)
+    extra = ("--device", device, *up_args)
     rows: list[dict[str, Any]] = []
     if hf_baseline:
         rows += _hf_rows(spec, loads, images, device)

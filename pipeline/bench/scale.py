@@ -76,7 +76,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
             try:
                 for r in replicas:
                     print(f"R{r} on a 3-node cluster: starting ...", file=sys.stderr, flush=True)
-                    extra = ("--external-nats", "--nats-url", cluster.url, "--replicas", str(r), "--namespace", f"r{r}")
+                    extra = ("--nats-url", cluster.url, "--replicas", str(r), "--namespace", f"r{r}")
                     summary = _run(spec, images, args.mode, args.transport, extra)
                     base = replication[0]["summary"] if replication else summary
                     replication.append(_row(f"R{r}", summary, base))

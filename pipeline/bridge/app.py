@@ -44,6 +44,7 @@ from schemas.errors import (
 )
 from schemas.request import GenerateRequest
 from schemas.routes import MODES, PROCESSOR
+from schemas.settings import setting
 
 log = structlog.get_logger(__name__)
 
@@ -59,13 +60,17 @@ _HEADER_ROOM = 1024
 
 @dataclass(frozen=True)
 class BridgeSettings:
-    host: str = "127.0.0.1"
-    port: int = 8000
-    api_key: str | None = None
-    # Each request's deadline; a stage that picks it up later fails it with 504.
-    request_timeout_s: float = 300.0
-    max_body_bytes: int = 32 * 1024 * 1024
-    retry_after_s: int = 1
+    host: str = setting("127.0.0.1", help="the address the OpenAI API listens on (0.0.0.0: every interface)")
+    port: int = setting(8000, help="the OpenAI API's port")
+    api_key: str | None = setting(
+        None, help="clients must send `Authorization: Bearer KEY` (unset: no key); health and metrics stay open"
+    )
+    # A stage that picks a request up after its deadline fails it with 504.
+    request_timeout_s: float = setting(
+        300.0, flag="request-timeout", help="seconds a request may take in all before it fails with 504"
+    )
+    max_body_bytes: int = setting(32 * 1024 * 1024, help="bytes of a request body at most (413 over it)")
+    retry_after_s: int = setting(1, flag="retry-after", help="the Retry-After seconds of a 429 or 503")
     worker_cache_s: float = 1.0
 
 

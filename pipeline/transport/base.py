@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Protocol, runtime_checkable
 from schemas.errors import ErrorCode, MmpipeError
 from schemas.errors import TargetTainted as TargetTainted  # re-exported: the transports raise them
 from schemas.errors import TensorGone as TensorGone
+from schemas.settings import setting
 from schemas.tensors import TensorRef
 
 if TYPE_CHECKING:  # the bridge imports this module and never needs torch
@@ -55,11 +56,16 @@ class TransportUnavailable(MmpipeError):
 class TransportSettings:
     # Bytes this process may hold for readers at once; for NIXL it is also the
     # size of the one registered arena.
-    budget_bytes: int = 256 * 1024 * 1024
+    budget_bytes: int = setting(
+        256 * 1024 * 1024,
+        flag="tensor-budget-mb",
+        unit=1 << 20,
+        help="MiB of tensors a worker holds for the next hop's readers at most (it stops fetching at it)",
+    )
     # NIXL: size of the registered arena a reader READs into; None = budget.
     recv_bytes: int | None = None
     # A region nobody read is freed after this long, so a dead reader leaks nothing.
-    ttl_s: float = 60.0
+    ttl_s: float = setting(60.0, flag="tensor-ttl", help="seconds before tensors nobody read are freed")
     # How long put waits for room before it raises TransportFull.
     # As long as the TTL: within it every held region is read or expires, so
     # a put that waits this long was not starved by readers but by a peer
@@ -76,7 +82,12 @@ class TransportSettings:
     # NIXL: run UCX's progress thread. NIXL 1.5.1 runs it without a delay, so
     # it spins a whole core even when idle; without it, transfers progress when
     # the reader polls its READ and the holder polls for notifications.
-    progress_thread: bool = False
+    progress_thread: bool = setting(
+        False,
+        flag="nixl-progress-thread",
+        help="UCX's progress thread in the NIXL agent: READs of this worker's tensors complete at once instead "
+        "of at its next poll (about 1 ms), at the cost of a CPU core it keeps busy",
+    )
     # Copies of the JetStream bucket the transport keeps (NIXL: the agents'
     # metadata; nats: the tensors), like the streams' --replicas.
     replicas: int = 1

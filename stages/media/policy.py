@@ -12,13 +12,13 @@ import dataclasses
 import functools
 import ipaddress
 import math
-import os
 import socket
 from pathlib import Path
 
 from yarl import URL
 
 from schemas.errors import UrlNotAllowed
+from schemas.settings import setting
 
 IPAddress = ipaddress.IPv4Address | ipaddress.IPv6Address
 IPNetwork = ipaddress.IPv4Network | ipaddress.IPv6Network
@@ -47,43 +47,65 @@ MAX_URL_CHARS = 8192
 @dataclasses.dataclass(frozen=True)
 class MediaPolicy:
     # Internal addresses and plain http: for in-cluster or development use only.
-    allow_internal: bool = False
-    max_bytes: int = 20 * MiB
-    fetch_timeout_s: float = 10.0
+    allow_internal: bool = setting(
+        False, flag="allow-internal-media", help="allow http:// and internal (loopback, private) media URLs"
+    )
+    max_bytes: int = setting(
+        20 * MiB, flag="image-max-bytes", help="bytes of one image (or embeddings payload), inline or fetched"
+    )
+    fetch_timeout_s: float = setting(10.0, flag="media-fetch-timeout", help="seconds for one media download")
     max_redirects: int = 3
     # width*height cap, checked from the header before any pixel is decoded.
-    max_pixels: int = 40_000_000
+    max_pixels: int = setting(
+        40_000_000, flag="image-max-pixels", help="width x height of one image, checked before decoding"
+    )
     allowed_formats: frozenset[str] = frozenset({"JPEG", "PNG", "WEBP"})
     # file: URLs are served only from under these directories; empty refuses file: entirely.
-    allowed_local_dirs: tuple[str | os.PathLike[str], ...] = ()
+    allowed_local_dirs: tuple[str, ...] = setting(
+        (),
+        flag="media-dir",
+        split=False,
+        help="serve file:// media from under this directory (repeatable; none: file:// is refused)",
+    )
     # CIDRs refused even with allow_internal (e.g. a control-plane range next to the cluster).
     denied_networks: tuple[str, ...] = ()
 
     # Video (stages.media.video). A video costs far more than an image to decode, so it has its
     # own caps. video_max_bytes caps a video whether inline (data:), downloaded or a local file.
-    video_max_bytes: int = 64 * MiB
-    video_max_duration_s: float = 600.0
-    # Most frames one video may yield, however it is sampled; also the default for max_frames.
-    video_max_frames: int = 32
-    # Sampling rate when a request gives neither num_frames nor fps (Qwen2-VL's default).
-    video_default_fps: float = 2.0
-    # Sampled frames larger than this are scaled down, aspect kept: model input, not archive.
-    video_max_pixels: int = 1280 * 720
+    video_max_bytes: int = setting(
+        64 * MiB, flag="video-max-bytes", help="bytes of one video, inline, fetched or a local file"
+    )
+    video_max_duration_s: float = setting(600.0, flag="video-max-seconds", help="seconds of one video")
+    # However it is sampled; also the default for max_frames.
+    video_max_frames: int = setting(32, help="frames sampled from one video at most (max_frames cap)")
+    # Qwen2-VL's default.
+    video_default_fps: float = setting(2.0, help="sampling rate when a request gives no num_frames or fps")
+    # Model input, not archive: aspect kept.
+    video_max_pixels: int = setting(
+        1280 * 720, flag="video-frame-max-pixels", help="sampled frames larger than this are scaled down"
+    )
     # Frames larger than this are refused before any pixel is decoded (DCI 4K, either way round).
     video_max_source_pixels: int = 4096 * 2160
 
     # Audio (stages.media.audio). 30 s is the window Whisper-style encoders (Whisper, Qwen2-Audio)
     # see; their feature extractors silently cut anything longer, so refuse it instead.
-    audio_max_bytes: int = 16 * MiB
-    audio_max_duration_s: float = 30.0
+    audio_max_bytes: int = setting(16 * MiB, help="bytes of one audio clip")
+    audio_max_duration_s: float = setting(30.0, flag="audio-max-seconds", help="seconds of one audio clip")
 
     # Decoded images, video frames and audio samples an encoding worker keeps by content
     # (stages.media.decoded), so media seen again skip decoding; 0 turns it off.
-    decoded_cache_bytes: int = 256 * MiB
+    decoded_cache_bytes: int = setting(
+        256 * MiB, help="bytes of decoded media an encoding worker keeps by content (0: off)"
+    )
 
     # Media items one encoder call may take from several requests waiting together
     # (stages.encode_batcher). 1: each request alone, generate()'s exact embeddings.
-    encode_batch_items: int = 1
+    encode_batch_items: int = setting(
+        1,
+        flag="encode-batch",
+        help="media items one encoder call takes from requests waiting together (1: each alone, exact embeddings; "
+        "more: GPU throughput, last-bit differences)",
+    )
 
     def __post_init__(self) -> None:
         for name in (
@@ -116,7 +138,7 @@ class MediaPolicy:
                 f"MediaPolicy.allowed_formats must be a non-empty subset of {sorted(DECODABLE_FORMATS)}, "
                 f"got {sorted(self.allowed_formats)}"
             )
-        object.__setattr__(self, "allowed_local_dirs", tuple(self.allowed_local_dirs))
+        object.__setattr__(self, "allowed_local_dirs", tuple(str(d) for d in self.allowed_local_dirs))
         object.__setattr__(self, "denied_networks", tuple(self.denied_networks))
         self.denied  # noqa: B018 - parse now so a bad CIDR fails at startup, not on the first request
 

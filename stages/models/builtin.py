@@ -459,6 +459,9 @@ def _qwen2_audio_key_layout(file: Path) -> None:
     save_file(tensors, str(file), metadata={"format": "pt"})
 
 
+# What `mmpipe up` serves when no --model is given.
+DEFAULT_MODEL = "tiny-qwen2-vl"
+
 _BUILDERS: dict[str, Callable[[Path], None]] = {
     "tiny-qwen2-vl": _build_qwen2_vl,
     "tiny-qwen2.5-vl": _build_qwen2_5_vl,

@@ -11,6 +11,6 @@ CPU venv of ``deploy/install-vllm.sh`` loads in every process.
 
 from __future__ import annotations
 
-from stages.vllm_engine.args import VLLM_ROLES, VllmUnavailable, engine_args, require_vllm
+from stages.vllm_engine.args import VLLM_ROLES, VllmUnavailable, require_vllm
 
-__all__ = ["VLLM_ROLES", "VllmUnavailable", "engine_args", "require_vllm"]
+__all__ = ["VLLM_ROLES", "VllmUnavailable", "require_vllm"]

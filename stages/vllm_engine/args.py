@@ -12,6 +12,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from schemas.settings import setting
+
 # Roles whose steps vLLM runs in this version (with mmpipe's own encoder in
 # front where the role encodes): prefill and decode together, or apart with
 # the prompt's KV cache moved by vLLM's own KV connector.
@@ -44,43 +46,16 @@ def require_vllm() -> None:
         raise VllmUnavailable(f"--engine vllm needs vLLM, which is not installed here: {INSTALL_HINT}")
 
 
-def _value(text: str) -> Any:
-    """JSON where it parses (numbers, true/false, objects, lists), else the string."""
+def engine_args_file(file: Path | str) -> dict[str, Any]:
+    """vLLM engine arguments (``AsyncEngineArgs`` fields) from a JSON object
+    file; keys take ``-`` or ``_`` (``max-model-len`` is ``max_model_len``)."""
     try:
-        return json.loads(text)
-    except ValueError:
-        return text
-
-
-def engine_args(pairs: list[str] | None = None, file: Path | str | None = None) -> dict[str, Any]:
-    """vLLM engine arguments (``AsyncEngineArgs`` fields): a JSON object file
-    first, then each ``KEY=VALUE`` over it. Keys take ``-`` or ``_``
-    (``max-model-len`` is ``max_model_len``); values are JSON where they
-    parse (``4096``, ``true``, ``{"image": 4}``), else strings."""
-    out: dict[str, Any] = {}
-    if file:
-        try:
-            loaded = json.loads(Path(file).read_text())
-        except (OSError, ValueError) as exc:
-            raise ValueError(f"--vllm-args-file {file}: {exc}") from None
-        if not isinstance(loaded, dict):
-            raise ValueError(f"--vllm-args-file {file}: a JSON object of engine arguments is needed")
-        out.update({str(k).replace("-", "_"): v for k, v in loaded.items()})
-    for pair in pairs or []:
-        key, sep, value = pair.partition("=")
-        key = key.strip().lstrip("-").replace("-", "_")
-        if not sep or not key:
-            raise ValueError(f"--vllm-arg {pair!r}: KEY=VALUE is needed")
-        out[key] = _value(value)
-    return out
-
-
-def engine_arg_flags(args: dict[str, Any]) -> list[str]:
-    """The ``--vllm-arg`` flags that give ``args`` to a child process."""
-    out: list[str] = []
-    for key, value in args.items():
-        out += ["--vllm-arg", f"{key}={value if isinstance(value, str) else json.dumps(value)}"]
-    return out
+        loaded = json.loads(Path(file).read_text())
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"--vllm-args-file {file}: {exc}") from None
+    if not isinstance(loaded, dict):
+        raise ValueError(f"--vllm-args-file {file}: a JSON object of engine arguments is needed")
+    return {str(k).replace("-", "_"): v for k, v in loaded.items()}
 
 
 @dataclass(frozen=True)
@@ -94,9 +69,26 @@ class KvConnectorSettings:
     engine listens on a side-channel ``port`` (0: a free one at start) that
     the producer names in the ``kv_transfer_params`` decode gets."""
 
-    connector: str = "example"
-    path: str = ""
-    port: int = 0
+    connector: str = setting(
+        "example",
+        flag="vllm-kv-connector",
+        choices=KV_CONNECTORS,
+        help="how vLLM's prefill hands the KV cache to vLLM's decode: example (ExampleConnector, files in "
+        "--vllm-kv-path, one host or a shared volume) or nixl (NixlConnector; needs nixl). "
+        "--vllm-arg kv_transfer_config=... overrides",
+    )
+    path: str = setting(
+        "",
+        flag="vllm-kv-path",
+        help="ExampleConnector's folder, the same for prefill and decode workers "
+        "(default: mmpipe up's <data-dir>/vllm-kv, a worker's <tmp>/mmpipe-vllm-kv)",
+    )
+    port: int = setting(
+        0,
+        flag="vllm-kv-port",
+        help="NixlConnector's side-channel port of this worker (0: a free one; mmpipe up always uses 0). "
+        "Other hosts reach it at VLLM_NIXL_SIDE_CHANNEL_HOST (set it to this host's address)",
+    )
 
     def storage_path(self) -> str:
         return self.path or str(Path(tempfile.gettempdir()) / "mmpipe-vllm-kv")
@@ -121,10 +113,3 @@ def kv_transfer_config(role: str, kv: KvConnectorSettings) -> dict[str, Any] | N
         # recomputes the prompt rather than failing the request.
         config["kv_load_failure_policy"] = "recompute"
     return config
-
-
-def kv_connector_flags(kv: KvConnectorSettings) -> list[str]:
-    """The flags that give a child worker of ``mmpipe up`` its KV connector
-    settings. No port: each worker takes a free one, so workers on one host
-    never collide."""
-    return ["--vllm-kv-connector", kv.connector, *(["--vllm-kv-path", kv.path] if kv.path else [])]

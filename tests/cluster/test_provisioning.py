@@ -12,10 +12,11 @@ from typing import Any
 import pytest
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy, RetentionPolicy, StorageType, StreamConfig
 
-from pipeline.cli import _config, parser
+from pipeline.cli import parser
 from pipeline.config import ConsumerSettings, PipelineConfig, Placement, StreamLimits
 from pipeline.connection import connect
 from pipeline.nats_server import NatsServer
+from pipeline.settings import load_kind
 from pipeline.streams import ProvisioningConflict, ensure_consumer, ensure_streams, stream_configs
 from pipeline.worker import Worker
 from schemas.chunk import FinishReason, TokenChunk
@@ -23,23 +24,34 @@ from tests.cluster.nodes import running_cluster
 from tests.pipeline.test_worker import ScriptStage, collect, publish, request
 
 
+def _settings(*argv: str) -> Any:
+    args = parser().parse_args(argv)
+    return load_kind(args.command, args).settings
+
+
+def _config(*argv: str) -> PipelineConfig:
+    config: PipelineConfig = _settings(*argv).common.pipeline
+    return config
+
+
 def test_cli_flags_reach_the_config() -> None:
-    args = parser().parse_args(
-        ["worker", "decode", "--nats-url", "nats://a:4222,nats://b:4222", "--replicas", "3",
-         "--placement-cluster", "east", "--placement-tags", "ssd, gpu", "--ack-wait", "12",
-         "--max-deliver", "7", "--max-ack-pending", "64", "--drain-grace", "9"]
+    settings = _settings(
+        "worker", "decode", "--nats-url", "nats://a:4222,nats://b:4222", "--replicas", "3",
+        "--placement-cluster", "east", "--placement-tags", "ssd, gpu", "--ack-wait", "12",
+        "--max-deliver", "7", "--max-ack-pending", "64", "--drain-grace", "9",
     )  # fmt: skip
-    config = _config(args)
+    config = settings.common.pipeline
     assert config.replicas == 3
     assert config.placement == Placement(cluster="east", tags=("ssd", "gpu"))
     assert config.consumer_for("decode") == ConsumerSettings(ack_wait_s=12.0, max_deliver=7, max_ack_pending=64)
-    assert args.drain_grace == 9.0
+    assert settings.worker.drain_grace_s == 9.0
     streams = stream_configs(config)
     assert {s.num_replicas for s in streams} == {3}
     assert all(s.placement is not None and s.placement.tags == ["ssd", "gpu"] for s in streams)
     # Without the flags a process leaves an existing stream's replicas and placement alone.
-    plain = _config(parser().parse_args(["bridge"]))
-    assert plain.replicas is None and plain.placement is None
+    plain = _config("bridge")
+    assert plain.replicas is None and not plain.placement
+    assert {s.placement for s in stream_configs(plain)} == {None}
     assert {s.num_replicas for s in stream_configs(plain)} == {None}
 
 
@@ -151,5 +163,5 @@ async def test_two_workers_of_a_role_start_at_once_on_a_cluster(tmp_path: Path, 
 def test_replicas_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
     # deploy/k8s sets MMPIPE_REPLICAS for every pod from its ConfigMap.
     monkeypatch.setenv("MMPIPE_REPLICAS", "3")
-    assert _config(parser().parse_args(["bridge"])).replicas == 3
-    assert _config(parser().parse_args(["worker", "decode", "--replicas", "1"])).replicas == 1
+    assert _config("bridge").replicas == 3
+    assert _config("worker", "decode", "--replicas", "1").replicas == 1

@@ -5,8 +5,8 @@ budgets, grace periods and KEDA triggers agree with the code."""
 
 from __future__ import annotations
 
-import argparse
 import re
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +21,7 @@ from pipeline.config import PipelineConfig
 from pipeline.health import LIVE_PATH, READY_PATH
 from pipeline.nats_server import NatsServerConfig
 from pipeline.serve import WorkerSettings
+from pipeline.settings import load_kind
 from pipeline.streams import consumer_config, stream_configs
 from schemas.routes import MODES, PROCESSOR
 from tests.deploy.kustomize import load_documents, render
@@ -129,14 +130,23 @@ def container_env(container: dict[str, Any], config_maps: dict[str, dict[str, An
     return env
 
 
-def mmpipe_args(container: dict[str, Any], config_maps: dict[str, dict[str, Any]]) -> argparse.Namespace:
-    """The container's command, parsed by mmpipe's own CLI parser."""
+@dataclass(frozen=True)
+class Command:
+    command: str
+    role: str | None
+    # What the process resolves: its flags over the pod's MMPIPE_* variables.
+    settings: Any
+
+
+def mmpipe_args(container: dict[str, Any], config_maps: dict[str, dict[str, Any]]) -> Command:
+    """The container's command, parsed and resolved by mmpipe's own CLI."""
     assert container["command"] == ["mmpipe"]
     env = container_env(container, config_maps)
     args = [expand(a, env) for a in container["args"]]
     unresolved = [a for a in args if "$(" in a]
     assert not unresolved, f"unresolved variables: {unresolved}"
-    return parser().parse_args(args)
+    parsed = parser().parse_args(args)
+    return Command(parsed.command, getattr(parsed, "role", None), load_kind(parsed.command, parsed, env).settings)
 
 
 def port_number(container: dict[str, Any], port: int | str) -> int:
@@ -178,7 +188,7 @@ def test_workers_run_the_roles_of_their_mode(overlay: tuple[str, list[dict[str, 
     for name, deployment in of_kind(objects, "Deployment").items():
         (container,) = pod_spec(deployment)["containers"]
         args = mmpipe_args(container, config_maps)
-        assert args.mode == mode, name
+        assert args.settings.common.pipeline.mode == mode, name
         if args.command == "bridge":
             continue
         assert args.command == "worker"
@@ -192,7 +202,7 @@ def test_workers_run_the_roles_of_their_mode(overlay: tuple[str, list[dict[str, 
             # The model runs here: one GPU requested and limited (extended
             # resources need both), and the worker put on it.
             assert gpus == {"requests": 1, "limits": 1}, name
-            assert args.device.startswith("cuda"), name
+            assert args.settings.worker.device.startswith("cuda"), name
     assert sorted(roles) == sorted([PROCESSOR, *MODES[mode]])
 
 
@@ -208,16 +218,17 @@ def test_probes_point_at_the_worker_health_endpoints(overlay: tuple[str, list[di
         assert spec["terminationGracePeriodSeconds"] > drain_s, name
         if args.command != "worker":
             continue
-        assert args.health_port > 0 and args.health_host == "0.0.0.0", name
+        health = args.settings.worker.health
+        assert health.port > 0 and health.host == "0.0.0.0", name
         for probe, path in (("startupProbe", READY_PATH), ("readinessProbe", READY_PATH), ("livenessProbe", LIVE_PATH)):
             get = container[probe]["httpGet"]
             assert get["path"] == path, f"{name} {probe}"
-            assert port_number(container, get["port"]) == args.health_port, f"{name} {probe}"
+            assert port_number(container, get["port"]) == health.port, f"{name} {probe}"
         # Liveness gives up only after the worker itself calls the loop stuck.
         live = container["livenessProbe"]
         assert live["timeoutSeconds"] >= 1 and live["failureThreshold"] >= 2
         annotations = deployment["spec"]["template"]["metadata"]["annotations"]
-        assert annotations["prometheus.io/port"] == str(args.health_port)
+        assert annotations["prometheus.io/port"] == str(health.port)
         assert annotations["prometheus.io/path"] == "/metrics"
 
 
@@ -227,18 +238,18 @@ def test_bridge_service_and_probes(overlay: tuple[str, list[dict[str, Any]]]) ->
     deployment = of_kind(objects, "Deployment")["mmpipe-bridge"]
     (container,) = pod_spec(deployment)["containers"]
     args = mmpipe_args(container, config_maps)
-    assert args.command == "bridge" and args.host == "0.0.0.0"
+    assert args.command == "bridge" and args.settings.bridge.host == "0.0.0.0"
     # The paths the bridge really serves.
     app = Bridge(None, None, PipelineConfig(), BridgeSettings()).app()  # type: ignore[arg-type]
     routes = {resource.canonical for resource in app.router.resources()}
     ready = container["readinessProbe"]["httpGet"]
     assert ready["path"] in routes
-    assert port_number(container, ready["port"]) == args.port
+    assert port_number(container, ready["port"]) == args.settings.bridge.port
     service = of_kind(objects, "Service")["mmpipe-bridge"]
     labels = deployment["spec"]["template"]["metadata"]["labels"]
     assert service["spec"]["selector"].items() <= labels.items()
     (port,) = service["spec"]["ports"]
-    assert port_number(container, port["targetPort"]) == args.port
+    assert port_number(container, port["targetPort"]) == args.settings.bridge.port
 
 
 def test_a_disruption_budget_per_deployment(overlay: tuple[str, list[dict[str, Any]]]) -> None:
@@ -271,7 +282,7 @@ def test_keda_scales_each_role_on_its_durable_consumer(overlay: tuple[str, list[
         (trigger,) = spec["triggers"]
         meta = trigger["metadata"]
         # The names pipeline/streams.py provisions for this namespace and role.
-        config = PipelineConfig(namespace=args.namespace)
+        config = args.settings.common.pipeline
         consumer = consumer_config(config, args.role)
         streams = {s.name for s in stream_configs(config)}
         assert meta["consumer"] == consumer.durable_name

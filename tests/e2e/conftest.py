@@ -30,6 +30,7 @@ from pipeline.worker import Worker
 from schemas.chunk import ReplyChunk, TokenChunk
 from schemas.routes import MODES, PROCESSOR, moves_tensors
 from stages.engine.reference import load_reference_model, reference_generate
+from stages.media import MediaPolicy
 from stages.models import ModelSpec, resolve_model
 
 
@@ -88,7 +89,7 @@ async def start_stack(
     settings = WorkerSettings(
         model=str(spec.path),
         served_model_name=spec.served_name,
-        allow_internal_media=allow_internal,
+        media=MediaPolicy(allow_internal=allow_internal),
         modalities=modalities,
     )
 

@@ -4,15 +4,20 @@ gets exactly generate()'s tokens; then Ctrl-C stops all of it."""
 
 from __future__ import annotations
 
+import re
 import signal
 import socket
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import openai
 import psutil
 import pytest
 
+from pipeline.connection import connect, shutdown
+from pipeline.subjects import Subjects
+from schemas.control import WorkerInfo
 from schemas.routes import MODES
 from tests.e2e.conftest import gradient, png_data_url
 from tests.e2e.processes import Processes
@@ -56,7 +61,8 @@ def test_up_serves_every_mode_as_processes_and_stops_cleanly(
         children = psutil.Process(up.popen.pid).children(recursive=True)
         started = sorted(" ".join(c.cmdline()[3:5]) for c in children if "pipeline.cli" in c.cmdline())
         assert started == sorted(
-            ["worker processor", *(f"worker {h}" for h in hops), f"worker {hops[-1]}", "bridge --nats-url"]
+            # Their settings ride in the environment, not on the command line.
+            ["worker processor", *(f"worker {h}" for h in hops), f"worker {hops[-1]}", "bridge"]
         )
         assert any("nats-server" in c.name() for c in children)
 
@@ -78,3 +84,43 @@ def test_up_serves_every_mode_as_processes_and_stops_cleanly(
     assert code == 0, up.text()[-3000:]
     assert all(not c.is_running() or c.status() == psutil.STATUS_ZOMBIE for c in children)
     assert "Traceback" not in up.text()
+
+
+async def _max_inflight(ready_line: str, role: str) -> int:
+    """What the running worker of ``role`` answers a ping with."""
+    url = re.search(r"nats=(\S+)", ready_line)
+    assert url, ready_line
+    nc, _ = await connect(url.group(1), name="test-ping")
+    try:
+        reply = await nc.request(Subjects("default").ping(role), b"", timeout=5)
+    finally:
+        await shutdown(nc)
+    return msgspec.msgpack.decode(reply.data, type=WorkerInfo).max_inflight
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize("source", ["flag", "variable", "config file", "default"])
+async def test_a_setting_from_each_source_reaches_the_worker(
+    source: str, tmp_path: Path, mmpipe_home: Path, tiny_model_dir: Path
+) -> None:
+    procs = Processes(tmp_path, mmpipe_home)
+    flags = ["--port", str(_free_port()), "--data-dir", str(tmp_path / "data"), "--model", str(tiny_model_dir)]
+    if source == "flag":
+        flags += ["--max-inflight", "32", "--max-batch", "8"]
+    elif source == "variable":
+        procs.env |= {"MMPIPE_MAX_INFLIGHT": "32", "MMPIPE_MAX_BATCH": "8"}
+    elif source == "config file":
+        (tmp_path / "mmpipe.toml").write_text("max_inflight = 32\nmax-batch = 8\n")
+        flags += ["--config", str(tmp_path / "mmpipe.toml")]
+    else:
+        flags += ["--max-batch", "24"]
+    up = procs.start("up", *flags)
+    try:
+        up.wait_for("mmpipe ready")
+        ready = next(line for line in up.text().splitlines() if "mmpipe ready" in line)
+        # Unset, a worker holds as many requests as its batch decoder runs.
+        assert await _max_inflight(ready, "encode+prefill+decode") == (24 if source == "default" else 32)
+    finally:
+        code = up.stop(signal.SIGINT)
+        procs.stop_all()
+    assert code == 0, up.text()[-3000:]

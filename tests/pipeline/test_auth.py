@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from pipeline.auth import NatsAuth
-from pipeline.cli import _apply_auth, main, parser
+from pipeline.cli import _started, main, parser
 from pipeline.connection import connect
 from pipeline.nats_server import NatsServer, NatsServerConfig
 
@@ -87,7 +87,7 @@ def test_cli_flags_become_the_environment_and_half_a_pair_is_refused(monkeypatch
         # setenv first, so the test's end restores these variables' absence.
         monkeypatch.setenv(var, "")
         monkeypatch.delenv(var)
-    _apply_auth(parser().parse_args(["send", "hi", "--nats-user", "mm", "--nats-password", "s3cret"]))
+    _started("worker", parser().parse_args(["worker", "decode", "--nats-user", "mm", "--nats-password", "s3cret"]))
     assert NatsAuth.from_env() == USER
     monkeypatch.delenv("MMPIPE_NATS_PASSWORD")
     with pytest.raises(SystemExit, match="user and password go together"):

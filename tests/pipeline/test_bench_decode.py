@@ -15,7 +15,7 @@ from pipeline.cli import parser
 def test_bench_decode_prints_and_writes_every_row(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     out = tmp_path / "decode.json"
     flags = ["--presets", "qwen2-vl-smoke", "--batches", "1,3", "--context", "12", "--new-tokens", "6"]
-    args = parser().parse_args(["bench", "decode", *flags, "--repeats", "1", "--json", str(out)])
+    args = parser().parse_args(["bench", "decode", *flags, "--repeats", "1", "--output", str(out)])
     assert bench(args) == 0
     results = json.loads(out.read_text())
     assert [(r["preset"], r["batch"]) for r in results["runs"]] == [("qwen2-vl-smoke", 1), ("qwen2-vl-smoke", 3)]

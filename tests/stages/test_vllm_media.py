@@ -11,7 +11,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from pipeline.engine_flags import check_mode, vllm_encoder_flag_args
+from pipeline.launcher import check_mode, role_settings
+from pipeline.serve import WorkerSettings
+from pipeline.settings.kinds import UpSettings
 from pipeline.transport.base import TensorGone
 from schemas.errors import UnsupportedMedia
 from schemas.processed import EncodedItem, MediaItem, MediaKind, ProcessedRequest, VllmEncoded
@@ -108,23 +110,22 @@ def test_remote_media_needs_the_files(tmp_path: Path) -> None:
     assert req.restarted().vllm_encoded is None
 
 
-def test_vllm_encoder_flags() -> None:
+def test_vllm_encoder_reaches_the_roles_that_use_it(tmp_path: Path) -> None:
     check_mode("vllm", "e-pd", vllm_encoder=True)
     check_mode("vllm", "e-p-d", vllm_encoder=True)
     for engine, mode in (("torch", "e-pd"), ("vllm", "epd"), ("vllm", "ep-d")):
         with pytest.raises(SystemExit):
             check_mode(engine, mode, vllm_encoder=True)
-    assert vllm_encoder_flag_args("encode", "vllm", {}, "/ec") == ["--engine", "vllm", "--vllm-ec-path", "/ec"]
-    assert vllm_encoder_flag_args("prefill+decode", "vllm", {}, "/ec") == ["--vllm-ec-path", "/ec"]
+    worker, on = WorkerSettings(engine="vllm", vllm_storage_ttl_s=30.0), UpSettings(vllm_encoder=True)
+    ec = str(tmp_path / "vllm-ec")
+    encode = role_settings("encode", worker, on, tmp_path, 0)
+    assert (encode.engine, encode.vllm_ec_path, encode.vllm_storage_ttl_s) == ("vllm", ec, 30.0)
     # Apart, decode reads the encoder cache too (the prompt's tail it computes may hold an image).
-    assert vllm_encoder_flag_args("decode", "vllm", {}, "/ec") == ["--vllm-ec-path", "/ec"]
-    ttl = ["--vllm-storage-ttl", "30.0"]
-    assert vllm_encoder_flag_args("encode", "vllm", {}, "/ec", 30.0) == [
-        "--engine",
-        "vllm",
-        *ttl,
-        "--vllm-ec-path",
-        "/ec",
-    ]
-    assert vllm_encoder_flag_args("processor", "vllm", {}, "/ec") == []
-    assert vllm_encoder_flag_args("encode", "vllm", {}, "") == []
+    for role in ("prefill+decode", "prefill", "decode"):
+        assert (role_settings(role, worker, on, tmp_path, 0).vllm_ec_path, role) == (ec, role)
+    processor = role_settings("processor", worker, on, tmp_path, 0)
+    assert (processor.engine, processor.vllm_ec_path) == ("torch", "")
+    # Without --vllm-encoder the encode role runs mmpipe's encoder and nobody reads a cache.
+    off = UpSettings()
+    assert role_settings("encode", worker, off, tmp_path, 0).engine == "torch"
+    assert role_settings("prefill+decode", worker, off, tmp_path, 0).vllm_ec_path == ""

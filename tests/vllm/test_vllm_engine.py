@@ -117,7 +117,7 @@ def vllm_up(
         "up", "--mode", mode, "--engine", "vllm", "--vllm-args-file", str(args_file),
         "--vllm-arg", "max_model_len=2048", "--model", str(model_dir), "--served-model-name", served,
         "--port", str(port), "--data-dir", str(tmp / "data"), "--transport", "nats", "--log-level", "INFO",
-        "--worker-health-port", str(_free_port_run(6)), "--modalities", modalities, *flags,
+        "--health-port", str(_free_port_run(6)), "--modalities", modalities, *flags,
     )  # fmt: skip
     stack = VllmStack(mode, f"http://127.0.0.1:{port}", "", up, {})
     try:

@@ -1,7 +1,7 @@
-"""The limit flags: every MediaPolicy and ProcessorLimits limit has one,
-`mmpipe up` forwards what differs from the defaults, the processor enforces
-them, and a worker's encode step serves file:// media only from the
-directories given."""
+"""The limit settings reach what enforces them: the processor its limits, a
+worker's encode step its media policy (file:// media only from the
+directories given), every work queue its size; a bad limit stops the
+process at start."""
 
 from __future__ import annotations
 
@@ -9,8 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from pipeline.cli import parser
-from pipeline.limit_flags import media_flag_args, media_policy, processor_limit_args, processor_limits
+from pipeline.cli import main, parser
+from pipeline.serve import WorkerSettings
+from pipeline.settings import SettingError, WorkerProcess, load_kind
 from schemas.errors import TooLarge, UrlNotAllowed
 from schemas.processed import MediaItem, MediaKind, ProcessedRequest
 from schemas.request import ChatMessage, GenerateRequest, ImagePart, ImageURL, TextPart
@@ -25,38 +26,40 @@ from stages.scheduler import EngineThread
 from tests.stages.test_media_av import encode_video
 
 
-def _worker_args(*flags: str) -> object:
-    return parser().parse_args(["worker", "encode", *flags])
+def _worker(*flags: str) -> WorkerProcess:
+    settings: WorkerProcess = load_kind("worker", parser().parse_args(["worker", "encode", *flags]), {}).settings
+    return settings
+
+
+def _settings(*flags: str) -> WorkerSettings:
+    return _worker(*flags).worker
 
 
 def test_defaults_are_the_policy_defaults() -> None:
-    assert media_policy(_worker_args()) == MediaPolicy()  # type: ignore[arg-type]
-    assert media_flag_args(MediaPolicy()) == []
+    assert _settings().media == MediaPolicy()
+    assert _settings().limits == ProcessorLimits()
 
 
-def test_flags_set_the_limits_and_round_trip_to_a_child(tmp_path: Path) -> None:
+def test_flags_set_the_limits(tmp_path: Path) -> None:
     flags = ["--media-dir", str(tmp_path), "--video-max-frames", "8", "--audio-max-seconds", "12.5"]
     flags += ["--image-max-pixels", "1000000", "--video-default-fps", "1"]
-    policy = media_policy(_worker_args(*flags))  # type: ignore[arg-type]
+    policy = _settings(*flags).media
     assert policy.allowed_local_dirs == (str(tmp_path),)
     assert (policy.video_max_frames, policy.audio_max_duration_s) == (8, 12.5)
     assert (policy.max_pixels, policy.video_default_fps) == (1_000_000, 1.0)
-    # What `mmpipe up` hands each worker gives that worker the same policy.
-    assert media_policy(_worker_args(*media_flag_args(policy))) == policy  # type: ignore[arg-type]
 
 
 def test_a_bad_limit_stops_the_worker_at_start() -> None:
-    with pytest.raises(SystemExit, match="video_max_frames must be positive"):
-        media_policy(_worker_args("--video-max-frames", "0"))  # type: ignore[arg-type]
-    with pytest.raises(SystemExit, match="--default-max-tokens must be at least 1"):
-        processor_limits(_worker_args("--default-max-tokens", "0"))  # type: ignore[arg-type]
+    with pytest.raises(SettingError, match="video_max_frames must be positive"):
+        _settings("--video-max-frames", "0")
+    with pytest.raises(SettingError, match="default-max-tokens must be at least 1"):
+        _settings("--default-max-tokens", "0")
+    with pytest.raises(SystemExit, match="default-max-tokens must be at least 1"):
+        main(["worker", "processor", "--default-max-tokens", "0"])
 
 
 def test_processor_limit_flags_reach_the_processor(tiny_model_dir: Path) -> None:
-    args = _worker_args("--max-images", "1", "--max-prompt-tokens", "50", "--default-max-tokens", "7")
-    limits = processor_limits(args)  # type: ignore[arg-type]
-    assert processor_limits(_worker_args(*processor_limit_args(limits))) == limits  # type: ignore[arg-type]
-    assert processor_limits(_worker_args()) == ProcessorLimits()  # type: ignore[arg-type]
+    limits = _settings("--max-images", "1", "--max-prompt-tokens", "50", "--default-max-tokens", "7").limits
     processor = Processor(load_traits(resolve_model(str(tiny_model_dir))), limits=limits)
     image = ImagePart(ImageURL("data:image/png;base64,AAAA"))
 
@@ -82,7 +85,7 @@ async def test_file_urls_are_served_only_from_a_media_dir(tmp_path: Path, mmpipe
     for d in (allowed, other):
         d.mkdir()
         (d / "clip.mp4").write_bytes(encode_video(n=8))
-    policy = media_policy(_worker_args("--media-dir", str(allowed)))  # type: ignore[arg-type]
+    policy = _settings("--media-dir", str(allowed)).media
     thread, fetcher = EngineThread(), MediaFetcher(policy)
     encoder = MediaEncoder(TorchEngine(builtin_path("tiny-qwen2-vl")), thread, fetcher, policy)
     try:
@@ -95,12 +98,8 @@ async def test_file_urls_are_served_only_from_a_media_dir(tmp_path: Path, mmpipe
         thread.close()
 
 
-def test_queue_size_flags_set_every_work_queue_and_reach_children() -> None:
-    from pipeline.cli import _config
-    from pipeline.launcher import _stream_args
-
-    config = _config(_worker_args("--queue-max-msgs", "64", "--queue-max-bytes", "1048576"))  # type: ignore[arg-type]
-    assert (config.requests_limits.max_msgs, config.hop_limits.max_bytes) == (64, 1 << 20)
-    assert _config(_worker_args(*_stream_args(config))) == config  # type: ignore[arg-type]
-    with pytest.raises(SystemExit, match="must be positive"):
-        _config(_worker_args("--queue-max-msgs", "0"))  # type: ignore[arg-type]
+def test_queue_size_flags_set_every_work_queue() -> None:
+    config = _worker("--queue-max-msgs", "64", "--queue-max-bytes", "1048576").common.pipeline
+    assert (config.request_queue_limits.max_msgs, config.hop_limits.max_bytes) == (64, 1 << 20)
+    with pytest.raises(SettingError, match="must be positive"):
+        _worker("--queue-max-msgs", "0")

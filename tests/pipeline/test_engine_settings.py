@@ -15,46 +15,53 @@ import pytest
 
 from pipeline.cli import parser
 from pipeline.config import PipelineConfig
-from pipeline.engine_flags import check_mode, engine_flag_args, vllm_args, vllm_kv_settings
+from pipeline.launcher import check_mode, role_settings
 from pipeline.serve import WorkerSettings, build_stage
+from pipeline.settings import SettingError, load_kind
+from pipeline.settings.kinds import UpSettings
 from schemas.codec import encode
 from schemas.processed import ProcessedRequest, VllmKv
 from schemas.request import ChatMessage, GenerateRequest, SamplingParams
 from stages.models import resolve_model
-from stages.vllm_engine.args import KvConnectorSettings, engine_args, kv_transfer_config
+from stages.vllm_engine.args import KvConnectorSettings, kv_transfer_config
+
+
+def _worker(role: str, *flags: str) -> WorkerSettings:
+    settings: WorkerSettings = load_kind("worker", parser().parse_args(["worker", role, *flags]), {}).settings.worker
+    return settings
 
 
 def test_engine_args_from_a_file_and_flags_json_values_and_dashes(tmp_path: Path) -> None:
     file = tmp_path / "args.json"
     file.write_text(json.dumps({"max-model-len": 1024, "dtype": "bfloat16"}))
-    got = engine_args(["dtype=float32", "enforce_eager=true", 'limit_mm_per_prompt={"image": 2}', "x=a b"], file)
-    assert got == {
+    flags = ["--vllm-args-file", str(file), "--vllm-arg", "dtype=float32", "--vllm-arg", "enforce-eager=true"]
+    flags += ["--vllm-arg", 'limit_mm_per_prompt={"image": 2}', "--vllm-arg", "x=a b"]
+    assert _worker("prefill+decode", *flags).engine_args() == {
         "max_model_len": 1024,
         "dtype": "float32",  # the flag wins over the file
         "enforce_eager": True,
         "limit_mm_per_prompt": {"image": 2},
         "x": "a b",
     }
-    with pytest.raises(ValueError, match="KEY=VALUE"):
-        engine_args(["no-value"])
+    with pytest.raises(SettingError, match="KEY=VALUE"):
+        _worker("decode", "--vllm-arg", "no-value")
     file.write_text("[1]")
     with pytest.raises(ValueError, match="JSON object"):
-        engine_args([], file)
+        _worker("decode", "--vllm-args-file", str(file)).engine_args()
 
 
-def test_worker_flags_reach_the_settings_and_up_forwards_them_to_vllm_roles_only(tmp_path: Path) -> None:
-    args = parser().parse_args(
-        ["worker", "prefill+decode", "--engine", "vllm", "--vllm-arg", "max_model_len=512", "--vllm-arg", "dtype=half"]
-    )
-    assert args.engine == "vllm"
-    assert vllm_args(args) == {"max_model_len": 512, "dtype": "half"}
-    assert parser().parse_args(["worker", "encode"]).engine == "torch"
-    forwarded = engine_flag_args("prefill+decode", "vllm", {"max_model_len": 512, "limit": {"image": 2}})
-    assert forwarded == ["--engine", "vllm", "--vllm-arg", "max_model_len=512", "--vllm-arg", 'limit={"image": 2}']
-    again = parser().parse_args(["worker", "prefill+decode", *forwarded])
-    assert vllm_args(again) == {"max_model_len": 512, "limit": {"image": 2}}
-    assert engine_flag_args("encode", "vllm", {"max_model_len": 512}) == []
-    assert engine_flag_args("prefill+decode", "torch", {}) == []
+def test_up_gives_vllm_to_its_roles_only(tmp_path: Path) -> None:
+    worker = _worker("prefill+decode", "--engine", "vllm", "--vllm-arg", "max_model_len=512")
+    assert (worker.engine, worker.engine_args()) == ("vllm", {"max_model_len": 512})
+    assert _worker("encode").engine == "torch"
+    up = UpSettings()
+    for role in ("prefill+decode", "prefill", "decode", "encode+prefill", "encode+prefill+decode"):
+        handed = role_settings(role, worker, up, tmp_path, 0)
+        assert (handed.engine, handed.engine_args()) == ("vllm", {"max_model_len": 512}), role
+    assert role_settings("encode", worker, up, tmp_path, 0).engine == "torch"
+    assert role_settings("processor", worker, up, tmp_path, 0).engine == "torch"
+    torch_worker = _worker("decode")
+    assert role_settings("decode", torch_worker, up, tmp_path, 0).engine == "torch"
 
 
 def test_up_takes_every_mode_with_vllm() -> None:
@@ -63,21 +70,19 @@ def test_up_takes_every_mode_with_vllm() -> None:
         check_mode("torch", mode)
 
 
-def test_kv_connector_flags_reach_the_prefill_and_decode_roles_as_producer_and_consumer(tmp_path: Path) -> None:
-    args = parser().parse_args(["worker", "decode", "--engine", "vllm", "--vllm-kv-connector", "nixl"])
-    assert vllm_kv_settings(args) == KvConnectorSettings("nixl", "", 0)
-    assert parser().parse_args(["worker", "decode"]).vllm_kv_connector == "example"
-    kv = KvConnectorSettings("example", str(tmp_path / "kv"))
+def test_kv_connector_settings_reach_the_prefill_and_decode_roles(tmp_path: Path) -> None:
+    assert _worker("decode", "--vllm-kv-connector", "nixl", "--vllm-kv-port", "7").vllm_kv == KvConnectorSettings(
+        "nixl", "", 7
+    )
+    assert _worker("decode").vllm_kv.connector == "example"
+    # mmpipe up: one folder for the deployment, a free side-channel port for each worker.
+    worker = _worker("decode", "--engine", "vllm", "--vllm-kv-port", "7", "--vllm-storage-ttl", "0")
     for role in ("prefill", "encode+prefill", "decode"):
-        forwarded = engine_flag_args(role, "vllm", {}, kv)
-        assert forwarded[-4:] == ["--vllm-kv-connector", "example", "--vllm-kv-path", str(tmp_path / "kv")]
-        assert vllm_kv_settings(parser().parse_args(["worker", role, *forwarded])) == kv
-    assert "--vllm-kv-connector" not in engine_flag_args("prefill+decode", "vllm", {}, kv)
-    # --vllm-storage-ttl reaches the workers (the default is theirs too).
-    assert parser().parse_args(["worker", "prefill"]).vllm_storage_ttl == 600.0
-    forwarded = engine_flag_args("prefill", "vllm", {}, kv, storage_ttl_s=0.0)
-    assert parser().parse_args(["worker", "prefill", *forwarded]).vllm_storage_ttl == 0.0
-    assert "--vllm-storage-ttl" not in engine_flag_args("prefill", "vllm", {}, kv)
+        handed = role_settings(role, worker, UpSettings(), tmp_path, 0)
+        assert handed.vllm_kv == KvConnectorSettings("example", str(tmp_path / "vllm-kv"), 0), role
+        assert handed.vllm_storage_ttl_s == 0.0
+    assert _worker("prefill").vllm_storage_ttl_s == 600.0
+    kv = KvConnectorSettings("example", str(tmp_path / "kv"))
     assert kv_transfer_config("prefill", kv) == {
         "kv_role": "kv_producer",
         "kv_connector": "ExampleConnector",
