@@ -23,10 +23,11 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
-from collections import OrderedDict
 from typing import TYPE_CHECKING, Final
 
 from prometheus_client import Counter, Gauge
+
+from stages.media.lru import ByteLRU
 
 if TYPE_CHECKING:
     import torch
@@ -146,10 +147,10 @@ class EmbeddingCache:
     def __init__(self, capacity_bytes: int, name: str = "encode") -> None:
         if capacity_bytes < 0:
             raise ValueError(f"embedding cache capacity must be >= 0 bytes, got {capacity_bytes}")
-        self._capacity = capacity_bytes
         self._name = name
-        self._entries: OrderedDict[str, CachedEmbedding] = OrderedDict()
-        self._bytes = 0
+        self._lru: ByteLRU[str, CachedEmbedding] = ByteLRU(
+            capacity_bytes, lambda value: value.nbytes, on_evict=self._evicted
+        )
         self._hits = self._misses = self._evictions = self._refused = 0
         self._m_misses = MISSES.labels(name=name)
         # labels() alone exports a series (at 0): a disabled cache makes none but its misses.
@@ -164,25 +165,24 @@ class EmbeddingCache:
     @property
     def capacity(self) -> int:
         """Capacity in bytes of tensor data; 0 when disabled."""
-        return self._capacity
+        return self._lru.capacity
 
     @property
     def bytes(self) -> int:
         """Bytes of tensor data held now; never over ``capacity``."""
-        return self._bytes
+        return self._lru.bytes
 
     @property
     def entries(self) -> int:
-        return len(self._entries)
+        return len(self._lru)
 
     def get(self, key: str) -> CachedEmbedding | None:
         """The entry for ``key``, made most recently used, or None; counted as a hit or a miss."""
-        value = self._entries.get(key)
+        value = self._lru.get(key)
         if value is None or self._series is None:
             self._misses += 1
             self._m_misses.inc()
             return None
-        self._entries.move_to_end(key)
         self._hits += 1
         self._series.hits.inc()
         return value
@@ -197,21 +197,10 @@ class EmbeddingCache:
         series = self._series
         if series is None:
             return False
-        size = value.nbytes
-        if size > self._capacity:
+        if not self._lru.put(key, value):
             self._refused += 1
             series.refused.inc()
             return False
-        old = self._entries.pop(key, None)
-        if old is not None:
-            self._bytes -= old.nbytes
-        while self._entries and self._bytes + size > self._capacity:
-            _, evicted = self._entries.popitem(last=False)
-            self._bytes -= evicted.nbytes
-            self._evictions += 1
-            series.evictions.inc()
-        self._entries[key] = value
-        self._bytes += size
         self._update_gauges()
         return True
 
@@ -222,11 +211,16 @@ class EmbeddingCache:
             "misses": self._misses,
             "evictions": self._evictions,
             "refused": self._refused,
-            "bytes": self._bytes,
-            "entries": len(self._entries),
+            "bytes": self._lru.bytes,
+            "entries": len(self._lru),
         }
+
+    def _evicted(self, key: str, value: CachedEmbedding) -> None:
+        self._evictions += 1
+        if self._series is not None:
+            self._series.evictions.inc()
 
     def _update_gauges(self) -> None:
         if self._series is not None:
-            self._series.bytes.set(self._bytes)
-            self._series.entries.set(len(self._entries))
+            self._series.bytes.set(self._lru.bytes)
+            self._series.entries.set(len(self._lru))

@@ -13,13 +13,13 @@ Event-loop only, like the embedding cache.
 
 from __future__ import annotations
 
-from collections import OrderedDict
 from typing import Final
 
 from PIL import Image
 from prometheus_client import Counter
 
 from stages.media.audio import DecodedAudio
+from stages.media.lru import ByteLRU
 from stages.media.video import DecodedVideo
 
 Decoded = Image.Image | DecodedVideo | DecodedAudio
@@ -41,27 +41,25 @@ class DecodedMediaCache:
     def __init__(self, capacity_bytes: int) -> None:
         if capacity_bytes < 0:
             raise ValueError(f"decoded media cache capacity must be >= 0 bytes, got {capacity_bytes}")
-        self.capacity = capacity_bytes
-        self.bytes = 0
-        self._entries: OrderedDict[str, tuple[Decoded, int]] = OrderedDict()
+        self._lru: ByteLRU[str, Decoded] = ByteLRU(capacity_bytes, decoded_nbytes)
+
+    @property
+    def capacity(self) -> int:
+        return self._lru.capacity
+
+    @property
+    def bytes(self) -> int:
+        return self._lru.bytes
 
     def __len__(self) -> int:
-        return len(self._entries)
+        return len(self._lru)
 
     def get(self, key: str) -> Decoded | None:
-        entry = self._entries.get(key)
-        LOOKUPS.labels("hit" if entry is not None else "miss").inc()
-        if entry is None:
-            return None
-        self._entries.move_to_end(key)
-        return entry[0]
+        media = self._lru.get(key)
+        LOOKUPS.labels("hit" if media is not None else "miss").inc()
+        return media
 
     def put(self, key: str, media: Decoded) -> None:
-        size = decoded_nbytes(media)
-        if size > self.capacity or key in self._entries:
-            return
-        while self.bytes + size > self.capacity:
-            _, (_, evicted) = self._entries.popitem(last=False)
-            self.bytes -= evicted
-        self._entries[key] = (media, size)
-        self.bytes += size
+        # The key names the content and how it was read: one already held is the same media.
+        if key not in self._lru:
+            self._lru.put(key, media)

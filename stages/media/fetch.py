@@ -13,7 +13,6 @@ import stat
 import sys
 import time
 import urllib.parse
-from collections import OrderedDict
 from functools import partial
 from pathlib import Path
 from typing import Final, Self
@@ -23,6 +22,7 @@ from aiohttp.abc import AbstractResolver, ResolveResult
 from yarl import URL
 
 from schemas.errors import InvalidMedia, MediaFetchFailed, TooLarge, UrlNotAllowed
+from stages.media.lru import ByteLRU
 from stages.media.policy import (
     MAX_URL_CHARS,
     MediaPolicy,
@@ -143,8 +143,6 @@ class MediaFetcher:
         user_agent: str = "mmpipe-media/1.0",
     ) -> None:
         self._policy = policy if policy is not None else MediaPolicy()
-        self._cache_max_items = cache_max_items
-        self._cache_max_bytes = cache_max_bytes
         self._cache_ttl_s = cache_ttl_s
         self._inner_resolver = resolver
         self._user_agent = user_agent
@@ -154,8 +152,12 @@ class MediaFetcher:
         self._inflight: dict[str, _Inflight] = {}
         # Every download still running, including ones abandoned by all their callers.
         self._tasks: set[asyncio.Task[bytes]] = set()
-        self._cache: OrderedDict[str, tuple[float, bytes]] = OrderedDict()
-        self._cache_bytes = 0
+        # (expiry on the monotonic clock, bytes) by URL. Never over the LRU's own byte capacity,
+        # whatever cap the download ran under: a 64 MiB video is not kept by a cache sized for
+        # images, and the cache never exceeds its budget. A bound <= 0 turns the cache off.
+        self._cache: ByteLRU[str, tuple[float, bytes]] = ByteLRU(
+            max(cache_max_bytes, 0), lambda entry: len(entry[1]), max_entries=max(cache_max_items, 0)
+        )
 
     @property
     def policy(self) -> MediaPolicy:
@@ -180,7 +182,6 @@ class MediaFetcher:
         if session is not None:
             await session.close()
         self._cache.clear()
-        self._cache_bytes = 0
 
     async def fetch(self, url: str, *, max_bytes: int | None = None) -> bytes:
         """The bytes ``url`` names, within the policy's scheme, address, size and time limits.
@@ -338,26 +339,12 @@ class MediaFetcher:
             return None
         expires, data = hit
         if expires < time.monotonic():
-            self._cache_drop(key)
+            self._cache.pop(key)
             return None
-        self._cache.move_to_end(key)
         return data
 
     def _cache_put(self, key: str, data: bytes) -> None:
-        # Never over the LRU's own byte capacity, whatever cap the download ran under: a 64 MiB
-        # video is not kept by a cache sized for images, and the cache never exceeds its budget.
-        if self._cache_max_items <= 0 or len(data) > self._cache_max_bytes:
-            return
-        self._cache_drop(key)
-        self._cache[key] = (time.monotonic() + self._cache_ttl_s, data)
-        self._cache_bytes += len(data)
-        while len(self._cache) > self._cache_max_items or self._cache_bytes > self._cache_max_bytes:
-            self._cache_drop(next(iter(self._cache)))
-
-    def _cache_drop(self, key: str) -> None:
-        old = self._cache.pop(key, None)
-        if old is not None:
-            self._cache_bytes -= len(old[1])
+        self._cache.put(key, (time.monotonic() + self._cache_ttl_s, data))
 
 
 def _redirect_target(resp: aiohttp.ClientResponse, current: URL) -> URL:
