@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from pipeline import logging as mm_logging
+from pipeline import tracing
 from pipeline.auth import NatsAuth
 from pipeline.bench.decode import add_arguments as add_decode_arguments
 from pipeline.bench.encode import add_arguments as add_encode_arguments
@@ -261,6 +262,8 @@ def _started(kind: str, args: argparse.Namespace) -> Loaded[Any]:
     tree = loaded.settings
     common = getattr(tree, "common", tree)
     _set_up(common.auth, common.log.level)
+    if kind in ("worker", "bridge"):
+        tracing.configure(common.tracing, f"mmpipe-{getattr(args, 'role', kind)}")
     return loaded
 
 

@@ -14,6 +14,7 @@ from typing import Any
 import structlog
 from aiohttp import web
 
+from pipeline import tracing
 from pipeline.bridge.app import Bridge, BridgeSettings
 from pipeline.config import PipelineConfig
 from pipeline.connection import connect, shutdown
@@ -253,6 +254,7 @@ async def run_worker(role: str, config: PipelineConfig, settings: WorkerSettings
 
 async def _serve_role(role: str, config: PipelineConfig, settings: WorkerSettings, health: WorkerHealth) -> None:
     nc, js = await connect(config.nats_url, name=f"mmpipe-{role}")
+    tracing.attach_nats(nc, config.subjects.spans(role))
     tensors: TensorTransport | None = None
     try:
         if moves_tensors(role):
@@ -283,6 +285,7 @@ async def _serve_role(role: str, config: PipelineConfig, settings: WorkerSetting
 
 async def run_bridge(config: PipelineConfig, settings: BridgeSettings) -> None:
     nc, js = await connect(config.nats_url, name="mmpipe-bridge")
+    tracing.attach_nats(nc, config.subjects.spans("bridge"))
     bridge = Bridge(nc, js, config, settings)
     runner = web.AppRunner(bridge.app(), handler_cancellation=True, access_log=None)
     await runner.setup()

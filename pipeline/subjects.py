@@ -63,6 +63,14 @@ class Subjects:
     def dead(self) -> str:
         return f"{self.prefix}.dead"
 
+    def spans(self, process: str) -> str:
+        """Where a process publishes its finished trace spans (--trace-nats)."""
+        return f"{self.prefix}.spans.{role_token(process)}"
+
+    @property
+    def all_spans(self) -> str:
+        return f"{self.prefix}.spans.>"
+
     def ping(self, role: str) -> str:
         return f"{self.prefix}.ping.{role_token(role)}"
 

@@ -17,8 +17,9 @@ from nats.errors import MaxPayloadError
 from nats.errors import TimeoutError as NatsTimeoutError
 from nats.js import JetStreamContext
 from nats.js.errors import APIError
+from opentelemetry.trace import Span
 
-from pipeline import metrics
+from pipeline import metrics, tracing
 from pipeline.cancel import CancelRegistry
 from pipeline.config import PipelineConfig
 from pipeline.outcomes import Ack, Nak, Outcome, Reject, outcome_for
@@ -270,14 +271,21 @@ class Worker:
     # -- one message ---------------------------------------------------------
 
     async def _handle(self, msg: Msg) -> None:
+        with tracing.hop_span(self.role, msg.headers, worker=self.worker_id) as span:
+            await self._handle_traced(msg, span)
+
+    async def _handle_traced(self, msg: Msg, span: Span) -> None:
         self.handled += 1
         started = time.monotonic()
         meta = msg.metadata
         deliveries = meta.num_delivered or 1
         ctx = HopContext()
         if meta.timestamp:
-            ctx.trace["queue_wait_s"] = max(0.0, time.time() - meta.timestamp.timestamp())
+            now_ns = time.time_ns()
+            queued_ns = int(meta.timestamp.timestamp() * 1e9)
+            ctx.trace["queue_wait_s"] = max(0.0, (now_ns - queued_ns) / 1e9)
             metrics.QUEUE_WAIT.labels(self.role).observe(ctx.trace["queue_wait_s"])
+            tracing.past_span("queue_wait", min(queued_ns, now_ns), now_ns, role=self.role)
         content_type = (msg.headers or {}).get(CONTENT_TYPE)
         try:
             message = self._decoder.decode(msg.data, content_type)
@@ -285,6 +293,8 @@ class Worker:
             await self.settler.settle(msg, None, Reject(InvalidRequest(f"malformed message: {exc}")), deliveries)
             return
         request = message.request if isinstance(message, ProcessedRequest) else message
+        span.set_attribute("request_id", request.request_id)
+        span.set_attribute("delivery", deliveries)
         structlog.contextvars.bind_contextvars(request_id=request.request_id, stage=self.role)
         try:
             if isinstance(message, ProcessedRequest) and not _for_role(message, self.role):
@@ -411,6 +421,7 @@ class Worker:
             # attempt from the first hop is not.
             "Nats-Msg-Id": f"{out.request.request_id}:{out.attempt}:{out.hop_index}",
         }
+        tracing.inject(headers)
         data = encode(out)
         limit = self.nc.max_payload - _HEADER_ROOM
         if len(data) > limit:

@@ -20,9 +20,10 @@ from nats.errors import MaxPayloadError, NoRespondersError
 from nats.errors import TimeoutError as NatsTimeoutError
 from nats.js import JetStreamContext
 from nats.js.errors import APIError, NoStreamResponseError
+from opentelemetry.trace import Span, SpanKind
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from pipeline import metrics
+from pipeline import metrics, tracing
 from pipeline.bridge import responses
 from pipeline.bridge.openai_types import REQUEST_DECODER, to_generate_request
 from pipeline.config import PipelineConfig
@@ -164,6 +165,11 @@ class Bridge:
         self._authorize(request)
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         request[_REQUEST_ID] = rid
+        # The request's trace starts here; every hop continues it (traceparent in the NATS headers).
+        with tracing.tracer().start_as_current_span("bridge", kind=SpanKind.SERVER, attributes={"request_id": rid}):
+            return await self._chat_completions(request, rid)
+
+    async def _chat_completions(self, request: web.Request, rid: str) -> web.StreamResponse:
         body_bytes = await request.read()
         try:
             body = REQUEST_DECODER.decode(body_bytes)
@@ -217,7 +223,7 @@ class Bridge:
         return data
 
     async def _submit(self, rid: str, data: bytes) -> None:
-        headers = {CONTENT_TYPE: MSGPACK, "Nats-Msg-Id": f"{rid}:0:request"}
+        headers = tracing.inject({CONTENT_TYPE: MSGPACK, "Nats-Msg-Id": f"{rid}:0:request"})
         try:
             await self.js.publish(self.subjects.requests, data, headers=headers, timeout=5.0)
         except MaxPayloadError:
@@ -237,6 +243,15 @@ class Bridge:
             log.error("cancel_publish_failed", error=repr(exc))
 
     async def _chunks(self, sub: Subscription, rid: str, deadline: float) -> AsyncIterator[ReplyChunk]:
+        # From the request queued to its first chunk here: the time to first token the bridge adds nothing to.
+        waiting: Span | None = tracing.tracer().start_span("first_token")
+        async for chunk in self._relayed(sub, rid, deadline):
+            if waiting is not None:
+                waiting.end()
+                waiting = None
+            yield chunk
+
+    async def _relayed(self, sub: Subscription, rid: str, deadline: float) -> AsyncIterator[ReplyChunk]:
         relay = ExactlyOnceRelay()
         reconnects = self.nc.stats["reconnects"]
         while not relay.done:

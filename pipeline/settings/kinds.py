@@ -19,6 +19,7 @@ from pipeline.config import PipelineConfig
 from pipeline.serve import WorkerSettings
 from pipeline.settings.leaves import leaves
 from pipeline.settings.load import Loaded, load
+from pipeline.tracing import TracingSettings
 from schemas.settings import section, setting
 
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
@@ -36,6 +37,7 @@ class CommonSettings:
     pipeline: PipelineConfig = section(PipelineConfig, "NATS and JetStream (give every process the same)")
     auth: NatsAuth = section(NatsAuth, "NATS credentials and TLS (variables keep them out of ps)")
     log: LogSettings = section(LogSettings, "logging")
+    tracing: TracingSettings = section(TracingSettings, "traces (OpenTelemetry)")
 
 
 @dataclass(frozen=True)

@@ -22,7 +22,7 @@ from pipeline.settings.reference import render
 from schemas.routes import MODES
 
 # Values a check at load time needs valid (the rest take any value of their type).
-_VALID = {"workers": "encode=2", "modalities": "image,audio"}
+_VALID = {"workers": "encode=2", "modalities": "image,audio", "trace-sample": 0.25}
 
 
 def _value(leaf: Leaf) -> Any:
