@@ -20,7 +20,7 @@ from pipeline.health import HealthSettings
 from pipeline.limit_flags import add_media_flags, add_processor_flags, media_policy, processor_limits
 from pipeline.streams import ProvisioningConflict
 from schemas.routes import MODES, ROLES
-from stages.engine_settings import DecodeSettings
+from stages.torch_engine.settings import DecodeSettings
 
 DEFAULT_MODEL = "tiny-qwen2-vl"
 

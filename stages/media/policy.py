@@ -82,7 +82,8 @@ class MediaPolicy:
     decoded_cache_bytes: int = 256 * MiB
 
     # Media items one encoder call may take from several requests waiting together
-    # (stages.encode_batcher). 1: each request alone, generate()'s exact embeddings.
+    # (stages.torch_engine.encode_batcher). 1: each request alone, generate()'s
+    # exact embeddings.
     encode_batch_items: int = 1
 
     def __post_init__(self) -> None:

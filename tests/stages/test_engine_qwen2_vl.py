@@ -18,11 +18,12 @@ from PIL import Image
 
 from schemas.errors import ContextLengthExceeded, InvalidRequest
 from schemas.processed import MediaKind
-from stages.engine.reference import load_reference_model, reference_generate
-from stages.engine.sampling import SamplingConfig, select_token, token_seed
-from stages.engine.sequence import KvState
-from stages.engine.torch_engine import TorchEngine
 from stages.families import MediaEmbedding
+from stages.sampling import SamplingConfig
+from stages.torch_engine.engine import TorchEngine
+from stages.torch_engine.reference import load_reference_model, reference_generate
+from stages.torch_engine.sampling import select_token, token_seed
+from stages.torch_engine.sequence import KvState
 from tests.stages.engine_helpers import decode, engine_on, greedy
 
 N_NEW = 24

@@ -17,6 +17,7 @@ class DecodeSettings:
     slots: int = 32
     max_len: int = 4096
     cuda_graphs: bool = True
-    # The fused layer step (stages.fused_decode) instead of the model's
-    # modules; None: on CUDA only (the CPU keeps generate()'s exact numerics).
+    # The fused layer step (stages.torch_engine.fused_decode) instead of the
+    # model's modules; None: on CUDA only (the CPU keeps generate()'s exact
+    # numerics).
     fused: bool | None = None
