@@ -347,13 +347,6 @@ class TorchEngine:
             logits = self._decode_forward(seq)
             return self._continue(seq, logits, emitted[len(done) + 1 :])
 
-    def is_stop_token(self, seq: Sequence, token: int) -> bool:
-        """Whether `token`, just returned for `seq`, ends it (EOS, unless ignore_eos).
-
-        EOS cannot appear before min_tokens: its logits were masked.
-        """
-        return token in self.eos_token_ids and not seq.sampling.ignore_eos
-
     # -- internals ----------------------------------------------------------
 
     def prefill_together(
