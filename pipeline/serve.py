@@ -25,10 +25,10 @@ from schemas.processed import MediaKind
 from schemas.routes import HOP_ROLES, PROCESSOR, moves_tensors
 from schemas.settings import section, setting
 from stages.contract import Stage, TensorStore
-from stages.engine_settings import DecodeSettings
 from stages.media import EmbeddingCache, MediaPolicy
 from stages.models import DEFAULT_MODEL, ModelSpec, resolve_model
 from stages.processor import ProcessorLimits
+from stages.torch_engine.settings import DecodeSettings
 from stages.vllm_engine.args import STORAGE_TTL_S, KvConnectorSettings, engine_args_file
 
 log = structlog.get_logger(__name__)
@@ -164,9 +164,9 @@ def build_stage(
         raise SystemExit(f"unknown role {role!r}; roles: {PROCESSOR}, {', '.join(HOP_ROLES)}")
     if settings.engine == "vllm":
         return _vllm_stage(role, settings, spec, tensors)
-    from stages.engine import TorchEngine
     from stages.hop import HopStage
-    from stages.torch_hop import TorchHopEngine
+    from stages.torch_engine.engine import TorchEngine
+    from stages.torch_engine.hop_engine import TorchHopEngine
 
     # Only a role that decodes keeps a batch decoder (and its preallocated cache).
     decode = dataclasses.replace(

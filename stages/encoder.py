@@ -21,9 +21,7 @@ import torch
 
 from schemas.processed import MediaItem, MediaKind, ProcessedRequest
 from stages.contract import HopContext
-from stages.encode_batcher import EncodeBatcher
-from stages.engine import MediaEmbedding, TorchEngine
-from stages.families import Media
+from stages.families import Media, MediaEmbedding
 from stages.media import (
     CachedEmbedding,
     EmbeddingCache,
@@ -37,7 +35,9 @@ from stages.media import (
     parse_embeddings,
 )
 from stages.media.decoded import DecodedMediaCache
-from stages.scheduler import EngineThread
+from stages.torch_engine.encode_batcher import EncodeBatcher
+from stages.torch_engine.engine import TorchEngine
+from stages.torch_engine.scheduler import EngineThread
 
 # Hashing runs at about 1 GB/s: beyond this much, do it off the event loop.
 _THREAD_HASH_BYTES = 4 << 20

@@ -4,9 +4,10 @@
 ``decode`` and their ``+`` joins) through ``HopEngine`` alone; how a step is
 done stays behind it:
 
-- the built-in engine (``TorchHopEngine``, stages/torch_hop.py): mmpipe's
-  encoder, prefill and continuous-batching decode on torch, tensors (media
-  embeddings, KV cache) handed to the next hop by mmpipe's ``TensorStore``;
+- the built-in engine (``TorchHopEngine``, stages/torch_engine/hop_engine.py):
+  mmpipe's encoder, prefill and continuous-batching decode on torch, tensors
+  (media embeddings, KV cache) handed to the next hop by mmpipe's
+  ``TensorStore``;
 - vLLM (``VllmHopEngine``, stages/vllm_engine/hop_engine.py): ``AsyncLLM``,
   the KV cache moved by vLLM's own connector (``VllmKv`` in the message),
   images encoded by mmpipe's encoder or by vLLM encoder-only.
@@ -34,8 +35,8 @@ from schemas.errors import ContextLengthExceeded, InvalidRequest
 from schemas.processed import EncodedItem, EncodedMedia, KvHandoff, ProcessedRequest, VllmEncoded, VllmKv
 from schemas.tensors import TensorRef
 from stages.contract import HopContext, TensorStore
-from stages.engine.sampling import SamplingConfig
 from stages.families import MediaEmbedding
+from stages.sampling import SamplingConfig
 
 
 class Prefilled(Protocol):

@@ -10,8 +10,9 @@ eager with ``--no-cuda-graphs``), timed over the same number of steps. A
 step must read every weight of the language model and every row's KV cache:
 bytes / the card's peak bandwidth is the roofline step time.
 
-Needs only torch, transformers and this package's stages.batch_decoder and
-stages.models (msgspec): it runs where the rest of mmpipe is not installed.
+Needs only torch, transformers and this package's
+stages.torch_engine.batch_decoder and stages.models (msgspec): it runs where
+the rest of mmpipe is not installed.
 """
 
 from __future__ import annotations
@@ -86,9 +87,9 @@ def main(args: argparse.Namespace) -> int:
 def _preset(preset: str, batches: list[int], args: argparse.Namespace, device: Any, peak: float | None) -> list[Any]:
     import torch
 
-    from stages.batch_decoder import BatchDecoder
-    from stages.fused_decode import FusedKernels
     from stages.models.presets import build_preset_model
+    from stages.torch_engine.batch_decoder import BatchDecoder
+    from stages.torch_engine.fused_decode import FusedKernels
 
     model = build_preset_model(preset, str(device))
     weights = _weight_bytes(model)
@@ -201,7 +202,7 @@ def _decoder_step_ms(
     as the decode loop runs it (TorchEngine.launch/collect), step k+1
     launched before step k's tokens are read, its tokens fed from the
     device; else each step's tokens are read before the next is launched."""
-    from stages.batch_decoder import StepInputs
+    from stages.torch_engine.batch_decoder import StepInputs
 
     batch, context = ids.shape
     caches, firsts = _prefill(model, ids)

@@ -65,9 +65,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     import transformers
 
     from pipeline.bench.load import parse_image_size
-    from stages.encode_batcher import EncodeBatcher
-    from stages.engine import DecodeSettings, TorchEngine
-    from stages.scheduler import EngineThread
+    from stages.torch_engine.encode_batcher import EncodeBatcher
+    from stages.torch_engine.engine import TorchEngine
+    from stages.torch_engine.scheduler import EngineThread
+    from stages.torch_engine.settings import DecodeSettings
 
     device = args.encode_device or ("cuda" if torch.cuda.is_available() else "cpu")
     name = torch.cuda.get_device_name(device) if device.startswith("cuda") else "cpu"

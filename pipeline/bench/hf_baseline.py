@@ -4,7 +4,7 @@ What a user gets from transformers alone: ``generate()`` serving one request
 at a time, the model in one process (bf16 on the GPU). Each request is the
 load's own request (the same chat prompt, the same seeded PNGs, greedy,
 exactly ``max_tokens`` new tokens), prepared as the project's reference does
-(stages.engine.reference: the image processor, placeholders expanded,
+(stages.torch_engine.reference: the image processor, placeholders expanded,
 ``mm_token_type_ids``).
 
 The load is a closed loop of ``concurrency`` clients, as ``mmpipe bench``
@@ -50,7 +50,7 @@ class HfServer:
         import torch
         from transformers import AutoTokenizer
 
-        from stages.engine.reference import load_reference_model
+        from stages.torch_engine.reference import load_reference_model
 
         self.model_dir = Path(model_dir)
         self.device = device
@@ -63,7 +63,7 @@ class HfServer:
         import torch
         from PIL import Image
 
-        from stages.engine.reference import reference_generate
+        from stages.torch_engine.reference import reference_generate
 
         images = [Image.open(io.BytesIO(base64.b64decode(url.split(",", 1)[1]))).convert("RGB") for url in image_urls]
         content: list[dict[str, Any]] = [{"type": "image"} for _ in images]

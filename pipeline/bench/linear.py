@@ -1,4 +1,4 @@
-"""Skinny GEMMs of a decode step: cuBLAS (F.linear) against stages/triton_linear.py.
+"""Skinny GEMMs of a decode step: cuBLAS (F.linear) against stages/torch_engine/kernels/triton_linear.py.
 
     python -m pipeline.bench.linear                  # everything, ~3-4 min on an H100
     python -m pipeline.bench.linear --no-sweep       # cuBLAS vs the heuristic only (~30 s)
@@ -29,8 +29,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from stages import triton_linear as tlin
-from stages.triton_linear import Config
+from stages.torch_engine.kernels import triton_linear as tlin
+from stages.torch_engine.kernels.triton_linear import Config
 
 SHAPES = [  # (model, name, N, K)
     ("2b", "qkv", 2048, 1536),

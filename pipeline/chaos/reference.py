@@ -1,5 +1,5 @@
 """What each chaos request must answer at temperature 0: transformers
-``generate()`` on the served checkpoint (stages/engine/reference.py)."""
+``generate()`` on the served checkpoint (stages/torch_engine/reference.py)."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ class Reference:
     def __init__(self, model_dir: str | Path) -> None:
         from transformers import AutoTokenizer
 
-        from stages.engine.reference import load_reference_model
+        from stages.torch_engine.reference import load_reference_model
 
         self.model_dir = Path(model_dir)
         self.model = load_reference_model(self.model_dir)
@@ -24,7 +24,7 @@ class Reference:
         """generate()'s text for a greedy job, token by token as a stream
         carries it (cached per variant and length)."""
         from stages.detokenizer import IncrementalDetokenizer
-        from stages.engine.reference import reference_generate
+        from stages.torch_engine.reference import reference_generate
 
         assert job.temperature == 0, "generate() is the reference of greedy requests only"
         key = (job.variant, job.max_tokens)

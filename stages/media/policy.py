@@ -99,7 +99,8 @@ class MediaPolicy:
     )
 
     # Media items one encoder call may take from several requests waiting together
-    # (stages.encode_batcher). 1: each request alone, generate()'s exact embeddings.
+    # (stages.torch_engine.encode_batcher). 1: each request alone, generate()'s
+    # exact embeddings.
     encode_batch_items: int = setting(
         1,
         flag="encode-batch",

@@ -21,8 +21,8 @@ from typing import Any
 
 import structlog
 
-from stages.engine.sampling import SamplingConfig
 from stages.families import MediaEmbedding
+from stages.sampling import SamplingConfig
 from stages.vllm_engine.args import STORAGE_TTL_S, KvConnectorSettings, require_vllm
 from stages.vllm_engine.health import watch_engine
 from stages.vllm_engine.media import mm_prompt
@@ -52,7 +52,7 @@ class VllmEngine:
         require_vllm()
         from transformers import AutoConfig, AutoTokenizer, GenerationConfig
 
-        from stages.engine.torch_engine import _eos_ids
+        from stages.torch_engine.engine import _eos_ids
 
         self.model_dir = Path(model_dir)
         # mmpipe passes image embeddings (its encoder's) to vLLM: enable_mm_embeds.

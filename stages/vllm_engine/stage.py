@@ -13,7 +13,7 @@ from stages.contract import TensorStore
 from stages.encoder import MediaEncoder
 from stages.hop import HopStage
 from stages.media import EmbeddingCache, MediaFetcher, MediaPolicy
-from stages.scheduler import EngineThread
+from stages.torch_engine.scheduler import EngineThread
 from stages.vllm_engine.args import STORAGE_TTL_S, KvConnectorSettings, kv_transfer_config
 from stages.vllm_engine.engine import VllmEngine
 from stages.vllm_engine.hop_engine import VllmHopEngine
@@ -62,7 +62,8 @@ def build_vllm_stage(
     engine = VllmEngine(model_dir, engine_args, role=role, kv=kv, storage_ttl_s=storage_ttl_s)
     encoder = None
     if role.startswith("encode"):
-        from stages.engine import DecodeSettings, TorchEngine
+        from stages.torch_engine.engine import TorchEngine
+        from stages.torch_engine.settings import DecodeSettings
 
         torch_engine = TorchEngine(model_dir, device=device, decode=DecodeSettings(batched=False))
         policy = media_policy or MediaPolicy()

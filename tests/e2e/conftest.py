@@ -29,9 +29,9 @@ from pipeline.transport import TransportSettings, open_transport
 from pipeline.worker import Worker
 from schemas.chunk import ReplyChunk, TokenChunk
 from schemas.routes import MODES, PROCESSOR, moves_tensors
-from stages.engine.reference import load_reference_model, reference_generate
 from stages.media import MediaPolicy
 from stages.models import ModelSpec, resolve_model
+from stages.torch_engine.reference import load_reference_model, reference_generate
 
 
 def png_data_url(image: Image.Image) -> str:

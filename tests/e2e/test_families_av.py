@@ -12,9 +12,9 @@ import pytest
 from transformers import AutoTokenizer
 
 from pipeline.config import PipelineConfig
-from stages.engine.reference import load_reference_model, reference_generate
 from stages.media import MediaPolicy, VideoOptions, decode_audio, decode_video
 from stages.models import builtin_path, resolve_model
+from stages.torch_engine.reference import load_reference_model, reference_generate
 from tests.e2e.conftest import N, ask, client, gradient, png_data_url, start_stack
 from tests.stages.test_media_av import encode_audio, encode_video
 

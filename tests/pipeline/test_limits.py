@@ -17,12 +17,12 @@ from schemas.processed import MediaItem, MediaKind, ProcessedRequest
 from schemas.request import ChatMessage, GenerateRequest, ImagePart, ImageURL, TextPart
 from stages.contract import HopContext
 from stages.encoder import MediaEncoder
-from stages.engine import TorchEngine
 from stages.media import MediaFetcher, MediaPolicy
 from stages.models import builtin_path, resolve_model
 from stages.models.traits import load_traits
 from stages.processor import Processor, ProcessorLimits
-from stages.scheduler import EngineThread
+from stages.torch_engine.engine import TorchEngine
+from stages.torch_engine.scheduler import EngineThread
 from tests.stages.test_media_av import encode_video
 
 

@@ -9,9 +9,9 @@ from typing import Any
 
 import torch
 
-from stages.engine.sampling import SamplingConfig
-from stages.engine.torch_engine import TorchEngine
-from stages.engine_settings import DecodeSettings
+from stages.sampling import SamplingConfig
+from stages.torch_engine.engine import TorchEngine
+from stages.torch_engine.settings import DecodeSettings
 
 
 def engine_on(device: str, model_dir: Path, decode: DecodeSettings | None = None) -> TorchEngine:

@@ -14,11 +14,13 @@ import pytest
 import torch
 from PIL import Image
 
-from stages.decode_attention import varlen_reference
-from stages.engine import DecodeSettings, SamplingConfig, TorchEngine
-from stages.engine.reference import load_reference_model, reference_generate
-from stages.fused_decode import FusedKernels
 from stages.models import builtin_path
+from stages.sampling import SamplingConfig
+from stages.torch_engine.decode_attention import varlen_reference
+from stages.torch_engine.engine import TorchEngine
+from stages.torch_engine.fused_decode import FusedKernels
+from stages.torch_engine.reference import load_reference_model, reference_generate
+from stages.torch_engine.settings import DecodeSettings
 from tests.stages.engine_helpers import chat_prompt, engine_on
 
 N = 16
@@ -109,12 +111,12 @@ def test_joining_and_leaving_gives_the_tokens_of_one_at_a_time(engines: Any, tem
 
 
 def test_steps_launched_one_ahead_give_the_tokens_of_one_at_a_time(engines: Any) -> None:
-    """The decode loop's way (stages.scheduler): step k+1 is launched before
-    step k's tokens are read, so every token after the first launch comes
-    from the device; a sequence that ends takes one step more (dropped),
-    and is freed while that step is launched: the last slot moves into its
-    place with the launched step's write. EOS is masked on the device until
-    min_tokens (here below max_tokens)."""
+    """The decode loop's way (stages.torch_engine.scheduler): step k+1 is
+    launched before step k's tokens are read, so every token after the first
+    launch comes from the device; a sequence that ends takes one step more
+    (dropped), and is freed while that step is launched: the last slot moves
+    into its place with the launched step's write. EOS is masked on the
+    device until min_tokens (here below max_tokens)."""
     name, batched, alone = engines
     prompts = _prompts(batched, name)
     samplings = [SamplingConfig(max_tokens=N - 2 * i, min_tokens=N // 2 - i) for i in range(len(prompts))]

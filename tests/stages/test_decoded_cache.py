@@ -13,10 +13,10 @@ from schemas.processed import MediaItem, MediaKind, ProcessedRequest
 from schemas.request import ChatMessage, GenerateRequest
 from stages.contract import HopContext
 from stages.encoder import MediaEncoder
-from stages.engine import TorchEngine
 from stages.media import MediaFetcher, MediaPolicy
 from stages.media.decoded import LOOKUPS, DecodedMediaCache, decoded_nbytes
-from stages.scheduler import EngineThread
+from stages.torch_engine.engine import TorchEngine
+from stages.torch_engine.scheduler import EngineThread
 
 
 def _png(seed: int, size: tuple[int, int] = (40, 30)) -> bytes:

@@ -25,13 +25,13 @@ from schemas.request import (
     TextPart,
 )
 from stages.contract import HopContext
-from stages.engine import TorchEngine
-from stages.engine.reference import load_reference_model, reference_generate
 from stages.hop import HopStage
 from stages.models import builtin_path, resolve_model
 from stages.models.traits import load_traits
 from stages.processor import Processor
-from stages.torch_hop import TorchHopEngine
+from stages.torch_engine.engine import TorchEngine
+from stages.torch_engine.hop_engine import TorchHopEngine
+from stages.torch_engine.reference import load_reference_model, reference_generate
 from tests.e2e.conftest import gradient, png_data_url
 from tests.stages.engine_helpers import engine_on
 

@@ -14,10 +14,10 @@ import pytest
 import torch
 from PIL import Image
 
-from stages.encode_batcher import EncodeBatcher
-from stages.engine import TorchEngine
 from stages.families import Media
-from stages.scheduler import EngineThread
+from stages.torch_engine.encode_batcher import EncodeBatcher
+from stages.torch_engine.engine import TorchEngine
+from stages.torch_engine.scheduler import EngineThread
 
 
 def _image(seed: int, size: tuple[int, int] = (56, 42)) -> Image.Image:

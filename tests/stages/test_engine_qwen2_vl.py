@@ -16,13 +16,17 @@ import pytest
 import torch
 from PIL import Image
 
+from schemas.chunk import FinishReason
 from schemas.errors import ContextLengthExceeded, InvalidRequest
-from schemas.processed import MediaKind
-from stages.engine.reference import load_reference_model, reference_generate
-from stages.engine.sampling import SamplingConfig, select_token, token_seed
-from stages.engine.sequence import KvState
-from stages.engine.torch_engine import TorchEngine
+from schemas.processed import MediaKind, ProcessedRequest
+from schemas.request import ChatMessage, GenerateRequest, SamplingParams
+from stages.emitter import ChunkEmitter
 from stages.families import MediaEmbedding
+from stages.sampling import SamplingConfig
+from stages.torch_engine.engine import TorchEngine
+from stages.torch_engine.reference import load_reference_model, reference_generate
+from stages.torch_engine.sampling import select_token, token_seed
+from stages.torch_engine.sequence import KvState
 from tests.stages.engine_helpers import decode, engine_on, greedy
 
 N_NEW = 24
@@ -210,13 +214,23 @@ def test_select_token_rules() -> None:
     assert {select_token(peaked, SamplingConfig(temperature=1.0, top_p=0.5, seed=s), 0) for s in range(20)} == {1}
 
 
-def test_stop_tokens(engine: TorchEngine, cases: dict[int, Any]) -> None:
-    prompt = cases[0][0]
-    [(seq, _)] = engine.prefill([prompt], [[]], [SamplingConfig(max_tokens=4)])
-    assert engine.is_stop_token(seq, 151645) and engine.is_stop_token(seq, 151643)
-    assert not engine.is_stop_token(seq, 100)
-    [(seq2, _)] = engine.prefill([prompt], [[]], [SamplingConfig(max_tokens=4, ignore_eos=True)])
-    assert not engine.is_stop_token(seq2, 151645)
+def test_stop_tokens(engine: TorchEngine) -> None:
+    """The stop rule (the emitter's) on this engine's EOS ids, the generation
+    config's list: either ends a request, another token does not, and
+    ignore_eos keeps generating through them."""
+
+    def emitter(ignore_eos: bool) -> ChunkEmitter:
+        sampling = SamplingParams(max_tokens=4, ignore_eos=ignore_eos)
+        request = GenerateRequest("r", "tiny", [ChatMessage("user", "x")], sampling)
+        return ChunkEmitter(engine, ProcessedRequest(request, [1], [], ["prefill+decode"], 4, 0), 1, [])
+
+    stops = emitter(ignore_eos=False)
+    assert stops.is_eos(151645) and stops.is_eos(151643)
+    assert not stops.is_eos(100)
+    assert stops.push(151645).finish_reason is FinishReason.STOP
+    assert emitter(ignore_eos=False).push(100).finish_reason is None
+    assert not emitter(ignore_eos=True).is_eos(151645)
+    assert emitter(ignore_eos=True).push(151645).finish_reason is None
 
 
 @pytest.fixture(scope="session")

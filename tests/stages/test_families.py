@@ -11,9 +11,9 @@ import pytest
 from PIL import Image
 
 from schemas.processed import MediaKind
-from stages.engine.reference import load_reference_model, reference_generate
-from stages.engine.torch_engine import TorchEngine
 from stages.models import builtin_path
+from stages.torch_engine.engine import TorchEngine
+from stages.torch_engine.reference import load_reference_model, reference_generate
 from tests.stages.engine_helpers import chat_prompt, decode, engine_on, greedy
 
 N_NEW = 12

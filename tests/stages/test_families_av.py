@@ -15,11 +15,11 @@ from PIL import Image
 
 from schemas.errors import UnsupportedMedia
 from schemas.processed import MediaKind
-from stages.engine.reference import load_reference_model, reference_generate
-from stages.engine.torch_engine import TorchEngine
 from stages.families import Media
 from stages.media import MediaPolicy, VideoOptions, decode_audio, decode_video
 from stages.models import builtin_path
+from stages.torch_engine.engine import TorchEngine
+from stages.torch_engine.reference import load_reference_model, reference_generate
 from tests.stages.engine_helpers import chat_prompt, decode, engine_on, greedy
 from tests.stages.test_media_av import encode_audio, encode_video
 

@@ -2,8 +2,9 @@
 layer's whole cache, nothing past its length, and gives what the masked
 attention gives. flash-attention's varlen kernel: on the CPU through
 ``varlen_reference`` (its contract in plain torch), on --engine-device cuda
-the kernel in bf16. The Triton kernels (stages/triton_decode.py): on CUDA
-only (Triton's CPU interpreter, 3.5, fails under numpy 2.4). And the batch
+the kernel in bf16. The Triton kernels
+(stages/torch_engine/kernels/triton_decode.py): on CUDA only (Triton's CPU
+interpreter, 3.5, fails under numpy 2.4). And the batch
 decoder on either, in CUDA graphs on a GPU, against the masked one."""
 
 from __future__ import annotations
@@ -14,11 +15,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from stages.batch_decoder import BatchDecoder
-from stages.decode_attention import flash_varlen, masked_step, rows_step, varlen_reference, varlen_step
-from stages.engine import DecodeSettings, SamplingConfig, TorchEngine
-from stages.fused_decode import RECOMPILE_LIMIT, FusedKernels, default_attention
 from stages.models import builtin_path
+from stages.sampling import SamplingConfig
+from stages.torch_engine.batch_decoder import BatchDecoder
+from stages.torch_engine.decode_attention import flash_varlen, masked_step, rows_step, varlen_reference, varlen_step
+from stages.torch_engine.engine import TorchEngine
+from stages.torch_engine.fused_decode import RECOMPILE_LIMIT, FusedKernels, default_attention
+from stages.torch_engine.settings import DecodeSettings
 
 
 def _dtype(device: str) -> torch.dtype:

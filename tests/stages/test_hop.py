@@ -14,15 +14,15 @@ from aiohttp import web
 from schemas.chunk import FinishReason, TokenChunk
 from schemas.request import ChatMessage, GenerateRequest, ImagePart, ImageURL, SamplingParams, TextPart
 from stages.contract import HopContext
-from stages.engine import TorchEngine
-from stages.engine.reference import reference_generate
 from stages.hop import HopStage
 from stages.media import EmbeddingCache, MediaPolicy
 from stages.models import resolve_model
 from stages.models.traits import load_traits
 from stages.processor import Processor
-from stages.scheduler import DecodeScheduler
-from stages.torch_hop import TorchHopEngine
+from stages.torch_engine.engine import TorchEngine
+from stages.torch_engine.hop_engine import TorchHopEngine
+from stages.torch_engine.reference import reference_generate
+from stages.torch_engine.scheduler import DecodeScheduler
 from tests.e2e.conftest import gradient, png_data_url, serve_on_loopback
 
 

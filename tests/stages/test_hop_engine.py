@@ -17,13 +17,13 @@ from pipeline.transport import TransportSettings, open_transport
 from schemas.processed import ProcessedRequest
 from schemas.request import ChatMessage, GenerateRequest, ImagePart, ImageURL, SamplingParams, TextPart
 from stages.contract import HopContext, TensorStore
-from stages.engine import TorchEngine
-from stages.engine.reference import reference_generate
 from stages.hop_engine import HopEngine, check_context
 from stages.models import resolve_model
 from stages.models.traits import load_traits
 from stages.processor import Processor
-from stages.torch_hop import TorchHopEngine
+from stages.torch_engine.engine import TorchEngine
+from stages.torch_engine.hop_engine import TorchHopEngine
+from stages.torch_engine.reference import reference_generate
 from tests.e2e.conftest import gradient, png_data_url
 
 N = 8

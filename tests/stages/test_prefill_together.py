@@ -15,13 +15,14 @@ from PIL import Image
 
 from schemas.request import ChatMessage, GenerateRequest, SamplingParams
 from stages.contract import HopContext
-from stages.engine import DecodeSettings, TorchEngine
-from stages.engine.reference import reference_generate
 from stages.hop import HopStage
 from stages.models import builtin_path, resolve_model
 from stages.models.traits import load_traits
 from stages.processor import Processor
-from stages.torch_hop import TorchHopEngine
+from stages.torch_engine.engine import TorchEngine
+from stages.torch_engine.hop_engine import TorchHopEngine
+from stages.torch_engine.reference import reference_generate
+from stages.torch_engine.settings import DecodeSettings
 from tests.stages.engine_helpers import chat_prompt, decode, greedy
 
 
@@ -87,7 +88,7 @@ async def test_the_hop_stage_prefills_waiting_prompts_in_one_call(tiny_model_dir
 
 
 def test_groups_keep_padded_forwards_within_the_budget() -> None:
-    from stages.engine.prefill_together import padded_groups
+    from stages.torch_engine.prefill_together import padded_groups
 
     assert padded_groups([5, 3, 9], budget=100) == [[1, 0, 2]]  # shortest first, all in one
     groups = padded_groups([10, 40, 20, 30, 200], budget=80)

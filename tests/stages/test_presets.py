@@ -8,8 +8,9 @@ from pathlib import Path
 import pytest
 
 from pipeline.cli import main
-from stages.engine import SamplingConfig, TorchEngine
 from stages.models.presets import preset_config
+from stages.sampling import SamplingConfig
+from stages.torch_engine.engine import TorchEngine
 
 
 def test_preset_shapes_are_qwen2_vl_2b_and_7b() -> None:

@@ -1,6 +1,7 @@
-"""The skinny GEMM (stages/triton_linear.py) against F.linear: batch sizes
-that are and are not a multiple of tl.dot's 16 rows, N and K that are not
-multiples of the kernel's blocks, split-K, bias, and inside torch.compile.
+"""The skinny GEMM (stages/torch_engine/kernels/triton_linear.py) against
+F.linear: batch sizes that are and are not a multiple of tl.dot's 16 rows, N
+and K that are not multiples of the kernel's blocks, split-K, bias, and
+inside torch.compile.
 On CUDA only (Triton 3.5's CPU interpreter keeps bf16 as uint16 and its
 tl.dot multiplies those integers: the kernel was checked there once with
 that dot patched, which no test can rely on)."""
@@ -11,8 +12,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from stages import triton_linear
-from stages.triton_linear import skinny_linear, skinny_partials
+from stages.torch_engine.kernels import triton_linear
+from stages.torch_engine.kernels.triton_linear import skinny_linear, skinny_partials
 
 pytestmark = pytest.mark.skipif(
     not torch.cuda.is_available() or not triton_linear.available(),

@@ -10,8 +10,8 @@ from typing import Any
 import numpy as np
 from transformers import AutoConfig, AutoTokenizer
 
-from stages.engine.reference import reference_generate
 from stages.media import MediaPolicy, VideoOptions, decode_video
+from stages.torch_engine.reference import reference_generate
 from tests.stages.test_media_av import encode_video
 
 

@@ -20,10 +20,10 @@ differences in the embeddings, the same trade every batching server makes.
 
 from __future__ import annotations
 
-from stages.call_batcher import CallBatcher
-from stages.engine import MediaEmbedding, TorchEngine
-from stages.families import Media
-from stages.scheduler import EngineThread
+from stages.families import Media, MediaEmbedding
+from stages.torch_engine.call_batcher import CallBatcher
+from stages.torch_engine.engine import TorchEngine
+from stages.torch_engine.scheduler import EngineThread
 
 
 class EncodeBatcher:

@@ -36,8 +36,8 @@ from typing import Any, NamedTuple
 import torch
 import torch.nn.functional as F
 
-from stages.decode_attention import length_mask
-from stages.fused_decode import FusedKernels, FusedLayer, can_fuse, default_attention, fuse_layer
+from stages.torch_engine.decode_attention import length_mask
+from stages.torch_engine.fused_decode import FusedKernels, FusedLayer, can_fuse, default_attention, fuse_layer
 
 # Batch sizes a step is padded up to (each a captured graph on CUDA).
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128)
@@ -105,8 +105,8 @@ def _language_model(model: Any) -> Any:
 
 
 class BatchDecoder:
-    """``fused``: the layer step of stages.fused_decode (compiled on CUDA)
-    instead of the model's modules; default: on CUDA only."""
+    """``fused``: the layer step of stages.torch_engine.fused_decode
+    (compiled on CUDA) instead of the model's modules; default: on CUDA only."""
 
     def __init__(
         self,

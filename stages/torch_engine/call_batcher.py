@@ -23,7 +23,7 @@ from typing import Any, Generic, TypeVar
 
 from prometheus_client import Histogram
 
-from stages.scheduler import EngineThread
+from stages.torch_engine.scheduler import EngineThread
 
 T = TypeVar("T")
 R = TypeVar("R")

@@ -8,11 +8,12 @@ Here a layer is three pieces: before attention (the previous layer's
 residual add, norm, one QKV projection over concatenated weights, RoPE and
 the cache write), attention over the cache (grouped-query without repeating
 keys and values; on a GPU in half precision the Triton kernels of
-stages/triton_decode.py or flash-attention's varlen kernel, each reading a
-row's own keys and no padding; stages/decode_attention.py), and after it
-(output projection; residual, norm, one gate+up projection, SiLU, down
-projection). ``torch.compile`` fuses each piece's elementwise work into a
-few kernels; the batch decoder captures the lot in a CUDA graph.
+stages/torch_engine/kernels/triton_decode.py or flash-attention's varlen
+kernel, each reading a row's own keys and no padding;
+stages/torch_engine/decode_attention.py), and after it (output projection;
+residual, norm, one gate+up projection, SiLU, down projection).
+``torch.compile`` fuses each piece's elementwise work into a few kernels;
+the batch decoder captures the lot in a CUDA graph.
 
 The arithmetic is the models' (RMSNorm in float32 then the weight in the
 activations' dtype, RoPE by rotate-half, softmax in float32), but fused
@@ -32,8 +33,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from stages import triton_decode, triton_linear
-from stages.decode_attention import (
+from stages.torch_engine.decode_attention import (
     StepAttention,
     Varlen,
     attend,
@@ -44,6 +44,7 @@ from stages.decode_attention import (
     rows_step,
     varlen_step,
 )
+from stages.torch_engine.kernels import triton_decode, triton_linear
 
 # y = x @ w.T (+ bias): F.linear (cuBLAS), or the skinny Triton kernel.
 Linear = Callable[..., torch.Tensor]

@@ -6,8 +6,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from stages.batch_decoder import Launched
-from stages.engine.sampling import SamplingConfig
+from stages.sampling import SamplingConfig
+from stages.torch_engine.batch_decoder import Launched
 
 
 @dataclass(eq=False)

@@ -3,10 +3,11 @@
 Calls are synchronous and meant for a worker thread. Prefill runs each
 prompt on its own (or several padded together, ``prefill_together``);
 decode steps every sequence in the batch decoder's slots in one forward
-(stages/batch_decoder.py), a sequence that does not fit one on its own.
+(stages/torch_engine/batch_decoder.py), a sequence that does not fit one on
+its own.
 
-Each sequence (stages/engine/sequence.py) owns its KV cache or slot, its
-rope delta (M-RoPE shift of text positions after images) and its
+Each sequence (stages/torch_engine/sequence.py) owns its KV cache or slot,
+its rope delta (M-RoPE shift of text positions after images) and its
 generated token ids. A token returned by prefill, step or collect is
 already appended to the sequence but not yet in its cache; the next step
 feeds it.
@@ -26,13 +27,14 @@ import torch
 
 from schemas.errors import ContextLengthExceeded, InvalidMedia, InvalidRequest
 from schemas.processed import MediaKind
-from stages import batch_decoder
-from stages.batch_decoder import BatchDecoder
-from stages.engine.sampling import SamplingConfig, select_token
-from stages.engine.sequence import KvState, Launch, Sequence
-from stages.engine.slots import SlotTable
-from stages.engine_settings import DecodeSettings
 from stages.families import Grid, Media, MediaEmbedding, family_for_architecture
+from stages.sampling import SamplingConfig
+from stages.torch_engine import batch_decoder
+from stages.torch_engine.batch_decoder import BatchDecoder
+from stages.torch_engine.sampling import select_token
+from stages.torch_engine.sequence import KvState, Launch, Sequence
+from stages.torch_engine.settings import DecodeSettings
+from stages.torch_engine.slots import SlotTable
 
 log = structlog.get_logger(__name__)
 
@@ -345,13 +347,6 @@ class TorchEngine:
             logits = self._decode_forward(seq)
             return self._continue(seq, logits, emitted[len(done) + 1 :])
 
-    def is_stop_token(self, seq: Sequence, token: int) -> bool:
-        """Whether `token`, just returned for `seq`, ends it (EOS, unless ignore_eos).
-
-        EOS cannot appear before min_tokens: its logits were masked.
-        """
-        return token in self.eos_token_ids and not seq.sampling.ignore_eos
-
     # -- internals ----------------------------------------------------------
 
     def prefill_together(
@@ -365,7 +360,7 @@ class TorchEngine:
         if len(jobs) == 1:
             prompt, media, sampling = jobs[0]
             return self.prefill([prompt], [media], [sampling])
-        from stages.engine.prefill_together import padded_forward, padded_groups
+        from stages.torch_engine.prefill_together import padded_forward, padded_groups
 
         prepared = [self._prepare(prompt, media, []) for prompt, media, _ in jobs]
         out: list[tuple[Sequence, int] | None] = [None] * len(jobs)

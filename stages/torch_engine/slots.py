@@ -21,11 +21,11 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from stages.batch_decoder import StepInputs
+from stages.torch_engine.batch_decoder import StepInputs
 
 if TYPE_CHECKING:
-    from stages.batch_decoder import BatchDecoder
-    from stages.engine.sequence import Sequence
+    from stages.torch_engine.batch_decoder import BatchDecoder
+    from stages.torch_engine.sequence import Sequence
 
 
 class SlotTable:

@@ -1,4 +1,5 @@
-"""Token selection: greedy, or temperature / top-k / top-p sampling.
+"""Token selection: greedy, or temperature / top-k / top-p sampling, as a
+request's ``SamplingConfig`` (stages/sampling.py) asks.
 
 The random draw for the token at index ``i`` (0 = first generated token)
 comes from a generator seeded with ``(seed, i)`` only, so a worker that takes
@@ -10,38 +11,11 @@ the device's RNG either.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
-from schemas.errors import InvalidRequest
+from stages.sampling import SamplingConfig
 
 _MASK64 = (1 << 64) - 1
-
-
-@dataclass(frozen=True)
-class SamplingConfig:
-    temperature: float = 0.0  # 0 = greedy
-    top_p: float = 1.0
-    top_k: int = 0  # <= 0: no top-k
-    seed: int = 0
-    min_tokens: int = 0  # EOS is masked until this many tokens were generated
-    ignore_eos: bool = False  # EOS may be sampled but does not stop the sequence
-    max_tokens: int = 16
-
-    def __post_init__(self) -> None:
-        if not self.temperature >= 0.0:
-            raise InvalidRequest(f"temperature must be >= 0, got {self.temperature}")
-        if not 0.0 < self.top_p <= 1.0:
-            raise InvalidRequest(f"top_p must be in (0, 1], got {self.top_p}")
-        if self.min_tokens < 0:
-            raise InvalidRequest(f"min_tokens must be >= 0, got {self.min_tokens}")
-        if self.max_tokens < 1:
-            raise InvalidRequest(f"max_tokens must be >= 1, got {self.max_tokens}")
-
-    @property
-    def greedy(self) -> bool:
-        return self.temperature == 0.0
 
 
 def _splitmix64(x: int) -> int:

@@ -3,7 +3,7 @@ what a step computes once for every layer (``StepAttention``), the masked
 forms (a span of every slot under a length mask: SDPA, or grouped matmuls)
 and flash-attention's varlen kernel over the cache as it lies, with its
 contract in plain torch for tests. The Triton kernels are
-stages/triton_decode.py."""
+stages/torch_engine/kernels/triton_decode.py."""
 
 from __future__ import annotations
 

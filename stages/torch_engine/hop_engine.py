@@ -23,10 +23,9 @@ from schemas.errors import InvalidRequest, TargetTainted
 from schemas.processed import KvHandoff, ProcessedRequest
 from schemas.routes import moves_tensors
 from schemas.tensors import TensorRef
-from stages.call_batcher import CallBatcher
 from stages.contract import HopContext, TensorStore
 from stages.encoder import MediaEncoder
-from stages.engine import KvState, MediaEmbedding, SamplingConfig, Sequence, TorchEngine
+from stages.families import MediaEmbedding
 from stages.hop_engine import (
     Carried,
     get_tensors,
@@ -37,7 +36,11 @@ from stages.hop_engine import (
     sampling,
 )
 from stages.media import EmbeddingCache, MediaFetcher, MediaPolicy
-from stages.scheduler import DecodeScheduler, EngineThread
+from stages.sampling import SamplingConfig
+from stages.torch_engine.call_batcher import CallBatcher
+from stages.torch_engine.engine import TorchEngine
+from stages.torch_engine.scheduler import DecodeScheduler, EngineThread
+from stages.torch_engine.sequence import KvState, Sequence
 
 # A new prompt to prefill: its ids (a placeholder per media item), its media, its sampling.
 PrefillJob = tuple[list[int], list[MediaEmbedding], SamplingConfig]

@@ -1,0 +1,35 @@
+"""The sampling a request asks for, as both engines take it: greedy, or
+temperature / top-k / top-p, a seed, min_tokens, ignore_eos, max_tokens.
+Plain data, checked on construction. How the built-in engine draws a token
+by it: stages/torch_engine/sampling.py."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from schemas.errors import InvalidRequest
+
+
+@dataclass(frozen=True)
+class SamplingConfig:
+    temperature: float = 0.0  # 0 = greedy
+    top_p: float = 1.0
+    top_k: int = 0  # <= 0: no top-k
+    seed: int = 0
+    min_tokens: int = 0  # EOS is masked until this many tokens were generated
+    ignore_eos: bool = False  # EOS may be sampled but does not stop the sequence
+    max_tokens: int = 16
+
+    def __post_init__(self) -> None:
+        if not self.temperature >= 0.0:
+            raise InvalidRequest(f"temperature must be >= 0, got {self.temperature}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise InvalidRequest(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.min_tokens < 0:
+            raise InvalidRequest(f"min_tokens must be >= 0, got {self.min_tokens}")
+        if self.max_tokens < 1:
+            raise InvalidRequest(f"max_tokens must be >= 1, got {self.max_tokens}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
