@@ -118,6 +118,17 @@ def _bench(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         formatter_class=_Shown,
     )
     _load_flags(bench)
+    bench.add_argument(
+        "--breakdown",
+        action="store_true",
+        help="where the time to the first token goes, from the stack's traces (run it with --trace-nats)",
+    )
+    bench.add_argument(
+        "--nats-url",
+        default=os.environ.get("MMPIPE_NATS_URL", "nats://127.0.0.1:4222"),
+        help="with --breakdown: the stack's NATS, where its spans are published ($MMPIPE_NATS_URL)",
+    )
+    bench.add_argument("--namespace", default="default", help="with --breakdown: the stack's namespace")
     bench.add_argument("--compare-modes", action="store_true", help="start `mmpipe up` per mode, same load on each")
     bench.add_argument("--modes", default="epd,e-pd,e-p-d,ep-d", help="with --compare-modes")
     bench.add_argument("--transport", choices=("auto", "nixl", "nats"), default="nixl", help="with --compare-modes")

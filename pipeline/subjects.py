@@ -65,7 +65,7 @@ class Subjects:
 
     def spans(self, process: str) -> str:
         """Where a process publishes its finished trace spans (--trace-nats)."""
-        return f"{self.prefix}.spans.{role_token(process)}"
+        return f"{self.prefix}.spans.{check_token(process.replace('+', '_'), 'process')}"
 
     @property
     def all_spans(self) -> str:

@@ -41,7 +41,7 @@ class TracingSettings:
         "OTEL_EXPORTER_OTLP_ENDPOINT if set, else no OTLP export)",
     )
     trace_nats: bool = setting(
-        False, help="publish finished spans on mmpipe.<ns>.spans.<process>, for a reader without a collector"
+        False, help="publish finished spans on mmpipe.<ns>.spans.<process> (what mmpipe bench --breakdown reads)"
     )
     trace_sample: float = setting(
         1.0, help="the share of requests traced when tracing is on (a trace's hops follow its first)"

@@ -330,7 +330,7 @@ class Worker:
         deadline = asyncio.timeout(request.deadline - time.time() if request.deadline else None)
         try:
             async with deadline:
-                await self._produce(message, request, ctx)
+                await self._produce(message, request, ctx, deliveries)
             return Ack()
         except TimeoutError as exc:
             if not deadline.expired():
@@ -376,11 +376,18 @@ class Worker:
         return Ack()
 
     async def _produce(
-        self, message: GenerateRequest | ProcessedRequest, request: GenerateRequest, ctx: HopContext
+        self, message: GenerateRequest | ProcessedRequest, request: GenerateRequest, ctx: HopContext, deliveries: int
     ) -> None:
         reply_subject = request.reply_subject or self.subjects.reply(request.request_id)
-        if self.stage.resumes_stream and self.replies.is_stored(request.request_id, reply_subject):
-            emitted = await self.replies.read_emitted(request.request_id)
+        # Only a request run before (this hop redelivered, an earlier hop of
+        # this attempt redelivered, or a new attempt) can have emitted chunks:
+        # a first run skips reading the reply stream, a round trip before the
+        # first token.
+        redelivered = deliveries > 1 or (isinstance(message, ProcessedRequest) and message.redelivered)
+        taken_over = redelivered or (isinstance(message, ProcessedRequest) and message.attempt > 0)
+        if taken_over and self.stage.resumes_stream and self.replies.is_stored(request.request_id, reply_subject):
+            with ctx.timed("read_emitted"):
+                emitted = await self.replies.read_emitted(request.request_id)
             if emitted.finished:
                 log.info("already_finished", role=self.role)
                 return
@@ -392,7 +399,13 @@ class Worker:
             async for out in outputs:
                 self._progressed()
                 if isinstance(out, ProcessedRequest):
-                    await self._forward_holding(out)
+                    if redelivered:
+                        out = msgspec.structs.replace(out, redelivered=True)
+                    with ctx.timed("forward"):
+                        await self._forward_holding(out)
+                elif latency.last is None:
+                    with ctx.timed("first_reply"):
+                        await self.replies.publish(reply_subject, out)
                 else:
                     await self.replies.publish(reply_subject, out)
                     if isinstance(out, TokenChunk):

@@ -109,6 +109,9 @@ class ProcessedRequest(msgspec.Struct, omit_defaults=True, forbid_unknown_fields
     seed: int
     attempt: int = 0
     hop_index: int = 0
+    # A hop of this attempt ran it more than once (a redelivery): a later hop
+    # may find chunks a first run already emitted.
+    redelivered: bool = False
     encoded: EncodedMedia | None = None
     kv: KvHandoff | None = None
     vllm_kv: VllmKv | None = None

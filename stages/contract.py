@@ -3,9 +3,13 @@ an async generator from one input Struct to output Structs, testable alone."""
 
 from __future__ import annotations
 
-from collections.abc import AsyncGenerator
+import time
+from collections.abc import AsyncGenerator, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
+
+from opentelemetry import trace as otel_trace
 
 from schemas.chunk import TokenChunk
 from schemas.processed import ProcessedRequest
@@ -29,6 +33,28 @@ class HopContext:
     # What the stage did, for the request's trace line: tensor bytes and
     # seconds moved in and out, step times.
     trace: dict[str, float] = field(default_factory=dict)
+
+    @contextmanager
+    def timed(self, step: str, **attributes: Any) -> Iterator[otel_trace.Span]:
+        """A step of the hop: its seconds on the hop's trace line
+        (``<step>_s``) and a span in the request's trace (a no-op span when
+        tracing is off). Not across a generator's yield: the span is current
+        inside the block."""
+        started = time.monotonic()
+        try:
+            with _TRACER.start_as_current_span(step, attributes=attributes) as span:
+                yield span
+        finally:
+            self.trace[f"{step}_s"] = time.monotonic() - started
+
+
+# The runtime sets the provider (pipeline/tracing.py) before any span starts.
+_TRACER = otel_trace.get_tracer("mmpipe")
+
+
+def step_span(step: str) -> otel_trace.Span:
+    """A span the caller ends itself, for a step that ends in a generator (the first decode step)."""
+    return _TRACER.start_span(step)
 
 
 class TensorStore(Protocol):

@@ -15,7 +15,6 @@ from __future__ import annotations
 import asyncio
 import itertools
 import json
-import time
 
 import torch
 
@@ -67,9 +66,10 @@ class MediaEncoder:
             return []
         for item in req.media:
             self._options(item)  # a bad sampling request fails before any download
-        datas = list(
-            await asyncio.gather(*(self.fetcher.fetch(req.media_url(m), max_bytes=self._cap(m)) for m in req.media))
-        )
+        with ctx.timed("media_fetch", items=len(req.media)):
+            datas = list(
+                await asyncio.gather(*(self.fetcher.fetch(req.media_url(m), max_bytes=self._cap(m)) for m in req.media))
+            )
         if any(m.embeds for m in req.media):
             return await self._with_precomputed(req, datas, ctx)
         key = await self._key(req.media, datas) if self.cache is not None else ""
@@ -119,11 +119,11 @@ class MediaEncoder:
         return media
 
     async def _encode_media(self, items: list[MediaItem], datas: list[bytes], ctx: HopContext) -> list[MediaEmbedding]:
-        decoded = await asyncio.gather(*(self._decoded(m, d) for m, d in zip(items, datas, strict=True)))
-        started = time.monotonic()
-        encoded = await self.batcher.encode(list(decoded))
-        ctx.trace["encode_s"] = time.monotonic() - started
-        return encoded
+        with ctx.timed("media_decode", items=len(items)):
+            decoded = await asyncio.gather(*(self._decoded(m, d) for m, d in zip(items, datas, strict=True)))
+        # Preprocessing (the family's processor) and the tower, on the engine thread.
+        with ctx.timed("encode", items=len(items)):
+            return await self.batcher.encode(list(decoded))
 
     async def _with_precomputed(
         self, req: ProcessedRequest, datas: list[bytes], ctx: HopContext

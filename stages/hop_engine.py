@@ -23,7 +23,6 @@ get with their trace keys.
 
 from __future__ import annotations
 
-import time
 from collections.abc import AsyncGenerator, Callable
 from dataclasses import dataclass
 from typing import Any, Protocol, TypeVar
@@ -174,9 +173,9 @@ def sampling(req: ProcessedRequest, resumed: int = 0) -> SamplingConfig:
 
 async def put_tensors(store: TensorStore | None, tensors: list[torch.Tensor], owner: str, ctx: HopContext) -> TensorRef:
     assert store is not None, "a role that hands tensors on is built with a tensor store"
-    started = time.monotonic()
-    ref = await store.put(tensors, owner=owner)
-    ctx.trace["put_s"] = time.monotonic() - started
+    with ctx.timed("put") as span:
+        ref = await store.put(tensors, owner=owner)
+        span.set_attribute("bytes", ref.nbytes)
     ctx.trace["put_bytes"] = float(ref.nbytes)
     return ref
 
@@ -185,9 +184,8 @@ async def get_tensors(
     store: TensorStore | None, ref: TensorRef, device: torch.device | str, ctx: HopContext
 ) -> list[torch.Tensor]:
     assert store is not None, "a role that takes tensors from another hop is built with a tensor store"
-    started = time.monotonic()
-    out = await store.get(ref, device)
-    ctx.trace["get_s"] = time.monotonic() - started
+    with ctx.timed("get", bytes=ref.nbytes):
+        out = await store.get(ref, device)
     ctx.trace["get_bytes"] = float(ref.nbytes)
     return out
 
@@ -197,9 +195,8 @@ async def get_tensors_into(
 ) -> None:
     """``get_tensors`` into the caller's own tensors (``TensorStore.get_into``)."""
     assert store is not None, "a role that takes tensors from another hop is built with a tensor store"
-    started = time.monotonic()
-    await store.get_into(ref, targets)
-    ctx.trace["get_s"] = time.monotonic() - started
+    with ctx.timed("get", bytes=ref.nbytes):
+        await store.get_into(ref, targets)
     ctx.trace["get_bytes"] = float(ref.nbytes)
 
 

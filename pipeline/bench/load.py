@@ -194,6 +194,8 @@ class LoadReport:
     results: list[RequestResult]
     wall_s: float
     warmup_error: str | None = None
+    # When the measured requests began (after the warm-up), wall clock.
+    started_ns: int = 0
 
     def summary(self) -> dict[str, Any]:
         done = [r for r in self.results if r.ok]
@@ -261,12 +263,13 @@ async def run_load(
             for i in indices:  # shared by every sender: each index is taken once
                 results[i] = await one_request(client, spec, image_sets[i])
 
+        started_ns = time.time_ns()
         t0 = time.perf_counter()
         await asyncio.gather(*(sender() for _ in range(min(spec.concurrency, spec.requests))))
         wall = time.perf_counter() - t0
     finally:
         await client.close()
-    return LoadReport(spec=spec, results=results, wall_s=wall, warmup_error=warmup_error)
+    return LoadReport(spec=spec, results=results, wall_s=wall, warmup_error=warmup_error, started_ns=started_ns)
 
 
 def _ms(value: float | None) -> str:
@@ -298,6 +301,42 @@ def main(args: argparse.Namespace) -> int:
     from pipeline.bench import run_async
 
     spec = spec_from_args(args)
+    if args.breakdown:
+        return _with_breakdown(args, spec)
     summary = run_async(run_load(spec)).summary()
     print(json.dumps(summary, indent=2) if args.json else format_report(summary), flush=True)
+    return 1 if summary["failed"] else 0
+
+
+def _with_breakdown(args: argparse.Namespace, spec: LoadSpec) -> int:
+    """The load, with the stack's spans collected while it runs (the stack
+    must run with --trace-nats on this NATS and namespace)."""
+    from pipeline.bench import run_async
+    from pipeline.bench.breakdown import SpanSink, format_summary, summarize
+    from pipeline.connection import connect, shutdown
+    from pipeline.subjects import Subjects
+
+    async def run() -> tuple[LoadReport, SpanSink]:
+        sink = SpanSink()
+        nc, _ = await connect(args.nats_url, name="mmpipe-bench")
+
+        async def take(msg: Any) -> None:
+            sink.take(msg.data)
+
+        try:
+            await nc.subscribe(Subjects(args.namespace).all_spans, cb=take)
+            report = await run_load(spec)
+            # The processes export spans in batches every 200 ms.
+            await asyncio.sleep(1.0)
+        finally:
+            await shutdown(nc)
+        return report, sink
+
+    report, sink = run_async(run())
+    summary = report.summary()
+    summary["breakdown"] = summarize(sink, since_ns=report.started_ns)
+    if args.json:
+        print(json.dumps(summary, indent=2), flush=True)
+    else:
+        print(format_report(summary) + "\n\n" + format_summary(summary["breakdown"]), flush=True)
     return 1 if summary["failed"] else 0

@@ -20,6 +20,7 @@ import structlog
 from nats.aio.client import Client
 from nats.js.kv import KeyValue
 
+from pipeline import tracing
 from pipeline.transport import metrics
 from pipeline.transport.base import ForeignTensorRef, TensorGone, TransportSettings
 from pipeline.transport.nixl_agent import Agent, Desc
@@ -141,6 +142,10 @@ class RemoteReads:
         return remote
 
     async def claim(self, ref: TensorRef, deadline: float, lease: int) -> tuple[int, float]:
+        with tracing.tracer().start_as_current_span("lease", attributes={"holder": ref.holder}):
+            return await self._claim(ref, deadline, lease)
+
+    async def _claim(self, ref: TensorRef, deadline: float, lease: int) -> tuple[int, float]:
         """Ask the holder to pin the region under ``lease``; returns the lease
         id and the monotonic time until which a completed READ can be trusted
         (a READ posted after this call began)."""
@@ -204,7 +209,8 @@ class RemoteReads:
         keeps the local memory out of use when a READ we gave up on may still
         write it."""
         notif = f"{ref.key}:{lease}".encode()
-        outcome = await self._agent.read(local, self._mem, remote, ref.mem, ref.holder, notif, deadline)
+        with tracing.tracer().start_as_current_span("read", attributes={"bytes": ref.nbytes, "holder": ref.holder}):
+            outcome = await self._agent.read(local, self._mem, remote, ref.mem, ref.holder, notif, deadline)
         self.last_read_phases = outcome.phases
         if outcome.state != "DONE":
             peer.stale = True  # the holder may have died or re-registered: reload its metadata

@@ -12,18 +12,18 @@ go through mmpipe's ``TensorStore``.
 from __future__ import annotations
 
 import contextlib
-import time
 from collections.abc import AsyncGenerator, Callable
 from dataclasses import dataclass
 from typing import Any
 
 import torch
+from opentelemetry.trace import Span
 
 from schemas.errors import InvalidRequest, TargetTainted
 from schemas.processed import KvHandoff, ProcessedRequest
 from schemas.routes import moves_tensors
 from schemas.tensors import TensorRef
-from stages.contract import HopContext, TensorStore
+from stages.contract import HopContext, TensorStore, step_span
 from stages.encoder import MediaEncoder
 from stages.families import MediaEmbedding
 from stages.hop_engine import (
@@ -129,16 +129,15 @@ class TorchHopEngine:
     # -- prefill --------------------------------------------------------------
 
     async def prefill(self, req: ProcessedRequest, media: list[MediaEmbedding], ctx: HopContext) -> TorchPrefilled:
-        started = time.monotonic()
         engine = self.torch
-        if self.prefills.max_items > 1 and not ctx.emitted:
-            seq, _ = await self.prefills.submit((req.prompt_token_ids, media, sampling(req)))
-        else:
-            seq, _ = await self.thread.call_or_release(
-                lambda out: engine.release(out[0]),
-                lambda: engine.prefill([req.prompt_token_ids], [media], [sampling(req)], [ctx.emitted])[0],
-            )
-        ctx.trace["prefill_s"] = time.monotonic() - started
+        with ctx.timed("prefill", tokens=len(req.prompt_token_ids)):
+            if self.prefills.max_items > 1 and not ctx.emitted:
+                seq, _ = await self.prefills.submit((req.prompt_token_ids, media, sampling(req)))
+            else:
+                seq, _ = await self.thread.call_or_release(
+                    lambda out: engine.release(out[0]),
+                    lambda: engine.prefill([req.prompt_token_ids], [media], [sampling(req)], [ctx.emitted])[0],
+                )
         return TorchPrefilled(seq)
 
     async def hand_off(self, handle: TorchPrefilled, req: ProcessedRequest, ctx: HopContext) -> Carried:
@@ -208,9 +207,18 @@ class TorchHopEngine:
 
         self.scheduler.check()  # a dead loop would take the sequence and never free it
         handle.owned = False  # from here on the decode loop frees it
-        async with contextlib.aclosing(self.scheduler.stream(seq, is_last)) as tokens:
-            async for token in tokens:
-                yield token
+        # Until the decode loop's first token for it: joining the batch and one step.
+        first_step: Span | None = step_span("first_step")
+        try:
+            async with contextlib.aclosing(self.scheduler.stream(seq, is_last)) as tokens:
+                async for token in tokens:
+                    if first_step is not None:
+                        first_step.end()
+                        first_step = None
+                    yield token
+        finally:
+            if first_step is not None:
+                first_step.end()
 
     async def abort(self, handle: TorchPrefilled) -> None:
         if handle.owned:

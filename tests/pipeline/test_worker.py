@@ -13,7 +13,7 @@ import pytest
 from pipeline.config import ConsumerSettings, PipelineConfig, StreamLimits
 from pipeline.connection import connect
 from pipeline.replies import CHUNK_DECODER
-from pipeline.streams import ensure_streams
+from pipeline.streams import ensure_consumer, ensure_streams
 from pipeline.worker import Worker
 from schemas.chunk import ErrorChunk, FinishReason, ReplyChunk, TokenChunk
 from schemas.codec import CONTENT_TYPE, Decoder, encode
@@ -221,19 +221,74 @@ async def test_expired_deadline_fails_without_work(running: Any, pipeline_config
     assert stage.calls == []
 
 
+async def _crashed_first_delivery(js: Any, config: PipelineConfig, role: str) -> None:
+    """What a worker that crashed mid-request leaves: its delivery given
+    back unfinished (the worker died; nak stands in for the ack wait)."""
+    psub = await js.pull_subscribe_bind(config.subjects.durable(role), config.subjects.stream(role))
+    [msg] = await psub.fetch(1, timeout=5)
+    await msg.nak(delay=0)
+    await psub.unsubscribe()
+
+
 async def test_takeover_resumes_after_what_was_emitted(running: Any, pipeline_config: PipelineConfig) -> None:
     subjects = pipeline_config.subjects
     await ensure_streams(running.js, pipeline_config)
-    # What a crashed worker left on the reply stream: two of four tokens.
+    await ensure_consumer(running.js, pipeline_config, "processor")
+    await publish(running.js, pipeline_config, request("tk", "a bb ccc dddd"))
+    # The crashed worker's first delivery stored two of four tokens.
     for i in range(2):
         await running.js.publish(subjects.reply("tk"), encode(TokenChunk("tk", i, [i + 1], f"w{i} ")))
+    await _crashed_first_delivery(running.js, pipeline_config, "processor")
+    sub = await running.nc.subscribe(subjects.reply("tk"))
     stage = ScriptStage()
     await running(stage)
-    sub = await running.nc.subscribe(subjects.reply("tk"))
-    await publish(running.js, pipeline_config, request("tk", "a bb ccc dddd"))
     chunks = await collect(sub)
     assert stage.calls == [("tk", [1, 2])]
     assert [c.seq for c in chunks] == [2, 3]
+
+
+async def test_a_first_run_does_not_read_the_reply_stream(running: Any, pipeline_config: PipelineConfig) -> None:
+    # Nothing a first delivery of a first attempt could find there: the round trip is skipped.
+    subjects = pipeline_config.subjects
+    await ensure_streams(running.js, pipeline_config)
+    await running.js.publish(subjects.reply("fresh"), encode(TokenChunk("fresh", 0, [9], "x ")))
+    stage = ScriptStage()
+    await running(stage)
+    sub = await running.nc.subscribe(subjects.reply("fresh"))
+    await publish(running.js, pipeline_config, request("fresh", "a bb"))
+    chunks = await collect(sub)
+    assert stage.calls == [("fresh", [])]
+    assert [c.seq for c in chunks] == [0, 1]
+
+
+class ForwardStage(ScriptStage):
+    """Hands every request on to decode."""
+
+    async def run(
+        self, message: GenerateRequest | ProcessedRequest, ctx: HopContext
+    ) -> AsyncGenerator[StageOutput, None]:
+        assert isinstance(message, GenerateRequest)
+        yield ProcessedRequest(message, [1], [], ["processor", "decode"], 4, 0, hop_index=1)
+
+
+async def test_a_redelivered_hop_marks_what_it_forwards(running: Any, pipeline_config: PipelineConfig) -> None:
+    # The decoding hop then reads what an earlier run of this request emitted.
+    await ensure_streams(running.js, pipeline_config)
+    await ensure_consumer(running.js, pipeline_config, "processor")
+    await ensure_consumer(running.js, pipeline_config, "decode")
+    await publish(running.js, pipeline_config, request("again", "a"))
+    await _crashed_first_delivery(running.js, pipeline_config, "processor")
+    await publish(running.js, pipeline_config, request("once", "a"))
+    await running(ForwardStage())
+    psub = await running.js.pull_subscribe_bind(
+        pipeline_config.subjects.durable("decode"), pipeline_config.subjects.stream("decode")
+    )
+    forwarded = {}
+    while len(forwarded) < 2:
+        for msg in await psub.fetch(1, timeout=5):
+            message = Decoder(ProcessedRequest).decode(msg.data)
+            forwarded[message.request.request_id] = message.redelivered
+    assert forwarded == {"again": True, "once": False}
 
 
 async def test_drain_hands_unfinished_work_to_another_worker(running: Any, pipeline_config: PipelineConfig) -> None:

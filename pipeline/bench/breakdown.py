@@ -1,0 +1,165 @@
+"""``mmpipe bench --breakdown``: where the time to the first token goes.
+
+The stack runs with ``--trace-nats``: every process publishes its finished
+spans on ``mmpipe.<ns>.spans.<process>``. The bench listens there while it
+drives the load, then walks each request's trace along the path to its first
+token: the bridge until the request is queued, and for each hop its queue
+wait, its steps (media fetch and decode, encode, tensor get with its lease
+and READ, prefill, tensor put, forwarding, the first reply) and what is left
+of the hop outside them, up to the bridge receiving the first token.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections import defaultdict
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+from pipeline.tracing import SPAN_RECORDS, SpanRecord
+
+
+@dataclass
+class SpanSink:
+    """Spans as they arrive, by trace."""
+
+    traces: dict[str, list[SpanRecord]] = field(default_factory=lambda: defaultdict(list))
+
+    def take(self, data: bytes) -> None:
+        for record in SPAN_RECORDS.decode(data):
+            self.traces[record.trace_id].append(record)
+
+
+@dataclass(frozen=True)
+class Step:
+    label: str
+    ms: float
+    # Part of the step above it (a lease inside a get): not counted in the sum.
+    nested: bool = False
+
+
+def first_token_path(spans: Iterable[SpanRecord]) -> tuple[float, list[Step]] | None:
+    """TTFT at the bridge (ms) and the steps that make it up, for one trace;
+    None when the trace lacks its bridge or first-token span."""
+    spans = list(spans)
+    bridge = next((s for s in spans if s.name == "bridge" and not s.parent_id), None)
+    first = next((s for s in spans if s.name == "first_token"), None)
+    if bridge is None or first is None:
+        return None
+    end = first.end_ns
+    children: dict[str, list[SpanRecord]] = defaultdict(list)
+    for s in spans:
+        children[s.parent_id].append(s)
+    hops = sorted((s for s in spans if "worker" in s.attributes), key=lambda s: s.start_ns)
+    steps: list[Step] = []
+
+    def waited(hop: SpanRecord) -> SpanRecord | None:
+        return next((c for c in children[hop.span_id] if c.name == "queue_wait"), None)
+
+    def queued(hop: SpanRecord) -> int:
+        """When the hop's message was stored: its queue wait's start."""
+        wait = waited(hop)
+        return wait.start_ns if wait is not None else hop.start_ns
+
+    steps.append(Step("bridge: HTTP in, request queued", _ms((queued(hops[0]) if hops else end) - bridge.start_ns)))
+    for i, hop in enumerate(hops):
+        if hop.start_ns >= end:
+            break
+        role = hop.name
+        wait = waited(hop)
+        if wait is not None:
+            steps.append(Step(f"{role}: queue wait", _ms(wait.end_ns - wait.start_ns)))
+        # The hop's part of the path: until the next hop's message was stored, or the first token.
+        nxt = hops[i + 1] if i + 1 < len(hops) and hops[i + 1].start_ns < end else None
+        until = min(end, queued(nxt)) if nxt is not None else end
+        if nxt is None:
+            # The hop that answers: until its first reply was stored (the bridge had it by then).
+            replied = [c.end_ns for c in children[hop.span_id] if c.name == "first_reply" and c.end_ns <= end]
+            until = min(replied, default=until)
+        inside = 0.0
+        for step in sorted(children[hop.span_id], key=lambda s: s.start_ns):
+            if step.name == "queue_wait" or step.start_ns >= until:
+                continue
+            ms = _ms(min(step.end_ns, until) - step.start_ns)
+            inside += ms
+            steps.append(Step(f"{role}: {step.name}", ms))
+            for sub in sorted(children[step.span_id], key=lambda s: s.start_ns):
+                if sub.start_ns < until:
+                    steps.append(
+                        Step(f"{role}: {step.name} › {sub.name}", _ms(min(sub.end_ns, until) - sub.start_ns), True)
+                    )
+        steps.append(Step(f"{role}: other", max(0.0, _ms(until - hop.start_ns) - inside)))
+        if nxt is None and until < end:
+            steps.append(Step("reply: to the bridge", _ms(end - until)))
+    return _ms(end - bridge.start_ns), steps
+
+
+def _ms(ns: float) -> float:
+    return ns / 1e6
+
+
+def summarize(sink: SpanSink, since_ns: int = 0) -> dict[str, Any]:
+    """Medians over the traces that started after ``since_ns``, and the
+    steps of the request at the median TTFT."""
+    paths = []
+    for spans in sink.traces.values():
+        roots = [s for s in spans if s.name == "bridge" and not s.parent_id]
+        if not roots or roots[0].start_ns < since_ns:
+            continue
+        path = first_token_path(spans)
+        if path is not None:
+            paths.append(path)
+    if not paths:
+        return {"requests": 0, "ttft_ms": None, "steps": [], "median_request": []}
+    by_label: dict[str, list[float]] = defaultdict(list)
+    order: list[str] = []
+    nested: set[str] = set()
+    for _, steps in paths:
+        for step in steps:
+            if step.label not in by_label:
+                order.append(step.label)
+            by_label[step.label].append(step.ms)
+            if step.nested:
+                nested.add(step.label)
+    paths.sort(key=lambda p: p[0])
+    ttft, median_steps = paths[len(paths) // 2]
+    return {
+        "requests": len(paths),
+        "ttft_ms": statistics.median(p[0] for p in paths),
+        "steps": [
+            {
+                "step": label,
+                "p50_ms": statistics.median(by_label[label]),
+                "n": len(by_label[label]),
+                "nested": label in nested,
+            }
+            for label in order
+        ],
+        "median_request": {
+            "ttft_ms": ttft,
+            "steps": [{"step": s.label, "ms": s.ms, "nested": s.nested} for s in median_steps],
+        },
+    }
+
+
+def format_summary(summary: dict[str, Any]) -> str:
+    if not summary["requests"]:
+        return "breakdown: no complete traces (is the stack running with --trace-nats on this NATS and namespace?)"
+    median = summary["median_request"]
+    at_median = {s["step"]: s["ms"] for s in median["steps"]}
+    lines = [
+        f"time to first token, from {summary['requests']} traces: p50 {summary['ttft_ms']:.2f} ms "
+        f"(the request at the median: {median['ttft_ms']:.2f} ms)",
+        "",
+        f"{'step':<52}{'p50 ms':>10}{'median request ms':>20}",
+    ]
+    total = 0.0
+    for row in summary["steps"]:
+        label = ("    " if row["nested"] else "  ") + row["step"]
+        mine = at_median.get(row["step"])
+        if mine is not None and not row["nested"]:
+            total += mine
+        lines.append(f"{label:<52}{row['p50_ms']:>10.2f}{'' if mine is None else f'{mine:.2f}':>20}")
+    lines.append(f"{'  sum of the steps (not nested)':<52}{'':>10}{total:>20.2f}")
+    return "\n".join(lines)

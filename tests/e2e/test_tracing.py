@@ -1,0 +1,139 @@
+"""One trace a request, across processes: ``mmpipe up --trace-nats`` in
+E/P/D, an image request from the official client, and the spans every
+process published on NATS. The bridge's span is the root; each hop
+continues the trace it found in its message's headers; the steps of a hop
+(media, encode, the tensor hand-offs with their lease and READ, prefill)
+sit under that hop; and the first-token path the bench prints adds up."""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import signal
+import socket
+from pathlib import Path
+from typing import Any
+
+import openai
+import pytest
+
+from pipeline.bench.breakdown import SpanSink, first_token_path
+from pipeline.connection import connect, shutdown
+from pipeline.subjects import Subjects
+from pipeline.tracing import SpanRecord
+from tests.e2e.conftest import gradient, png_data_url
+from tests.e2e.processes import Processes
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _by_name(spans: list[SpanRecord], name: str) -> list[SpanRecord]:
+    """Steps of that name (not a hop's span, which is named after its role)."""
+    return [s for s in spans if s.name == name and "worker" not in s.attributes]
+
+
+def _only(spans: list[SpanRecord], name: str) -> SpanRecord:
+    found = _by_name(spans, name)
+    assert len(found) == 1, (name, [s.name for s in spans])
+    return found[0]
+
+
+@pytest.mark.e2e
+async def test_one_request_is_one_trace_across_every_process(
+    tmp_path: Path, mmpipe_home: Path, tiny_model_dir: Path
+) -> None:
+    procs = Processes(tmp_path, mmpipe_home)
+    port, nats_port = _free_port(), _free_port()
+    up = procs.start(
+        "up", "--mode", "e-p-d", "--port", str(port), "--nats-port", str(nats_port), "--trace-nats",
+        "--data-dir", str(tmp_path / "data"), "--model", str(tiny_model_dir), "--transport", "nixl",
+    )  # fmt: skip
+    sink = SpanSink()
+    nc = None
+    try:
+        up.wait_for("mmpipe ready")
+        url = re.search(r"nats=(\S+)", up.text())
+        assert url
+        nc, _ = await connect(url.group(1), name="test-spans")
+
+        async def take(msg: Any) -> None:
+            sink.take(msg.data)
+
+        await nc.subscribe(Subjects("default").all_spans, cb=take)
+        content: Any = [
+            {"type": "image_url", "image_url": {"url": png_data_url(gradient(64, 48, 1))}},
+            {"type": "text", "text": "What?"},
+        ]
+        async with openai.AsyncOpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0) as c:
+            chunks = await c.chat.completions.create(
+                model="tiny-qwen2-vl",
+                messages=[{"role": "user", "content": content}],
+                max_tokens=4,
+                temperature=0,
+                stream=True,
+            )
+            async for _ in chunks:
+                pass
+
+        def whole() -> list[SpanRecord] | None:
+            for spans in sink.traces.values():
+                names = {s.name for s in spans}
+                if {"bridge", "first_token", "processor", "encode", "prefill", "decode", "first_step"} <= names:
+                    return spans
+            return None
+
+        for _ in range(100):  # the processes export in batches every 200 ms
+            if (spans := whole()) is not None:
+                break
+            await asyncio.sleep(0.1)
+        assert spans is not None, {t: sorted({s.name for s in v}) for t, v in sink.traces.items()}
+    finally:
+        if nc is not None:
+            await shutdown(nc)
+        code = up.stop(signal.SIGINT)
+        procs.stop_all()
+    assert code == 0, up.text()[-3000:]
+
+    ids = {s.span_id: s for s in spans}
+    bridge = _only(spans, "bridge")  # the bridge is no worker: its span is found too
+    assert bridge.parent_id == "" and bridge.service == "mmpipe-bridge"
+    # Hop after hop, each the child of the one that forwarded its message (of its forward step).
+    hops = sorted((s for s in spans if "worker" in s.attributes), key=lambda s: s.start_ns)
+    assert [h.name for h in hops] == ["processor", "encode", "prefill", "decode"]
+    parents = [bridge, *hops[:-1]]
+    for hop, parent in zip(hops, parents, strict=True):
+        forwarded_by = ids[hop.parent_id]
+        if forwarded_by.name == "forward":
+            forwarded_by = ids[forwarded_by.parent_id]
+        assert forwarded_by == parent, hop.name
+        assert hop.service == f"mmpipe-{hop.name}"
+        assert hop.attributes["request_id"] == bridge.attributes["request_id"]
+        wait = next(s for s in spans if s.name == "queue_wait" and s.parent_id == hop.span_id)
+        assert wait.start_ns <= wait.end_ns <= hop.start_ns + 5_000_000  # clocks of one host
+    # Each step under the hop that ran it.
+    under = {name: {ids[s.parent_id].name for s in _by_name(spans, name)} for name in ("media_fetch", "encode")}
+    assert under == {"media_fetch": {"encode"}, "encode": {"encode"}}
+    assert {ids[s.parent_id].name for s in _by_name(spans, "prefill")} == {"prefill"}
+    assert {ids[s.parent_id].name for s in _by_name(spans, "put")} == {"encode", "prefill"}
+    gets = {ids[s.parent_id].name: s for s in _by_name(spans, "get")}
+    assert sorted(gets) == ["decode", "prefill"]
+    for get in gets.values():
+        # The NIXL hand-off: a lease and a READ, inside the get.
+        inside = {s.name for s in spans if s.parent_id == get.span_id}
+        assert {"lease", "read"} <= inside, inside
+    assert _only(spans, "first_step").parent_id == hops[-1].span_id
+
+    # The bench's first-token path covers the bridge's TTFT, step by step.
+    path = first_token_path(spans)
+    assert path is not None
+    ttft_ms, steps = path
+    labels = [s.label for s in steps]
+    for label in ("processor: queue wait", "encode: encode", "prefill: prefill", "decode: get › read"):
+        assert label in labels, labels
+    total = sum(s.ms for s in steps if not s.nested)
+    assert total == pytest.approx(ttft_ms, rel=0.02), steps
+    assert all(s.ms >= 0 for s in steps)
