@@ -28,7 +28,7 @@ from pipeline.settle import Settler
 from pipeline.streams import ensure_consumer, ensure_streams, is_stream_full
 from pipeline.subjects import check_token
 from pipeline.transport.base import TensorGone, TensorTransport
-from schemas.chunk import TokenChunk
+from schemas.chunk import ReplyChunk, TokenChunk
 from schemas.codec import CONTENT_TYPE, MSGPACK, Decoder, encode
 from schemas.control import WorkerInfo
 from schemas.errors import (
@@ -403,17 +403,21 @@ class Worker:
                         out = msgspec.structs.replace(out, redelivered=True)
                     with ctx.timed("forward"):
                         await self._forward_holding(out)
-                elif latency.last is None:
-                    with ctx.timed("first_reply"):
-                        await self.replies.publish(reply_subject, out)
                 else:
-                    await self.replies.publish(reply_subject, out)
+                    await self._reply(reply_subject, out, first=latency.last is None, ctx=ctx)
                     if isinstance(out, TokenChunk):
                         metrics.TOKENS.labels(self.role).inc(len(out.token_ids))
                         latency.chunk(out)
                 _raise_if_cancelled()
 
         _trace(self.role, ctx.trace)
+
+    async def _reply(self, subject: str, chunk: ReplyChunk, first: bool, ctx: HopContext) -> None:
+        if not first:
+            await self.replies.publish(subject, chunk)
+            return
+        with ctx.timed("first_reply"):
+            await self.replies.publish(subject, chunk)
 
     async def _forward_holding(self, out: ProcessedRequest) -> None:
         """Forward; if the next hop never gets the message, nobody will read
