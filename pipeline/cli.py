@@ -218,12 +218,18 @@ def _main(args: argparse.Namespace) -> int:
         from pipeline.serve import run_worker
 
         worker: WorkerProcess = _started("worker", args).settings
-        _run(run_worker(args.role, worker.common.pipeline, worker.worker))
+        try:
+            _run(run_worker(args.role, worker.common.pipeline, worker.worker))
+        finally:
+            tracing.shutdown()  # what is still batched goes out (OTLP; NATS is closed by now)
     elif args.command == "bridge":
         from pipeline.serve import run_bridge
 
         bridge: BridgeProcess = _started("bridge", args).settings
-        _run(run_bridge(bridge.common.pipeline, bridge.bridge))
+        try:
+            _run(run_bridge(bridge.common.pipeline, bridge.bridge))
+        finally:
+            tracing.shutdown()
     elif args.command == "nats":
         from pipeline.launcher import run_nats
 

@@ -117,6 +117,7 @@ def attach_nats(nc: Any, subject: str) -> None:
 
 
 def shutdown() -> None:
+    """Flush and stop this process's exporters, if tracing is on."""
     provider = trace.get_tracer_provider()
     if hasattr(provider, "shutdown"):
         provider.shutdown()

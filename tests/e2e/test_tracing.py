@@ -3,7 +3,8 @@ E/P/D, an image request from the official client, and the spans every
 process published on NATS. The bridge's span is the root; each hop
 continues the trace it found in its message's headers; the steps of a hop
 (media, encode, the tensor hand-offs with their lease and READ, prefill)
-sit under that hop; and the first-token path the bench prints adds up."""
+sit under that hop; and the first-token path the bench prints adds up.
+With --otlp-endpoint the same spans reach a collector over OTLP/HTTP."""
 
 from __future__ import annotations
 
@@ -16,6 +17,8 @@ from typing import Any
 
 import openai
 import pytest
+from aiohttp import web
+from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
 
 from pipeline.bench.breakdown import SpanSink, first_token_path
 from pipeline.connection import connect, shutdown
@@ -137,3 +140,52 @@ async def test_one_request_is_one_trace_across_every_process(
     total = sum(s.ms for s in steps if not s.nested)
     assert total == pytest.approx(ttft_ms, rel=0.02), steps
     assert all(s.ms >= 0 for s in steps)
+
+
+@pytest.mark.e2e
+async def test_spans_go_to_an_otlp_collector(tmp_path: Path, mmpipe_home: Path, tiny_model_dir: Path) -> None:
+    # A collector's OTLP/HTTP endpoint, as an OpenTelemetry Collector or Jaeger serves it.
+    received: list[Any] = []
+
+    async def traces(request: web.Request) -> web.Response:
+        body = ExportTraceServiceRequest()
+        body.ParseFromString(await request.read())
+        for resource in body.resource_spans:
+            service = next(a.value.string_value for a in resource.resource.attributes if a.key == "service.name")
+            for scope in resource.scope_spans:
+                received.extend((service, span.name, span.trace_id.hex()) for span in scope.spans)
+        return web.Response(content_type="application/x-protobuf", body=b"")
+
+    app = web.Application()
+    app.router.add_post("/v1/traces", traces)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    collector_port, port = _free_port(), _free_port()
+    await web.TCPSite(runner, "127.0.0.1", collector_port).start()
+    procs = Processes(tmp_path, mmpipe_home)
+    up = procs.start(
+        "up", "--port", str(port), "--otlp-endpoint", f"http://127.0.0.1:{collector_port}",
+        "--data-dir", str(tmp_path / "data"), "--model", str(tiny_model_dir),
+    )  # fmt: skip
+    try:
+        up.wait_for("mmpipe ready")
+        async with openai.AsyncOpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0) as c:
+            reply = await c.chat.completions.create(
+                model="tiny-qwen2-vl", messages=[{"role": "user", "content": "Hi"}], max_tokens=2, temperature=0
+            )
+            assert reply.choices[0].message.content
+        # The batch exporter sends every 5 s, and what is left when a process stops.
+        wanted = {("mmpipe-bridge", "bridge"), ("mmpipe-encode+prefill+decode", "prefill")}
+        for _ in range(200):
+            if wanted <= {(service, name) for service, name, _ in received}:
+                break
+            await asyncio.sleep(0.1)
+    finally:
+        code = up.stop(signal.SIGINT)
+        procs.stop_all()
+        await runner.cleanup()
+    assert code == 0, up.text()[-3000:]
+    assert wanted <= {(service, name) for service, name, _ in received}, received
+    # The bridge's request and the worker's prefill are one trace.
+    bridge_traces = {t for service, name, t in received if name == "bridge"}
+    assert {t for _, name, t in received if name == "prefill"} <= bridge_traces
