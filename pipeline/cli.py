@@ -16,7 +16,7 @@ from pipeline.auth import NatsAuth
 from pipeline.bench.decode import add_arguments as add_decode_arguments
 from pipeline.bench.encode import add_arguments as add_encode_arguments
 from pipeline.bench.scale import add_arguments as add_scale_arguments
-from pipeline.config import PipelineConfig
+from pipeline.config import DEFAULT_NATS_URL, PipelineConfig
 from pipeline.settings import (
     BridgeProcess,
     CommonSettings,
@@ -125,7 +125,7 @@ def _bench(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     )
     bench.add_argument(
         "--nats-url",
-        default=os.environ.get("MMPIPE_NATS_URL", "nats://127.0.0.1:4222"),
+        default=os.environ.get("MMPIPE_NATS_URL", DEFAULT_NATS_URL),
         help="with --breakdown: the stack's NATS, where its spans are published ($MMPIPE_NATS_URL)",
     )
     bench.add_argument("--namespace", default="default", help="with --breakdown: the stack's namespace")

@@ -115,7 +115,7 @@ def up(settings: UpProcess, external_nats: bool) -> int:
         # ExampleConnector keys its files by prompt tokens and image hashes,
         # not by model: what an earlier run (maybe of another checkpoint)
         # left in the default folder must not be loaded as this one's KV.
-        shutil.rmtree(data_dir / "vllm-kv", ignore_errors=True)
+        shutil.rmtree(_kv_folder(data_dir), ignore_errors=True)
     stop = _Stop()
     # Resolved (and a built-in built) once here, not by every child at once.
     spec = resolve_model(worker.model, worker.served_model_name)
@@ -202,7 +202,7 @@ def role_settings(
     health port."""
     vllm = worker.engine == "vllm"
     engine = "vllm" if vllm and (role in VLLM_ROLES or (role == "encode" and up.vllm_encoder)) else "torch"
-    kv = dataclasses.replace(worker.vllm_kv, port=0, path=worker.vllm_kv.path or str(data_dir / "vllm-kv"))
+    kv = dataclasses.replace(worker.vllm_kv, port=0, path=worker.vllm_kv.path or str(_kv_folder(data_dir)))
     ec_path = (worker.vllm_ec_path or str(data_dir / "vllm-ec")) if vllm and up.vllm_encoder else ""
     return dataclasses.replace(
         worker,
@@ -211,6 +211,11 @@ def role_settings(
         vllm_ec_path=ec_path if engine == "vllm" or role in VLLM_ROLES else "",
         health=dataclasses.replace(worker.health, port=health_port),
     )
+
+
+def _kv_folder(data_dir: Path) -> Path:
+    """The deployment's ExampleConnector folder when --vllm-kv-path names none."""
+    return data_dir / "vllm-kv"
 
 
 def _stop_all(children: list[subprocess.Popen[bytes]], grace_s: float = 40.0) -> None:
