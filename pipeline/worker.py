@@ -385,6 +385,10 @@ class Worker:
         # first token.
         redelivered = deliveries > 1 or (isinstance(message, ProcessedRequest) and message.redelivered)
         taken_over = redelivered or (isinstance(message, ProcessedRequest) and message.attempt > 0)
+        if isinstance(message, ProcessedRequest) and self.stage.resumes_stream:
+            # What an earlier hop of this run streamed (its prefill's token);
+            # the reply stream, read below on a takeover, can only hold more.
+            ctx.emitted = list(message.emitted)
         if taken_over and self.stage.resumes_stream and self.replies.is_stored(request.request_id, reply_subject):
             with ctx.timed("read_emitted"):
                 emitted = await self.replies.read_emitted(request.request_id)

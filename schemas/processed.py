@@ -112,6 +112,10 @@ class ProcessedRequest(msgspec.Struct, omit_defaults=True, forbid_unknown_fields
     # A hop of this attempt ran it more than once (a redelivery): a later hop
     # may find chunks a first run already emitted.
     redelivered: bool = False
+    # Tokens the client holds as this message was made: a hop that ends at
+    # prefill streams the token its prefill chose at once (the first token
+    # does not wait for the KV hand-off), and the decode hop goes on after it.
+    emitted: list[int] = []
     encoded: EncodedMedia | None = None
     kv: KvHandoff | None = None
     vllm_kv: VllmKv | None = None
@@ -145,5 +149,12 @@ class ProcessedRequest(msgspec.Struct, omit_defaults=True, forbid_unknown_fields
     def restarted(self) -> ProcessedRequest:
         """A new attempt from the first hop: what earlier hops made is gone."""
         return msgspec.structs.replace(
-            self, attempt=self.attempt + 1, hop_index=0, encoded=None, kv=None, vllm_kv=None, vllm_encoded=None
+            self,
+            attempt=self.attempt + 1,
+            hop_index=0,
+            emitted=[],
+            encoded=None,
+            kv=None,
+            vllm_kv=None,
+            vllm_encoded=None,
         )

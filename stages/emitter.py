@@ -12,9 +12,11 @@ from stages.detokenizer import IncrementalDetokenizer, StopStringMatcher
 class ChunkEmitter:
     """One request's chunks, from the token after ``emitted`` on.
 
-    Primed with what an earlier attempt emitted: the detokenizer then holds
-    back exactly what it held back then (a character cut in half), so the
-    text of a resumed stream joins the earlier text seamlessly.
+    Primed with what an earlier attempt or hop emitted: the detokenizer and
+    the stop strings then hold back exactly what they held back then (a
+    character cut in half, the start of a stop string), so the text of a
+    resumed stream joins the earlier text seamlessly and a stop string
+    across the join is still found.
     """
 
     def __init__(self, engine: Any, req: ProcessedRequest, prompt_len: int, emitted: list[int]) -> None:
@@ -24,9 +26,9 @@ class ChunkEmitter:
         self._rid = req.request.request_id
         self._prompt_len = prompt_len
         self._detok = IncrementalDetokenizer(engine.tokenizer)
-        for token in emitted:
-            self._detok.push(token)
         self._stops = StopStringMatcher(req.request.sampling.stop)
+        for token in emitted:
+            self._stops.feed(self._detok.push(token))
         self.index = len(emitted)
 
     def is_eos(self, token: int) -> bool:

@@ -90,12 +90,29 @@ class HopStage:
             handle = await engine.receive_prefilled(req, ctx)
         try:
             if not self.steps.decode:
-                yield (await engine.hand_off(handle, req, ctx)).next_hop(req)
+                async for out in self._hand_off(req, handle, ctx):
+                    yield out
                 return
             async for chunk in self._decode(req, handle, ctx):
                 yield chunk
         finally:
             await engine.abort(handle)
+
+    async def _hand_off(self, req: ProcessedRequest, handle: Any, ctx: HopContext) -> AsyncGenerator[StageOutput, None]:
+        """A hop that ends at prefill: the token its prefill chose goes to
+        the client now (the first token does not wait for the KV hand-off and
+        the decode hop's queue), then the sequence goes to the decode hop. A
+        request that this token ends never reaches it."""
+        emitted = ctx.emitted
+        first = self.engine.first_token(handle)
+        if first is not None:
+            emitter = ChunkEmitter(self.engine, req, handle.prompt_len, emitted)
+            chunk = emitter.finish_now() if len(emitted) >= req.max_tokens else emitter.push(first)
+            yield chunk
+            if chunk.finish_reason is not None:
+                return
+            emitted = [*emitted, first]
+        yield (await self.engine.hand_off(handle, req, ctx)).next_hop(req, emitted)
 
     async def _decode(self, req: ProcessedRequest, handle: Any, ctx: HopContext) -> AsyncGenerator[TokenChunk, None]:
         emitted = ctx.emitted

@@ -62,10 +62,12 @@ class Carried:
     vllm_encoded: VllmEncoded | None = None
     vllm_kv: VllmKv | None = None
 
-    def next_hop(self, req: ProcessedRequest) -> ProcessedRequest:
+    def next_hop(self, req: ProcessedRequest, emitted: list[int] | None = None) -> ProcessedRequest:
+        """``emitted``: the tokens the client holds now, where this hop streamed some."""
         return msgspec.structs.replace(
             req,
             hop_index=req.hop_index + 1,
+            emitted=req.emitted if emitted is None else emitted,
             encoded=self.encoded,
             kv=self.kv,
             vllm_encoded=self.vllm_encoded,
@@ -110,6 +112,12 @@ class HopEngine(Protocol[H]):
 
     async def prefill(self, req: ProcessedRequest, media: list[MediaEmbedding], ctx: HopContext) -> H:
         """The prompt plus what the client already holds (``ctx.emitted``)."""
+        ...
+
+    def first_token(self, handle: H) -> int | None:
+        """The token the prefill chose (after ``ctx.emitted``), which a hop
+        that ends at prefill streams before it hands the sequence on; None
+        where the engine's decode hop makes that token itself."""
         ...
 
     async def hand_off(self, handle: H, req: ProcessedRequest, ctx: HopContext) -> Carried:

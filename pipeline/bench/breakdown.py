@@ -70,13 +70,13 @@ def first_token_path(spans: Iterable[SpanRecord]) -> tuple[float, list[Step]] | 
         wait = waited(hop)
         if wait is not None:
             steps.append(Step(f"{role}: queue wait", _ms(wait.end_ns - wait.start_ns)))
-        # The hop's part of the path: until the next hop's message was stored, or the first token.
-        nxt = hops[i + 1] if i + 1 < len(hops) and hops[i + 1].start_ns < end else None
-        until = min(end, queued(nxt)) if nxt is not None else end
-        if nxt is None:
-            # The hop that answers: until its first reply was stored (the bridge had it by then).
-            replied = [c.end_ns for c in children[hop.span_id] if c.name == "first_reply" and c.end_ns <= end]
-            until = min(replied, default=until)
+        # The hop that answers (the first with a reply the bridge had by the
+        # first token; a hop that ends at prefill streams its token before it
+        # forwards): until its first reply was stored. Any other: until the
+        # next hop's message was stored, or the first token.
+        replied = [c.end_ns for c in children[hop.span_id] if c.name == "first_reply" and c.end_ns <= end]
+        nxt = hops[i + 1] if i + 1 < len(hops) and hops[i + 1].start_ns < end and not replied else None
+        until = min(replied) if replied else min(end, queued(nxt)) if nxt is not None else end
         inside = 0.0
         for step in sorted(children[hop.span_id], key=lambda s: s.start_ns):
             if step.name == "queue_wait" or step.start_ns >= until:
@@ -90,8 +90,10 @@ def first_token_path(spans: Iterable[SpanRecord]) -> tuple[float, list[Step]] | 
                         Step(f"{role}: {step.name} › {sub.name}", _ms(min(sub.end_ns, until) - sub.start_ns), True)
                     )
         steps.append(Step(f"{role}: other", max(0.0, _ms(until - hop.start_ns) - inside)))
-        if nxt is None and until < end:
-            steps.append(Step("reply: to the bridge", _ms(end - until)))
+        if nxt is None:
+            if until < end:
+                steps.append(Step("reply: to the bridge", _ms(end - until)))
+            break
     return _ms(end - bridge.start_ns), steps
 
 

@@ -34,6 +34,7 @@ from stages.torch_engine.batch_decoder import BatchDecoder
 from stages.torch_engine.sampling import select_token
 from stages.torch_engine.sequence import KvState, Launch, Sequence
 from stages.torch_engine.settings import DecodeSettings
+from stages.torch_engine.slot_prefill import SlotPrefill
 from stages.torch_engine.slots import SlotTable
 
 log = structlog.get_logger(__name__)
@@ -86,11 +87,20 @@ class TorchEngine:
                 eos_ids=self.eos_token_ids,
             )
         self._slots = SlotTable(self.decoder) if self.decoder is not None else None
+        self._slot_prefill: SlotPrefill | None = None
+        if self.decoder is not None and self.decoder.fused is not None and decode.graph_prefill_len > 0:
+            self._slot_prefill = SlotPrefill(self.decoder, decode.cuda_graphs, decode.graph_prefill_len)
         if self.decoder is not None:
             started = time.monotonic()
             sizes = self.decoder.capture()
-            if sizes:
-                log.info("cuda_graphs_captured", batch_sizes=sizes, seconds=round(time.monotonic() - started, 2))
+            lengths = self._slot_prefill.capture() if self._slot_prefill is not None else []
+            if sizes or lengths:
+                log.info(
+                    "cuda_graphs_captured",
+                    batch_sizes=sizes,
+                    prefill_lengths=lengths,
+                    seconds=round(time.monotonic() - started, 2),
+                )
 
     # -- media --------------------------------------------------------------
 
@@ -408,9 +418,32 @@ class TorchEngine:
         ids, positions, delta = self._prepare(prompt, media, emitted)
         with self._lock, torch.inference_mode():
             embeds = fam.embed_prompt(self.model, ids, media)
+            if not emitted:
+                slotted = self._prefill_into_slot(embeds, positions, len(ids), sampling, delta)
+                if slotted is not None:
+                    return slotted
             logits, cache = fam.forward(self.model, positions, None, inputs_embeds=embeds)
             seq = Sequence(prompt_len=len(ids), output_ids=[], sampling=sampling, rope_delta=delta, cache=cache)
             return seq, self._continue(seq, logits, emitted)
+
+    def _prefill_into_slot(
+        self, embeds: torch.Tensor, positions: torch.Tensor, length: int, sampling: SamplingConfig, delta: int
+    ) -> tuple[Sequence, int] | None:
+        """The graphed prefill straight into a free decoder slot, where the
+        prompt fits it and the sequence the slot (else None: the modules)."""
+        prefill, slots = self._slot_prefill, self._slots
+        if prefill is None or slots is None or not prefill.fits(length) or not slots.has_room():
+            return None
+        if length + sampling.max_tokens > prefill.decoder.max_len:
+            return None
+        seq = Sequence(prompt_len=length, output_ids=[], sampling=sampling, rope_delta=delta, cache=None)
+        slot = slots.take(seq)
+        try:
+            logits = prefill.run(embeds[0], positions, slot)
+        except BaseException:
+            slots.free(seq)
+            raise
+        return seq, self._select(seq, logits)
 
     def _continue(self, seq: Sequence, logits: torch.Tensor, emitted: list[int]) -> int:
         # Emitted tokens go in one decode step each, not as one chunk: the

@@ -140,6 +140,11 @@ class TorchHopEngine:
                 )
         return TorchPrefilled(seq)
 
+    def first_token(self, handle: TorchPrefilled) -> int | None:
+        # Prefill covered the prompt and what the client held; the one token
+        # after them is pending (selected, not yet in the cache).
+        return handle.seq.output_ids[-1]
+
     async def hand_off(self, handle: TorchPrefilled, req: ProcessedRequest, ctx: HopContext) -> Carried:
         try:
             tensors, state = await self.thread.call(self.torch.export_kv, handle.seq)
@@ -191,9 +196,9 @@ class TorchHopEngine:
     ) -> AsyncGenerator[int, None]:
         assert self.scheduler is not None, f"role {self.role} does not decode"
         seq, emitted = handle.seq, ctx.emitted
-        if len(emitted) >= len(seq.output_ids):
-            # The client holds more than this sequence covers (a takeover
-            # raced an earlier attempt): its tokens win.
+        if emitted[: len(seq.output_ids)] != seq.output_ids[: len(emitted)] or len(emitted) > len(seq.output_ids):
+            # The client holds more than this sequence covers, or another
+            # token (a takeover raced an earlier attempt): its tokens win.
             first = [await self.thread.call(self.torch.resume, seq, emitted)]
         else:
             first = seq.output_ids[len(emitted) :]

@@ -30,3 +30,10 @@ class DecodeSettings:
         flag="fused-decode",
         help="the fused layer step (one kernel set per layer) instead of the model's modules (unset: on CUDA only)",
     )
+    # 0: every prompt through the model's modules.
+    graph_prefill_len: int = setting(
+        2048,
+        flag="graph-prefill-len",
+        help="where the fused step runs, prompts of up to this many tokens prefill straight into a decoder slot, "
+        "one CUDA graph per length bucket (0: the model's modules for every prompt)",
+    )

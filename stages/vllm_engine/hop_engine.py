@@ -185,6 +185,11 @@ class VllmHopEngine:
         log.info("vllm_prefilled", request_id=rid, vllm_request_id=vllm_id, kv_params=sorted(handle.kv_params))
         return handle
 
+    def first_token(self, handle: VllmPrefilled) -> int | None:
+        # vLLM's decode instance samples the token after the transferred
+        # prompt itself (its KV connector moves the prompt's blocks only).
+        return None
+
     async def hand_off(self, handle: VllmPrefilled, req: ProcessedRequest, ctx: HopContext) -> Carried:
         """The KV connector's params, and the media the decode engine needs
         again: embeddings through the tensor store, or (a vLLM encode hop's)

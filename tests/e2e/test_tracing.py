@@ -135,8 +135,11 @@ async def test_one_request_is_one_trace_across_every_process(
     assert path is not None
     ttft_ms, steps = path
     labels = [s.label for s in steps]
-    for label in ("processor: queue wait", "encode: encode", "prefill: prefill", "decode: get › read"):
+    for label in ("processor: queue wait", "encode: encode", "prefill: get › read", "prefill: prefill"):
         assert label in labels, labels
+    # The prefill hop streams the first token itself: the KV hand-off and the
+    # decode hop are off the first token's path.
+    assert "prefill: first_reply" in labels and not [label for label in labels if label.startswith("decode")], labels
     total = sum(s.ms for s in steps if not s.nested)
     assert total == pytest.approx(ttft_ms, rel=0.02), steps
     assert all(s.ms >= 0 for s in steps)

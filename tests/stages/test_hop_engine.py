@@ -14,9 +14,11 @@ import pytest
 from pipeline.connection import connect
 from pipeline.nats_server import NatsServer
 from pipeline.transport import TransportSettings, open_transport
+from schemas.chunk import FinishReason, TokenChunk
 from schemas.processed import ProcessedRequest
 from schemas.request import ChatMessage, GenerateRequest, ImagePart, ImageURL, SamplingParams, TextPart
 from stages.contract import HopContext, TensorStore
+from stages.hop import HopStage
 from stages.hop_engine import HopEngine, check_context
 from stages.models import resolve_model
 from stages.models.traits import load_traits
@@ -52,9 +54,10 @@ async def engines(tiny_model_dir: Path, store: TensorStore) -> AsyncIterator[dic
         await engine.close()
 
 
-def image_request(rid: str) -> GenerateRequest:
+def image_request(rid: str, max_tokens: int = N, stop: list[str] | None = None) -> GenerateRequest:
     content = [ImagePart(ImageURL(png_data_url(gradient(60, 44, 3)))), TextPart("What is it?")]
-    return GenerateRequest(rid, "tiny", [ChatMessage("user", content)], SamplingParams(N, 0.0, min_tokens=N))
+    sampling = SamplingParams(max_tokens, 0.0, min_tokens=max_tokens, stop=stop or [])
+    return GenerateRequest(rid, "tiny", [ChatMessage("user", content)], sampling)
 
 
 async def e_p_d(engines: dict[str, HopEngine[Any]], req: ProcessedRequest, emitted: list[int]) -> list[int]:
@@ -128,3 +131,53 @@ async def test_health_fails_once_the_decode_loop_has_died(tiny_model_dir: Path) 
     finally:
         await engine.close()
     await engine.health()  # closed on purpose: nothing to report
+
+
+async def split_stages(
+    engines: dict[str, HopEngine[Any]], req: ProcessedRequest
+) -> tuple[list[TokenChunk], ProcessedRequest | None, list[TokenChunk]]:
+    """E/P/D through ``HopStage``: the prefill hop's chunks, its message to
+    the decode hop (None when it finished the request), the decode hop's chunks."""
+    stages = {role: HopStage(role, engine, "tiny") for role, engine in engines.items()}
+    (req,) = [out async for out in stages["encode"].run(req, HopContext())]
+    assert isinstance(req, ProcessedRequest)
+    outs = [out async for out in stages["prefill"].run(req, HopContext())]
+    first = [o for o in outs if isinstance(o, TokenChunk)]
+    forwarded = [o for o in outs if isinstance(o, ProcessedRequest)]
+    if not forwarded:
+        return first, None, []
+    (nxt,) = forwarded
+    # The worker takes what the client holds from the message (no takeover here).
+    rest = [out async for out in stages["decode"].run(nxt, HopContext(emitted=list(nxt.emitted)))]
+    assert all(isinstance(c, TokenChunk) for c in rest)
+    return first, nxt, rest  # type: ignore[return-value]
+
+
+async def test_a_hop_ending_at_prefill_streams_its_token_before_the_hand_off(
+    engines: dict[str, HopEngine[Any]], tiny_model_dir: Path
+) -> None:
+    processor = Processor(load_traits(resolve_model(str(tiny_model_dir), "tiny")))
+    req = processor.process(image_request("f1"))
+    expected = reference_generate(tiny_model_dir, req.prompt_token_ids, [gradient(60, 44, 3)], N)
+    first, nxt, rest = await split_stages(engines, req)
+    assert [(c.seq, c.token_ids, c.finish_reason) for c in first] == [(0, expected[:1], None)]
+    assert nxt is not None and nxt.emitted == expected[:1] and nxt.kv is not None
+    assert [c.seq for c in rest] == list(range(1, N))
+    assert [t for c in rest for t in c.token_ids] == expected[1:]
+    text = engines["decode"].tokenizer.decode(expected, skip_special_tokens=True)
+    assert "".join(c.text for c in first + rest) == text
+
+    # A request the first token ends never reaches the decode hop.
+    one = processor.process(image_request("f2", max_tokens=1))
+    first, nxt, rest = await split_stages(engines, one)
+    assert nxt is None and rest == []
+    assert [(c.seq, c.token_ids, c.finish_reason) for c in first] == [(0, expected[:1], FinishReason.LENGTH)]
+
+    # A stop string across the two hops' tokens is found, its text never sent.
+    stop = engines["decode"].tokenizer.decode(expected[:3], skip_special_tokens=True)[-2:]
+    assert stop and stop in text
+    stopped = processor.process(image_request("f3", stop=[stop]))
+    first, nxt, rest = await split_stages(engines, stopped)
+    chunks = first + rest
+    assert chunks[-1].finish_reason == FinishReason.STOP
+    assert "".join(c.text for c in chunks) == text[: text.index(stop)]

@@ -1,0 +1,185 @@
+"""One prompt's prefill on a GPU: the fused layer weights, the keys and
+values written straight into the prompt's batch decoder slot, each prompt
+length bucket one CUDA graph.
+
+The model's modules launch some thirty kernels a layer, each preceded by
+Python: a 2B model's prefill of 20 tokens cost as much as one of 300 on an
+H100 (31 ms against 38, 2026-11-27), bound by launches, not by compute. A
+graph replays those launches in a few microseconds each. The prompt is
+padded up to its bucket at the end: attention is causal, so no real token
+sees a padding row, and the padding's keys and values land past the prompt
+in the slot, where the first decode step writes over them before any step
+reads them. The cache then needs no copy into the slot afterwards either.
+
+The arithmetic is the fused decode step's (stages/torch_engine/fused_decode.py):
+the models' own, with concatenated projections, so in bf16 it rounds
+differently from the modules in the last bits. Only where the fused step
+runs (CUDA by default); the CPU keeps the modules and generate()'s exact
+tokens.
+"""
+
+from __future__ import annotations
+
+import bisect
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from stages.torch_engine.batch_decoder import BatchDecoder
+from stages.torch_engine.fused_decode import FusedLayer, after_attention, rms_norm, rope
+
+# Prompt lengths a graph is captured for; a longer prompt runs the modules.
+BUCKETS = (16, 32, 64, 128, 256, 512, 1024, 2048)
+
+
+def mrope_section(config: Any) -> list[int] | None:
+    """Qwen-VL's split of the rotary frequencies between the temporal,
+    height and width position rows (None: one position row)."""
+    for name in ("rope_parameters", "rope_scaling"):
+        params = getattr(config, name, None)
+        if isinstance(params, dict) and params.get("mrope_section"):
+            return [int(n) for n in params["mrope_section"]]
+    return None
+
+
+class SlotPrefill:
+    """Prefill of one prompt of up to ``max_tokens`` tokens into a slot of
+    ``decoder`` (which must run the fused step)."""
+
+    def __init__(self, decoder: BatchDecoder, use_graphs: bool, longest: int = BUCKETS[-1]) -> None:
+        if decoder.fused is None:
+            raise ValueError("slot prefill needs the batch decoder's fused layers")
+        self.decoder = decoder
+        self.fused: list[FusedLayer] = decoder.fused
+        self.buckets = [b for b in BUCKETS if b <= min(longest, decoder.max_len)]
+        self.max_tokens = self.buckets[-1] if self.buckets else 0
+        lm, s = decoder.lm, decoder.shape
+        self.mrope = mrope_section(lm.config)
+        device, dtype = decoder.device, decoder.dtype
+        n = max(self.max_tokens, 1)
+        # Static inputs: every graph reads its prompt from these addresses.
+        self._embeds = torch.zeros(n, int(lm.config.hidden_size), dtype=dtype, device=device)
+        self._cos = torch.zeros(n, 1, s.head_dim, dtype=dtype, device=device)
+        self._sin = torch.zeros(n, 1, s.head_dim, dtype=dtype, device=device)
+        self._slot = torch.zeros(1, dtype=torch.long, device=device)
+        self._last = torch.zeros(1, dtype=torch.long, device=device)
+        self._write_at = torch.arange(n, device=device)
+        self.use_graphs = use_graphs and device.type == "cuda"
+        self._graphs: dict[int, tuple[Any, torch.Tensor]] = {}
+
+    def fits(self, length: int) -> bool:
+        return 0 < length <= self.max_tokens
+
+    @torch.inference_mode()
+    def run(self, embeds: torch.Tensor, positions: torch.Tensor, slot: int) -> torch.Tensor:
+        """Next-token logits [vocab] of a prompt given as embeddings [L,
+        hidden] and its positions (the family's layout); its keys and values
+        are in ``slot`` after."""
+        length = int(embeds.shape[0])
+        if not self.fits(length):
+            raise ValueError(f"a prompt of {length} tokens; slot prefill takes 1 to {self.max_tokens}")
+        bucket = self.buckets[bisect.bisect_left(self.buckets, length)]
+        cos, sin = self._rotary(positions)
+        self._embeds[:length].copy_(embeds)
+        self._cos[:length].copy_(cos)
+        self._sin[:length].copy_(sin)
+        self._slot.fill_(slot)
+        self._last.fill_(length - 1)
+        if not self.use_graphs:
+            return self._forward(bucket)
+        graph, out = self._graph(bucket)
+        graph.replay()
+        return out
+
+    def capture(self) -> list[int]:
+        """Capture every bucket's graph (largest first, so the smaller reuse
+        its memory), before any sequence holds a slot: a capture writes
+        slot 0. Returns the buckets captured."""
+        if not self.use_graphs:
+            return []
+        with torch.inference_mode():
+            self._slot.zero_()
+            for bucket in reversed(self.buckets):
+                self._graph(bucket)
+        return list(self.buckets)
+
+    def _graph(self, bucket: int) -> tuple[Any, torch.Tensor]:
+        if bucket not in self._graphs:
+            stream = torch.cuda.Stream()
+            stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(stream):
+                for _ in range(2):
+                    self._forward(bucket)
+            torch.cuda.current_stream().wait_stream(stream)
+            graph = torch.cuda.CUDAGraph()
+            pool = next(iter(self._graphs.values()))[0].pool() if self._graphs else None
+            with torch.cuda.graph(graph, pool=pool):
+                out = self._forward(bucket)
+            self._graphs[bucket] = (graph, out)
+        return self._graphs[bucket]
+
+    def _forward(self, bucket: int) -> torch.Tensor:
+        d, s = self.decoder, self.decoder.shape
+        rows = self._slot.expand(bucket)
+        write_at = self._write_at[:bucket]
+        cos, sin = self._cos[:bucket], self._sin[:bucket]
+        hidden = self._embeds[:bucket]
+        delta: torch.Tensor | None = None
+        for i, w in enumerate(self.fused):
+            hidden, q, k, v = _before_attention(hidden, delta, w, cos, sin, s.heads, s.kv_heads)
+            d.keys[i][rows, :, write_at] = k
+            d.values[i][rows, :, write_at] = v
+            attended = _causal_attention(q, k, v, d.scaling)
+            hidden, delta = after_attention(hidden, F.linear(attended, w.o), w.ln2, w.gate_up, w.down, w.eps)
+        assert delta is not None
+        last = (hidden + delta).index_select(0, self._last)
+        norm = d.lm.norm
+        logits: torch.Tensor = d.model.lm_head(rms_norm(last, norm.weight, float(norm.variance_epsilon)))
+        return logits[0]
+
+    def _rotary(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin [L, 1, head_dim] as the models compute them: float32
+        angles, the M-RoPE rows' frequencies interleaved by section, cast
+        to the activations' dtype."""
+        d = self.decoder
+        rows = positions.reshape(-1, positions.shape[-1]).to(d.device)  # [1 or 3, L]
+        freqs = rows[..., None].float() * d.inv_freq  # [rows, L, head_dim / 2]
+        if self.mrope is not None and rows.shape[0] == 3:
+            parts = freqs.split(self.mrope, dim=-1)
+            freqs = torch.cat([part[i % 3] for i, part in enumerate(parts)], dim=-1)
+        else:
+            freqs = freqs[0]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        cos = (emb.cos() * d.attention_scaling).to(d.dtype)
+        sin = (emb.sin() * d.attention_scaling).to(d.dtype)
+        return cos[:, None, :], sin[:, None, :]
+
+
+def _before_attention(
+    hidden: torch.Tensor,
+    delta: torch.Tensor | None,
+    w: FusedLayer,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    heads: int,
+    kv_heads: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """hidden [L, hidden] (plus the last layer's MLP output) → (hidden, q
+    [L, heads, d], k and v [L, kv_heads, d]), RoPE applied."""
+    if delta is not None:
+        hidden = hidden + delta
+    n, d = hidden.shape[0], cos.shape[-1]
+    qkv = F.linear(rms_norm(hidden, w.ln1, w.eps), w.qkv, w.qkv_bias)
+    q, k, v = qkv.split([heads * d, kv_heads * d, kv_heads * d], dim=-1)
+    return hidden, rope(q.view(n, heads, d), cos, sin), rope(k.view(n, kv_heads, d), cos, sin), v.view(n, kv_heads, d)
+
+
+def _causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scaling: float) -> torch.Tensor:
+    """q [L, heads, d] over k, v [L, kv_heads, d], causal → [L, heads * d]."""
+    n, heads, d = q.shape
+    group = heads // k.shape[1]
+    keys = k.transpose(0, 1).repeat_interleave(group, dim=0)[None]
+    values = v.transpose(0, 1).repeat_interleave(group, dim=0)[None]
+    out = F.scaled_dot_product_attention(q.transpose(0, 1)[None], keys, values, is_causal=True, scale=scaling)
+    return out[0].transpose(0, 1).reshape(n, heads * d)
