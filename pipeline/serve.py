@@ -168,9 +168,14 @@ def build_stage(
     from stages.torch_engine.engine import TorchEngine
     from stages.torch_engine.hop_engine import TorchHopEngine
 
-    # Only a role that decodes keeps a batch decoder (and its preallocated cache).
+    # A role that decodes keeps a batch decoder (and its preallocated cache);
+    # one that ends at prefill, on a GPU, its slots to prefill into.
+    steps = role.split("+")
     decode = dataclasses.replace(
-        settings.decode, batched=settings.decode.batched and "decode" in role.split("+"), slots=settings.max_batch
+        settings.decode,
+        batched=settings.decode.batched and ("decode" in steps or "prefill" in steps),
+        decodes="decode" in steps,
+        slots=settings.max_batch,
     )
     engine = TorchEngine(Path(spec.path), device=resolve_device(settings.device), decode=decode)
     policy = settings.media

@@ -16,6 +16,7 @@ import asyncio
 import itertools
 import json
 
+import structlog
 import torch
 
 from schemas.processed import MediaItem, MediaKind, ProcessedRequest
@@ -38,6 +39,8 @@ from stages.torch_engine.encode_batcher import EncodeBatcher
 from stages.torch_engine.engine import TorchEngine
 from stages.torch_engine.scheduler import EngineThread
 
+log = structlog.get_logger(__name__)
+
 # Hashing runs at about 1 GB/s: beyond this much, do it off the event loop.
 _THREAD_HASH_BYTES = 4 << 20
 
@@ -58,6 +61,8 @@ class MediaEncoder:
         self.cache = cache
         self.decoded_cache = DecodedMediaCache(policy.decoded_cache_bytes) if policy.decoded_cache_bytes else None
         self.batcher = EncodeBatcher(engine, thread, policy.encode_batch_items)
+        # Host copies on their way into the cache (held so they are not collected).
+        self._storing: set[asyncio.Future[CachedEmbedding]] = set()
         # What else changes the embeddings of the same bytes: the weights and their dtype.
         self._model_key = f"{engine.model_dir.resolve()}:{engine.dtype}"
 
@@ -79,8 +84,31 @@ class MediaEncoder:
         encoded = await self._encode_media(req.media, datas, ctx)
         if self.cache is not None:
             ctx.trace["cache_hit"] = 0.0
-            self.cache.put(key, _pack(encoded))
+            self._store(key, encoded)
         return encoded
+
+    def _store(self, key: str, encoded: list[MediaEmbedding]) -> None:
+        """Keep the embeddings in the cache, off the request's path: the
+        entry is a host copy, which waits for the tower to finish on a GPU;
+        on a thread, the prefill is queued behind the tower meanwhile."""
+        cache = self.cache
+        assert cache is not None
+        if not any(e.embeddings.is_cuda for e in encoded):
+            cache.put(key, _pack(encoded))
+            return
+        task = asyncio.ensure_future(asyncio.to_thread(_pack, encoded))
+
+        def stored(done: asyncio.Future[CachedEmbedding]) -> None:
+            self._storing.discard(done)
+            if done.cancelled():
+                return
+            if (exc := done.exception()) is not None:
+                log.warning("embedding_cache_store_failed", error=repr(exc))
+                return
+            cache.put(key, done.result())
+
+        self._storing.add(task)
+        task.add_done_callback(stored)
 
     def _cap(self, item: MediaItem) -> int:
         if item.kind is MediaKind.VIDEO:

@@ -22,6 +22,7 @@ from transformers import PretrainedConfig
 
 from schemas.errors import UnsupportedMedia
 from schemas.processed import MediaKind
+from stages.families.tower_graphs import TowerGraphs
 from stages.media import DecodedAudio, DecodedVideo
 
 # Grid of one encoded item, as the family needs it for positions (Qwen-VL:
@@ -69,6 +70,8 @@ class Family(Protocol):
     video_frame_multiple: int
 
     hidden_size: int
+    # The vision tower's CUDA graphs, where the family's tower can be replayed (set by the engine on a GPU).
+    tower_graphs: TowerGraphs
 
     def __init__(self, model_dir: Path, config: PretrainedConfig) -> None: ...
 
@@ -132,6 +135,8 @@ class LanguageModelFamily:
         self.num_key_value_heads = int(text_config.num_key_value_heads)
         heads = int(text_config.num_attention_heads)
         self.head_dim = int(getattr(text_config, "head_dim", None) or self.hidden_size // heads)
+        # The engine sets these on a GPU; a family whose tower can replay them uses them.
+        self.tower_graphs = TowerGraphs(0)
 
     def on_loaded(self, model: Any, device: torch.device, dtype: torch.dtype) -> None:
         """Adjust the loaded model for where it runs (a faster kernel that

@@ -37,6 +37,11 @@ except ImportError:  # older releases: Qwen2VLImageProcessor is the PIL/numpy on
     )
 from transformers import PretrainedConfig, Qwen2_5_VLForConditionalGeneration, Qwen2VLForConditionalGeneration
 
+try:  # 5.17 on: a vision forward takes these precomputed (what makes it capturable)
+    from transformers import vision_utils as _vision_utils
+except ImportError:  # pragma: no cover - older transformers: the tower runs eagerly
+    _vision_utils = None  # type: ignore[assignment]
+
 from schemas.processed import MediaKind
 from stages.families import vision_attention
 from stages.families.base import (
@@ -96,6 +101,9 @@ class Qwen2VLFamily(LanguageModelFamily):
     name: ClassVar[str] = "qwen2_vl"
     architectures: ClassVar[tuple[str, ...]] = ("Qwen2VLForConditionalGeneration",)
     _model_class: ClassVar[Any] = Qwen2VLForConditionalGeneration
+    # Qwen2.5-VL's tower also windows its attention by values of the grid
+    # that transformers does not take precomputed the same way: eager there.
+    graphed_tower: ClassVar[bool] = True
 
     def __init__(self, model_dir: Path, config: PretrainedConfig) -> None:
         super().__init__(model_dir, config)
@@ -161,10 +169,37 @@ class Qwen2VLFamily(LanguageModelFamily):
     def _encode_images(self, model: Any, images: list[Image.Image]) -> list[MediaEmbedding]:
         pixel_values, grid = self.preprocess(images)
         device = model.device
-        out = model.get_image_features(pixel_values.to(device, model.dtype), grid.to(device))
         grids: list[Grid] = [(int(t), int(h), int(w)) for t, h, w in grid.tolist()]
-        feats = features_per_item(out, [self.num_image_tokens(g) for g in grids])
+        counts = [self.num_image_tokens(g) for g in grids]
+        pixels = pixel_values.to(device, model.dtype)
+        if self.graphed_tower and self.tower_graphs.enabled and device.type == "cuda" and _vision_utils is not None:
+            feats = list(torch.split(self._graphed_tower(model, pixels, grid), counts))
+        else:
+            feats = features_per_item(model.get_image_features(pixels, grid.to(device)), counts)
         return [MediaEmbedding(f, g, MediaKind.IMAGE) for f, g in zip(feats, grids, strict=True)]
+
+    def _graphed_tower(self, model: Any, pixels: torch.Tensor, grid: torch.Tensor) -> torch.Tensor:
+        """The tower's merged features [tokens, hidden] through a CUDA graph
+        of these grids: what depends on the grid's values (rotary positions,
+        attention segments and their longest) is computed here, on the host,
+        and handed in the way transformers takes precomputed values, so the
+        forward reads nothing back from the GPU."""
+        assert _vision_utils is not None
+        visual = model.model.visual
+        device = pixels.device
+        cu_seqlens = _vision_utils.get_vision_cu_seqlens(grid)
+        longest = int((cu_seqlens[1:] - cu_seqlens[:-1]).max())
+        position_ids = _vision_utils.get_vision_position_ids(grid, self.merge_size)
+
+        def tower(pixel_values: torch.Tensor, position_ids: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:
+            out = visual(
+                pixel_values, grid_thw=grid, position_ids=position_ids, cu_seqlens=cu_seqlens, max_seqlen=longest
+            )
+            merged: torch.Tensor = out.pooler_output if hasattr(out, "pooler_output") else out
+            return merged
+
+        inputs = {"pixel_values": pixels, "position_ids": position_ids.to(device), "cu_seqlens": cu_seqlens.to(device)}
+        return self.tower_graphs(("image", tuple(map(tuple, grid.tolist()))), tower, inputs)
 
     def _encode_videos(self, model: Any, videos: list[DecodedVideo]) -> list[MediaEmbedding]:
         patches = [video_frame_patches(self.video_processor, v.frames, self.temporal_patch_size) for v in videos]
@@ -237,6 +272,7 @@ class Qwen25VLFamily(Qwen2VLFamily):
     name: ClassVar[str] = "qwen2_5_vl"
     architectures: ClassVar[tuple[str, ...]] = ("Qwen2_5_VLForConditionalGeneration",)
     _model_class: ClassVar[Any] = Qwen2_5_VLForConditionalGeneration
+    graphed_tower: ClassVar[bool] = False
 
     def __init__(self, model_dir: Path, config: PretrainedConfig) -> None:
         super().__init__(model_dir, config)

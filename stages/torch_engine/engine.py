@@ -28,6 +28,7 @@ import torch
 from schemas.errors import ContextLengthExceeded, InvalidMedia, InvalidRequest
 from schemas.processed import MediaKind
 from stages.families import Grid, Media, MediaEmbedding, family_for_architecture
+from stages.families.tower_graphs import TowerGraphs
 from stages.sampling import SamplingConfig
 from stages.torch_engine import batch_decoder
 from stages.torch_engine.batch_decoder import BatchDecoder
@@ -67,6 +68,9 @@ class TorchEngine:
             model: Any = self.family.model_class.from_pretrained(str(self.model_dir), dtype=self.dtype)
         self.model = model.to(self.device).eval()
         self.family.on_loaded(self.model, self.device, self.dtype)
+        decode = decode or DecodeSettings()
+        if self.device.type == "cuda":
+            self.family.tower_graphs = TowerGraphs(decode.tower_graphs)
         self.tokenizer = AutoTokenizer.from_pretrained(str(self.model_dir))
         limit = self.family.max_position_embeddings
         self.max_model_len = min(max_model_len or limit, limit)
@@ -75,7 +79,6 @@ class TorchEngine:
         # One forward at a time per engine: torch releases the GIL, and the
         # model's modules are not meant for concurrent calls.
         self._lock = threading.Lock()
-        decode = decode or DecodeSettings()
         self.decoder: BatchDecoder | None = None
         if decode.batched and batch_decoder.supports(self.model):
             self.decoder = BatchDecoder(
@@ -86,13 +89,19 @@ class TorchEngine:
                 fused=decode.fused,
                 eos_ids=self.eos_token_ids,
             )
+        if (
+            self.decoder is not None
+            and not decode.decodes
+            and (self.decoder.fused is None or not decode.graph_prefill_len)
+        ):
+            self.decoder = None  # nothing would prefill into its slots
         self._slots = SlotTable(self.decoder) if self.decoder is not None else None
         self._slot_prefill: SlotPrefill | None = None
         if self.decoder is not None and self.decoder.fused is not None and decode.graph_prefill_len > 0:
             self._slot_prefill = SlotPrefill(self.decoder, decode.cuda_graphs, decode.graph_prefill_len)
         if self.decoder is not None:
             started = time.monotonic()
-            sizes = self.decoder.capture()
+            sizes = self.decoder.capture() if decode.decodes else []
             lengths = self._slot_prefill.capture() if self._slot_prefill is not None else []
             if sizes or lengths:
                 log.info(

@@ -20,6 +20,10 @@ class DecodeSettings:
     )
     # The worker's --max-batch.
     slots: int = 32
+    # The role decodes. A role that ends at prefill keeps the decoder only
+    # where prefill goes straight into its slots (the fused step, on a GPU),
+    # and captures no decode step.
+    decodes: bool = True
     max_len: int = setting(
         4096, flag="decode-max-len", help="tokens per sequence in the batch decoder's preallocated cache"
     )
@@ -36,4 +40,9 @@ class DecodeSettings:
         flag="graph-prefill-len",
         help="where the fused step runs, prompts of up to this many tokens prefill straight into a decoder slot, "
         "one CUDA graph per length bucket (0: the model's modules for every prompt)",
+    )
+    tower_graphs: int = setting(
+        8,
+        help="on a GPU, image grids whose vision tower call is kept as a CUDA graph, captured the second time a "
+        "grid comes (Qwen2-VL; 0: the tower runs eagerly)",
     )

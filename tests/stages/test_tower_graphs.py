@@ -1,0 +1,61 @@
+"""The vision tower from CUDA graphs (stages/families/tower_graphs.py): the
+eager tower's features, a graph per grid captured the second time it comes,
+and eager again where a capture fails. On the CPU (CI) no graph is made and
+the features are the eager tower's; with --engine-device cuda the graphs."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from stages.families.tower_graphs import TowerGraphs
+from stages.models import builtin_path
+from stages.torch_engine.engine import TorchEngine
+from tests.e2e.conftest import gradient
+
+
+def _eager(engine: TorchEngine, width: int, height: int) -> torch.Tensor:
+    fam, model = engine.family, engine.model
+    pixels, grid = fam.preprocess([gradient(width, height, 3)])  # type: ignore[attr-defined]
+    with torch.inference_mode():
+        out = model.get_image_features(pixels.to(engine.device, model.dtype), grid.to(engine.device))
+    feats = out.pooler_output if hasattr(out, "pooler_output") else out
+    return torch.cat(list(feats)) if isinstance(feats, (list, tuple)) else feats
+
+
+def test_a_grid_seen_twice_replays_its_graph_with_the_eager_towers_features(
+    mmpipe_home: Path, engine_device: str
+) -> None:
+    dtype = torch.float32 if engine_device == "cpu" else torch.bfloat16
+    engine = TorchEngine(builtin_path("tiny-qwen2-vl"), device=engine_device, dtype=dtype)
+    graphs = engine.family.tower_graphs
+    on_gpu = engine.device.type == "cuda"
+    assert graphs.enabled == on_gpu
+    want = _eager(engine, 60, 44)
+    for n in range(1, 4):  # eager, captured, replayed
+        [item] = engine.encode([gradient(60, 44, 3)])
+        torch.testing.assert_close(item.embeddings, want, atol=0, rtol=0)
+        assert len(graphs) == (min(n - 1, 1) if on_gpu else 0)
+    other = _eager(engine, 84, 56)
+    [item] = engine.encode([gradient(84, 56, 3)])  # a grid not seen before: eager, no capture
+    torch.testing.assert_close(item.embeddings, other, atol=0, rtol=0)
+    assert len(graphs) == (1 if on_gpu else 0)
+
+
+def test_a_capture_that_fails_leaves_the_tower_eager(engine_device: str) -> None:
+    device = torch.device(engine_device)
+    graphs = TowerGraphs(capacity=2)
+    reads_back = 0
+
+    def tower(x: torch.Tensor) -> torch.Tensor:
+        nonlocal reads_back
+        reads_back += int(x.sum().item() > 0)  # a host sync: no graph can hold it
+        return x * 2
+
+    x = torch.ones(4, device=device)
+    for _ in range(3):
+        torch.testing.assert_close(graphs("k", tower, {"x": x}), x * 2)
+    assert len(graphs) == 0
+    assert graphs.enabled == (device.type != "cuda")  # the failed capture turned them off on a GPU
+    assert reads_back >= 3
