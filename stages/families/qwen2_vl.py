@@ -24,6 +24,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, ClassVar
 
+import numpy as np
 import torch
 from PIL import Image
 
@@ -31,10 +32,12 @@ try:  # transformers >= 5.x ships the PIL and torchvision backends as two classe
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import (
         Qwen2VLImageProcessorPil as _ImageProcessor,
     )
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import smart_resize as _smart_resize
 except ImportError:  # older releases: Qwen2VLImageProcessor is the PIL/numpy one
     from transformers.models.qwen2_vl.image_processing_qwen2_vl import (  # type: ignore[assignment]
         Qwen2VLImageProcessor as _ImageProcessor,
     )
+    from transformers.models.qwen2_vl.image_processing_qwen2_vl import smart_resize as _smart_resize
 from transformers import PretrainedConfig, Qwen2_5_VLForConditionalGeneration, Qwen2VLForConditionalGeneration
 
 try:  # 5.17 on: a vision forward takes these precomputed (what makes it capturable)
@@ -137,6 +140,41 @@ class Qwen2VLFamily(LanguageModelFamily):
         outs = list(_preprocess_pool().map(lambda im: self.image_processor(images=[im], return_tensors="pt"), images))
         return torch.cat([o["pixel_values"] for o in outs]), torch.cat([o["image_grid_thw"] for o in outs])
 
+    def preprocess_on(
+        self, images: list[Image.Image], device: torch.device, dtype: torch.dtype
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """``preprocess`` on ``device`` (pixel_values there in ``dtype``) for
+        images the processor would not resize: their bytes go over once, and
+        the rescale, normalisation and patches (a few ms of numpy on the host
+        for a 448×448 image) are a handful of kernels. The processor's own
+        arithmetic (a float64 rescale to float32, then per-channel mean and
+        std in float32), so on the CPU it gives the processor's exact values.
+        None where an image needs resizing or is not RGB: the processor's
+        PIL resize then, whose filter the device does not reproduce."""
+        proc = self.image_processor
+        if not (proc.do_rescale and proc.do_normalize) or any(im.mode != "RGB" for im in images):
+            return None
+        size = proc.size
+        factor = int(proc.patch_size) * int(proc.merge_size)
+        for im in images:
+            target = _smart_resize(im.height, im.width, factor, size["shortest_edge"], size["longest_edge"])
+            if tuple(target) != (im.height, im.width):
+                return None
+        mean = torch.tensor(proc.image_mean, dtype=torch.float32, device=device)[:, None, None]
+        std = torch.tensor(proc.image_std, dtype=torch.float32, device=device)[:, None, None]
+        patch, merge, temporal = int(proc.patch_size), int(proc.merge_size), int(proc.temporal_patch_size)
+        outs, grids = [], []
+        for im in images:
+            pixels = torch.from_numpy(np.array(im)).to(device).permute(2, 0, 1)  # [C, H, W] uint8
+            x = ((pixels.double() * float(proc.rescale_factor)).float() - mean) / std
+            channels, height, width = x.shape
+            gh, gw = height // patch, width // patch
+            x = x.reshape(channels, gh // merge, merge, patch, gw // merge, merge, patch).permute(1, 4, 2, 5, 0, 3, 6)
+            x = x[:, :, :, :, :, None].expand(*x.shape[:5], temporal, patch, patch)
+            outs.append(x.reshape(gh * gw, channels * temporal * patch * patch))
+            grids.append([1, gh, gw])
+        return torch.cat(outs).to(dtype), torch.tensor(grids, dtype=torch.long)
+
     def on_loaded(self, model: Any, device: torch.device, dtype: torch.dtype) -> None:
         if vision_attention.available(device, dtype):
             vision_attention.use_packed_attention(model.model.visual.config)
@@ -167,11 +205,16 @@ class Qwen2VLFamily(LanguageModelFamily):
         )
 
     def _encode_images(self, model: Any, images: list[Image.Image]) -> list[MediaEmbedding]:
-        pixel_values, grid = self.preprocess(images)
         device = model.device
+        # The CPU keeps the processor: generate()'s exact inputs, whatever the image.
+        on_device = self.preprocess_on(images, device, model.dtype) if device.type == "cuda" else None
+        if on_device is not None:
+            pixels, grid = on_device
+        else:
+            pixel_values, grid = self.preprocess(images)
+            pixels = pixel_values.to(device, model.dtype)
         grids: list[Grid] = [(int(t), int(h), int(w)) for t, h, w in grid.tolist()]
         counts = [self.num_image_tokens(g) for g in grids]
-        pixels = pixel_values.to(device, model.dtype)
         if self.graphed_tower and self.tower_graphs.enabled and device.type == "cuda" and _vision_utils is not None:
             feats = list(torch.split(self._graphed_tower(model, pixels, grid), counts))
         else:

@@ -59,3 +59,23 @@ def test_a_capture_that_fails_leaves_the_tower_eager(engine_device: str) -> None
     assert len(graphs) == 0
     assert graphs.enabled == (device.type != "cuda")  # the failed capture turned them off on a GPU
     assert reads_back >= 3
+
+
+def test_preprocessing_on_the_device_gives_the_processors_pixels(mmpipe_home: Path, engine_device: str) -> None:
+    """For images the processor would not resize; the others are left to it."""
+    from stages.families.qwen2_vl import Qwen2VLFamily
+
+    engine = TorchEngine(builtin_path("tiny-qwen2-vl"), device=engine_device, dtype=torch.float32)
+    fam = engine.family
+    assert isinstance(fam, Qwen2VLFamily)
+    native = [gradient(56, 84, 3), gradient(112, 56, 3)]  # multiples of patch × merge (28 here)
+    got = fam.preprocess_on(native, engine.device, torch.float32)
+    assert got is not None
+    want_pixels, want_grid = fam.preprocess(native)
+    assert torch.equal(got[1], want_grid)
+    if engine.device.type == "cpu":
+        assert torch.equal(got[0], want_pixels)
+    else:  # the GPU's float division may round the last bit another way
+        torch.testing.assert_close(got[0].cpu(), want_pixels, atol=1e-6, rtol=1e-6)
+    assert fam.preprocess_on([gradient(60, 44, 3)], engine.device, torch.float32) is None  # would be resized
+    assert fam.preprocess_on([gradient(56, 56, 3).convert("L")], engine.device, torch.float32) is None
