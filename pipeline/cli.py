@@ -227,7 +227,7 @@ def _main(args: argparse.Namespace) -> int:
 
         bridge: BridgeProcess = _started("bridge", args).settings
         try:
-            _run(run_bridge(bridge.common.pipeline, bridge.bridge))
+            _run(run_bridge(bridge.common.pipeline, bridge.bridge, bridge.processing))
         finally:
             tracing.shutdown()
     elif args.command == "nats":

@@ -19,6 +19,7 @@ from types import FrameType
 import structlog
 
 from pipeline.auth import NatsAuth
+from pipeline.bridge.processing import BridgeProcessing
 from pipeline.nats_server import NatsServer, NatsServerConfig
 from pipeline.serve import WorkerSettings
 from pipeline.settings import BridgeProcess, UpProcess, WorkerProcess, handed_env
@@ -30,8 +31,9 @@ log = structlog.get_logger(__name__)
 
 
 def parse_worker_counts(spec: str, mode: str) -> dict[str, int]:
-    """``encode=2,prefill+decode=3`` over the mode's defaults of one each."""
-    counts = {PROCESSOR: 1, **{role: 1 for role in MODES[mode]}}
+    """``encode=2,prefill+decode=3`` over the mode's defaults of one each;
+    no processor worker unless asked for (the bridge processes requests)."""
+    counts = {PROCESSOR: 0, **{role: 1 for role in MODES[mode]}}
     for item in filter(None, (s.strip() for s in spec.split(","))):
         role, _, n = item.partition("=")
         if role not in counts:
@@ -146,7 +148,9 @@ def up(settings: UpProcess, external_nats: bool) -> int:
                 return 0
             print("mmpipe failed to start; see the log above", file=sys.stderr, flush=True)
             return 1
-        workers = ", ".join(f"{role}×{n}" for role, n in counts.items())
+        workers = ", ".join(f"{role}×{n}" for role, n in counts.items() if n)
+        if not counts.get(PROCESSOR):
+            workers += " (requests processed in the bridge)"
         print(
             f"mmpipe ready: {base}/v1  mode={mode} model={spec.served_name} nats={nats_url} workers: {workers}",
             flush=True,
@@ -188,8 +192,22 @@ def plan(settings: UpProcess, nats_url: str, counts: dict[str, int], data_dir: P
             handed = handed_env("worker", WorkerProcess(common, worker))
             out.append(Child(role, ["worker", role], {**env, **handed}, health_port))
             health_port += 1 if health_port else 0
-    out.append(Child("bridge", ["bridge"], {**env, **handed_env("bridge", BridgeProcess(common, settings.bridge))}))
+    bridge = BridgeProcess(common, settings.bridge, bridge_processing(settings.worker, counts))
+    out.append(Child("bridge", ["bridge"], {**env, **handed_env("bridge", bridge)}))
     return out
+
+
+def bridge_processing(worker: WorkerSettings, counts: dict[str, int]) -> BridgeProcessing:
+    """The bridge processes requests for the workers' model, unless
+    processor workers were asked for (``--workers processor=N``)."""
+    if counts.get(PROCESSOR, 0):
+        return BridgeProcessing()
+    return BridgeProcessing(
+        model=worker.model,
+        served_model_name=worker.served_model_name,
+        modalities=worker.modalities,
+        limits=worker.limits,
+    )
 
 
 def role_settings(

@@ -16,6 +16,7 @@ from aiohttp import web
 
 from pipeline import tracing
 from pipeline.bridge.app import Bridge, BridgeSettings
+from pipeline.bridge.processing import BridgeProcessing, load_processor
 from pipeline.config import PipelineConfig
 from pipeline.connection import connect, shutdown
 from pipeline.health import HealthSettings, WorkerHealth
@@ -288,10 +289,13 @@ async def _serve_role(role: str, config: PipelineConfig, settings: WorkerSetting
         await shutdown(nc)
 
 
-async def run_bridge(config: PipelineConfig, settings: BridgeSettings) -> None:
+async def run_bridge(
+    config: PipelineConfig, settings: BridgeSettings, processing: BridgeProcessing | None = None
+) -> None:
+    processor = load_processor(processing or BridgeProcessing(), config.mode)
     nc, js = await connect(config.nats_url, name="mmpipe-bridge")
     tracing.attach_nats(nc, config.subjects.spans("bridge"))
-    bridge = Bridge(nc, js, config, settings)
+    bridge = Bridge(nc, js, config, settings, processor)
     runner = web.AppRunner(bridge.app(), handler_cancellation=True, access_log=None)
     await runner.setup()
     site = web.TCPSite(runner, settings.host, settings.port)

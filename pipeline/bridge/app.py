@@ -9,7 +9,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 import structlog
@@ -24,7 +24,7 @@ from opentelemetry.trace import Span, SpanKind
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from pipeline import metrics, tracing
-from pipeline.bridge import responses
+from pipeline.bridge import processing, responses
 from pipeline.bridge.openai_types import REQUEST_DECODER, to_generate_request
 from pipeline.config import PipelineConfig
 from pipeline.replies import CHUNK_DECODER, ExactlyOnceRelay, stored_chunks
@@ -43,9 +43,13 @@ from schemas.errors import (
     TooLarge,
     Unauthorized,
 )
+from schemas.processed import ProcessedRequest
 from schemas.request import GenerateRequest
 from schemas.routes import MODES, PROCESSOR
 from schemas.settings import setting
+
+if TYPE_CHECKING:
+    from stages.processor import Processor
 
 log = structlog.get_logger(__name__)
 
@@ -76,12 +80,22 @@ class BridgeSettings:
 
 
 class Bridge:
-    def __init__(self, nc: Client, js: JetStreamContext, config: PipelineConfig, settings: BridgeSettings) -> None:
+    def __init__(
+        self,
+        nc: Client,
+        js: JetStreamContext,
+        config: PipelineConfig,
+        settings: BridgeSettings,
+        processor: Processor | None = None,
+    ) -> None:
         self.nc = nc
         self.js = js
         self.config = config
         self.settings = settings
         self.subjects = config.subjects
+        # Requests processed here and queued for their first hop
+        # (pipeline/bridge/processing.py); None: processor workers do it.
+        self.processor = processor
         self._workers: dict[str, tuple[float, WorkerInfo | None]] = {}
 
     # -- app -----------------------------------------------------------------
@@ -136,7 +150,7 @@ class Bridge:
         return info
 
     async def health(self, request: web.Request) -> web.Response:
-        roles = [PROCESSOR, *dict.fromkeys(MODES[self.config.mode])]
+        roles = [*([] if self.processor else [PROCESSOR]), *dict.fromkeys(MODES[self.config.mode])]
         live = {role: (await self.worker(role)) is not None for role in roles}
         ready = self.nc.is_connected and all(live.values())
         body = {"status": "ready" if ready else "unavailable", "nats": self.nc.is_connected, "roles": live}
@@ -147,8 +161,11 @@ class Bridge:
 
     async def models(self, request: web.Request) -> web.Response:
         self._authorize(request)
-        info = await self.worker(PROCESSOR)
-        names = info.models if info else []
+        if self.processor is not None:
+            names = self.processor.models
+        else:
+            info = await self.worker(PROCESSOR)
+            names = info.models if info else []
         return web.json_response(responses.model_list(names))
 
     def _authorize(self, request: web.Request) -> None:
@@ -178,18 +195,25 @@ class Bridge:
             raise InvalidRequest(f"invalid request body: {exc}") from None
         now = time.time()
         gen = to_generate_request(body, rid, created=now, deadline=now + self.settings.request_timeout_s)
-        data = self._encode_request(gen)
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         structlog.contextvars.bind_contextvars(request_id=rid)
         try:
-            info = await self.worker(PROCESSOR)
+            if self.processor is not None:
+                processed = await processing.process(self.processor, gen, len(body_bytes))
+                # The id the first hop's message would have had from a processor worker.
+                queued = (self.subjects.work(processed.hop), f"{rid}:0:0", self._encode_request(processed))
+                first = processed.hop
+            else:
+                queued = (self.subjects.requests, f"{rid}:0:request", self._encode_request(gen))
+                first = PROCESSOR
+            info = await self.worker(first)
             if info is None:
-                raise NoWorkers("no processor worker is running")
+                raise NoWorkers(f"no {first} worker is running")
             if gen.model not in info.models:
                 raise ModelNotFound(f"model {gen.model!r} is not served; served: {', '.join(info.models)}")
             sub = await self.nc.subscribe(self.subjects.reply(rid))
             try:
-                await self._submit(rid, data)
+                await self._submit(*queued)
                 chunks = self._chunks(sub, rid, gen.deadline)
                 if gen.stream:
                     return await self._stream(request, rid, gen.model, int(now), chunks, include_usage)
@@ -209,12 +233,12 @@ class Bridge:
         finally:
             structlog.contextvars.unbind_contextvars("request_id")
 
-    def _encode_request(self, gen: GenerateRequest) -> bytes:
+    def _encode_request(self, message: GenerateRequest | ProcessedRequest) -> bytes:
         """The request as it goes on NATS, or the client's error: a number
         msgpack cannot carry (JSON integers are unbounded), or a request larger
         than one NATS message may be."""
         try:
-            data = encode(gen)
+            data = encode(message)
         except OverflowError:
             raise InvalidRequest("an integer in the request is out of range (at most 64 bits)") from None
         limit = self.nc.max_payload - _HEADER_ROOM
@@ -222,10 +246,10 @@ class Bridge:
             raise TooLarge(f"the request is {len(data)} bytes as a message; the limit is {limit} bytes")
         return data
 
-    async def _submit(self, rid: str, data: bytes) -> None:
-        headers = tracing.inject({CONTENT_TYPE: MSGPACK, "Nats-Msg-Id": f"{rid}:0:request"})
+    async def _submit(self, subject: str, msg_id: str, data: bytes) -> None:
+        headers = tracing.inject({CONTENT_TYPE: MSGPACK, "Nats-Msg-Id": msg_id})
         try:
-            await self.js.publish(self.subjects.requests, data, headers=headers, timeout=5.0)
+            await self.js.publish(subject, data, headers=headers, timeout=5.0)
         except MaxPayloadError:
             raise TooLarge("the request is larger than one NATS message may be") from None
         except APIError as exc:

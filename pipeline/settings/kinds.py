@@ -15,6 +15,7 @@ from typing import Any
 
 from pipeline.auth import NatsAuth
 from pipeline.bridge.app import BridgeSettings
+from pipeline.bridge.processing import BridgeProcessing
 from pipeline.config import PipelineConfig
 from pipeline.serve import WorkerSettings
 from pipeline.settings.leaves import leaves
@@ -50,6 +51,8 @@ class WorkerProcess:
 class BridgeProcess:
     common: CommonSettings = section(CommonSettings, "common")
     bridge: BridgeSettings = section(BridgeSettings, "the OpenAI-compatible HTTP bridge")
+    # mmpipe up fills it from the workers' model unless it starts processor workers.
+    processing: BridgeProcessing = section(BridgeProcessing, "request processing in the bridge")
 
 
 @dataclass(frozen=True)

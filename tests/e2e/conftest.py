@@ -78,10 +78,12 @@ async def start_stack(
     transport: str = "nixl",
     counts: dict[str, int] | None = None,
     modalities: str = "image",
+    bridge_processes: bool = False,
 ) -> tuple[Stack, Any]:
     """Every role of ``config.mode`` (one worker each unless ``counts`` says
     otherwise), each with its own NATS connection and, where it moves
-    tensors, its own transport, as separate processes would have."""
+    tensors, its own transport, as separate processes would have.
+    ``bridge_processes``: the bridge processes requests, no processor worker."""
     conns: list[Any] = []
     transports: list[Any] = []
     stack = Stack(base_url="", config=config, spec=spec)
@@ -134,12 +136,13 @@ async def start_stack(
     stack.add_worker = add_worker
     try:
         for role in [PROCESSOR, *MODES[config.mode]]:
-            for _ in range((counts or {}).get(role, 1)):
+            for _ in range((counts or {}).get(role, 0 if role == PROCESSOR and bridge_processes else 1)):
                 await add_worker(role)
         nc, js = await connect(config.nats_url, "test-bridge")
         conns.append(nc)
         stack.nc = nc
-        bridge = Bridge(nc, js, config, bridge_settings or BridgeSettings(port=0))
+        processor = build_stage(PROCESSOR, config, settings, spec) if bridge_processes else None
+        bridge = Bridge(nc, js, config, bridge_settings or BridgeSettings(port=0), processor)  # type: ignore[arg-type]
         runner = web.AppRunner(bridge.app(), handler_cancellation=True, access_log=None)
         runners.append(runner)
         await runner.setup()

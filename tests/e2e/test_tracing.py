@@ -85,7 +85,7 @@ async def test_one_request_is_one_trace_across_every_process(
         def whole() -> list[SpanRecord] | None:
             for spans in sink.traces.values():
                 names = {s.name for s in spans}
-                if {"bridge", "first_token", "processor", "encode", "prefill", "decode", "first_step"} <= names:
+                if {"bridge", "first_token", "encode", "prefill", "decode", "first_step"} <= names:
                     return spans
             return None
 
@@ -106,7 +106,8 @@ async def test_one_request_is_one_trace_across_every_process(
     assert bridge.parent_id == "" and bridge.service == "mmpipe-bridge"
     # Hop after hop, each the child of the one that forwarded its message (of its forward step).
     hops = sorted((s for s in spans if "worker" in s.attributes), key=lambda s: s.start_ns)
-    assert [h.name for h in hops] == ["processor", "encode", "prefill", "decode"]
+    # mmpipe up's bridge processes the request itself: its first hop is the encode worker's.
+    assert [h.name for h in hops] == ["encode", "prefill", "decode"]
     parents = [bridge, *hops[:-1]]
     for hop, parent in zip(hops, parents, strict=True):
         forwarded_by = ids[hop.parent_id]
@@ -135,7 +136,7 @@ async def test_one_request_is_one_trace_across_every_process(
     assert path is not None
     ttft_ms, steps = path
     labels = [s.label for s in steps]
-    for label in ("processor: queue wait", "encode: encode", "prefill: get › read", "prefill: prefill"):
+    for label in ("encode: queue wait", "encode: encode", "prefill: get › read", "prefill: prefill"):
         assert label in labels, labels
     # The prefill hop streams the first token itself: the KV hand-off and the
     # decode hop are off the first token's path.

@@ -44,25 +44,32 @@ def _ask(client: openai.OpenAI, content: Any, stream: bool) -> str:
 
 
 @pytest.mark.e2e
-@pytest.mark.parametrize("mode", list(MODES))
+@pytest.mark.parametrize(
+    ("mode", "processors"),
+    # The bridge processes requests (the default), or processor workers do.
+    [(mode, 0) for mode in MODES] + [("e-p-d", 1)],
+)
 def test_up_serves_every_mode_as_processes_and_stops_cleanly(
-    mode: str, tmp_path: Path, mmpipe_home: Path, tiny_model_dir: Path, reference: Any
+    mode: str, processors: int, tmp_path: Path, mmpipe_home: Path, tiny_model_dir: Path, reference: Any
 ) -> None:
     port = _free_port()
     procs = Processes(tmp_path, mmpipe_home)
     hops = MODES[mode]
     # Two workers of the last role: scaling out is starting more of them.
+    workers = f"{hops[-1]}=2" + (f",processor={processors}" if processors else "")
     up = procs.start(
         "up", "--mode", mode, "--port", str(port), "--data-dir", str(tmp_path / "data"),
-        "--workers", f"{hops[-1]}=2", "--transport", "nixl",
+        "--workers", workers, "--transport", "nixl",
     )  # fmt: skip
     try:
         up.wait_for("mmpipe ready")
+        ready = next(line for line in up.text().splitlines() if "mmpipe ready" in line)
+        assert ("processed in the bridge" in ready) == (not processors), ready
         children = psutil.Process(up.popen.pid).children(recursive=True)
         started = sorted(" ".join(c.cmdline()[3:5]) for c in children if "pipeline.cli" in c.cmdline())
         assert started == sorted(
             # Their settings ride in the environment, not on the command line.
-            ["worker processor", *(f"worker {h}" for h in hops), f"worker {hops[-1]}", "bridge"]
+            [*["worker processor"] * processors, *(f"worker {h}" for h in hops), f"worker {hops[-1]}", "bridge"]
         )
         assert any("nats-server" in c.name() for c in children)
 

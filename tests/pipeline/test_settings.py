@@ -16,7 +16,8 @@ import pytest
 from pipeline.cli import main, parser
 from pipeline.launcher import plan
 from pipeline.serve import WorkerSettings
-from pipeline.settings import KINDS, Leaf, SettingError, UpProcess, handed_env, leaves, load_kind
+from pipeline.bridge.processing import BridgeProcessing
+from pipeline.settings import KINDS, BridgeProcess, Leaf, SettingError, UpProcess, handed_env, leaves, load_kind
 from pipeline.settings.load import SETTINGS_ENV
 from pipeline.settings.reference import render
 from schemas.routes import MODES
@@ -77,6 +78,13 @@ def _toml(leaf: Leaf, value: Any) -> str:
     if isinstance(value, str):
         return f'{leaf.key.replace("-", "_")} = "{value}"'  # underscores are taken too
     return f"{leaf.key} = {value // leaf.info.unit if leaf.info.unit != 1 else value}"
+
+
+def _bridge(children: list[Any]) -> BridgeProcess:
+    (child,) = [c for c in children if c.role == "bridge"]
+    args = parser().parse_args(child.argv)
+    settings: BridgeProcess = load_kind(args.command, args, child.env).settings
+    return settings
 
 
 def _get(tree: Any, leaf: Leaf) -> Any:
@@ -160,6 +168,15 @@ def test_up_hands_every_setting_to_the_children_that_use_it(tmp_path: Path) -> N
     counts = {"processor": 1, **{role: 1 for role in MODES[mode]}, "encode": 2}
     children = plan(up, "nats://embedded:4222", counts, tmp_path)
     assert sorted(c.role for c in children) == sorted(["processor", "encode", "encode", *MODES[mode][1:], "bridge"])
+    # With processor workers the bridge queues raw requests for them; without, it processes them itself.
+    assert _bridge(children).processing == BridgeProcessing()
+    alone = _bridge(plan(up, "nats://embedded:4222", {**counts, "processor": 0}, tmp_path)).processing
+    assert (alone.model, alone.served_model_name, alone.modalities, alone.limits) == (
+        "/models/m",
+        "m",
+        up.worker.modalities,
+        up.worker.limits,
+    )
     # Each child decodes its settings with its own parser and loader, as the real process does.
     seen: dict[str, Any] = {}
     for child in children:
@@ -167,6 +184,8 @@ def test_up_hands_every_setting_to_the_children_that_use_it(tmp_path: Path) -> N
         settings = load_kind(args.command, args, child.env).settings
         seen.setdefault(child.role, []).append(settings)
         for leaf in leaves(KINDS[args.command]):
+            if leaf.path[0] == "processing":
+                continue  # the bridge's, from the workers' (above)
             got, want = _get(settings, leaf), _get(up, leaf)
             if leaf.flag == "nats-url":
                 want = "nats://embedded:4222"
