@@ -13,10 +13,10 @@ from typing import Any
 
 import pytest
 
+from pipeline.bridge.processing import BridgeProcessing
 from pipeline.cli import main, parser
 from pipeline.launcher import plan
 from pipeline.serve import WorkerSettings
-from pipeline.bridge.processing import BridgeProcessing
 from pipeline.settings import KINDS, BridgeProcess, Leaf, SettingError, UpProcess, handed_env, leaves, load_kind
 from pipeline.settings.load import SETTINGS_ENV
 from pipeline.settings.reference import render
