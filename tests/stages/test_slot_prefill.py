@@ -86,3 +86,36 @@ def test_a_prefilled_slot_decodes_the_modules_tokens_and_a_long_prompt_takes_the
     [(seq, _)] = graphed.prefill([long_prompt], [[]], [greedy])
     assert seq.cache is not None and seq.slot < 0  # longer than the largest bucket: the modules
     graphed.release(seq)
+
+
+def test_a_role_that_ends_at_prefill_prefills_into_slots_and_hands_them_off(
+    mmpipe_home: Path, engine_device: str
+) -> None:
+    """A prefill-only engine keeps the decoder's slots only to prefill into
+    (no decode graphs); the cache it exports from a slot decodes to the
+    same tokens in another engine."""
+    prefill = _engine(engine_device, decodes=False)  # type: ignore[arg-type]
+    assert prefill.decoder is not None and prefill._slot_prefill is not None
+    assert not prefill.decoder._graphs  # nothing captured for steps it never takes
+    cpu_modules = TorchEngine(
+        builtin_path("tiny-qwen2-vl"), device="cpu", decode=DecodeSettings(batched=True, decodes=False)
+    )
+    assert cpu_modules.decoder is None  # no fused step here: no slots to prefill into
+    decode = _engine(engine_device)
+    greedy = SamplingConfig(temperature=0.0, max_tokens=10, min_tokens=10)
+    prompt = prefill.tokenizer("Count from one to ten:")["input_ids"]
+    [(seq, first)] = prefill.prefill([prompt], [[]], [greedy])
+    assert seq.slot >= 0
+    tensors, state = prefill.export_kv(seq)
+    prefill.release(seq)
+    moved = decode.import_kv(tensors, state, greedy)
+    tokens = [first]
+    while len(tokens) < 10:
+        tokens += decode.step([moved])
+    decode.release(moved)
+    [(alone, token)] = decode.prefill([prompt], [[]], [greedy])
+    expected = [token]
+    while len(expected) < 10:
+        expected += decode.step([alone])
+    decode.release(alone)
+    assert tokens == expected if engine_device == "cpu" else tokens[:1] == expected[:1]
