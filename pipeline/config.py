@@ -110,6 +110,8 @@ class PipelineConfig:
     # Attempts of a request from its first hop (a lost tensor restarts it)
     # before it is given up as dead.
     max_attempts: int = 3
+    # How long a hop waits for the bridge to queue a restart it asked for.
+    restart_timeout_s: float = 5.0
 
     @property
     def request_queue_limits(self) -> StreamLimits:

@@ -52,6 +52,10 @@ class Subjects:
     def replies(self) -> str:
         return f"{self.prefix}.reply.>"
 
+    def restart(self, request_id: str) -> str:
+        """Where the bridge holding a request takes its restarts (core NATS request/reply)."""
+        return f"{self.prefix}.restart.{request_id}"
+
     def cancel(self, request_id: str) -> str:
         return f"{self.prefix}.cancel.{request_id}"
 

@@ -13,7 +13,7 @@ import msgspec
 import structlog
 from nats.aio.client import Client
 from nats.aio.msg import Msg
-from nats.errors import MaxPayloadError
+from nats.errors import MaxPayloadError, NoRespondersError
 from nats.errors import TimeoutError as NatsTimeoutError
 from nats.js import JetStreamContext
 from nats.js.errors import APIError
@@ -30,7 +30,7 @@ from pipeline.subjects import check_token
 from pipeline.transport.base import TensorGone, TensorTransport
 from schemas.chunk import ReplyChunk, TokenChunk
 from schemas.codec import CONTENT_TYPE, MSGPACK, Decoder, encode
-from schemas.control import WorkerInfo
+from schemas.control import Restart, WorkerInfo
 from schemas.errors import (
     DeadlineExceeded,
     InternalError,
@@ -369,10 +369,32 @@ class Worker:
             return outcome_for(exc, deliveries, self.consumer.max_deliver)
         if message.attempt + 1 >= self.config.max_attempts:
             return Reject(TensorGone(f"{exc.message}; gave up after {message.attempt + 1} attempts"))
+        if message.media_dropped:
+            return await self._restart_at_bridge(message, exc, deliveries)
         again = message.restarted()
         log.warning("restarting_from_first_hop", role=self.role, error=exc.message, attempt=again.attempt)
         metrics.RESTARTS.labels(self.role).inc()
         await self._forward(again)
+        return Ack()
+
+    async def _restart_at_bridge(self, message: ProcessedRequest, exc: TensorGone, deliveries: int) -> Outcome:
+        """A restart of a message that no longer carries its media: the
+        bridge holding the request as it arrived queues it again. No bridge
+        answering means no client waits for it any more."""
+        rid, attempt = message.request.request_id, message.attempt + 1
+        try:
+            await self.nc.request(
+                self.subjects.restart(rid),
+                encode(Restart(request_id=rid, attempt=attempt)),
+                timeout=self.config.restart_timeout_s,
+            )
+        except NoRespondersError:
+            return Reject(TensorGone(f"{exc.message}; the bridge holding the request's media is gone"))
+        except (NatsTimeoutError, TimeoutError):
+            late = TransientError(f"{self.role}: the bridge did not take the restart in time")
+            return outcome_for(late, deliveries, self.consumer.max_deliver)
+        log.warning("restarted_at_bridge", role=self.role, error=exc.message, attempt=attempt)
+        metrics.RESTARTS.labels(self.role).inc()
         return Ack()
 
     async def _produce(
@@ -405,6 +427,7 @@ class Worker:
                 if isinstance(out, ProcessedRequest):
                     if redelivered:
                         out = msgspec.structs.replace(out, redelivered=True)
+                    out = _lighter(out)
                     with ctx.timed("forward"):
                         await self._forward_holding(out)
                 else:
@@ -479,3 +502,14 @@ class Worker:
                 await msg.in_progress()
             except Exception as exc:  # reconnecting: the next beat may get through
                 log.warning("heartbeat_failed", role=self.role, error=repr(exc))
+
+
+def _lighter(out: ProcessedRequest) -> ProcessedRequest:
+    """A message past its media's encoding, of a request its bridge can
+    restart, goes on without the inline media bytes."""
+    if not out.bridge_restarts or out.media_dropped or not out.media:
+        return out
+    encoded = out.encoded if out.encoded is not None else out.vllm_encoded
+    if encoded is None or len(encoded.items) != len(out.media):
+        return out
+    return out.without_inline_media()

@@ -33,3 +33,12 @@ class WorkerInfo(msgspec.Struct, omit_defaults=True, forbid_unknown_fields=True)
     models: list[str] = []
     inflight: int = 0
     max_inflight: int = 0
+
+
+class Restart(msgspec.Struct, omit_defaults=True, forbid_unknown_fields=True):
+    """A hop's request, to the bridge holding a request as it arrived, to
+    queue it again from its first hop as ``attempt`` (what an earlier hop
+    made is gone, and the hop's message no longer carries the media)."""
+
+    request_id: str
+    attempt: int

@@ -7,7 +7,15 @@ from typing import Any
 
 import msgspec
 
-from schemas.request import AudioPart, GenerateRequest, ImageEmbedsPart, ImagePart, InputAudioPart, VideoPart
+from schemas.request import (
+    AudioPart,
+    ContentPart,
+    GenerateRequest,
+    ImageEmbedsPart,
+    ImagePart,
+    InputAudioPart,
+    VideoPart,
+)
 from schemas.tensors import TensorRef
 
 
@@ -116,6 +124,13 @@ class ProcessedRequest(msgspec.Struct, omit_defaults=True, forbid_unknown_fields
     # prefill streams the token its prefill chose at once (the first token
     # does not wait for the KV hand-off), and the decode hop goes on after it.
     emitted: list[int] = []
+    # The bridge that processed the request holds it as it arrived while its
+    # client waits, and queues it again when a hop asks (a restart): a hop
+    # past the media's encoding may forward it without the inline bytes.
+    bridge_restarts: bool = False
+    # This message no longer holds its inline media (data: URLs, inline
+    # audio): a restart from the first hop is the bridge's to make.
+    media_dropped: bool = False
     encoded: EncodedMedia | None = None
     kv: KvHandoff | None = None
     vllm_kv: VllmKv | None = None
@@ -146,6 +161,24 @@ class ProcessedRequest(msgspec.Struct, omit_defaults=True, forbid_unknown_fields
             return part.audio_url.url
         raise ValueError(f"media part {item.part} points at a text part")
 
+    def without_inline_media(self) -> ProcessedRequest:
+        """This message without the bytes of its inline media, which no hop
+        after their encoding reads: one copy of an image rides through
+        JetStream, not one per hop."""
+        messages = list(self.request.messages)
+        for item in self.media:
+            if not item.part:
+                continue
+            index, at = item.part
+            content = messages[index].content
+            if isinstance(content, str):
+                raise ValueError(f"media part {item.part} points at a text message")
+            parts = list(content)
+            parts[at] = _emptied(parts[at])
+            messages[index] = msgspec.structs.replace(messages[index], content=parts)
+        request = msgspec.structs.replace(self.request, messages=messages)
+        return msgspec.structs.replace(self, request=request, media_dropped=True)
+
     def restarted(self) -> ProcessedRequest:
         """A new attempt from the first hop: what earlier hops made is gone."""
         return msgspec.structs.replace(
@@ -158,3 +191,19 @@ class ProcessedRequest(msgspec.Struct, omit_defaults=True, forbid_unknown_fields
             vllm_kv=None,
             vllm_encoded=None,
         )
+
+
+def _emptied(part: ContentPart) -> ContentPart:
+    """A media part with its URL or inline data emptied (its other fields kept)."""
+    replace = msgspec.structs.replace
+    if isinstance(part, ImagePart):
+        return replace(part, image_url=replace(part.image_url, url=""))
+    if isinstance(part, ImageEmbedsPart):
+        return replace(part, image_embeds=replace(part.image_embeds, url=""))
+    if isinstance(part, VideoPart):
+        return replace(part, video_url=replace(part.video_url, url=""))
+    if isinstance(part, AudioPart):
+        return replace(part, audio_url=replace(part.audio_url, url=""))
+    if isinstance(part, InputAudioPart):
+        return replace(part, input_audio=replace(part.input_audio, data=""))
+    return part

@@ -7,7 +7,7 @@ import asyncio
 import hmac
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -15,6 +15,7 @@ import msgspec
 import structlog
 from aiohttp import web
 from nats.aio.client import Client
+from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 from nats.errors import MaxPayloadError, NoRespondersError
 from nats.errors import TimeoutError as NatsTimeoutError
@@ -31,7 +32,7 @@ from pipeline.replies import CHUNK_DECODER, ExactlyOnceRelay, stored_chunks
 from pipeline.streams import ensure_streams, is_stream_full
 from schemas.chunk import ErrorChunk, ReplyChunk, TokenChunk
 from schemas.codec import CONTENT_TYPE, MSGPACK, Decoder, encode
-from schemas.control import Cancel, WorkerInfo
+from schemas.control import Cancel, Restart, WorkerInfo
 from schemas.errors import (
     Cancelled,
     DeadlineExceeded,
@@ -54,6 +55,7 @@ if TYPE_CHECKING:
 log = structlog.get_logger(__name__)
 
 _WORKER_INFO: Decoder[WorkerInfo] = Decoder(WorkerInfo)
+_RESTART: Decoder[Restart] = Decoder(Restart)
 
 # Every chat completion's answer names its request id (the one on the NATS
 # subjects and dead letters), error or not.
@@ -198,8 +200,13 @@ class Bridge:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         structlog.contextvars.bind_contextvars(request_id=rid)
         try:
+            restarts: Subscription | None = None
             if self.processor is not None:
                 processed = await processing.process(self.processor, gen, len(body_bytes))
+                # This bridge holds the request while its client waits: hops
+                # past the media's encoding drop the inline bytes, and a
+                # restart comes back here.
+                processed = msgspec.structs.replace(processed, bridge_restarts=True)
                 # The id the first hop's message would have had from a processor worker.
                 queued = (self.subjects.work(processed.hop), f"{rid}:0:0", self._encode_request(processed))
                 first = processed.hop
@@ -212,6 +219,8 @@ class Bridge:
             if gen.model not in info.models:
                 raise ModelNotFound(f"model {gen.model!r} is not served; served: {', '.join(info.models)}")
             sub = await self.nc.subscribe(self.subjects.reply(rid))
+            if self.processor is not None:
+                restarts = await self.nc.subscribe(self.subjects.restart(rid), cb=self._restarter(processed))
             try:
                 await self._submit(*queued)
                 chunks = self._chunks(sub, rid, gen.deadline)
@@ -230,8 +239,31 @@ class Bridge:
                 return web.Response(status=499)
             finally:
                 await sub.unsubscribe()
+                if restarts is not None:
+                    await restarts.unsubscribe()
         finally:
             structlog.contextvars.unbind_contextvars("request_id")
+
+    def _restarter(self, processed: ProcessedRequest) -> Callable[[Msg], Awaitable[None]]:
+        """A hop lost what an earlier hop made and its message no longer
+        carries the media: queue the request as it arrived again, from its
+        first hop, as the attempt asked for (once each: a repeated ask is
+        answered without queueing it twice)."""
+        rid = processed.request.request_id
+
+        async def restart(msg: Msg) -> None:
+            try:
+                ask = _RESTART.decode(msg.data)
+                again = msgspec.structs.replace(processed, attempt=ask.attempt)
+                await self._submit(self.subjects.work(again.hop), f"{rid}:{ask.attempt}:0", encode(again))
+            except (msgspec.DecodeError, msgspec.ValidationError, MmpipeError) as exc:
+                metrics.ERRORS.labels("bridge", "restart_failed").inc()
+                log.warning("restart_failed", request_id=rid, error=repr(exc))
+                return  # no answer: the hop's request times out and it tries again later
+            log.info("request_restarted", request_id=rid, attempt=ask.attempt)
+            await msg.respond(b"")
+
+        return restart
 
     def _encode_request(self, message: GenerateRequest | ProcessedRequest) -> bytes:
         """The request as it goes on NATS, or the client's error: a number

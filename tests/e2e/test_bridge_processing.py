@@ -12,10 +12,13 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 import aiohttp
+import msgspec
 import openai
 import pytest
 
 from pipeline.config import PipelineConfig
+from schemas.processed import ProcessedRequest
+from schemas.request import ImagePart
 from schemas.routes import MODES, PROCESSOR
 from stages.models import ModelSpec
 from tests.e2e.conftest import N, Stack, ask, client, gradient, png_data_url, start_stack
@@ -104,3 +107,85 @@ async def test_a_bad_request_is_answered_by_the_bridge_and_nothing_is_queued(
     async with client(stack) as c:  # and the stack serves on
         _, usage = await ask(c, "Say something.", stream=False)
     assert usage == N
+
+
+@pytest.mark.e2e
+async def test_hops_past_the_encoder_carry_no_image_and_a_restart_comes_from_the_bridge(
+    pipeline_config: PipelineConfig, model_spec: ModelSpec, reference: Any
+) -> None:
+    """E/P/D: the prefill hop's message holds no image bytes; its embeddings
+    vanish before the prefill hop reads them, and the bridge, which holds
+    the request as it arrived, queues it again from the encode hop."""
+    import dataclasses
+
+    config = dataclasses.replace(pipeline_config, mode="e-p-d")
+    stack, stop = await start_stack(config, model_spec, bridge_processes=True, counts={"prefill": 0})
+    try:
+        seen: asyncio.Queue[ProcessedRequest] = asyncio.Queue()
+
+        async def copy(msg: Any) -> None:
+            await seen.put(msgspec.msgpack.decode(msg.data, type=ProcessedRequest))
+
+        # A core subscriber gets a copy of what is published to the prefill hop's queue.
+        await stack.nc.subscribe(config.subjects.work("prefill"), cb=copy)
+        image = gradient(64, 48, 1)
+        url = png_data_url(image)
+        content = [{"type": "image_url", "image_url": {"url": url}}, {"type": "text", "text": "What?"}]
+        async with client(stack) as c:
+            answer = asyncio.create_task(ask(c, content, stream=True))
+            first = await asyncio.wait_for(seen.get(), 30)
+            assert first.media_dropped and first.bridge_restarts and first.encoded is not None
+            part = first.request.messages[0].content[0]
+            assert isinstance(part, ImagePart) and part.image_url.url == ""
+            assert len(msgspec.msgpack.encode(first)) < len(url)  # the image is not in it, in any form
+            encoder = next(w for w in stack.workers if w.role == "encode")
+            assert encoder.tensors is not None
+            await encoder.tensors.release(first.encoded.ref)  # as if its holder had lost it
+            await stack.add_worker("prefill")
+            text, usage = await asyncio.wait_for(answer, 60)
+        assert (text, usage) == (reference(content, [image], N)[1], N)
+        assert encoder.handled == 2  # the new attempt went through the encode hop again
+        again = await asyncio.wait_for(seen.get(), 10)
+        assert again.attempt == 1 and again.media_dropped
+    finally:
+        await stop()
+
+
+@pytest.mark.e2e
+async def test_a_restart_nobody_holds_the_media_for_ends_the_request(
+    pipeline_config: PipelineConfig, model_spec: ModelSpec
+) -> None:
+    """A message without its media whose bridge is gone: restarted by no one,
+    the request ends with an error that says so, at once."""
+    import dataclasses
+
+    from pipeline.transport.nixl import agent_bucket
+    from schemas.codec import encode
+    from schemas.processed import KvHandoff
+    from schemas.request import ChatMessage, GenerateRequest, ImageURL, SamplingParams, TextPart
+    from schemas.tensors import TensorRef, TensorSpec
+    from stages.models.traits import load_traits
+    from stages.processor import Processor
+
+    config = dataclasses.replace(pipeline_config, mode="e-p-d")
+    stack, stop = await start_stack(config, model_spec, bridge_processes=True)
+    try:
+        content = [ImagePart(ImageURL(png_data_url(gradient(64, 48, 1)))), TextPart("What?")]
+        request = GenerateRequest("orphan", model_spec.served_name, [ChatMessage("user", content)], SamplingParams(4))
+        processed = Processor(load_traits(model_spec), mode="e-p-d").process(request)
+        gone = TensorRef("nixl", "prefill-vanished", "k1", 64, [TensorSpec("float32", [16])], time.time() + 60)
+        orphan = msgspec.structs.replace(
+            processed.without_inline_media(),
+            bridge_restarts=True,
+            hop_index=2,
+            kv=KvHandoff(gone, prompt_len=100, output_ids=[5]),
+        )
+        js = stack.nc.jetstream()
+        await (await js.key_value(agent_bucket(config.namespace))).put("prefill-vanished", b"metadata")
+        replies = await stack.nc.subscribe(config.subjects.reply("orphan"))
+        await js.publish(config.subjects.work("decode"), encode(orphan))
+        chunk = msgspec.msgpack.decode((await replies.next_msg(timeout=30)).data)
+        assert chunk["code"] == "internal_error" and "bridge holding the request's media is gone" in chunk["message"]
+        assert next(w for w in stack.workers if w.role == "encode").handled == 0  # nothing restarted
+    finally:
+        await stop()

@@ -76,3 +76,45 @@ def test_routes_of_every_mode() -> None:
     assert route_for("ep-d", False) == ["encode+prefill", "decode"]
     with pytest.raises(ValueError, match="unknown mode"):
         route_for("pd", True)
+
+
+def test_a_message_without_inline_media_keeps_everything_but_their_bytes() -> None:
+    from schemas.processed import MediaItem, MediaKind, ProcessedRequest
+    from schemas.request import (
+        AudioPart,
+        AudioURL,
+        ChatMessage,
+        GenerateRequest,
+        ImagePart,
+        ImageURL,
+        InputAudio,
+        InputAudioPart,
+        TextPart,
+    )
+
+    content = [
+        TextPart("Look:"),
+        ImagePart(ImageURL("data:image/png;base64,AAAA", detail="high")),
+        ImagePart(ImageURL("https://example.com/a.png")),
+        InputAudioPart(InputAudio("UklGRg==", "wav")),
+        AudioPart(AudioURL("data:audio/wav;base64,UklGRg==")),
+    ]
+    request = GenerateRequest("r", "m", [ChatMessage("user", content)])
+    media = [
+        MediaItem(MediaKind.IMAGE, "", 1, part=[0, 1]),
+        MediaItem(MediaKind.IMAGE, "https://example.com/a.png", 2),
+        MediaItem(MediaKind.AUDIO, "data:", 3, format="wav", part=[0, 3]),
+        MediaItem(MediaKind.AUDIO, "", 4, part=[0, 4]),
+    ]
+    message = ProcessedRequest(request, [1, 2, 3, 4, 5], media, ["encode", "prefill"], 4, 7, bridge_restarts=True)
+    light = message.without_inline_media()
+    assert light.media_dropped and not message.media_dropped
+    parts = light.request.messages[0].content
+    assert isinstance(parts, list)
+    assert parts[0] == TextPart("Look:")
+    assert parts[1] == ImagePart(ImageURL("", detail="high"))
+    assert parts[2] == content[2]  # a URL is no inline bytes: kept
+    assert parts[3] == InputAudioPart(InputAudio("", "wav"))
+    assert parts[4] == AudioPart(AudioURL(""))
+    assert (light.media, light.prompt_token_ids, light.seed, light.route) == (media, [1, 2, 3, 4, 5], 7, message.route)
+    assert message.request.messages[0].content == content  # the original is untouched
