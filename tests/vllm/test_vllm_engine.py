@@ -306,9 +306,16 @@ async def test_client_going_away_aborts_the_vllm_request(stack: VllmStack) -> No
 
 
 @pytest.mark.e2e
-async def test_takeover_resumes_after_the_tokens_a_client_holds(stack: VllmStack, reference: Any) -> None:
+async def test_takeover_resumes_after_the_tokens_a_client_holds(
+    stack: VllmStack, reference: Any, vllm_model_dir: Path
+) -> None:
     """An earlier attempt streamed 5 tokens (in the reply stream) and died: the
-    request, sent again, continues at seq 5 with generate()'s tokens."""
+    request, sent again to its first hop as a bridge would, continues at seq 5
+    with generate()'s tokens."""
+    from stages.models import resolve_model
+    from stages.models.traits import load_traits
+    from stages.processor import Processor
+
     image = _image(4)
     tokens, _ = reference(_image_content(image), [image], N)
     rid = f"resume-{uuid.uuid4().hex}"
@@ -320,7 +327,10 @@ async def test_takeover_resumes_after_the_tokens_a_client_holds(stack: VllmStack
             headers = {CONTENT_TYPE: MSGPACK, "Nats-Msg-Id": f"{rid}:reply:{i}"}
             await js.publish(subjects.reply(rid), encode(chunk), headers=headers)
         request = image_request(rid, image, N, created=time.time(), deadline=time.time() + 120)
-        await js.publish(subjects.requests, encode(request), headers={CONTENT_TYPE: MSGPACK, "Nats-Msg-Id": rid})
+        processor = Processor(load_traits(resolve_model(str(vllm_model_dir), MODEL)), mode=stack.mode)
+        processed = processor.process(request)
+        headers = {CONTENT_TYPE: MSGPACK, "Nats-Msg-Id": f"{rid}:0:0"}
+        await js.publish(subjects.work(processed.hop), encode(processed), headers=headers)
         chunks = [c for c in await finished_reply(js, subjects, rid, within=60.0) if isinstance(c, TokenChunk)]
     finally:
         await nc.close()
