@@ -89,16 +89,12 @@ class TorchEngine:
                 fused=decode.fused,
                 eos_ids=self.eos_token_ids,
             )
-        if (
-            self.decoder is not None
-            and not decode.decodes
-            and (self.decoder.fused is None or not decode.graph_prefill_len)
-        ):
-            self.decoder = None  # nothing would prefill into its slots
-        self._slots = SlotTable(self.decoder) if self.decoder is not None else None
         self._slot_prefill: SlotPrefill | None = None
         if self.decoder is not None and self.decoder.fused is not None and decode.graph_prefill_len > 0:
             self._slot_prefill = SlotPrefill(self.decoder, decode.cuda_graphs, decode.graph_prefill_len)
+        if not decode.decodes and self._slot_prefill is None:
+            self.decoder = None  # a role that ends at prefill would never use it
+        self._slots = SlotTable(self.decoder) if self.decoder is not None else None
         if self.decoder is not None:
             started = time.monotonic()
             sizes = self.decoder.capture() if decode.decodes else []
