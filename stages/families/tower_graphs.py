@@ -21,6 +21,8 @@ from typing import Any
 import structlog
 import torch
 
+from stages import cuda_graph
+
 log = structlog.get_logger(__name__)
 
 Tower = Callable[..., torch.Tensor]
@@ -66,16 +68,9 @@ class TowerGraphs:
     ) -> tuple[torch.cuda.CUDAGraph, dict[str, torch.Tensor], torch.Tensor] | None:
         static = {name: t.clone() for name, t in inputs.items()}
         try:
-            stream = torch.cuda.Stream()
-            stream.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(stream):
-                tower(**static)
-            torch.cuda.current_stream().wait_stream(stream)
-            graph = torch.cuda.CUDAGraph()
             # One memory pool for every graph: replays run one at a time on
             # one stream, and each output is copied out before the next.
-            with torch.cuda.graph(graph, pool=self._pool):
-                out = tower(**static)
+            graph, out = cuda_graph.capture(lambda: tower(**static), warmups=1, pool=self._pool)
         except Exception as exc:
             self.enabled = False
             self._graphs.clear()

@@ -36,6 +36,7 @@ from typing import Any, NamedTuple
 import torch
 import torch.nn.functional as F
 
+from stages import cuda_graph
 from stages.torch_engine.decode_attention import length_mask
 from stages.torch_engine.fused_decode import FusedKernels, FusedLayer, can_fuse, default_attention, fuse_layer
 
@@ -267,17 +268,7 @@ class BatchDecoder:
     def _graph(self, bucket: int, span: int) -> tuple[Any, torch.Tensor]:
         key = (bucket, span)
         if key not in self._graphs:
-            # Warm up on a side stream (allocations, autotuning), then capture.
-            stream = torch.cuda.Stream()
-            stream.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(stream):
-                for _ in range(2):
-                    self._forward(bucket, span)
-            torch.cuda.current_stream().wait_stream(stream)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
-                out = self._forward(bucket, span)
-            self._graphs[key] = (graph, out)
+            self._graphs[key] = cuda_graph.capture(lambda: self._forward(bucket, span), warmups=2)
         return self._graphs[key]
 
     def _forward(self, bucket: int, span: int) -> torch.Tensor:

@@ -26,6 +26,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from stages import cuda_graph
 from stages.torch_engine.batch_decoder import BatchDecoder
 from stages.torch_engine.fused_decode import FusedLayer, after_attention, rms_norm, rope
 
@@ -106,17 +107,8 @@ class SlotPrefill:
 
     def _graph(self, bucket: int) -> tuple[Any, torch.Tensor]:
         if bucket not in self._graphs:
-            stream = torch.cuda.Stream()
-            stream.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(stream):
-                for _ in range(2):
-                    self._forward(bucket)
-            torch.cuda.current_stream().wait_stream(stream)
-            graph = torch.cuda.CUDAGraph()
             pool = next(iter(self._graphs.values()))[0].pool() if self._graphs else None
-            with torch.cuda.graph(graph, pool=pool):
-                out = self._forward(bucket)
-            self._graphs[bucket] = (graph, out)
+            self._graphs[bucket] = cuda_graph.capture(lambda: self._forward(bucket), warmups=2, pool=pool)
         return self._graphs[bucket]
 
     def _forward(self, bucket: int) -> torch.Tensor:
