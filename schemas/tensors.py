@@ -41,6 +41,11 @@ class TensorRef(msgspec.Struct, omit_defaults=True, forbid_unknown_fields=True):
     mem: Literal["DRAM", "VRAM"] = "DRAM"
     # CUDA device index for VRAM; 0 for DRAM.
     device_id: int = 0
+    # False: the bytes were still being copied (queued on the holder's GPU
+    # behind the work that made them) when the ref went out. The holder then
+    # grants a lease only once they have landed, so a reader posts its READ
+    # after the grant, never beside the request.
+    landed: bool = True
 
 
 class LeaseRequest(msgspec.Struct, omit_defaults=True, forbid_unknown_fields=True):
@@ -55,13 +60,19 @@ class LeaseRequest(msgspec.Struct, omit_defaults=True, forbid_unknown_fields=Tru
     key: str
     abort: bool = False
     lease: int = 0
+    # How long the reader waits for this reply: a holder whose copy has not
+    # landed answers "landing" before then rather than leave it to time out.
+    wait_s: float = 0.0
 
 
 class LeaseReply(msgspec.Struct, omit_defaults=True, forbid_unknown_fields=True):
     """Holder's answer: ``lease`` > 0 means the region is pinned for the
-    reader for ``lease_s`` seconds from when the holder got the request."""
+    reader for ``lease_s`` seconds from when the holder granted it (at or
+    after the request's arrival, so a reader counting from its sending
+    undercounts, never over)."""
 
     lease: int = 0
     lease_s: float = 0.0
-    # Why no lease was granted: "unknown", "expired", "claimed", "released".
+    # Why no lease was granted: "unknown", "expired", "claimed", "released";
+    # "landing": the bytes are still being copied on the holder's GPU, ask again.
     reason: str = ""

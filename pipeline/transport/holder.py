@@ -21,6 +21,7 @@ import asyncio
 import time
 import uuid
 from dataclasses import dataclass, field
+from typing import Any
 
 import structlog
 
@@ -42,8 +43,11 @@ class Held:
     lease_until: float = 0.0
     # Read or released: free as soon as no lease pins it.
     done: bool = False
-    # Set once the bytes are in place and the ref may go out.
+    # Set once the ref may go out: the bytes are in place, or queued on
+    # the GPU behind ``landing``.
     ready: bool = False
+    # A CUDA event the copy into the region completes; None once it has.
+    landing: Any = None
     # Every lease granted on it: a READ notification counts only under one of them.
     granted: list[int] = field(default_factory=list)
     # Notifications of READs whose lease was not granted (yet): posted beside the request.

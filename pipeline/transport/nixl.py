@@ -25,6 +25,11 @@ Why it looks the way it does:
   the region was held, never freed and so never reused, from the ref's
   publication until the lease ends. A refused lease makes the READ's bytes
   garbage the reader drops; the holder's memory is only read, never written.
+- A put of tensors on the arena's GPU returns once their copy is queued
+  (behind the tower or the prefill that made them), not landed: the next
+  hop's message then travels while the GPU finishes. Such a ref says
+  ``landed=False``; its holder grants a lease only after the copy's CUDA
+  event, and the reader posts its READ after that grant.
 - The agent itself (its thread, UCX progress) is in ``nixl_agent.py``; the
   reader's side of a READ from another process (the lease, the holder's
   metadata, the READ) in ``nixl_reader.py``.
@@ -54,7 +59,7 @@ from pipeline.transport import metrics
 from pipeline.transport.arena import FirstFit
 from pipeline.transport.base import ForeignTensorRef, TargetTainted, TensorGone, TransportFull, TransportSettings
 from pipeline.transport.copy import copy_bytes
-from pipeline.transport.holder import HeldRegions
+from pipeline.transport.holder import Held, HeldRegions
 from pipeline.transport.nixl_agent import Agent
 from pipeline.transport.nixl_reader import NAME, RemoteReads, agent_bucket, lease_subject, new_lease
 from pipeline.transport.packing import check_specs, check_targets, contiguous_runs, layout, pack_into, unpack
@@ -109,6 +114,8 @@ class NixlTransport:
         self._kv: KeyValue | None = None
         self._sub: Any = None
         self._poller: asyncio.Task[None] | None = None
+        # Lease requests waiting for their region's copy to land.
+        self._landing_waits: set[asyncio.Task[None]] = set()
         self._closed = False
         self._stopped = False
 
@@ -161,6 +168,8 @@ class NixlTransport:
                 break
             await asyncio.sleep(0.01)
         self._stopped = True
+        for task in self._landing_waits:
+            task.cancel()
         if self._poller is not None:
             self._poller.cancel()
             await asyncio.wait([self._poller], timeout=5)
@@ -189,10 +198,24 @@ class NixlTransport:
         t0 = time.monotonic()
         specs, nbytes = layout(tensors)
         held = await self._held.reserve(nbytes, owner=owner, wait_s=self.settings.put_wait_s)
+        landed = True
         try:
             region = self._arena[held.offset : held.offset + nbytes]
-            devices = {self.device, *(t.device for t in tensors)}
-            await copy_bytes(lambda: pack_into(region, tensors, specs), nbytes, *devices)
+            if self.device.type == "cuda" and all(t.device == self.device for t in tensors):
+                # Queued behind the work that made the tensors (a vision
+                # tower, a prefill): the ref goes out now, and the next hop's
+                # message travels while the GPU finishes; a lease waits for
+                # the landing instead (_on_lease).
+                stream = torch.cuda.current_stream(self.device)
+                with torch.cuda.stream(stream):
+                    pack_into(region, tensors, specs)
+                event = torch.cuda.Event(blocking=True)
+                event.record(stream)
+                if not event.query():
+                    held.landing, landed = event, False
+            else:
+                devices = {self.device, *(t.device for t in tensors)}
+                await copy_bytes(lambda: pack_into(region, tensors, specs), nbytes, *devices)
         except BaseException:
             self._held.free(held)
             raise
@@ -210,6 +233,7 @@ class NixlTransport:
             device_id=self.device_id,
             tensors=specs,
             expires=held.expires,
+            landed=landed,
         )
 
     async def release(self, ref: TensorRef) -> None:
@@ -230,9 +254,38 @@ class NixlTransport:
             if req.abort:
                 self._held.end_lease(req.key, req.lease, read=False)
                 return
+            held = self._held.get(req.key)
+            if held is not None and held.landing is not None:
+                # Answered from a task: a wait here would hold up every other reader's lease.
+                task = asyncio.create_task(self._grant_when_landed(msg, held, req))
+                self._landing_waits.add(task)
+                task.add_done_callback(self._landing_waits.discard)
+                return
             reply = self._grant(req.key, req.lease or new_lease())
         if msg.reply:
             await msg.respond(msgspec.msgpack.encode(reply))
+
+    async def _grant_when_landed(self, msg: Msg, held: Held, req: LeaseRequest) -> None:
+        """A lease asked for before the region's copy landed: granted once it
+        has, or refused as ``landing`` (the reader asks again while its get
+        may wait) before the reader's request would time out."""
+        give_up = time.monotonic() + (req.wait_s or self.settings.request_timeout_s / 2)
+        pause = 0.0001
+        while held.landing is not None and not held.landing.query():
+            if time.monotonic() >= give_up:
+                reply = LeaseReply(reason="landing")
+                break
+            await asyncio.sleep(pause)
+            pause = min(2 * pause, 0.002)
+        else:
+            held.landing = None
+            reply = self._grant(req.key, req.lease or new_lease())
+        if msg.reply:
+            try:
+                await msg.respond(msgspec.msgpack.encode(reply))
+            except Exception as exc:
+                metrics.ERRORS.labels(NAME, "lease_reply").inc()
+                log.warning("nixl_lease_reply_failed", agent=self.agent_name, key=req.key, error=repr(exc))
 
     def _grant(self, key: str, lease: int) -> LeaseReply:
         reason = self._held.lease(key, lease, self.settings.lease_s)

@@ -34,6 +34,10 @@ NAME: Final = "nixl"
 _LEASE_TRUST = 0.9
 
 
+# Less time than this left in a get: another lease request could not be answered.
+_MIN_ASK_S = 0.01
+
+
 def new_lease() -> int:
     """A lease id: random, so a reader can name its lease before the holder
     answers, and two readers' ids never meet; never 0 (the holder picks)."""
@@ -84,7 +88,7 @@ class RemoteReads:
         lease = new_lease()
         peer = self._remotes.get(ref.holder)
         claim: asyncio.Future[tuple[int, float]]
-        if peer is not None and not peer.stale:
+        if peer is not None and not peer.stale and ref.landed:
             # A holder we READ from before: the lease request and the READ go out together.
             claim = asyncio.ensure_future(self.claim(ref, deadline, lease))
             await asyncio.sleep(0)  # the request leaves first: its round trip is the longer
@@ -149,9 +153,23 @@ class RemoteReads:
         """Ask the holder to pin the region under ``lease``; returns the lease
         id and the monotonic time until which a completed READ can be trusted
         (a READ posted after this call began)."""
-        sent = time.monotonic()
+        while True:
+            sent = time.monotonic()
+            reply = await self._ask(ref, deadline, lease, sent)
+            # The holder's GPU has not finished the copy yet: ask again while the get may wait.
+            if reply.reason != "landing" or deadline - time.monotonic() < _MIN_ASK_S:
+                break
+        if not reply.lease:
+            metrics.ERRORS.labels(NAME, f"lease_{reply.reason or 'refused'}").inc()
+            raise TensorGone(f"tensors {ref.key} of {ref.holder} cannot be read ({reply.reason})")
+        if reply.lease != lease:
+            metrics.ERRORS.labels(NAME, "bad_lease_reply").inc()
+            raise TensorGone(f"tensor holder {ref.holder} granted lease {reply.lease}, not the {lease} asked for")
+        return reply.lease, sent + reply.lease_s * _LEASE_TRUST
+
+    async def _ask(self, ref: TensorRef, deadline: float, lease: int, sent: float) -> LeaseReply:
         timeout = min(self._settings.request_timeout_s, max(0.001, deadline - sent))
-        payload = msgspec.msgpack.encode(LeaseRequest(key=ref.key, lease=lease))
+        payload = msgspec.msgpack.encode(LeaseRequest(key=ref.key, lease=lease, wait_s=timeout * 0.75))
         try:
             msg = await self._nc.request(lease_subject(self._ns, ref.holder), payload, timeout=timeout)
         except nats.errors.NoRespondersError:
@@ -162,17 +180,10 @@ class RemoteReads:
             metrics.ERRORS.labels(NAME, "lease_timeout").inc()
             raise TensorGone(f"tensor holder {ref.holder} did not answer within {timeout:.1f}s") from None
         try:
-            reply = msgspec.msgpack.decode(msg.data, type=LeaseReply)
+            return msgspec.msgpack.decode(msg.data, type=LeaseReply)
         except msgspec.DecodeError as exc:
             metrics.ERRORS.labels(NAME, "bad_lease_reply").inc()
             raise TensorGone(f"tensor holder {ref.holder} sent a bad lease reply: {exc}") from None
-        if not reply.lease:
-            metrics.ERRORS.labels(NAME, f"lease_{reply.reason or 'refused'}").inc()
-            raise TensorGone(f"tensors {ref.key} of {ref.holder} cannot be read ({reply.reason})")
-        if reply.lease != lease:
-            metrics.ERRORS.labels(NAME, "bad_lease_reply").inc()
-            raise TensorGone(f"tensor holder {ref.holder} granted lease {reply.lease}, not the {lease} asked for")
-        return reply.lease, sent + reply.lease_s * _LEASE_TRUST
 
     async def _refuse_foreign(self, holder: str) -> None:
         """Nobody answers for ``holder`` on this namespace's lease subject. A

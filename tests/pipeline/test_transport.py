@@ -48,11 +48,11 @@ async def make_transport(nats_server: NatsServer, namespace: str) -> AsyncIterat
     """Started transports on their own connections, as separate workers would have."""
     opened: list[tuple[TensorTransport, Any]] = []
 
-    async def make(kind: str, role: str = "worker", **settings: Any) -> TensorTransport:
+    async def make(kind: str, role: str = "worker", device: str = "cpu", **settings: Any) -> TensorTransport:
         nc, js = await connect(nats_server.url, name=f"test-{role}")
         settings.setdefault("budget_bytes", 4 * MiB)
         try:
-            transport = await open_transport(kind, nc, js, namespace, TransportSettings(**settings), role)
+            transport = await open_transport(kind, nc, js, namespace, TransportSettings(**settings), role, device)
         except BaseException:
             await nc.close()
             raise
@@ -319,6 +319,101 @@ async def test_nixl_read_of_a_known_holder_goes_out_before_its_lease(
     assert_same(await reader.get(ref), make_tensors(12))
     assert notified_first == [True]
     assert holder.held_bytes == 0  # freed when the lease was granted: its READ was already done
+
+
+class Gate:
+    """Stands in for the CUDA event of a copy still queued on the holder's
+    GPU (the CPU has none): ``query()`` is what the holder polls."""
+
+    def __init__(self) -> None:
+        self.open = False
+
+    def query(self) -> bool:
+        return self.open
+
+
+async def _not_landed(holder: NixlTransport, seed: int) -> tuple[TensorRef, Gate]:
+    ref = await holder.put(make_tensors(seed), owner=f"r{seed}")
+    held = holder._held.get(ref.key)
+    assert held is not None and ref.landed
+    gate = Gate()
+    held.landing = gate
+    return msgspec.structs.replace(ref, landed=False), gate
+
+
+@pytest.mark.parametrize("known_holder", [False, True])
+async def test_nixl_a_lease_waits_for_the_copy_to_land_and_the_read_for_the_lease(
+    make_transport: Factory, known_holder: bool
+) -> None:
+    holder = await make_transport("nixl", "holder")
+    reader = await make_transport("nixl", "reader")
+    assert isinstance(holder, NixlTransport) and isinstance(reader, NixlTransport)
+    if known_holder:  # a holder read before would get the READ beside the lease request
+        assert_same(await reader.get(await holder.put(make_tensors(20), owner="r20")), make_tensors(20))
+    ref, gate = await _not_landed(holder, 21)
+    held = holder._held.get(ref.key)
+    assert held is not None
+    got = asyncio.create_task(reader.get(ref))
+    await eventually(lambda: bool(holder._landing_waits), within=5.0)
+    await asyncio.sleep(0.1)  # a READ posted now would have notified by the time it matters
+    assert not got.done() and not held.early and not held.lease and not held.done
+    gate.open = True
+    assert_same(await asyncio.wait_for(got, 10), make_tensors(21))
+    await eventually(lambda: holder.held_bytes == 0)
+
+
+async def test_nixl_a_copy_that_lands_late_is_asked_for_again(
+    make_transport: Factory, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The holder answers "landing" after half the request timeout; the reader asks again until its get times out.
+    holder = await make_transport("nixl", "holder", request_timeout_s=0.2)
+    reader = await make_transport("nixl", "reader", request_timeout_s=0.2)
+    assert isinstance(holder, NixlTransport) and isinstance(reader, NixlTransport)
+    ref, gate = await _not_landed(holder, 22)
+    ask = reader._reads._ask
+    reasons: list[str] = []
+
+    async def recorded(*args: Any) -> Any:
+        reply = await ask(*args)
+        reasons.append(reply.reason)
+        return reply
+
+    monkeypatch.setattr(reader._reads, "_ask", recorded)
+    got = asyncio.create_task(reader.get(ref))
+    await eventually(lambda: reasons.count("landing") >= 2, within=5.0)
+    assert not got.done()
+    gate.open = True
+    assert_same(await asyncio.wait_for(got, 10), make_tensors(22))
+    assert reasons[-1] == ""
+
+
+async def test_nixl_a_copy_that_never_lands_ends_the_get(make_transport: Factory) -> None:
+    holder = await make_transport("nixl", "holder", request_timeout_s=0.2)
+    reader = await make_transport("nixl", "reader", request_timeout_s=0.2, get_timeout_s=0.8, lease_s=2.0)
+    assert isinstance(holder, NixlTransport) and isinstance(reader, NixlTransport)
+    ref, _ = await _not_landed(holder, 23)
+    with pytest.raises(TensorGone, match="landing"):
+        await reader.get(ref)
+    assert holder.held_bytes > 0  # still held for a later reader: only this get gave up
+
+
+async def test_nixl_put_on_a_busy_gpu_goes_out_before_its_bytes_land(
+    make_transport: Factory, engine_device: str
+) -> None:
+    """On a GPU (--engine-device cuda): the ref of tensors a kernel is still
+    making leaves at once, and a reader in another agent gets their bytes."""
+    if not engine_device.startswith("cuda"):
+        pytest.skip("a copy queued behind GPU work needs CUDA (--engine-device cuda)")
+    holder = await make_transport("nixl", "holder", device=engine_device)
+    reader = await make_transport("nixl", "reader", device=engine_device)
+    want = [t.to(engine_device) for t in make_tensors(24)]
+    torch.cuda.synchronize()
+    torch.cuda._sleep(1_000_000_000)  # ~0.5 s of a spinning kernel ahead of the tensors on the stream
+    made = [t * 1 for t in want]
+    ref = await holder.put(made, owner="r24")
+    assert not ref.landed
+    got = await reader.get(ref, engine_device)
+    assert_same([t.cpu() for t in got], make_tensors(24))
 
 
 async def test_nixl_reads_its_own_tensors_without_a_transfer(make_transport: Factory) -> None:
