@@ -407,6 +407,9 @@ async def test_nixl_put_on_a_busy_gpu_goes_out_before_its_bytes_land(
     holder = await make_transport("nixl", "holder", device=engine_device)
     reader = await make_transport("nixl", "reader", device=engine_device)
     want = [t.to(engine_device) for t in make_tensors(24)]
+    # Each kernel's first launch loads its module, which waits for the whole GPU: launch them all once first.
+    await holder.release(await holder.put([t * 1 for t in want], owner="warm-up"))
+    torch.cuda._sleep(1000)
     torch.cuda.synchronize()
     torch.cuda._sleep(1_000_000_000)  # ~0.5 s of a spinning kernel ahead of the tensors on the stream
     made = [t * 1 for t in want]
