@@ -432,6 +432,7 @@ def test_data_url_lenient_encodings() -> None:
     assert parse_data_url(f"data:image/png;base64,{b64.replace('+', '%2B').replace('/', '%2F')}", 10**6).data == PNG
     assert parse_data_url(f"data:image/png;base64,{base64.urlsafe_b64encode(PNG).decode()}", 10**6).data == PNG
     assert parse_data_url("data:image/png;base64,aGVs\nbG8=", 10**6).data == b"hello"
+    assert parse_data_url("data:image/png;base64,aG\x1fVs\u3000bG8=", 10**6).data == b"hello"
     assert parse_data_url(f"data:image/png;base64,{b64}", 10**6).media_type == "image/png"
 
 
