@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from pipeline import logging as mm_logging
-from pipeline import tracing
+from pipeline import stack_samples, tracing
 from pipeline.auth import NatsAuth
 from pipeline.bench.decode import add_arguments as add_decode_arguments
 from pipeline.bench.encode import add_arguments as add_encode_arguments
@@ -280,7 +280,9 @@ def _started(kind: str, args: argparse.Namespace) -> Loaded[Any]:
     common = getattr(tree, "common", tree)
     _set_up(common.auth, common.log.level)
     if kind in ("worker", "bridge"):
-        tracing.configure(common.tracing, f"mmpipe-{getattr(args, 'role', kind)}")
+        process = f"mmpipe-{getattr(args, 'role', kind)}"
+        tracing.configure(common.tracing, process)
+        stack_samples.start(common.tracing.stack_samples, process)
     return loaded
 
 

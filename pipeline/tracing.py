@@ -47,6 +47,13 @@ class TracingSettings:
         1.0, help="the share of requests traced when tracing is on (a trace's hops follow its first)"
     )
 
+    stack_samples: str = setting(
+        "",
+        help="a folder where each process writes its threads' sampled Python stacks "
+        "(<process>-<pid>.folded, for flame graphs), every 10 s and at exit: where host time goes under load "
+        "(unset: off)",
+    )
+
     def __post_init__(self) -> None:
         if not 0.0 <= self.trace_sample <= 1.0:
             raise ValueError("trace-sample must be between 0 and 1")
