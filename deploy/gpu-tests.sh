@@ -24,5 +24,7 @@ exec "${PYTHON:-python3}" -m pytest -p no:cacheprovider -v --timeout 900 \
   tests/stages/test_vision_attention.py \
   tests/stages/test_fused_decode.py \
   tests/stages/test_triton_linear.py \
+  tests/stages/test_slot_prefill.py \
+  tests/stages/test_tower_graphs.py \
   tests/pipeline/test_transport.py \
   "$@"

@@ -22,6 +22,7 @@ from transformers import PretrainedConfig
 
 from schemas.errors import UnsupportedMedia
 from schemas.processed import MediaKind
+from stages.device_copy import tensor_on, to_device
 from stages.families.tower_graphs import TowerGraphs
 from stages.media import DecodedAudio, DecodedVideo
 
@@ -177,11 +178,11 @@ class LanguageModelFamily:
         the placeholders. Each item's tokens are contiguous and in prompt order,
         so one scatter over every kind's placeholders is the per-kind scatters
         generate() does."""
-        ids = torch.tensor([token_ids], dtype=torch.long, device=model.device)
+        ids = tensor_on([token_ids], model.device, torch.long)
         embeds = model.get_input_embeddings()(ids)
         if media:
             feats = torch.cat([m.embeddings for m in media], dim=0).to(embeds.device, embeds.dtype)
-            placeholders = torch.tensor(sorted(self.placeholder_ids.values()), device=ids.device)
+            placeholders = tensor_on(sorted(self.placeholder_ids.values()), ids.device, torch.long)
             mask = torch.isin(ids, placeholders).unsqueeze(-1).expand_as(embeds)
             embeds = embeds.masked_scatter(mask, feats)
         return embeds
@@ -205,7 +206,7 @@ class LanguageModelFamily:
         out = model(
             input_ids=input_ids,
             inputs_embeds=inputs_embeds,
-            position_ids=positions.to(model.device),
+            position_ids=to_device(positions, model.device),
             use_cache=True,
             logits_to_keep=1,
             **{cache_kwarg(model.__class__): cache},

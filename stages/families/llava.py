@@ -16,6 +16,7 @@ from PIL import Image
 from transformers import LlavaForConditionalGeneration, PretrainedConfig
 
 from schemas.processed import MediaKind
+from stages.device_copy import to_device
 from stages.families.base import (
     Grid,
     LanguageModelFamily,
@@ -70,6 +71,6 @@ class LlavaFamily(LanguageModelFamily):
     def _encode_images(self, model: Any, images: list[Image.Image]) -> list[MediaEmbedding]:
         """Projected vision features per image: [tokens_per_image, hidden], grid (tokens,)."""
         pixel_values = self.image_processor(images=images, return_tensors="pt")["pixel_values"]
-        out = model.get_image_features(pixel_values=pixel_values.to(model.device, model.dtype))
+        out = model.get_image_features(pixel_values=to_device(pixel_values, model.device, model.dtype))
         feats = features_per_item(out, [self.tokens_per_image] * len(images))
         return [MediaEmbedding(f, (self.tokens_per_image,), MediaKind.IMAGE) for f in feats]

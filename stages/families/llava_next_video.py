@@ -20,6 +20,7 @@ import torch
 from transformers import LlavaNextVideoForConditionalGeneration, PretrainedConfig
 
 from schemas.processed import MediaKind
+from stages.device_copy import to_device
 from stages.families.base import LanguageModelFamily, Media, MediaEmbedding, encode_by_kind
 from stages.media import DecodedVideo
 
@@ -80,7 +81,7 @@ class LlavaNextVideoFamily(LanguageModelFamily):
                 [self.frame_processor(images=videos[i].frames, return_tensors="pt")["pixel_values"] for i in group]
             )
             features = model.get_video_features(
-                **{_video_pixels_kwarg(model): pixels.to(model.device, model.dtype)},
+                **{_video_pixels_kwarg(model): to_device(pixels, model.device, model.dtype)},
                 vision_feature_layer=self.feature_layer,
                 vision_feature_select_strategy=self.select_strategy,
             )

@@ -46,6 +46,7 @@ except ImportError:  # pragma: no cover - older transformers: the tower runs eag
     _vision_utils = None  # type: ignore[assignment]
 
 from schemas.processed import MediaKind
+from stages.device_copy import tensor_on, to_device
 from stages.families import vision_attention
 from stages.families.base import (
     Grid,
@@ -160,12 +161,12 @@ class Qwen2VLFamily(LanguageModelFamily):
             target = _smart_resize(im.height, im.width, factor, size["shortest_edge"], size["longest_edge"])
             if tuple(target) != (im.height, im.width):
                 return None
-        mean = torch.tensor(proc.image_mean, dtype=torch.float32, device=device)[:, None, None]
-        std = torch.tensor(proc.image_std, dtype=torch.float32, device=device)[:, None, None]
+        mean = tensor_on(proc.image_mean, device, torch.float32)[:, None, None]
+        std = tensor_on(proc.image_std, device, torch.float32)[:, None, None]
         patch, merge, temporal = int(proc.patch_size), int(proc.merge_size), int(proc.temporal_patch_size)
         outs, grids = [], []
         for im in images:
-            pixels = torch.from_numpy(np.array(im)).to(device).permute(2, 0, 1)  # [C, H, W] uint8
+            pixels = to_device(torch.from_numpy(np.array(im)), device).permute(2, 0, 1)  # [C, H, W] uint8
             x = ((pixels.double() * float(proc.rescale_factor)).float() - mean) / std
             channels, height, width = x.shape
             gh, gw = height // patch, width // patch
@@ -212,13 +213,13 @@ class Qwen2VLFamily(LanguageModelFamily):
             pixels, grid = on_device
         else:
             pixel_values, grid = self.preprocess(images)
-            pixels = pixel_values.to(device, model.dtype)
+            pixels = to_device(pixel_values, device, model.dtype)
         grids: list[Grid] = [(int(t), int(h), int(w)) for t, h, w in grid.tolist()]
         counts = [self.num_image_tokens(g) for g in grids]
         if self.graphed_tower and self.tower_graphs.enabled and device.type == "cuda" and _vision_utils is not None:
             feats = list(torch.split(self._graphed_tower(model, pixels, grid), counts))
         else:
-            feats = features_per_item(model.get_image_features(pixels, grid.to(device)), counts)
+            feats = features_per_item(model.get_image_features(pixels, to_device(grid, device)), counts)
         return [MediaEmbedding(f, g, MediaKind.IMAGE) for f, g in zip(feats, grids, strict=True)]
 
     def _graphed_tower(self, model: Any, pixels: torch.Tensor, grid: torch.Tensor) -> torch.Tensor:
@@ -241,7 +242,11 @@ class Qwen2VLFamily(LanguageModelFamily):
             merged: torch.Tensor = out.pooler_output if hasattr(out, "pooler_output") else out
             return merged
 
-        inputs = {"pixel_values": pixels, "position_ids": position_ids.to(device), "cu_seqlens": cu_seqlens.to(device)}
+        inputs = {
+            "pixel_values": pixels,
+            "position_ids": to_device(position_ids, device),
+            "cu_seqlens": to_device(cu_seqlens, device),
+        }
         return self.tower_graphs(("image", tuple(map(tuple, grid.tolist()))), tower, inputs)
 
     def _encode_videos(self, model: Any, videos: list[DecodedVideo]) -> list[MediaEmbedding]:
@@ -250,8 +255,8 @@ class Qwen2VLFamily(LanguageModelFamily):
         grids = [g for _, g in patches]
         device = model.device
         out = model.get_video_features(
-            pixel_values_videos=pixel_values.to(device, model.dtype),
-            video_grid_thw=torch.tensor(grids, dtype=torch.long, device=device),
+            pixel_values_videos=to_device(pixel_values, device, model.dtype),
+            video_grid_thw=tensor_on(grids, device, torch.long),
         )
         feats = features_per_item(out, [self.num_image_tokens(g) for g in grids])
         return [

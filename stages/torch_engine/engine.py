@@ -27,13 +27,14 @@ import torch
 
 from schemas.errors import ContextLengthExceeded, InvalidMedia, InvalidRequest
 from schemas.processed import MediaKind
+from stages.device_copy import tensor_on, to_device
 from stages.families import Grid, Media, MediaEmbedding, family_for_architecture
 from stages.families.tower_graphs import TowerGraphs
 from stages.sampling import SamplingConfig
 from stages.torch_engine import batch_decoder
 from stages.torch_engine.batch_decoder import BatchDecoder
-from stages.torch_engine.sampling import select_token
-from stages.torch_engine.sequence import KvState, Launch, Sequence
+from stages.torch_engine.sampling import greedy_choice, select_token
+from stages.torch_engine.sequence import KvState, Launch, PendingToken, Sequence
 from stages.torch_engine.settings import DecodeSettings
 from stages.torch_engine.slot_prefill import SlotPrefill
 from stages.torch_engine.slots import SlotTable
@@ -75,7 +76,8 @@ class TorchEngine:
         limit = self.family.max_position_embeddings
         self.max_model_len = min(max_model_len or limit, limit)
         self.eos_token_ids: frozenset[int] = frozenset(_eos_ids(self.model, config))
-        self._eos_tensor = torch.tensor(sorted(self.eos_token_ids), dtype=torch.long)
+        # On the device: masking EOS there needs no copy (and no wait) per token.
+        self._eos_tensor = torch.tensor(sorted(self.eos_token_ids), dtype=torch.long, device=self.device)
         # One forward at a time per engine: torch releases the GIL, and the
         # model's modules are not meant for concurrent calls.
         self._lock = threading.Lock()
@@ -132,7 +134,7 @@ class TorchEngine:
             raise InvalidMedia("precomputed embeddings hold NaN or infinite values")
         # On this engine's device, as encode()'s are: a prompt mixing both
         # kinds concatenates them.
-        return MediaEmbedding(embeddings.to(self.device, self.dtype), checked, MediaKind.IMAGE)
+        return MediaEmbedding(to_device(embeddings, self.device, self.dtype), checked, MediaKind.IMAGE)
 
     # -- generation ---------------------------------------------------------
 
@@ -142,8 +144,14 @@ class TorchEngine:
         media: list[list[MediaEmbedding]],
         sampling: list[SamplingConfig],
         emitted: list[list[int]] | None = None,
+        defer: bool = False,
     ) -> list[tuple[Sequence, int]]:
         """Run each prompt; return its sequence state and the next token.
+
+        ``defer``: on a GPU, a greedy sequence's next token is not waited for
+        (that wait is for everything queued on the device, other requests'
+        steps included, and it held the engine's one thread): -1 is returned
+        in its place, and ``settle`` waits for it and appends it.
 
         A prompt holds one placeholder per media item; it is expanded to the
         item's token count here. `emitted[i]` are tokens an earlier attempt
@@ -156,7 +164,19 @@ class TorchEngine:
         if not len(media) == len(sampling) == len(emitted) == n:
             raise ValueError("prefill: prompt_token_ids, media, sampling and emitted differ in length")
         jobs = zip(prompt_token_ids, media, sampling, emitted, strict=True)
-        return [self._prefill_one(p, im, s, e) for p, im, s, e in jobs]
+        return [self._prefill_one(p, im, s, e, defer) for p, im, s, e in jobs]
+
+    def settle(self, seq: Sequence) -> int:
+        """The token ``prefill(defer=True)`` chose for ``seq``, once it is on
+        the host (waits for it; any thread), appended to the sequence."""
+        pending = seq.pending
+        if pending is None:
+            return seq.output_ids[-1]
+        pending.landed.synchronize()
+        token = int(pending.host)
+        seq.output_ids.append(token)
+        seq.pending = None
+        return token
 
     def step(self, seqs: list[Sequence]) -> list[int]:
         """One decode step: each sequence gets one new token, appended to it.
@@ -167,6 +187,8 @@ class TorchEngine:
         for seq in seqs:
             if seq.released:
                 raise ValueError("step on a released sequence")
+            if seq.pending is not None:
+                raise ValueError("step on a sequence whose prefill token is not settled")
             if seq.inflight:
                 raise ValueError("step on a sequence whose launched step is not collected")
             if seq.length >= self.max_model_len:
@@ -202,6 +224,8 @@ class TorchEngine:
         for seq in seqs:
             if seq.released:
                 raise ValueError("launch on a released sequence")
+            if seq.pending is not None:
+                raise ValueError("launch on a sequence whose prefill token is not settled")
             if not seq.sampling.greedy:
                 return None
             wanted = seq.num_generated + seq.inflight < seq.sampling.max_tokens
@@ -265,6 +289,8 @@ class TorchEngine:
         """
         if seq.released:
             raise ValueError("export of a released sequence")
+        if seq.pending is not None:
+            raise ValueError("export of a sequence whose prefill token is not settled")
         tensors: list[torch.Tensor] = []
         if seq.slot >= 0:
             assert self.decoder is not None
@@ -298,7 +324,7 @@ class TorchEngine:
         for t in tensors:
             if tuple(t.shape) != want:
                 raise InvalidRequest(f"KV tensor of shape {tuple(t.shape)}; this model and sequence need {want}")
-        moved = [t.to(self.device, self.dtype) for t in tensors]
+        moved = [to_device(t, self.device, self.dtype) for t in tensors]
         cache = DynamicCache(ddp_cache_data=list(zip(moved[0::2], moved[1::2], strict=True)))
         return Sequence(
             prompt_len=state.prompt_len,
@@ -417,22 +443,35 @@ class TorchEngine:
         return ids, positions, delta
 
     def _prefill_one(
-        self, prompt: list[int], media: list[MediaEmbedding], sampling: SamplingConfig, emitted: list[int]
+        self,
+        prompt: list[int],
+        media: list[MediaEmbedding],
+        sampling: SamplingConfig,
+        emitted: list[int],
+        defer: bool = False,
     ) -> tuple[Sequence, int]:
         fam = self.family
         ids, positions, delta = self._prepare(prompt, media, emitted)
         with self._lock, torch.inference_mode():
             embeds = fam.embed_prompt(self.model, ids, media)
             if not emitted:
-                slotted = self._prefill_into_slot(embeds, positions, len(ids), sampling, delta)
+                slotted = self._prefill_into_slot(embeds, positions, len(ids), sampling, delta, defer)
                 if slotted is not None:
                     return slotted
             logits, cache = fam.forward(self.model, positions, None, inputs_embeds=embeds)
             seq = Sequence(prompt_len=len(ids), output_ids=[], sampling=sampling, rope_delta=delta, cache=cache)
+            if not emitted:
+                return seq, self._select(seq, logits, defer)
             return seq, self._continue(seq, logits, emitted)
 
     def _prefill_into_slot(
-        self, embeds: torch.Tensor, positions: torch.Tensor, length: int, sampling: SamplingConfig, delta: int
+        self,
+        embeds: torch.Tensor,
+        positions: torch.Tensor,
+        length: int,
+        sampling: SamplingConfig,
+        delta: int,
+        defer: bool = False,
     ) -> tuple[Sequence, int] | None:
         """The graphed prefill straight into a free decoder slot, where the
         prompt fits it and the sequence the slot (else None: the modules)."""
@@ -448,7 +487,7 @@ class TorchEngine:
         except BaseException:
             slots.free(seq)
             raise
-        return seq, self._select(seq, logits)
+        return seq, self._select(seq, logits, defer)
 
     def _continue(self, seq: Sequence, logits: torch.Tensor, emitted: list[int]) -> int:
         # Emitted tokens go in one decode step each, not as one chunk: the
@@ -469,7 +508,7 @@ class TorchEngine:
         # index shifted by the rope delta, the same in all three M-RoPE rows.
         index = seq.length - 1
         positions = self.family.decode_positions(index + seq.rope_delta)
-        input_ids = torch.tensor([[seq.output_ids[-1]]], dtype=torch.long, device=self.device)
+        input_ids = tensor_on([[seq.output_ids[-1]]], self.device, torch.long)
         logits, seq.cache = self.family.forward(self.model, positions, seq.cache, input_ids=input_ids)
         return logits
 
@@ -490,7 +529,15 @@ class TorchEngine:
                 chosen[id(q)] = self._select(q, logits[q.slot])
         return chosen
 
-    def _select(self, seq: Sequence, logits: torch.Tensor) -> int:
+    def _select(self, seq: Sequence, logits: torch.Tensor, defer: bool = False) -> int:
+        if defer and logits.is_cuda and seq.sampling.greedy:
+            chosen = greedy_choice(logits.float(), seq.sampling, seq.num_generated, self._eos_tensor)
+            host = torch.empty((), dtype=torch.long, pin_memory=True)
+            host.copy_(chosen, non_blocking=True)
+            landed = torch.cuda.Event(blocking=True)
+            landed.record()
+            seq.pending = PendingToken(host, landed)
+            return -1
         token = select_token(logits.float(), seq.sampling, seq.num_generated, self._eos_tensor)
         seq.output_ids.append(token)
         return token

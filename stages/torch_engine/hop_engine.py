@@ -11,6 +11,7 @@ go through mmpipe's ``TensorStore``.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 from collections.abc import AsyncGenerator, Callable
 from dataclasses import dataclass
@@ -134,11 +135,24 @@ class TorchHopEngine:
             if self.prefills.max_items > 1 and not ctx.emitted:
                 seq, _ = await self.prefills.submit((req.prompt_token_ids, media, sampling(req)))
             else:
-                seq, _ = await self.thread.call_or_release(
-                    lambda out: engine.release(out[0]),
-                    lambda: engine.prefill([req.prompt_token_ids], [media], [sampling(req)], [ctx.emitted])[0],
-                )
+
+                def run() -> tuple[Sequence, int]:
+                    job = [req.prompt_token_ids], [media], [sampling(req)], [ctx.emitted]
+                    return engine.prefill(*job, defer=True)[0]
+
+                seq, _ = await self.thread.call_or_release(lambda out: engine.release(out[0]), run)
+                if seq.pending is not None:
+                    await self._settle(seq)
         return TorchPrefilled(seq)
+
+    async def _settle(self, seq: Sequence) -> None:
+        """Wait for the prefill's token off the engine's thread, which goes
+        on with other requests' work meanwhile."""
+        try:
+            await asyncio.to_thread(self.torch.settle, seq)
+        except BaseException:
+            self.thread.submit(self.torch.release, seq)
+            raise
 
     def first_token(self, handle: TorchPrefilled) -> int | None:
         # Prefill covered the prompt and what the client held; the one token

@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+from stages.device_copy import to_device
 from stages.families import Family
 from stages.families.base import cache_kwarg
 
@@ -55,7 +56,7 @@ def padded_forward(
     out = model(
         inputs_embeds=torch.cat(rows),
         attention_mask=mask,
-        position_ids=torch.cat(places, dim=-2).to(device),
+        position_ids=to_device(torch.cat(places, dim=-2), device),
         use_cache=True,
         logits_to_keep=1,
         **{cache_kwarg(model.__class__): None},

@@ -39,11 +39,10 @@ def select_token(
     MinNewTokensLogitsProcessor does. Greedy is argmax (first index on ties,
     like generate()).
     """
-    if eos_token_ids is not None and index < config.min_tokens:
-        logits = logits.clone()
-        logits[eos_token_ids.to(logits.device)] = float("-inf")
     if config.greedy:
-        return int(torch.argmax(logits).item())
+        return int(greedy_choice(logits, config, index, eos_token_ids).item())
+    if eos_token_ids is not None and index < config.min_tokens:
+        logits = _without(logits, eos_token_ids)
 
     scores = logits.detach().to(device="cpu", dtype=torch.float32) / config.temperature
     probs, ids = _candidates(scores, config)
@@ -89,3 +88,19 @@ def _candidates(scores: torch.Tensor, config: SamplingConfig) -> tuple[torch.Ten
             return probs, ids
     values, ids = torch.sort(scores, descending=True, stable=True)
     return torch.exp(values - log_total).double(), ids
+
+
+def greedy_choice(
+    logits: torch.Tensor, config: SamplingConfig, index: int, eos_token_ids: torch.Tensor | None = None
+) -> torch.Tensor:
+    """``select_token``'s greedy choice as a 0-dim tensor on the logits'
+    device, not read back: a caller can queue its copy and read it later."""
+    if eos_token_ids is not None and index < config.min_tokens:
+        logits = _without(logits, eos_token_ids)
+    return torch.argmax(logits)
+
+
+def _without(logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    masked = logits.clone()
+    masked[ids.to(logits.device)] = float("-inf")
+    return masked

@@ -32,6 +32,9 @@ class Sequence:
     # and the decoder row its last launched token waits in on the device.
     inflight: int = 0
     feed_row: int = -1
+    # Its next token, chosen on the device and on its way to the host
+    # (``prefill(defer=True)``); ``TorchEngine.settle`` appends it.
+    pending: PendingToken | None = None
 
     @property
     def length(self) -> int:
@@ -52,6 +55,14 @@ class Sequence:
     @property
     def released(self) -> bool:
         return self.cache is None and self.slot < 0
+
+
+@dataclass(frozen=True)
+class PendingToken:
+    """A token copied from the device into pinned host memory, readable once ``landed`` has fired."""
+
+    host: Any  # torch.Tensor, 0-dim int64, pinned
+    landed: Any  # torch.cuda.Event
 
 
 @dataclass(frozen=True)

@@ -27,6 +27,7 @@ import torch
 import torch.nn.functional as F
 
 from stages import cuda_graph
+from stages.device_copy import to_device
 from stages.torch_engine.batch_decoder import BatchDecoder
 from stages.torch_engine.fused_decode import FusedLayer, after_attention, rms_norm, rope
 
@@ -135,7 +136,7 @@ class SlotPrefill:
         angles, the M-RoPE rows' frequencies interleaved by section, cast
         to the activations' dtype."""
         d = self.decoder
-        rows = positions.reshape(-1, positions.shape[-1]).to(d.device)  # [1 or 3, L]
+        rows = to_device(positions.reshape(-1, positions.shape[-1]), d.device)  # [1 or 3, L]
         freqs = rows[..., None].float() * d.inv_freq  # [rows, L, head_dim / 2]
         if self.mrope is not None and rows.shape[0] == 3:
             parts = freqs.split(self.mrope, dim=-1)

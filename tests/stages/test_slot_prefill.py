@@ -119,3 +119,35 @@ def test_a_role_that_ends_at_prefill_prefills_into_slots_and_hands_them_off(
         expected += decode.step([alone])
     decode.release(alone)
     assert tokens == expected if engine_device == "cpu" else tokens[:1] == expected[:1]
+
+
+@pytest.mark.parametrize("graph_prefill_len", [32, 0])
+def test_a_deferred_prefill_token_is_settled_to_the_token_waited_for(
+    mmpipe_home: Path, engine_device: str, graph_prefill_len: int
+) -> None:
+    """prefill(defer=True) on a GPU leaves the greedy token on its way to
+    the host (nothing may step the sequence before ``settle``); the token
+    and the tokens after it are those of a prefill that waited. On the CPU
+    it waits as before."""
+    engine = _engine(engine_device, graph_prefill_len=graph_prefill_len)
+    greedy = SamplingConfig(temperature=0.0, max_tokens=8, min_tokens=8)
+    prompt = engine.tokenizer("Count from one to ten:")["input_ids"]
+    runs = []
+    for defer in (False, True):
+        [(seq, first)] = engine.prefill([prompt], [[]], [greedy], defer=defer)
+        assert (seq.slot >= 0) == (graph_prefill_len > 0)
+        if defer and engine_device != "cpu":
+            assert first == -1 and seq.pending is not None and seq.output_ids == []
+            with pytest.raises(ValueError, match="not settled"):
+                engine.step([seq])
+            with pytest.raises(ValueError, match="not settled"):
+                engine.export_kv(seq)
+            first = engine.settle(seq)
+        assert seq.pending is None and seq.output_ids == [first]
+        assert engine.settle(seq) == first  # settled once; asking again is the same token
+        tokens = [first]
+        while len(tokens) < 8:
+            tokens += engine.step([seq])
+        engine.release(seq)
+        runs.append(tokens)
+    assert runs[0] == runs[1]
