@@ -13,7 +13,9 @@ Sequences that join start at step k+2.
 from __future__ import annotations
 
 import asyncio
+import collections
 import concurrent.futures
+import threading
 from collections.abc import AsyncGenerator, Callable
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
@@ -26,33 +28,90 @@ T = TypeVar("T")
 
 
 class EngineThread:
-    """One thread owns the engine: calls are serialized in submission order,
-    so a release queued after a step never races it."""
+    """One thread owns the engine. Calls run one at a time: urgent ones (the
+    decode loop's steps) before any other waiting call, the others in
+    submission order, so a release queued after a prefill never races it.
+
+    Why urgent first: under load the other calls (a request's encode, its
+    prefill) queue up many deep, and a decode step behind them all would
+    hold every running sequence's next token for their sum (tokens then come
+    in bursts). The decode loop submits its next step only once the last is
+    back, so between two steps at most one other call runs: a running
+    sequence waits for at most one encode or prefill call."""
 
     def __init__(self) -> None:
-        self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine")
+        self._urgent: collections.deque[_Call] = collections.deque()
+        self._normal: collections.deque[_Call] = collections.deque()
+        self._ready = threading.Condition()
+        self._thread = threading.Thread(target=self._run, name="engine_0", daemon=True)
+        self._started = False
         self.closed = False
 
-    async def call(self, fn: Callable[..., T], *args: Any) -> T:
-        return await asyncio.wrap_future(self._pool.submit(fn, *args))
+    async def call(self, fn: Callable[..., T], *args: Any, urgent: bool = False) -> T:
+        return await asyncio.wrap_future(self._submit(fn, args, urgent))
 
     async def call_or_release(self, release: Callable[[T], Any], fn: Callable[[], T]) -> T:
         """``call`` for work that allocates: if the caller is cancelled while
         the thread runs it, the result is released once it exists."""
-        future = self._pool.submit(fn)
+        future = self._submit(fn, (), False)
         try:
             return await asyncio.shield(asyncio.wrap_future(future))
         except asyncio.CancelledError:
-            future.add_done_callback(lambda f: f.exception() is None and self._pool.submit(release, f.result()))
+
+            def release_result(done: concurrent.futures.Future[T]) -> None:
+                if not done.cancelled() and done.exception() is None:
+                    self.submit(release, done.result())
+
+            future.add_done_callback(release_result)
             raise
 
     def submit(self, fn: Callable[..., Any], *args: Any) -> None:
         """Fire and forget (for releases from a cancelled task)."""
-        self._pool.submit(fn, *args)
+        self._submit(fn, args, False)
+
+    def _submit(self, fn: Callable[..., Any], args: tuple[Any, ...], urgent: bool) -> concurrent.futures.Future[Any]:
+        future: concurrent.futures.Future[Any] = concurrent.futures.Future()
+        with self._ready:
+            if self.closed:
+                raise RuntimeError("the engine thread is closed")
+            (self._urgent if urgent else self._normal).append(_Call(fn, args, future))
+            if not self._started:
+                self._started = True
+                self._thread.start()
+            self._ready.notify()
+        return future
+
+    def _run(self) -> None:
+        while True:
+            with self._ready:
+                while not self._urgent and not self._normal and not self.closed:
+                    self._ready.wait()
+                if not self._urgent and not self._normal:
+                    return  # closed and drained
+                call = (self._urgent or self._normal).popleft()
+            if not call.future.set_running_or_notify_cancel():
+                continue
+            try:
+                result = call.fn(*call.args)
+            except BaseException as exc:
+                call.future.set_exception(exc)
+            else:
+                call.future.set_result(result)
 
     def close(self) -> None:
-        self.closed = True
-        self._pool.shutdown(wait=True, cancel_futures=False)
+        """Stop taking calls; returns once the ones queued have run."""
+        with self._ready:
+            self.closed = True
+            self._ready.notify()
+        if self._started:
+            self._thread.join()
+
+
+@dataclass
+class _Call:
+    fn: Callable[..., Any]
+    args: tuple[Any, ...]
+    future: concurrent.futures.Future[Any]
 
 
 _END = object()
@@ -163,7 +222,7 @@ class DecodeScheduler:
             if self._pipelined and await self._advance(batch):
                 continue
             try:
-                tokens = await self._thread.call(self._engine.step, [e.seq for e in batch])
+                tokens = await self._thread.call(self._engine.step, [e.seq for e in batch], urgent=True)
             except Exception as exc:
                 self._fail(batch, exc)
                 continue
@@ -197,7 +256,7 @@ class DecodeScheduler:
             return launched, collected
 
         try:
-            launched, tokens = await self._thread.call(launch_then_collect)
+            launched, tokens = await self._thread.call(launch_then_collect, urgent=True)
         except Exception as exc:  # the engine thread itself failed
             self._fail(batch + (ahead[1] if ahead is not None else []), exc)
             return True
