@@ -21,7 +21,7 @@ import torch
 
 from schemas.processed import MediaItem, MediaKind, ProcessedRequest
 from stages.contract import HopContext
-from stages.families import Media, MediaEmbedding
+from stages.families.base import Decoded, MediaEmbedding
 from stages.media import (
     CachedEmbedding,
     EmbeddingCache,
@@ -127,14 +127,14 @@ class MediaEncoder:
             pad_to_multiple=self.engine.family.video_frame_multiple,
         )
 
-    def _decode(self, item: MediaItem, data: bytes) -> Media:
+    def _decode(self, item: MediaItem, data: bytes) -> Decoded:
         if item.kind is MediaKind.VIDEO:
             return decode_video(data, self.policy, self._options(item))
         if item.kind is MediaKind.AUDIO:
             return decode_audio(data, self.policy, item.format or None)
         return decode_image(data, self.policy)
 
-    async def _decoded(self, item: MediaItem, data: bytes) -> Media:
+    async def _decoded(self, item: MediaItem, data: bytes) -> Decoded:
         """The item decoded, from the decoded-media cache when these bytes were read this way before."""
         if self.decoded_cache is None:
             return await asyncio.to_thread(self._decode, item, data)
@@ -149,9 +149,12 @@ class MediaEncoder:
     async def _encode_media(self, items: list[MediaItem], datas: list[bytes], ctx: HopContext) -> list[MediaEmbedding]:
         with ctx.timed("media_decode", items=len(items)):
             decoded = await asyncio.gather(*(self._decoded(m, d) for m, d in zip(items, datas, strict=True)))
-        # Preprocessing (the family's processor) and the tower, on the engine thread.
+        # The processor's CPU work on a thread of its own, so the engine's
+        # thread (which steps every running sequence) runs only the tower.
+        with ctx.timed("preprocess", items=len(items)):
+            prepared = await asyncio.to_thread(self.engine.prepare, list(decoded))
         with ctx.timed("encode", items=len(items)):
-            return await self.batcher.encode(list(decoded))
+            return await self.batcher.encode(prepared)
 
     async def _with_precomputed(
         self, req: ProcessedRequest, datas: list[bytes], ctx: HopContext

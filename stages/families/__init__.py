@@ -7,7 +7,7 @@ language-model forward. The engine is generic over it (``base.Family``).
 
 from __future__ import annotations
 
-from stages.families.base import Family, Grid, Media, MediaEmbedding, kind_of
+from stages.families.base import Family, Grid, Media, MediaEmbedding, PreparedImage, kind_of
 from stages.families.llava import LlavaFamily
 from stages.families.llava_next_video import LlavaNextVideoFamily
 from stages.families.qwen2_audio import Qwen2AudioFamily
@@ -40,6 +40,7 @@ __all__ = [
     "LlavaNextVideoFamily",
     "Media",
     "MediaEmbedding",
+    "PreparedImage",
     "Qwen2AudioFamily",
     "Qwen2VLFamily",
     "Qwen25VLFamily",

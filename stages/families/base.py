@@ -29,8 +29,21 @@ from stages.media import DecodedAudio, DecodedVideo
 # Grid of one encoded item, as the family needs it for positions (Qwen-VL:
 # the (t, h, w) patch grid before the merge); carried from encode to prefill.
 Grid = tuple[int, ...]
+
+
 # A decoded media item as the encoder takes it.
-Media = Image.Image | DecodedVideo | DecodedAudio
+@dataclasses.dataclass(frozen=True)
+class PreparedImage:
+    """An image already through its family's processor (``Family.prepare``):
+    what the tower takes, made off the engine's thread."""
+
+    pixel_values: torch.Tensor  # the processor's output for this image alone
+    grid: torch.Tensor  # [1, 3]: its (t, h, w) in patches
+
+
+# Media as decoded from their bytes; and as an encoder takes them.
+Decoded = Image.Image | DecodedVideo | DecodedAudio
+Media = Decoded | PreparedImage
 
 
 def kind_of(item: Media) -> MediaKind:
@@ -83,6 +96,12 @@ class Family(Protocol):
     def model_class(self) -> Any: ...
 
     def on_loaded(self, model: Any, device: torch.device, dtype: torch.dtype) -> None: ...
+
+    def prepare(self, media: list[Media], device: torch.device) -> list[Media]:
+        """The CPU work on decoded media that needs no model (an image
+        processor's resize and normalisation), on whatever thread calls it,
+        so the engine's thread does not; ``encode`` takes what it returns."""
+        ...
 
     def encode(self, model: Any, media: list[Media]) -> list[MediaEmbedding]:
         """Embeddings of a request's media, in order: one tower call per kind,
@@ -142,6 +161,9 @@ class LanguageModelFamily:
     def on_loaded(self, model: Any, device: torch.device, dtype: torch.dtype) -> None:
         """Adjust the loaded model for where it runs (a faster kernel that
         keeps its arithmetic); nothing by default."""
+
+    def prepare(self, media: list[Media], device: torch.device) -> list[Media]:
+        return media
 
     def embeddings_grid(self, grid: Grid, rows: int) -> Grid:
         raise ValueError(f"the {self.name} adapter takes no precomputed image embeddings")

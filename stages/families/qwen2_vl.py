@@ -53,6 +53,7 @@ from stages.families.base import (
     LanguageModelFamily,
     Media,
     MediaEmbedding,
+    PreparedImage,
     encode_by_kind,
     features_per_item,
 )
@@ -153,14 +154,8 @@ class Qwen2VLFamily(LanguageModelFamily):
         None where an image needs resizing or is not RGB: the processor's
         PIL resize then, whose filter the device does not reproduce."""
         proc = self.image_processor
-        if not (proc.do_rescale and proc.do_normalize) or any(im.mode != "RGB" for im in images):
+        if not all(self._device_preprocesses(im) for im in images):
             return None
-        size = proc.size
-        factor = int(proc.patch_size) * int(proc.merge_size)
-        for im in images:
-            target = _smart_resize(im.height, im.width, factor, size["shortest_edge"], size["longest_edge"])
-            if tuple(target) != (im.height, im.width):
-                return None
         mean = tensor_on(proc.image_mean, device, torch.float32)[:, None, None]
         std = tensor_on(proc.image_std, device, torch.float32)[:, None, None]
         patch, merge, temporal = int(proc.patch_size), int(proc.merge_size), int(proc.temporal_patch_size)
@@ -175,6 +170,35 @@ class Qwen2VLFamily(LanguageModelFamily):
             outs.append(x.reshape(gh * gw, channels * temporal * patch * patch))
             grids.append([1, gh, gw])
         return torch.cat(outs).to(dtype), torch.tensor(grids, dtype=torch.long)
+
+    def _device_preprocesses(self, im: Image.Image) -> bool:
+        """Whether ``preprocess_on`` takes this image (RGB, not resized)."""
+        proc = self.image_processor
+        if not (proc.do_rescale and proc.do_normalize) or im.mode != "RGB":
+            return False
+        size = proc.size
+        factor = int(proc.patch_size) * int(proc.merge_size)
+        target = _smart_resize(im.height, im.width, factor, size["shortest_edge"], size["longest_edge"])
+        return tuple(target) == (im.height, im.width)
+
+    def prepare(self, media: list[Media], device: torch.device) -> list[Media]:
+        """Images the device will not preprocess go through the processor
+        here, one by one (it treats each on its own), off the engine's thread."""
+        on_device = device.type == "cuda"
+        todo = [m for m in media if isinstance(m, Image.Image) and not (on_device and self._device_preprocesses(m))]
+        done = dict(zip(map(id, todo), self._prepared(todo), strict=True))
+        return [done.get(id(m), m) for m in media]
+
+    def _prepared(self, images: Sequence[Image.Image | PreparedImage]) -> list[PreparedImage]:
+        """Each image through the processor alone (several on threads: PIL
+        and numpy release the GIL), the prepared ones as they are."""
+        todo = [im for im in images if isinstance(im, Image.Image)]
+
+        def one(im: Image.Image) -> PreparedImage:
+            return PreparedImage(*self.preprocess([im]))
+
+        done = iter(list(_preprocess_pool().map(one, todo)) if len(todo) > 1 else [one(im) for im in todo])
+        return [im if isinstance(im, PreparedImage) else next(done) for im in images]
 
     def on_loaded(self, model: Any, device: torch.device, dtype: torch.dtype) -> None:
         if vision_attention.available(device, dtype):
@@ -205,15 +229,21 @@ class Qwen2VLFamily(LanguageModelFamily):
             self.name,
         )
 
-    def _encode_images(self, model: Any, images: list[Image.Image]) -> list[MediaEmbedding]:
+    def _encode_images(self, model: Any, images: list[Image.Image | PreparedImage]) -> list[MediaEmbedding]:
         device = model.device
+        raw = [im for im in images if isinstance(im, Image.Image)]
         # The CPU keeps the processor: generate()'s exact inputs, whatever the image.
-        on_device = self.preprocess_on(images, device, model.dtype) if device.type == "cuda" else None
+        on_device = None
+        if device.type == "cuda" and len(raw) == len(images):
+            on_device = self.preprocess_on(raw, device, model.dtype)
         if on_device is not None:
             pixels, grid = on_device
         else:
-            pixel_values, grid = self.preprocess(images)
-            pixels = to_device(pixel_values, device, model.dtype)
+            # The processor treats each image on its own: prepared one by one
+            # and concatenated, they are its output for all of them.
+            prepared = self._prepared(images)
+            grid = torch.cat([p.grid for p in prepared])
+            pixels = to_device(torch.cat([p.pixel_values for p in prepared]), device, model.dtype)
         grids: list[Grid] = [(int(t), int(h), int(w)) for t, h, w in grid.tolist()]
         counts = [self.num_image_tokens(g) for g in grids]
         if self.graphed_tower and self.tower_graphs.enabled and device.type == "cuda" and _vision_utils is not None:

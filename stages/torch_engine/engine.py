@@ -111,6 +111,12 @@ class TorchEngine:
 
     # -- media --------------------------------------------------------------
 
+    def prepare(self, media: list[Media]) -> list[Media]:
+        """What of ``encode``'s work needs no model (an image processor's
+        resize and normalisation), for any thread: ``encode`` then runs the
+        tower alone."""
+        return self.family.prepare(media, self.device)
+
     def encode(self, media: list[Media]) -> list[MediaEmbedding]:
         """Embeddings of each decoded media item (one encoder call per kind).
 

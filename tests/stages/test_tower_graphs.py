@@ -79,3 +79,28 @@ def test_preprocessing_on_the_device_gives_the_processors_pixels(mmpipe_home: Pa
         torch.testing.assert_close(got[0].cpu(), want_pixels, atol=1e-6, rtol=1e-6)
     assert fam.preprocess_on([gradient(60, 44, 3)], engine.device, torch.float32) is None  # would be resized
     assert fam.preprocess_on([gradient(56, 56, 3).convert("L")], engine.device, torch.float32) is None
+
+
+def test_images_prepared_off_the_engine_thread_encode_to_the_same_embeddings(
+    mmpipe_home: Path, engine_device: str
+) -> None:
+    """``prepare`` runs the processor for what the device will not take (on
+    the CPU: every image); ``encode`` of its output equals ``encode`` of the
+    images themselves, whichever mix of the two it is given."""
+    from stages.families import PreparedImage
+
+    engine = TorchEngine(builtin_path("tiny-qwen2-vl"), device=engine_device, dtype=torch.float32)
+    native, resized, grey = gradient(56, 84, 3), gradient(60, 44, 3), gradient(56, 56, 3).convert("L")
+    images = [native, resized, grey]
+    prepared = engine.prepare(list(images))
+    on_device = engine.device.type == "cuda"
+    assert [isinstance(p, PreparedImage) for p in prepared] == [not on_device, True, True]
+    assert isinstance(prepared[1], PreparedImage)
+    want_pixels, want_grid = engine.family.preprocess([resized])  # type: ignore[attr-defined]
+    assert torch.equal(prepared[1].pixel_values, want_pixels) and torch.equal(prepared[1].grid, want_grid)
+    want = engine.encode(images)
+    for given in (prepared, [prepared[0], resized, prepared[2]]):
+        got = engine.encode(list(given))
+        assert [g.grid_thw for g in got] == [w.grid_thw for w in want]
+        for g, w in zip(got, want, strict=True):
+            assert torch.equal(g.embeddings, w.embeddings)
