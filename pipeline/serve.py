@@ -189,6 +189,7 @@ def build_stage(
         max_batch=settings.max_batch,
         embedding_cache=cache,
         prefill_batch=settings.prefill_batch,
+        step_priority_s=None if decode.step_priority_ms is None else decode.step_priority_ms / 1000,
     )
     return HopStage(role, hop_engine, spec.served_name)
 

@@ -21,7 +21,7 @@ import torch
 
 from schemas.processed import MediaItem, MediaKind, ProcessedRequest
 from stages.contract import HopContext
-from stages.families.base import Decoded, MediaEmbedding
+from stages.families.base import Decoded, Media, MediaEmbedding
 from stages.media import (
     CachedEmbedding,
     EmbeddingCache,
@@ -149,10 +149,15 @@ class MediaEncoder:
     async def _encode_media(self, items: list[MediaItem], datas: list[bytes], ctx: HopContext) -> list[MediaEmbedding]:
         with ctx.timed("media_decode", items=len(items)):
             decoded = await asyncio.gather(*(self._decoded(m, d) for m, d in zip(items, datas, strict=True)))
-        # The processor's CPU work on a thread of its own, so the engine's
-        # thread (which steps every running sequence) runs only the tower.
-        with ctx.timed("preprocess", items=len(items)):
-            prepared = await asyncio.to_thread(self.engine.prepare, list(decoded))
+        prepared: list[Media] = list(decoded)
+        if self.engine.device.type == "cuda":
+            # The processor's CPU work on a thread of its own: the engine's
+            # thread feeds the GPU (every running sequence's steps) and runs
+            # only the tower. Not on a CPU, where the engine's thread is the
+            # compute itself and a second one only competes with it (2 vCPUs,
+            # tiny model: 12.7 against 10.8 req/s at 8 clients).
+            with ctx.timed("preprocess", items=len(items)):
+                prepared = await asyncio.to_thread(self.engine.prepare, prepared)
         with ctx.timed("encode", items=len(items)):
             return await self.batcher.encode(prepared)
 

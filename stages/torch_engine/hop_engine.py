@@ -69,6 +69,7 @@ class TorchHopEngine:
         max_batch: int = 32,
         embedding_cache: EmbeddingCache | None = None,
         prefill_batch: int = 1,
+        step_priority_s: float | None = None,
     ) -> None:
         if tensors is None and moves_tensors(role):
             raise ValueError(f"role {role} hands tensors to or from another hop: it needs a tensor store")
@@ -80,7 +81,7 @@ class TorchHopEngine:
         self.eos_token_ids = engine.eos_token_ids
         self.max_model_len = engine.max_model_len
         self.tensors = tensors
-        self.thread = EngineThread()
+        self.thread = EngineThread(step_priority_s)
         policy = media_policy or MediaPolicy()
         self.fetcher = MediaFetcher(policy) if "encode" in steps else None
         self.encoder = (

@@ -41,6 +41,12 @@ class DecodeSettings:
         help="where the fused step runs, prompts of up to this many tokens prefill straight into a decoder slot, "
         "one CUDA graph per length bucket (0: the model's modules for every prompt)",
     )
+    step_priority_ms: float | None = setting(
+        None,
+        help="engine-thread time the calls that admit requests (encodes, prefills) get before a waiting decode "
+        "step goes ahead of them (0: steps first; unset: every call in submission order). Lower: smoother "
+        "tokens under load; higher or unset: requests admitted faster",
+    )
     tower_graphs: int = setting(
         8,
         help="on a GPU, image grids whose vision tower call is kept as a CUDA graph, captured the second time a "

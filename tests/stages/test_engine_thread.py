@@ -1,7 +1,7 @@
 """The engine's one thread (stages/torch_engine/scheduler.py): calls run one
-at a time, the decode loop's steps before whatever else waits, the rest in
-submission order; with the real tiny engine, a decode loop keeps stepping
-between the other calls queued behind it."""
+at a time, in submission order, or with a step priority the decode loop's
+steps ahead of the others once those had their share; with the real tiny
+engine, where a decode loop's steps go between the other calls queued."""
 
 from __future__ import annotations
 
@@ -39,8 +39,17 @@ def blocker(thread: EngineThread) -> tuple[threading.Event, threading.Event]:
     return running, gate
 
 
-async def test_an_urgent_call_runs_before_the_calls_waiting_ahead_of_it() -> None:
-    thread = EngineThread()
+@pytest.mark.parametrize(
+    ("others_s", "want"),
+    [
+        (None, ["prefill a", "prefill b", "step", "prefill c"]),  # submission order
+        (0.0, ["step", "prefill a", "prefill b", "prefill c"]),  # steps first
+        # The held call had 0.05 s of the thread: with 10 s to give, the others go on first.
+        (10.0, ["prefill a", "prefill b", "prefill c", "step"]),
+    ],
+)
+async def test_where_a_waiting_step_goes_among_the_other_calls(others_s: float | None, want: list[str]) -> None:
+    thread = EngineThread(others_s)
     order: list[str] = []
     running, gate = blocker(thread)
     assert await asyncio.to_thread(running.wait, 5)
@@ -48,12 +57,36 @@ async def test_an_urgent_call_runs_before_the_calls_waiting_ahead_of_it() -> Non
         asyncio.ensure_future(thread.call(order.append, "prefill a")),
         asyncio.ensure_future(thread.call(order.append, "prefill b")),
         asyncio.ensure_future(thread.call(order.append, "step", urgent=True)),
+        asyncio.ensure_future(thread.call(order.append, "prefill c")),
     ]
     await asyncio.sleep(0.05)
-    assert order == []  # all three wait behind the held thread
+    assert order == []  # all wait behind the held thread
     gate.set()
     await asyncio.gather(*calls)
-    assert order == ["step", "prefill a", "prefill b"]
+    assert order == want
+    thread.close()
+
+
+async def test_a_step_goes_first_once_the_others_had_their_share() -> None:
+    thread = EngineThread(0.15)
+    order: list[str] = []
+    running, gate = blocker(thread)
+    assert await asyncio.to_thread(running.wait, 5)
+
+    def slow(name: str) -> None:
+        time.sleep(0.1)
+        order.append(name)
+
+    calls = [
+        asyncio.ensure_future(thread.call(slow, "prefill a")),
+        asyncio.ensure_future(thread.call(slow, "prefill b")),
+        asyncio.ensure_future(thread.call(order.append, "step", urgent=True)),
+        asyncio.ensure_future(thread.call(slow, "prefill c")),
+    ]
+    await asyncio.sleep(0.01)
+    gate.set()  # the held call had about 0.01 s: less than the share
+    await asyncio.gather(*calls)
+    assert order == ["prefill a", "prefill b", "step", "prefill c"]  # 0.2 s >= 0.15 s after b
     thread.close()
 
 
@@ -103,13 +136,15 @@ async def test_a_result_whose_caller_left_is_released() -> None:
     thread.close()
 
 
-async def test_a_decode_loop_steps_between_the_other_calls_queued_behind_it(
-    mmpipe_home: Path, monkeypatch: pytest.MonkeyPatch
+@pytest.mark.parametrize("others_s", [None, 0.0])
+async def test_with_steps_first_a_decode_loop_steps_between_the_other_calls_queued(
+    mmpipe_home: Path, monkeypatch: pytest.MonkeyPatch, others_s: float | None
 ) -> None:
-    """Five slow calls queued at once (five requests' prefills, say) do not
-    hold a running sequence's tokens for their sum: a step runs after each."""
+    """Five slow calls queued at once (five requests' prefills, say): in
+    submission order the running sequence's next token waits for all five;
+    with steps first, the loop's steps go in between."""
     engine = TorchEngine(builtin_path("tiny-qwen2-vl"))
-    thread = EngineThread()
+    thread = EngineThread(others_s)
     scheduler = DecodeScheduler(engine, thread)
     scheduler.start()
     log: list[str] = []
@@ -140,11 +175,13 @@ async def test_a_decode_loop_steps_between_the_other_calls_queued_behind_it(
     await consumer
     slow_at = [i for i, entry in enumerate(log) if entry.startswith("slow")]
     assert len(slow_at) == 5
-    # In submission order, every step would wait for all five (none between
-    # the first and the last); the loop resubmits within a slow call's time,
-    # so its steps go in between (each gap, unless this machine stalls).
+    # The loop resubmits its step within a slow call's time: steps first
+    # puts it in each gap (at least two, unless this machine stalls).
     between = log[slow_at[0] : slow_at[-1]].count("step")
-    assert between >= 2, log
+    if others_s is None:
+        assert between == 0, log
+    else:
+        assert between >= 2, log
     await scheduler.close()
     thread.close()
     assert len(tokens) == 40
