@@ -9,6 +9,7 @@ import os
 import signal
 import socket
 import subprocess
+import sys
 from pathlib import Path
 
 import nats
@@ -48,6 +49,13 @@ def nats_servers(pid: int) -> list[psutil.Process]:
     return found
 
 
+def alive(process: psutil.Process) -> bool:
+    try:
+        return process.is_running() and process.status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:  # gone between the two questions
+        return False
+
+
 def test_the_config_parses() -> None:
     env = {
         **os.environ,
@@ -80,8 +88,21 @@ async def test_local_cluster_holds_replicated_streams(tmp_path: Path) -> None:
         "DATA_DIR": str(tmp_path / "cluster"),
         "NATS_SERVER": str(find_binary()),
     }
+    # As from a terminal, where Ctrl-C is not ignored: a suite started in the
+    # background (nohup pytest &) runs with SIGINT ignored, the script would
+    # inherit that, and a shell cannot trap a signal ignored when it started.
+    as_from_a_terminal = (
+        "import os, signal, sys; signal.signal(signal.SIGINT, signal.SIG_DFL); os.execvp('bash', sys.argv[1:])"
+    )
     script = await asyncio.create_subprocess_exec(
-        "bash", str(SCRIPT), env=env, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT
+        sys.executable,
+        "-c",
+        as_from_a_terminal,
+        "bash",
+        str(SCRIPT),
+        env=env,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.STDOUT,
     )
     assert script.stdout is not None
     try:
@@ -121,7 +142,7 @@ async def test_local_cluster_holds_replicated_streams(tmp_path: Path) -> None:
 
         script.send_signal(signal.SIGINT)  # Ctrl-C
         assert await asyncio.wait_for(script.wait(), 30) == 0
-        assert not [s.pid for s in servers if s.is_running() and s.status() != psutil.STATUS_ZOMBIE]
+        assert not [s.pid for s in servers if alive(s)]
     finally:
         if script.returncode is None:
             # The nodes run in sessions of their own: stop them by pid, not through the script.
