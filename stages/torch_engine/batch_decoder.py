@@ -64,14 +64,16 @@ class StepInputs(NamedTuple):
 
 
 class Launched:
-    """A step queued on the device; ``tokens()`` waits for its choices."""
+    """Token choices queued on the device (a step's, or a prefill's), on
+    their way to the host; ``tokens()`` waits for them. ``blocking``: the
+    waiting thread sleeps rather than spins (one that is not the engine's)."""
 
-    def __init__(self, sampled: torch.Tensor, n: int) -> None:
+    def __init__(self, sampled: torch.Tensor, n: int, blocking: bool = False) -> None:
         pinned = sampled.device.type == "cuda"
         self._host = torch.empty(n, dtype=torch.long, pin_memory=pinned)
         # Queued behind the step and before the next one, which overwrites ``sampled``.
         self._host.copy_(sampled[:n], non_blocking=pinned)
-        self._event = torch.cuda.Event() if pinned else None
+        self._event = torch.cuda.Event(blocking=blocking) if pinned else None
         if self._event is not None:
             self._event.record()
 

@@ -32,9 +32,9 @@ from stages.families import Grid, Media, MediaEmbedding, family_for_architecture
 from stages.families.tower_graphs import TowerGraphs
 from stages.sampling import SamplingConfig
 from stages.torch_engine import batch_decoder
-from stages.torch_engine.batch_decoder import BatchDecoder
+from stages.torch_engine.batch_decoder import BatchDecoder, Launched
 from stages.torch_engine.sampling import greedy_choice, select_token
-from stages.torch_engine.sequence import KvState, Launch, PendingToken, Sequence
+from stages.torch_engine.sequence import KvState, Launch, Sequence
 from stages.torch_engine.settings import DecodeSettings
 from stages.torch_engine.slot_prefill import SlotPrefill
 from stages.torch_engine.slots import SlotTable
@@ -178,8 +178,7 @@ class TorchEngine:
         pending = seq.pending
         if pending is None:
             return seq.output_ids[-1]
-        pending.landed.synchronize()
-        token = int(pending.host)
+        [token] = pending.tokens()
         seq.output_ids.append(token)
         seq.pending = None
         return token
@@ -538,11 +537,7 @@ class TorchEngine:
     def _select(self, seq: Sequence, logits: torch.Tensor, defer: bool = False) -> int:
         if defer and logits.is_cuda and seq.sampling.greedy:
             chosen = greedy_choice(logits.float(), seq.sampling, seq.num_generated, self._eos_tensor)
-            host = torch.empty((), dtype=torch.long, pin_memory=True)
-            host.copy_(chosen, non_blocking=True)
-            landed = torch.cuda.Event(blocking=True)
-            landed.record()
-            seq.pending = PendingToken(host, landed)
+            seq.pending = Launched(chosen.reshape(1), 1, blocking=True)
             return -1
         token = select_token(logits.float(), seq.sampling, seq.num_generated, self._eos_tensor)
         seq.output_ids.append(token)

@@ -34,7 +34,7 @@ class Sequence:
     feed_row: int = -1
     # Its next token, chosen on the device and on its way to the host
     # (``prefill(defer=True)``); ``TorchEngine.settle`` appends it.
-    pending: PendingToken | None = None
+    pending: Launched | None = None
 
     @property
     def length(self) -> int:
@@ -55,14 +55,6 @@ class Sequence:
     @property
     def released(self) -> bool:
         return self.cache is None and self.slot < 0
-
-
-@dataclass(frozen=True)
-class PendingToken:
-    """A token copied from the device into pinned host memory, readable once ``landed`` has fired."""
-
-    host: Any  # torch.Tensor, 0-dim int64, pinned
-    landed: Any  # torch.cuda.Event
 
 
 @dataclass(frozen=True)
