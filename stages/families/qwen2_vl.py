@@ -95,6 +95,12 @@ def video_frame_patches(
 _POOL: ThreadPoolExecutor | None = None
 
 
+def _joined(prepared: list[PreparedImage]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Images prepared one by one, as the processor's output for all of them
+    (it treats each on its own and concatenates)."""
+    return torch.cat([p.pixel_values for p in prepared]), torch.cat([p.grid for p in prepared])
+
+
 def _preprocess_pool() -> ThreadPoolExecutor:
     global _POOL
     if _POOL is None:
@@ -136,11 +142,7 @@ class Qwen2VLFamily(LanguageModelFamily):
         (PIL and numpy release the GIL), which gives the same tensors. On a
         GPU this CPU work is most of a small image's encode; serial, it would
         eat the gain of encoding several requests' images in one call."""
-        if len(images) == 1:
-            out = self.image_processor(images=images, return_tensors="pt")
-            return out["pixel_values"], out["image_grid_thw"]
-        outs = list(_preprocess_pool().map(lambda im: self.image_processor(images=[im], return_tensors="pt"), images))
-        return torch.cat([o["pixel_values"] for o in outs]), torch.cat([o["image_grid_thw"] for o in outs])
+        return _joined(self._prepared(images))
 
     def preprocess_on(
         self, images: list[Image.Image], device: torch.device, dtype: torch.dtype
@@ -185,9 +187,9 @@ class Qwen2VLFamily(LanguageModelFamily):
         """Images the device will not preprocess go through the processor
         here, one by one (it treats each on its own), off the engine's thread."""
         on_device = device.type == "cuda"
-        todo = [m for m in media if isinstance(m, Image.Image) and not (on_device and self._device_preprocesses(m))]
-        done = dict(zip(map(id, todo), self._prepared(todo), strict=True))
-        return [done.get(id(m), m) for m in media]
+        wanted = [isinstance(m, Image.Image) and not (on_device and self._device_preprocesses(m)) for m in media]
+        done = iter(self._prepared([m for m, w in zip(media, wanted, strict=True) if w and isinstance(m, Image.Image)]))
+        return [next(done) if w else m for m, w in zip(media, wanted, strict=True)]
 
     def _prepared(self, images: Sequence[Image.Image | PreparedImage]) -> list[PreparedImage]:
         """Each image through the processor alone (several on threads: PIL
@@ -195,7 +197,8 @@ class Qwen2VLFamily(LanguageModelFamily):
         todo = [im for im in images if isinstance(im, Image.Image)]
 
         def one(im: Image.Image) -> PreparedImage:
-            return PreparedImage(*self.preprocess([im]))
+            out = self.image_processor(images=[im], return_tensors="pt")
+            return PreparedImage(out["pixel_values"], out["image_grid_thw"])
 
         done = iter(list(_preprocess_pool().map(one, todo)) if len(todo) > 1 else [one(im) for im in todo])
         return [im if isinstance(im, PreparedImage) else next(done) for im in images]
@@ -239,11 +242,8 @@ class Qwen2VLFamily(LanguageModelFamily):
         if on_device is not None:
             pixels, grid = on_device
         else:
-            # The processor treats each image on its own: prepared one by one
-            # and concatenated, they are its output for all of them.
-            prepared = self._prepared(images)
-            grid = torch.cat([p.grid for p in prepared])
-            pixels = to_device(torch.cat([p.pixel_values for p in prepared]), device, model.dtype)
+            pixel_values, grid = _joined(self._prepared(images))
+            pixels = to_device(pixel_values, device, model.dtype)
         grids: list[Grid] = [(int(t), int(h), int(w)) for t, h, w in grid.tolist()]
         counts = [self.num_image_tokens(g) for g in grids]
         if self.graphed_tower and self.tower_graphs.enabled and device.type == "cuda" and _vision_utils is not None:
