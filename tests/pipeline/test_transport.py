@@ -34,6 +34,7 @@ from pipeline.transport.nats_store import NatsTransport
 from pipeline.transport.nixl import NixlTransport
 from schemas.tensors import TensorRef
 from tests.pipeline.transport_peer import ANSWER, digests, make_tensors
+from tests.polling import eventually
 
 KINDS = ["nixl", "nats"]
 REPO = Path(__file__).resolve().parents[2]
@@ -142,13 +143,6 @@ async def spawn_peer(nats_server: NatsServer, namespace: str) -> AsyncIterator[C
                 await peer.proc.wait()
         assert peer.proc.stdin is not None
         peer.proc.stdin.close()
-
-
-async def eventually(check: Callable[[], bool], within: float = 2.0) -> None:
-    deadline = time.monotonic() + within
-    while not check():
-        assert time.monotonic() < deadline, "condition not met in time"
-        await asyncio.sleep(0.01)
 
 
 def assert_same(got: list[torch.Tensor], want: list[torch.Tensor]) -> None:

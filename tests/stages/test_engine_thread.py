@@ -18,13 +18,7 @@ from stages.models import builtin_path
 from stages.sampling import SamplingConfig
 from stages.torch_engine.engine import TorchEngine
 from stages.torch_engine.scheduler import DecodeScheduler, EngineThread
-
-
-async def eventually(check: Callable[[], bool], within: float = 5.0) -> None:
-    deadline = time.monotonic() + within
-    while not check():
-        assert time.monotonic() < deadline, "condition not met in time"
-        await asyncio.sleep(0.005)
+from tests.polling import eventually
 
 
 def blocker(thread: EngineThread) -> tuple[threading.Event, threading.Event]:
@@ -132,7 +126,7 @@ async def test_a_result_whose_caller_left_is_released() -> None:
     with pytest.raises(asyncio.CancelledError):
         await task
     gate.set()
-    await eventually(lambda: released == ["slot 3"])
+    await eventually(lambda: released == ["slot 3"], within=5.0)
     thread.close()
 
 
@@ -165,7 +159,7 @@ async def test_with_steps_first_a_decode_loop_steps_between_the_other_calls_queu
             tokens.append(token)
 
     consumer = asyncio.ensure_future(consume())
-    await eventually(lambda: log.count("step") >= 2)
+    await eventually(lambda: log.count("step") >= 2, within=5.0)
 
     def slow(i: int) -> None:
         time.sleep(0.1)
