@@ -11,8 +11,14 @@ import subprocess
 import time
 import urllib.error
 import urllib.request
+import uuid
 from collections.abc import AsyncIterator
 from pathlib import Path
+
+from nats.aio.client import Client
+from nats.aio.msg import Msg
+from nats.errors import NoRespondersError
+from nats.errors import TimeoutError as NatsTimeoutError
 
 from pipeline.nats_server import find_binary
 from tests.deploy.test_nats_cluster import free_ports
@@ -122,3 +128,33 @@ async def running_cluster(data: Path) -> AsyncIterator[Cluster]:
         yield cluster
     finally:
         await asyncio.to_thread(cluster.stop)
+
+
+async def interest_reached(listener: Client, senders: list[Client], within: float = 10.0) -> None:
+    """Wait until every subscription ``listener`` has made so far is known to
+    the nodes ``senders`` are on. A cluster tells its routes of a new
+    subscription asynchronously, and a core publish from another node before
+    then goes nowhere (the bridge backfills such a gap from the reply stream;
+    a test reading a bare subscription cannot). A route carries a node's
+    subscriptions in order, so once a probe made last is reachable, the
+    earlier ones are too."""
+    probe = f"_probe.{uuid.uuid4().hex}"
+
+    async def answer(msg: Msg) -> None:
+        await msg.respond(b"")
+
+    sub = await listener.subscribe(probe, cb=answer)
+    await listener.flush()
+    deadline = time.monotonic() + within
+    try:
+        for sender in senders:
+            while True:
+                try:
+                    await sender.request(probe, b"", timeout=0.5)
+                    break
+                except (NoRespondersError, NatsTimeoutError):
+                    if time.monotonic() > deadline:
+                        raise TimeoutError("a subscription did not reach every node in time") from None
+                    await asyncio.sleep(0.02)
+    finally:
+        await sub.unsubscribe()

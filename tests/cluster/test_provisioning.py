@@ -20,7 +20,7 @@ from pipeline.settings import load_kind
 from pipeline.streams import ProvisioningConflict, ensure_consumer, ensure_streams, stream_configs
 from pipeline.worker import Worker
 from schemas.chunk import FinishReason, TokenChunk
-from tests.cluster.nodes import running_cluster
+from tests.cluster.nodes import interest_reached, running_cluster
 from tests.pipeline.test_worker import ScriptStage, collect, publish, request
 
 
@@ -144,6 +144,7 @@ async def test_two_workers_of_a_role_start_at_once_on_a_cluster(tmp_path: Path, 
             assert consumer.cluster is not None and len(consumer.cluster.replicas or []) == 2
             # Both serve the role's one queue (six requests, two at a time each).
             subs = {rid: await client.subscribe(s.reply(rid)) for rid in (f"c{i}" for i in range(6))}
+            await interest_reached(client, [nc for nc, _ in conns])
             for rid in subs:
                 await publish(js, config, request(rid, "!sleep=0.2 a bb ccc"))
             for sub in subs.values():
