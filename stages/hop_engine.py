@@ -199,7 +199,7 @@ async def get_tensors(
 
 
 async def get_tensors_into(
-    store: TensorStore | None, ref: TensorRef, targets: list[torch.Tensor], ctx: HopContext
+    store: TensorStore | None, ref: TensorRef, targets: list[torch.Tensor | list[torch.Tensor]], ctx: HopContext
 ) -> None:
     """``get_tensors`` into the caller's own tensors (``TensorStore.get_into``)."""
     assert store is not None, "a role that takes tensors from another hop is built with a tensor store"

@@ -33,7 +33,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--context", type=int, default=296, help="prompt tokens per row")
     p.add_argument("--new-tokens", type=int, default=128)
     p.add_argument(
-        "--max-len", type=int, default=0, help="tokens a decoder slot holds (default: context + new tokens + 1)"
+        "--max-len", type=int, default=0, help="tokens one sequence may hold (default: context + new tokens + 1)"
     )
     p.add_argument("--repeats", type=int, default=3, help="timed runs of each (median)")
     p.add_argument("--no-cuda-graphs", dest="cuda_graphs", action="store_false")
@@ -207,10 +207,11 @@ def _decoder_step_ms(
     batch, context = ids.shape
     caches, firsts = _prefill(model, ids)
     rows, none, zeros, ones = list(range(batch)), [-1] * batch, [0] * batch, [1] * batch
+    blocks = _seat(decoder, batch, context + new)
 
     def run() -> list[list[int]]:
-        for slot, layers in enumerate(caches):
-            decoder.load(slot, layers)
+        for row, layers in enumerate(caches):
+            decoder.load(blocks[row], layers)
         tokens, seen = list(firsts), []
         launched: Any = None
         for step in range(new - 1):
@@ -227,9 +228,27 @@ def _decoder_step_ms(
         return seen
 
     total = _timed(run, device, repeats)
-    # Loading the slots is part of the run: take it out.
-    load = _timed(lambda: [decoder.load(s, layers) for s, layers in enumerate(caches)], device, repeats)
-    return (total - load) / (new - 1), run()
+    # Loading the caches is part of the run: take it out.
+    load = _timed(lambda: [decoder.load(blocks[r], layers) for r, layers in enumerate(caches)], device, repeats)
+    seen = run()
+    _unseat(decoder, blocks)
+    return (total - load) / (new - 1), seen
+
+
+def _seat(decoder: Any, batch: int, tokens: int) -> list[list[int]]:
+    """Rows 0..batch-1 of the decoder, each with blocks for ``tokens`` positions."""
+    seated = []
+    for row in range(batch):
+        blocks = decoder.pool.allocate(decoder.blocks_for(tokens))
+        decoder.set_table(row, blocks)
+        seated.append(blocks)
+    return seated
+
+
+def _unseat(decoder: Any, seated: list[list[int]]) -> None:
+    for row, blocks in enumerate(seated):
+        decoder.clear_row(row)
+        decoder.pool.free(blocks)
 
 
 def _profile(decoder: Any, ids: Any, context: int) -> None:
@@ -237,10 +256,12 @@ def _profile(decoder: Any, ids: Any, context: int) -> None:
 
     batch = ids.shape[0]
     tokens = ids[:, -1].tolist()
+    seated = _seat(decoder, batch, context + 1)
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         for _ in range(5):
             decoder.step(tokens, [context] * batch, [context] * batch)
         _sync(ids.device)
+    _unseat(decoder, seated)
     print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=25), flush=True)
 
 
@@ -255,13 +276,15 @@ def _agreement(model: Any, decoder: Any, ids: Any, new: int) -> float:
         want = model.generate(input_ids=ids, max_new_tokens=new, min_new_tokens=new, do_sample=False, pad_token_id=0)
     want = want[0, ids.shape[1] :].tolist()
     caches, firsts = _prefill(model, ids)
-    decoder.load(0, caches[0])
+    seated = _seat(decoder, 1, ids.shape[1] + new)
+    decoder.load(seated[0], caches[0])
     same = int(firsts[0] == want[0])
     length = ids.shape[1]
     for i in range(1, new):
         token = int(decoder.step([want[i - 1]], [length], [length])[0].argmax())
         same += int(token == want[i])
         length += 1
+    _unseat(decoder, seated)
     return same / new
 
 

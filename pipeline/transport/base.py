@@ -21,6 +21,8 @@ from schemas.tensors import TensorRef
 if TYPE_CHECKING:  # the bridge imports this module and never needs torch
     import torch
 
+    from pipeline.transport.packing import Target
+
 
 class ForeignTensorRef(MmpipeError):
     """A ref whose holder is no agent of this worker's namespace (it never
@@ -122,11 +124,12 @@ class TensorTransport(Protocol):
         copy. Raises TensorGone."""
         ...
 
-    async def get_into(self, ref: TensorRef, targets: list[torch.Tensor]) -> None:
+    async def get_into(self, ref: TensorRef, targets: list[Target]) -> None:
         """The tensors written into the caller's ``targets`` (of the ref's
-        dtypes and shapes; views allowed), where the transport can, without a
-        copy of its own. Raises TensorGone, or TargetTainted when the targets
-        may still be written after it."""
+        dtypes and shapes; views allowed, or a tensor's pieces along its
+        first dimension), where the transport can, without a copy of its
+        own. Raises TensorGone, or TargetTainted when the targets may still
+        be written after it."""
         ...
 
     async def release(self, ref: TensorRef) -> None:

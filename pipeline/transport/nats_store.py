@@ -33,7 +33,7 @@ from pipeline.subjects import check_token
 from pipeline.transport import metrics
 from pipeline.transport.base import TensorGone, TransportFull, TransportSettings
 from pipeline.transport.copy import copy_bytes
-from pipeline.transport.packing import check_specs, check_targets, layout, pack_into, unpack
+from pipeline.transport.packing import Target, check_specs, check_targets, copy_into, layout, pack_into, pieces, unpack
 from schemas.tensors import TensorRef
 
 log = structlog.get_logger(__name__)
@@ -268,12 +268,12 @@ class NatsTransport:
 
     # -- reader side -----------------------------------------------------
 
-    async def get_into(self, ref: TensorRef, targets: list[torch.Tensor]) -> None:
+    async def get_into(self, ref: TensorRef, targets: list[Target]) -> None:
         """The bytes come through this process anyway: get, then copy."""
         check_targets(targets, ref.tensors)
-        got = await self.get(ref, targets[0].device if targets else "cpu")
+        got = await self.get(ref, pieces(targets[0])[0].device if targets else "cpu")
         for target, tensor in zip(targets, got, strict=True):
-            target.copy_(tensor)
+            copy_into(target, tensor)
 
     async def get(self, ref: TensorRef, device: torch.device | str = "cpu") -> list[torch.Tensor]:
         assert self._store is not None, "start() first"

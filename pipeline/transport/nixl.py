@@ -62,7 +62,17 @@ from pipeline.transport.copy import copy_bytes
 from pipeline.transport.holder import Held, HeldRegions
 from pipeline.transport.nixl_agent import Agent
 from pipeline.transport.nixl_reader import NAME, RemoteReads, agent_bucket, lease_subject, new_lease
-from pipeline.transport.packing import check_specs, check_targets, contiguous_runs, layout, pack_into, unpack
+from pipeline.transport.packing import (
+    Target,
+    check_specs,
+    check_targets,
+    copy_into,
+    layout,
+    pack_into,
+    pieces,
+    target_runs,
+    unpack,
+)
 from schemas.tensors import LeaseReply, LeaseRequest, TensorRef
 
 log = structlog.get_logger(__name__)
@@ -359,10 +369,11 @@ class NixlTransport:
         self._count(ref, t0)
         return unpack(out, ref.tensors)
 
-    async def get_into(self, ref: TensorRef, targets: list[torch.Tensor]) -> None:
+    async def get_into(self, ref: TensorRef, targets: list[Target]) -> None:
         """READ the ref's tensors straight into ``targets``: tensors on this
         transport's device with the specs' dtypes and shapes, strided views
-        allowed (a slot of a KV cache). No receive arena, no copy after the
+        allowed, or a tensor's pieces (the blocks of a paged KV cache, each
+        run of bytes one descriptor). No receive arena, no copy after the
         READ. Raises ``TargetTainted`` when a READ could not be cancelled:
         the targets may still be written and must not be reused."""
         t0 = time.monotonic()
@@ -372,14 +383,14 @@ class NixlTransport:
 
             def copy(region: torch.Tensor) -> None:
                 for target, view in zip(targets, unpack(region, ref.tensors), strict=True):
-                    target.copy_(view)
+                    copy_into(target, view)
 
             await self._get_local(ref, copy, self.device)
         else:
             await self._register_targets(targets)
             local, remote = [], []
             for target, spec in zip(targets, ref.tensors, strict=True):
-                for address, n, offset in contiguous_runs(target):
+                for address, n, offset in target_runs(target):
                     local.append((address, n, self.device_id))
                     remote.append((ref.addr + spec.offset + offset, n, ref.device_id))
             tainted = False
@@ -396,10 +407,10 @@ class NixlTransport:
                 raise
         self._count(ref, t0)
 
-    async def _register_targets(self, targets: list[torch.Tensor]) -> None:
+    async def _register_targets(self, targets: list[Target]) -> None:
         """Register the whole storage under each target once (a KV cache:
         at its first hand-off); it stays registered until close."""
-        for target in targets:
+        for target in (piece for t in targets for piece in pieces(t)):
             storage = target.untyped_storage()
             if storage.data_ptr() in self._targets or not storage.nbytes():
                 continue

@@ -116,11 +116,56 @@ def contiguous_runs(target: torch.Tensor) -> list[tuple[int, int, int]]:
     return [r for r in runs if r[1]]
 
 
-def check_targets(targets: list[torch.Tensor], specs: list[TensorSpec], device: torch.device | None = None) -> None:
+# What a get READs into, per tensor: one tensor (a strided view allowed), or
+# its pieces along the first dimension, in order (a sequence's blocks of a
+# paged KV cache, which lie wherever the pool had them free).
+Target = torch.Tensor | list[torch.Tensor]
+
+
+def pieces(target: Target) -> list[torch.Tensor]:
+    return target if isinstance(target, list) else [target]
+
+
+def _matches(target: Target, spec: TensorSpec, device: torch.device | None) -> bool:
+    shape = list(spec.shape)
+    if isinstance(target, list):
+        if not shape or len(target) != shape[0]:
+            return False
+        shape = shape[1:]
+    return all(
+        t.dtype == to_dtype(spec.dtype) and list(t.shape) == shape and (device is None or t.device == device)
+        for t in pieces(target)
+    )
+
+
+def check_targets(targets: list[Target], specs: list[TensorSpec], device: torch.device | None = None) -> None:
     """``targets`` take the tensors of ``specs`` as they are (no conversion)."""
-    if len(targets) != len(specs) or any(
-        t.dtype != to_dtype(s.dtype) or list(t.shape) != list(s.shape) or (device is not None and t.device != device)
-        for t, s in zip(targets, specs, strict=False)
-    ):
+    if len(targets) != len(specs) or not all(_matches(t, s, device) for t, s in zip(targets, specs, strict=False)):
         where = f" on {device}" if device is not None else ""
         raise ValueError(f"targets do not match the {len(specs)} tensors of the ref{where}")
+
+
+def target_runs(target: Target) -> list[tuple[int, int, int]]:
+    """``contiguous_runs`` of a target (its pieces one after the other),
+    runs that continue one another in memory and in the packed tensor
+    joined: blocks the pool gave out consecutively are one run."""
+    runs: list[tuple[int, int, int]] = []
+    base = 0
+    for piece in pieces(target):
+        for address, n, offset in contiguous_runs(piece):
+            offset += base
+            if runs and runs[-1][0] + runs[-1][1] == address and runs[-1][2] + runs[-1][1] == offset:
+                runs[-1] = (runs[-1][0], runs[-1][1] + n, runs[-1][2])
+            else:
+                runs.append((address, n, offset))
+        base += piece.numel() * piece.element_size()
+    return runs
+
+
+def copy_into(target: Target, tensor: torch.Tensor) -> None:
+    """``tensor`` (the spec's shape) into a target."""
+    if isinstance(target, list):
+        for piece, part in zip(target, tensor.unbind(0), strict=True):
+            piece.copy_(part)
+    else:
+        target.copy_(tensor)

@@ -1,14 +1,18 @@
-"""Batched decode over a preallocated KV cache, optionally as CUDA graphs.
+"""Batched decode over a paged KV cache, optionally as CUDA graphs.
 
 The per-sequence path (``TorchEngine._decode_forward``) runs the Hugging Face
 model on one sequence's DynamicCache: one forward per token per sequence,
 each a few hundred small kernel launches. Here every running sequence
-advances in one forward: its keys and values live in a slot of one static
-cache ``[layers, slots, kv_heads, max_len, head_dim]``, the new token of
-each slot is written at its own position, and attention reads each slot's
-prefix under a length mask. Shapes are fixed per (batch bucket, length
-bucket), so on CUDA each step replays a captured graph: launch overhead
-goes, what is left is reading the weights and the KV cache.
+advances in one forward: keys and values live in fixed-size blocks of one
+pool ``[layers, blocks, kv_heads, block_size, head_dim]``, each sequence
+holds a list of blocks (its row of ``tables``, the block tables), the new
+token of each row is written at its own position through its table, and
+attention reads each row's prefix through it (stages/torch_engine/block_pool.py
+says which blocks are free). Memory goes to the tokens sequences hold, not
+to a fixed slot per sequence. Shapes are fixed per batch bucket (and, for
+the masked attention, length bucket), so on CUDA each step replays a
+captured graph: launch overhead goes, what is left is reading the weights
+and the KV cache.
 
 The layers are the model's own modules (norms, projections, MLP), called
 on a batch of rows; only attention over the cache and the rotary embedding
@@ -16,8 +20,9 @@ are written here, the way the decoder-only families compute them (Qwen2,
 Llama; Qwen-VL's M-RoPE is plain RoPE once every position row is the same,
 as it is for every token after the prompt).
 
-Running sequences stay packed in slots ``0..n-1``: a step runs rows
-``0..bucket-1``; a finished sequence's slot is refilled with the last one.
+Running sequences stay packed in rows ``0..n-1``: a step runs rows
+``0..bucket-1``; a finished sequence's row is refilled with the last one
+(its block table moves, not its cache).
 
 Greedy tokens are chosen inside the step (argmax, EOS masked below a
 request's min_tokens), and a row's input token can come from the previous
@@ -37,19 +42,22 @@ import torch
 import torch.nn.functional as F
 
 from stages import cuda_graph
-from stages.torch_engine.decode_attention import length_mask
+from stages.torch_engine.block_pool import NULL_BLOCK, BlockPool, blocks_for
+from stages.torch_engine.decode_attention import gather_blocks, length_mask
 from stages.torch_engine.fused_decode import FusedKernels, FusedLayer, can_fuse, default_attention, fuse_layer
 
 # Batch sizes a step is padded up to (each a captured graph on CUDA).
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128)
-# Attention reads the cache up to the next multiple of this (at least): the
-# padding is work, each multiple a graph to capture.
+# The masked attention reads the cache up to the next multiple of this (at
+# least): the padding is work, each multiple a graph to capture.
 LENGTH_QUANTUM = 128
+# Tokens per KV block (vLLM's default).
+BLOCK_SIZE = 16
 
 
 class StepInputs(NamedTuple):
     """Per row of a step: its last token (used where ``feed`` < 0), rotary
-    position, write position (tokens already in the slot), the row of the
+    position, write position (tokens already in its blocks), the row of the
     previous step's ``sampled`` to take the token from instead (-1: none),
     whether EOS is masked for its choice (min_tokens not reached), and
     whether its choice is wanted (1) or the row only rewrites its pending
@@ -109,7 +117,11 @@ def _language_model(model: Any) -> Any:
 
 class BatchDecoder:
     """``fused``: the layer step of stages.torch_engine.fused_decode
-    (compiled on CUDA) instead of the model's modules; default: on CUDA only."""
+    (compiled on CUDA) instead of the model's modules; default: on CUDA only.
+    ``max_slots``: rows of a step (sequences decoded together); ``max_len``:
+    tokens one sequence may hold; ``num_blocks``: the pool's blocks of
+    ``block_size`` tokens (default: ``max_slots`` sequences of ``max_len``,
+    plus the null block)."""
 
     def __init__(
         self,
@@ -119,7 +131,11 @@ class BatchDecoder:
         use_graphs: bool,
         fused: bool | None = None,
         eos_ids: Iterable[int] = (),
+        num_blocks: int | None = None,
+        block_size: int = BLOCK_SIZE,
     ) -> None:
+        if block_size < 1 or block_size & (block_size - 1):
+            raise ValueError(f"KV block size {block_size}: a power of two")
         self.model = model
         self.lm = _language_model(model)
         attn = self.lm.layers[0].self_attn
@@ -135,10 +151,17 @@ class BatchDecoder:
         self.dtype = next(self.lm.parameters()).dtype
         self.max_slots = max_slots
         self.max_len = max_len
+        self.block_size = block_size
+        self.blocks_per_seq = blocks_for(max_len, block_size)
+        if num_blocks is None:
+            num_blocks = max_slots * self.blocks_per_seq + 1
+        self.pool = BlockPool(num_blocks)
         s = self.shape
-        size = (s.layers, max_slots, s.kv_heads, max_len, s.head_dim)
+        size = (s.layers, num_blocks, s.kv_heads, block_size, s.head_dim)
         self.keys = torch.zeros(size, dtype=self.dtype, device=self.device)
         self.values = torch.zeros(size, dtype=self.dtype, device=self.device)
+        # Row r's blocks; entries past them (and free rows) are the null block.
+        self.tables = torch.full((max_slots, self.blocks_per_seq), NULL_BLOCK, dtype=torch.long, device=self.device)
         rotary = self.lm.rotary_emb
         self.inv_freq = rotary.inv_freq.to(self.device, torch.float32)
         self.attention_scaling = float(getattr(rotary, "attention_scaling", 1.0))
@@ -168,33 +191,54 @@ class BatchDecoder:
     def nbytes(self) -> int:
         return 2 * self.keys.numel() * self.keys.element_size()
 
-    # -- slots ----------------------------------------------------------------
+    @property
+    def bytes_per_block(self) -> int:
+        return self.nbytes // self.pool.num_blocks
 
-    def load(self, slot: int, layers: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
-        """Copy one sequence's cache (per layer [1, kv_heads, length, head_dim]) into a slot."""
+    def blocks_for(self, tokens: int) -> int:
+        return blocks_for(tokens, self.block_size)
+
+    # -- block tables -----------------------------------------------------------
+
+    def set_table(self, row: int, blocks: list[int]) -> None:
+        """Row ``row`` reads and writes ``blocks`` (queued in stream order)."""
+        entries = blocks + [NULL_BLOCK] * (self.blocks_per_seq - len(blocks))
+        self.tables[row].copy_(torch.tensor(entries, dtype=torch.long), non_blocking=True)
+
+    def move_row(self, src: int, dst: int) -> None:
+        """Row ``src``'s sequence continues in row ``dst`` (keeps running rows
+        packed); ``src`` is left free, its table the null block's."""
+        self.tables[dst].copy_(self.tables[src])
+        self.tables[src].fill_(NULL_BLOCK)
+
+    def clear_row(self, row: int) -> None:
+        self.tables[row].fill_(NULL_BLOCK)
+
+    # -- a sequence's cache -----------------------------------------------------
+
+    def load(self, blocks: list[int], layers: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """Copy one sequence's cache (per layer [1, kv_heads, length, head_dim])
+        into the first of ``blocks`` it fills."""
+        length = layers[0][0].shape[2]
+        index = torch.tensor(blocks[: self.blocks_for(length)], dtype=torch.long, device=self.device)
         for i, (k, v) in enumerate(layers):
-            length = k.shape[2]
-            self.keys[i, slot, :, :length].copy_(k[0])
-            self.values[i, slot, :, :length].copy_(v[0])
+            self.keys[i].index_copy_(0, index, to_blocks(k[0], self.block_size).to(self.dtype))
+            self.values[i].index_copy_(0, index, to_blocks(v[0], self.block_size).to(self.dtype))
 
-    def slot_views(self, slot: int, length: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """Per layer, views [1, kv_heads, length, head_dim] of a slot's keys
-        and values: where a sequence's cache can be written in place."""
+    def read(self, blocks: list[int]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Copies of ``blocks``, per layer keys and values [len(blocks), kv_heads, block_size, head_dim]."""
+        index = torch.tensor(blocks, dtype=torch.long, device=self.device)
         return [
-            (self.keys[i, slot : slot + 1, :, :length], self.values[i, slot : slot + 1, :, :length])
+            (self.keys[i].index_select(0, index), self.values[i].index_select(0, index))
             for i in range(self.shape.layers)
         ]
 
-    def move(self, src: int, dst: int, length: int) -> None:
-        """Refill a freed slot with another slot's cache (keeps running slots packed)."""
-        self.keys[:, dst, :, :length].copy_(self.keys[:, src, :, :length])
-        self.values[:, dst, :, :length].copy_(self.values[:, src, :, :length])
-
-    def read(self, slot: int, length: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """A slot's cache as per-layer [1, kv_heads, length, head_dim] copies."""
+    def block_views(self, blocks: list[int]) -> list[tuple[list[torch.Tensor], list[torch.Tensor]]]:
+        """Per layer, the views [kv_heads, block_size, head_dim] of each of
+        ``blocks``' keys and values: where a sequence's cache can be written
+        in place."""
         return [
-            (self.keys[i, slot : slot + 1, :, :length].clone(), self.values[i, slot : slot + 1, :, :length].clone())
-            for i in range(self.shape.layers)
+            ([self.keys[i, b] for b in blocks], [self.values[i, b] for b in blocks]) for i in range(self.shape.layers)
         ]
 
     # -- a step ---------------------------------------------------------------
@@ -212,23 +256,25 @@ class BatchDecoder:
         """Logits [n, vocab] of one new token for slots 0..n-1; their greedy
         choices land in ``sampled[:n]``.
 
-        ``tokens[i]`` is slot i's last token (not yet in its cache),
+        ``tokens[i]`` is row i's last token (not yet in its cache),
         ``positions[i]`` its rotary position and ``lengths[i]`` the number of
-        tokens already in the slot (where the new one is written). The rest
-        as ``StepInputs`` (default: no feed, no EOS mask, every row asked).
+        tokens already in its blocks (where the new one is written, through
+        its block table). The rest as ``StepInputs`` (default: no feed, no
+        EOS mask, every row asked).
         """
         n = len(tokens)
         if n > self.max_slots:
             raise ValueError(f"{n} sequences for {self.max_slots} slots")
         if max(lengths) + 1 > self.max_len:
-            raise ValueError(f"a sequence of {max(lengths) + 1} tokens does not fit a slot of {self.max_len}")
+            raise ValueError(f"a sequence of {max(lengths) + 1} tokens; the decoder holds {self.max_len}")
         bucket = _bucket(n, self.max_slots)
         if self.fused is not None and not self.kernels.masked:
             span = 0  # attention reads each row's own length: one graph per bucket
         else:
-            span = min(self.max_len, -(-(max(lengths) + 1) // LENGTH_QUANTUM) * LENGTH_QUANTUM)
+            quantum = max(LENGTH_QUANTUM, self.block_size)
+            span = min(self.blocks_per_seq * self.block_size, -(-(max(lengths) + 1) // quantum) * quantum)
         pad = bucket - n
-        # Padding rows write position 0 of their (free) slots and read only it.
+        # Padding rows (free: their tables are the null block's) write position 0 of it and read only it.
         zeros = [0] * pad
         rows = [
             tokens + zeros,
@@ -256,8 +302,8 @@ class BatchDecoder:
         otherwise hold every running sequence while it compiles and
         captures (the likely cause of a 1 s stall in a GPU benchmark). Only where one graph
         serves every length (unmasked attention; a masked step has a graph
-        per length as well), and only before any sequence holds a slot:
-        the capture's steps write position 0 of the slots they run.
+        per length as well), and only before any sequence holds a row:
+        the capture's steps write the null block.
         Returns the batch sizes captured."""
         if not self.use_graphs or self.fused is None or self.kernels.masked:
             return []
@@ -277,8 +323,8 @@ class BatchDecoder:
         if self.fused is not None:
             return self._forward_fused(bucket, span)
         s = self.shape
-        rows = self.rows[:bucket]
-        write_at = self.write_at[:bucket]
+        blocks, offsets = self._write_address(bucket)
+        table = self.tables[:bucket, : span // self.block_size]
         cos, sin = self._rotary(self.positions[:bucket])
         mask = length_mask(bucket, span, self.write_at)[:, None, None, :]  # [bucket, 1, 1, span]
         tokens = self._fed_tokens(bucket)
@@ -291,10 +337,10 @@ class BatchDecoder:
             k = attn.k_proj(x).view(bucket, 1, s.kv_heads, s.head_dim).transpose(1, 2)
             v = attn.v_proj(x).view(bucket, 1, s.kv_heads, s.head_dim).transpose(1, 2)
             q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
-            self.keys[i][rows, :, write_at] = k[:, :, 0]
-            self.values[i][rows, :, write_at] = v[:, :, 0]
-            keys = self.keys[i, :bucket, :, :span]
-            values = self.values[i, :bucket, :, :span]
+            self.keys[i][blocks, :, offsets] = k[:, :, 0]
+            self.values[i][blocks, :, offsets] = v[:, :, 0]
+            keys = gather_blocks(self.keys[i], table)
+            values = gather_blocks(self.values[i], table)
             out = F.scaled_dot_product_attention(
                 q, keys, values, attn_mask=mask, scale=self.scaling, enable_gqa=s.kv_heads != s.heads
             )
@@ -308,10 +354,10 @@ class BatchDecoder:
     def _forward_fused(self, bucket: int, span: int) -> torch.Tensor:
         assert self.fused is not None
         s, k = self.shape, self.kernels
-        rows = self.rows[:bucket]
-        write_at = self.write_at[:bucket]
+        blocks, offsets = self._write_address(bucket)
         cos, sin = (t[:, 0] for t in self._rotary(self.positions[:bucket]))  # [b, 1, d]
-        step = k.prepare(bucket, span, self.write_at, s.kv_heads, self.max_len, self._counters)
+        table = self.tables[:bucket, : span // self.block_size] if k.masked else self.tables[:bucket]
+        step = k.prepare(bucket, span, self.write_at, table, self._counters)
         tokens = self._fed_tokens(bucket)
         hidden = self.lm.embed_tokens(tokens)  # [b, hidden]
         delta = None
@@ -330,8 +376,8 @@ class BatchDecoder:
                 s.kv_heads,
                 keys,
                 values,
-                rows,
-                write_at,
+                blocks,
+                offsets,
             )
             attended = k.attend(q, keys, values, step, self.scaling)
             hidden, delta = k.after_attention(hidden, k.project(attended, w.o), w.ln2, w.gate_up, w.down, w.eps)
@@ -339,6 +385,12 @@ class BatchDecoder:
         norm = self.lm.norm
         logits: torch.Tensor = self.model.lm_head(k.final(hidden, delta, norm.weight, float(norm.variance_epsilon)))
         return self._choose(bucket, logits, tokens)
+
+    def _write_address(self, bucket: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each row's block and offset in it where this step's key and value go."""
+        write_at = self.write_at[:bucket]
+        blocks = self.tables[self.rows[:bucket], write_at // self.block_size]
+        return blocks, write_at % self.block_size
 
     def _fed_tokens(self, bucket: int) -> torch.Tensor:
         # Read before this step writes ``sampled`` (stream order): the previous step's choices.
@@ -364,6 +416,22 @@ class BatchDecoder:
         cos = (emb.cos() * self.attention_scaling).to(self.dtype)
         sin = (emb.sin() * self.attention_scaling).to(self.dtype)
         return cos[:, None, None, :], sin[:, None, None, :]
+
+
+def to_blocks(x: torch.Tensor, block_size: int) -> torch.Tensor:
+    """One sequence's keys or values [kv_heads, length, d] → [blocks,
+    kv_heads, block_size, d], zeros past ``length`` (contiguous)."""
+    kv, length, d = x.shape
+    n = blocks_for(length, block_size)
+    padded = x.new_zeros(kv, n * block_size, d)
+    padded[:, :length] = x
+    return padded.view(kv, n, block_size, d).transpose(0, 1).contiguous()
+
+
+def from_blocks(blocks: torch.Tensor, length: int) -> torch.Tensor:
+    """``to_blocks`` undone: [blocks, kv_heads, block_size, d] → [kv_heads, length, d]."""
+    n, kv, block_size, d = blocks.shape
+    return blocks.transpose(0, 1).reshape(kv, n * block_size, d)[:, :length]
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -6,8 +6,9 @@ decode steps every sequence in the batch decoder's slots in one forward
 (stages/torch_engine/batch_decoder.py), a sequence that does not fit one on
 its own.
 
-Each sequence (stages/torch_engine/sequence.py) owns its KV cache or slot,
-its rope delta (M-RoPE shift of text positions after images) and its
+Each sequence (stages/torch_engine/sequence.py) owns its KV cache (a
+DynamicCache, or blocks of the batch decoder's pool and a row of its
+steps), its rope delta (M-RoPE shift of text positions after images) and its
 generated token ids. A token returned by prefill, step or collect is
 already appended to the sequence but not yet in its cache; the next step
 feeds it.
@@ -32,10 +33,11 @@ from stages.families import Grid, Media, MediaEmbedding, family_for_architecture
 from stages.families.tower_graphs import TowerGraphs
 from stages.sampling import SamplingConfig
 from stages.torch_engine import batch_decoder
-from stages.torch_engine.batch_decoder import BatchDecoder, Launched
+from stages.torch_engine.batch_decoder import BatchDecoder, Launched, from_blocks, to_blocks
+from stages.torch_engine.block_pool import blocks_for
 from stages.torch_engine.sampling import greedy_choice, select_token
 from stages.torch_engine.sequence import KvState, Launch, Sequence
-from stages.torch_engine.settings import DecodeSettings
+from stages.torch_engine.settings import DecodeSettings, parse_memory
 from stages.torch_engine.slot_prefill import SlotPrefill
 from stages.torch_engine.slots import SlotTable
 
@@ -81,15 +83,27 @@ class TorchEngine:
         # One forward at a time per engine: torch releases the GIL, and the
         # model's modules are not meant for concurrent calls.
         self._lock = threading.Lock()
+        # A KV hand-off travels in blocks of this many tokens.
+        self.block_size = decode.block_size
         self.decoder: BatchDecoder | None = None
         if decode.batched and batch_decoder.supports(self.model):
+            max_len = min(decode.max_len, self.max_model_len)
             self.decoder = BatchDecoder(
                 self.model,
                 max_slots=decode.slots,
-                max_len=min(decode.max_len, self.max_model_len),
+                max_len=max_len,
                 use_graphs=decode.cuda_graphs,
                 fused=decode.fused,
                 eos_ids=self.eos_token_ids,
+                num_blocks=self._pool_blocks(decode, max_len),
+                block_size=decode.block_size,
+            )
+            log.info(
+                "kv_cache_allocated",
+                blocks=self.decoder.pool.num_blocks,
+                block_size=self.decoder.block_size,
+                tokens=self.decoder.pool.capacity * self.decoder.block_size,
+                gib=round(self.decoder.nbytes / 2**30, 3),
             )
         self._slot_prefill: SlotPrefill | None = None
         if self.decoder is not None and self.decoder.fused is not None and decode.graph_prefill_len > 0:
@@ -108,6 +122,26 @@ class TorchEngine:
                     prefill_lengths=lengths,
                     seconds=round(time.monotonic() - started, 2),
                 )
+
+    def _pool_blocks(self, decode: DecodeSettings, max_len: int) -> int | None:
+        """The KV pool's blocks for ``--kv-cache-memory`` (None: the decoder's default)."""
+        if decode.kv_cache_memory is None:
+            return None
+        fraction, size = parse_memory(decode.kv_cache_memory)
+        if fraction is not None:
+            size = int(fraction * _free_memory(self.device))
+        assert size is not None
+        fam = self.family
+        itemsize = torch.empty(0, dtype=self.dtype).element_size()
+        per_block = 2 * fam.num_hidden_layers * fam.num_key_value_heads * decode.block_size * fam.head_dim * itemsize
+        blocks = size // per_block
+        # One sequence of a single token at least, besides the null block.
+        if blocks < 2:
+            raise ValueError(
+                f"--kv-cache-memory {decode.kv_cache_memory}: {size} bytes hold {blocks} KV blocks of "
+                f"{per_block} bytes; two at least"
+            )
+        return int(blocks)
 
     # -- media --------------------------------------------------------------
 
@@ -262,24 +296,23 @@ class TorchEngine:
 
     def release(self, seq: Sequence) -> None:
         seq.cache = None
-        if seq.slot < 0:
+        if seq.slot < 0 and not seq.blocks and not seq.receiving:
             return
         assert self._slots is not None
         with self._lock:
             self._slots.free(seq)
 
     def _admit(self, seq: Sequence) -> bool:
-        """Whether ``seq`` is (now) in a decoder slot; its cache moves there."""
+        """Whether ``seq`` is (now) in the batch decoder; its cache moves to its blocks."""
         if seq.slot >= 0:
-            if seq.receiving:
-                raise ValueError("step on a sequence whose KV cache is still arriving")
             return True
+        if seq.receiving:
+            raise ValueError("step on a sequence whose KV cache is still arriving")
         decoder, slots = self.decoder, self._slots
-        if decoder is None or slots is None or not slots.has_room():
+        if decoder is None or slots is None or not slots.can_take(_budget(seq)):
             return False
-        if seq.prompt_len + seq.sampling.max_tokens > decoder.max_len:
-            return False
-        decoder.load(slots.take(seq), [(layer.keys, layer.values) for layer in seq.cache.layers])
+        slots.take(seq, _budget(seq))
+        decoder.load(seq.blocks, [(layer.keys, layer.values) for layer in seq.cache.layers])
         seq.cache = None
         return True
 
@@ -287,7 +320,8 @@ class TorchEngine:
 
     def export_kv(self, seq: Sequence) -> tuple[list[torch.Tensor], KvState]:
         """Per-layer keys and values (``[k0, v0, k1, v1, ...]``, each
-        ``[1, kv_heads, length - 1, head_dim]``) and the state beside them.
+        ``kv_shape``: the cache's ``length - 1`` positions in blocks) and the
+        state beside them.
 
         The sequence's last token is not in the cache yet: the receiving
         engine feeds it with its first step, as this one would have.
@@ -297,39 +331,60 @@ class TorchEngine:
         if seq.pending is not None:
             raise ValueError("export of a sequence whose prefill token is not settled")
         tensors: list[torch.Tensor] = []
-        if seq.slot >= 0:
-            assert self.decoder is not None
+        decoder = self.decoder
+        if seq.blocks and decoder is not None and decoder.block_size == self.block_size:
             with self._lock:
-                layers = self.decoder.read(seq.slot, seq.length - 1)
+                layers = decoder.read(seq.blocks[: blocks_for(seq.length - 1, self.block_size)])
         else:
-            layers = [(layer.keys, layer.values) for layer in seq.cache.layers]
+            cache = (
+                [(layer.keys, layer.values) for layer in seq.cache.layers]
+                if seq.cache is not None
+                else self._read_dense(seq)
+            )
+            layers = [(to_blocks(k[0], self.block_size), to_blocks(v[0], self.block_size)) for k, v in cache]
         for keys, values in layers:
             tensors += [keys, values]
         return tensors, KvState(seq.prompt_len, list(seq.output_ids), seq.rope_delta)
 
-    def kv_shape(self, state: KvState) -> tuple[int, ...]:
+    def _read_dense(self, seq: Sequence) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        assert self.decoder is not None
+        length = seq.length - 1
+        with self._lock:
+            blocks = self.decoder.read(seq.blocks[: self.decoder.blocks_for(length)])
+        return [(from_blocks(k, length)[None], from_blocks(v, length)[None]) for k, v in blocks]
+
+    def kv_shape(self, state: KvState, block_size: int | None = None) -> tuple[int, ...]:
         """The shape of each of the ``2 * layers`` tensors of a hand-off of
-        ``state`` (checked: a valid next token, room left in the context)."""
-        length = state.prompt_len + len(state.output_ids) - 1
+        ``state`` in blocks of ``block_size`` (default this engine's)
+        (checked: a valid next token, room left in the context)."""
+        length = _cached(state)
         if not state.output_ids or any(not 0 <= t < self.family.vocab_size for t in state.output_ids):
             raise InvalidRequest("KV hand-off without a valid next token")
         if length + 1 >= self.max_model_len:
             raise ContextLengthExceeded(f"sequence of {length + 1} tokens fills the context of {self.max_model_len}")
-        return (1, self.family.num_key_value_heads, length, self.family.head_dim)
+        size = block_size or self.block_size
+        fam = self.family
+        return (blocks_for(length, size), fam.num_key_value_heads, size, fam.head_dim)
 
     def import_kv(self, tensors: list[torch.Tensor], state: KvState, sampling: SamplingConfig) -> Sequence:
-        """A sequence from another engine's ``export_kv``: checked against
-        this model's shape, moved to this engine's device and dtype."""
+        """A sequence from another engine's ``export_kv`` (blocks of any
+        size): checked against this model's shape, moved to this engine's
+        device and dtype."""
         from transformers import DynamicCache
 
         layers = self.family.num_hidden_layers
         if len(tensors) != 2 * layers:
             raise InvalidRequest(f"KV cache of {len(tensors) // 2} layers for a model of {layers}")
-        want = self.kv_shape(state)
+        size = int(tensors[0].shape[2]) if tensors[0].dim() == 4 else 0
+        want = self.kv_shape(state, size) if size > 0 else None
         for t in tensors:
-            if tuple(t.shape) != want:
-                raise InvalidRequest(f"KV tensor of shape {tuple(t.shape)}; this model and sequence need {want}")
-        moved = [to_device(t, self.device, self.dtype) for t in tensors]
+            if want is None or tuple(t.shape) != want:
+                raise InvalidRequest(
+                    f"KV tensor of shape {tuple(t.shape)}; this model and sequence need "
+                    f"{self.kv_shape(state)} (in blocks of any size)"
+                )
+        length = _cached(state)
+        moved = [from_blocks(to_device(t, self.device, self.dtype), length)[None] for t in tensors]
         cache = DynamicCache(ddp_cache_data=list(zip(moved[0::2], moved[1::2], strict=True)))
         return Sequence(
             prompt_len=state.prompt_len,
@@ -339,16 +394,18 @@ class TorchEngine:
             cache=cache,
         )
 
-    def reserve_kv(self, state: KvState, sampling: SamplingConfig) -> tuple[Sequence, list[torch.Tensor]] | None:
-        """A decoder slot for a sequence whose KV cache is still to arrive,
-        and the views of that slot (``[k0, v0, k1, v1, ...]``, each of
-        ``kv_shape(state)``) for a transport to READ the cache straight into:
-        no copy after the transfer. Call ``received`` once it is there, or
-        ``abandon`` (``tainted`` if a READ into it may still run). None where
-        the sequence would not go to the batch decoder: ``import_kv`` then."""
+    def reserve_kv(self, state: KvState, sampling: SamplingConfig) -> tuple[Sequence, list[list[torch.Tensor]]] | None:
+        """Blocks of the batch decoder's pool for a sequence whose KV cache is
+        still to arrive, and their views (per tensor of ``[k0, v0, k1, v1,
+        ...]``, its blocks in order, each [kv_heads, block_size, head_dim])
+        for a transport to READ the cache straight into: no copy after the
+        transfer. Call ``received`` once it is there, or ``abandon``
+        (``tainted`` if a READ into it may still run). None where the
+        sequence would not go to the batch decoder (or its blocks are of
+        another size than this engine hands off): ``import_kv`` then."""
         shape = self.kv_shape(state)
         decoder, slots = self.decoder, self._slots
-        if decoder is None or slots is None or state.prompt_len + sampling.max_tokens > decoder.max_len:
+        if decoder is None or slots is None or decoder.block_size != self.block_size:
             return None
         seq = Sequence(
             prompt_len=state.prompt_len,
@@ -359,23 +416,42 @@ class TorchEngine:
             receiving=True,
         )
         with self._lock:
-            if not slots.has_room():
+            if not slots.can_take(_budget(seq)):
                 return None
-            slot = slots.take(seq)
-        views = decoder.slot_views(slot, shape[2])
-        return seq, [t for pair in views for t in pair]
+            slots.hold(seq, _budget(seq))
+            # A step launched for the blocks' last owner may still be queued:
+            # the READ, which the device's queue does not order, waits for it.
+            seq.quiet = torch.cuda.Event() if self.device.type == "cuda" else None
+            if seq.quiet is not None:
+                seq.quiet.record()
+        views = decoder.block_views(seq.blocks[: shape[0]])
+        return seq, [pieces for pair in views for pieces in pair]
+
+    def wait_quiet(self, seq: Sequence) -> None:
+        """Until nothing queued before ``reserve_kv`` can write ``seq``'s
+        blocks (blocks; any thread)."""
+        if seq.quiet is not None:
+            seq.quiet.synchronize()
+            seq.quiet = None
 
     def received(self, seq: Sequence) -> None:
         """The KV cache reserved for ``seq`` has arrived: it steps from now on."""
+        assert self._slots is not None
         with self._lock:
+            self._slots.place(seq)
             seq.receiving = False
 
     def abandon(self, seq: Sequence, tainted: bool) -> None:
         """A reserved sequence whose cache will not arrive. ``tainted``: a
-        READ into its slot could not be cancelled, so the slot is never used
-        again (it stays a receiving row nobody reads)."""
+        READ into its blocks could not be cancelled, so they are never used
+        again."""
         if not tainted:
             self.release(seq)
+            return
+        assert self._slots is not None
+        with self._lock:
+            self._slots.leak(seq)
+            seq.receiving = False
 
     def resume(self, seq: Sequence, emitted: list[int]) -> int:
         """Bring ``seq`` in line with the tokens a client already has and
@@ -478,17 +554,16 @@ class TorchEngine:
         delta: int,
         defer: bool = False,
     ) -> tuple[Sequence, int] | None:
-        """The graphed prefill straight into a free decoder slot, where the
-        prompt fits it and the sequence the slot (else None: the modules)."""
+        """The graphed prefill straight into the batch decoder's blocks, where
+        the prompt fits a graph and the sequence the pool (else None: the
+        modules)."""
         prefill, slots = self._slot_prefill, self._slots
-        if prefill is None or slots is None or not prefill.fits(length) or not slots.has_room():
-            return None
-        if length + sampling.max_tokens > prefill.decoder.max_len:
-            return None
         seq = Sequence(prompt_len=length, output_ids=[], sampling=sampling, rope_delta=delta, cache=None)
-        slot = slots.take(seq)
+        if prefill is None or slots is None or not prefill.fits(length) or not slots.can_take(_budget(seq)):
+            return None
+        slots.take(seq, _budget(seq))
         try:
-            logits = prefill.run(embeds[0], positions, slot)
+            logits = prefill.run(embeds[0], positions, seq.blocks)
         except BaseException:
             slots.free(seq)
             raise
@@ -542,6 +617,26 @@ class TorchEngine:
         token = select_token(logits.float(), seq.sampling, seq.num_generated, self._eos_tensor)
         seq.output_ids.append(token)
         return token
+
+
+def _budget(seq: Sequence) -> int:
+    """Positions ``seq`` can come to write: its prompt and every token it
+    may make (a step launched past its last token writes the last one)."""
+    return seq.prompt_len + seq.sampling.max_tokens
+
+
+def _cached(state: KvState) -> int:
+    """Positions a handed-off cache holds (its last token is not in it yet)."""
+    return state.prompt_len + len(state.output_ids) - 1
+
+
+def _free_memory(device: torch.device) -> int:
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return int(free)
+    import os
+
+    return int(os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"))
 
 
 @contextlib.contextmanager

@@ -6,10 +6,10 @@ norm alone is six elementwise kernels); at a few microseconds each that,
 not reading the weights, is what a decode step of a small model costs.
 Here a layer is three pieces: before attention (the previous layer's
 residual add, norm, one QKV projection over concatenated weights, RoPE and
-the cache write), attention over the cache (grouped-query without repeating
-keys and values; on a GPU in half precision the Triton kernels of
-stages/torch_engine/kernels/triton_decode.py or flash-attention's varlen
-kernel, each reading a row's own keys and no padding;
+the cache write into the row's block), attention over the paged cache
+(grouped-query without repeating keys and values; on a GPU in half
+precision the Triton kernel of stages/torch_engine/kernels/triton_decode.py,
+reading a row's own blocks and no padding; elsewhere the masked forms of
 stages/torch_engine/decode_attention.py), and after it (output projection;
 residual, norm, one gate+up projection, SiLU, down projection).
 ``torch.compile`` fuses each piece's elementwise work into a few kernels;
@@ -35,14 +35,11 @@ import torch.nn.functional as F
 
 from stages.torch_engine.decode_attention import (
     StepAttention,
-    Varlen,
     attend,
     attend_sdpa,
-    attend_varlen,
-    flash_varlen,
+    gather_blocks,
     masked_step,
     rows_step,
-    varlen_step,
 )
 from stages.torch_engine.kernels import triton_decode, triton_linear
 
@@ -126,14 +123,14 @@ def before_attention(
     kv_heads: int,
     keys: torch.Tensor,
     values: torch.Tensor,
-    rows: torch.Tensor,
-    write_at: torch.Tensor,
+    blocks: torch.Tensor,
+    offsets: torch.Tensor,
     linear: Linear = F.linear,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """hidden [b, hidden] plus the last layer's MLP output ``delta`` (None
     before the first layer) → (hidden, q [b, heads, d]); writes the new key
-    and value of row r into keys, values [slots, kv_heads, len, d] at
-    (rows[r], write_at[r]). cos, sin [b, 1, d].
+    and value of row r into a layer's pool keys, values [blocks, kv_heads,
+    block_size, d] at (blocks[r], offsets[r]). cos, sin [b, 1, d].
 
     The residual add of the layer before is done here so that it, the norm,
     RoPE and the cache write are a couple of kernels rather than one each."""
@@ -142,8 +139,8 @@ def before_attention(
     b, d = hidden.shape[0], cos.shape[-1]
     qkv = linear(rms_norm(hidden, ln, eps), qkv_weight, qkv_bias)
     q, k, v = qkv.split([heads * d, kv_heads * d, kv_heads * d], dim=-1)
-    keys[rows, :, write_at] = rope(k.view(b, kv_heads, d), cos, sin)
-    values[rows, :, write_at] = v.view(b, kv_heads, d)
+    keys[blocks, :, offsets] = rope(k.view(b, kv_heads, d), cos, sin)
+    values[blocks, :, offsets] = v.view(b, kv_heads, d)
     return hidden, rope(q.view(b, heads, d), cos, sin)
 
 
@@ -182,15 +179,14 @@ def final(hidden: torch.Tensor, delta: torch.Tensor, ln: torch.Tensor, eps: floa
 
 
 def default_attention(device: torch.device, dtype: torch.dtype, head_dim: int) -> str:
-    """On CUDA in half precision the Triton kernels (faster than flash-
-    attention's at every shape measured: README, Benchmarks) where Triton
-    is installed and the head size suits them, else flash-attention's
-    varlen kernel; elsewhere SDPA under a length mask."""
-    if device.type != "cuda" or dtype not in (torch.float16, torch.bfloat16):
-        return "sdpa"
-    if triton_decode.supported(head_dim) and importlib.util.find_spec("triton") is not None:
+    """On CUDA in half precision the Triton kernel where Triton is
+    installed and the head size suits it; elsewhere SDPA under a length
+    mask over the gathered blocks. (flash-attention's own paged kernel
+    wants blocks of 256 tokens and more.)"""
+    cuda_half = device.type == "cuda" and dtype in (torch.float16, torch.bfloat16)
+    if cuda_half and triton_decode.supported(head_dim) and importlib.util.find_spec("triton") is not None:
         return "triton"
-    return "flash"
+    return "sdpa"
 
 
 RECOMPILE_LIMIT = 64
@@ -209,11 +205,11 @@ class FusedKernels:
     cache are arguments, never attributes, so one graph serves them all) and
     for any batch and length (dynamic shapes).
 
-    ``attention``: "flash" reads each row's own keys and nothing more (one
-    graph per batch size; ``varlen`` is the kernel, flash_varlen unless a
-    test gives another); "sdpa" (torch's fused kernels) and "compiled" (the
-    grouped matmuls, compiled) read ``span`` positions of every row under a
-    mask. ``mode``: torch.compile's (e.g. "max-autotune-no-cudagraphs").
+    ``attention``: "triton" reads each row's own blocks and nothing more
+    (one graph per batch size); "sdpa" (torch's fused kernels) and
+    "compiled" (the grouped matmuls, compiled) read ``span`` positions of
+    every row, gathered through the block tables, under a mask. ``mode``:
+    torch.compile's (e.g. "max-autotune-no-cudagraphs").
     ``linear``: the projections' kernel, "cublas" (F.linear) or "triton"
     (``skinny_linear``: faster alone at every decode shape measured, but in
     the compiled step only at one row, and slower at 32 rows (README,
@@ -224,11 +220,10 @@ class FusedKernels:
         compile: bool,
         attention: str = "sdpa",
         mode: str | None = None,
-        varlen: Varlen = flash_varlen,
         linear: str = "cublas",
     ) -> None:
-        if attention not in ("triton", "flash", "sdpa", "compiled"):
-            raise ValueError(f"attention {attention!r}: triton, flash, sdpa or compiled")
+        if attention not in ("triton", "sdpa", "compiled"):
+            raise ValueError(f"attention {attention!r}: triton, sdpa or compiled")
         if linear not in ("cublas", "triton"):
             raise ValueError(f"linear {linear!r}: cublas or triton")
         wrap = (lambda fn: torch.compile(fn, dynamic=True, mode=mode)) if compile else (lambda fn: fn)
@@ -246,39 +241,33 @@ class FusedKernels:
         self.before_attention = wrap(_bound(before_attention, project))
         self.after_attention = wrap(_bound(after_attention, project))
         self.final = wrap(final)
-        self._varlen = varlen
         self._masked = attend_sdpa if attention == "sdpa" else wrap(attend)
 
     @property
     def masked(self) -> bool:
-        return self.attention not in ("flash", "triton")
+        return self.attention != "triton"
 
     def prepare(
         self,
         bucket: int,
         span: int,
         write_at: torch.Tensor,
-        kv_heads: int,
-        max_len: int,
+        table: torch.Tensor,
         counters: torch.Tensor | None = None,
     ) -> StepAttention:
-        """What ``attend`` needs of a step, once for every layer (``counters``:
-        the Triton kernel's, kept by the caller for every step)."""
+        """What ``attend`` needs of a step, once for every layer: ``table``
+        the rows' block tables (masked: the span's blocks), ``counters`` the
+        Triton kernel's, kept by the caller for every step."""
         if self.masked:
-            return masked_step(bucket, span, write_at)
-        if self.attention == "triton":
-            return rows_step(bucket, write_at, counters)
-        return varlen_step(bucket, write_at, kv_heads, max_len)
+            return masked_step(bucket, span, write_at, table)
+        return rows_step(bucket, write_at, table, counters)
 
     def attend(
         self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, step: StepAttention, scaling: float
     ) -> torch.Tensor:
-        """q [bucket, heads, d] over a layer's cache [slots, kv_heads, len, d]."""
+        """q [bucket, heads, d] over a layer's pool [blocks, kv_heads, block_size, d]."""
         if self.attention == "triton":
             assert step.lengths is not None
-            return triton_decode.attend(q, keys, values, step.lengths, scaling, step.counters)
-        if self.attention == "flash":
-            return attend_varlen(q, keys, values, step, scaling, self._varlen)
+            return triton_decode.attend(q, keys, values, step.lengths, step.table, scaling, step.counters)
         assert step.mask is not None
-        b, span = step.bucket, step.span
-        return self._masked(q, keys[:b, :, :span], values[:b, :, :span], step.mask, scaling)
+        return self._masked(q, gather_blocks(keys, step.table), gather_blocks(values, step.table), step.mask, scaling)

@@ -173,8 +173,8 @@ class TorchHopEngine:
             raise InvalidRequest(f"a request reached {self.role} without its KV cache")
         kv = req.kv
         state = KvState(kv.prompt_len, list(kv.output_ids), kv.rope_delta)
-        # Straight into a decoder slot where the cache fits one as it comes
-        # (this engine's dtype): no copy after the transfer.
+        # Straight into blocks of the decoder's pool where the cache comes as
+        # they are (this engine's dtype and block size): no copy after the transfer.
         reserved = await self.thread.call_or_release(
             self._drop_reserved, lambda: self.torch.reserve_kv(state, sampling(req))
         )
@@ -188,19 +188,20 @@ class TorchHopEngine:
         )
         return TorchPrefilled(seq)
 
-    def _drop_reserved(self, reserved: tuple[Sequence, list[torch.Tensor]] | None) -> None:
+    def _drop_reserved(self, reserved: tuple[Sequence, list[list[torch.Tensor]]] | None) -> None:
         if reserved is not None:
             self.thread.submit(self.torch.abandon, reserved[0], False)
 
     async def _read_into_slot(
-        self, seq: Sequence, ref: TensorRef, targets: list[torch.Tensor], ctx: HopContext
+        self, seq: Sequence, ref: TensorRef, targets: list[list[torch.Tensor]], ctx: HopContext
     ) -> None:
         try:
-            await get_tensors_into(self.tensors, ref, targets, ctx)
+            await asyncio.to_thread(self.torch.wait_quiet, seq)
+            await get_tensors_into(self.tensors, ref, list(targets), ctx)
             await self.thread.call(self.torch.received, seq)
         except BaseException as exc:
             # After received() if that ran: the thread keeps the order. A READ
-            # that may still write the slot keeps it out of use for good.
+            # that may still write the blocks keeps them out of use for good.
             self.thread.submit(self.torch.abandon, seq, isinstance(exc, TargetTainted))
             raise
 
@@ -246,10 +247,14 @@ class TorchHopEngine:
             self.thread.submit(self.torch.release, handle.seq)
 
 
-def _fits(ref: TensorRef, targets: list[torch.Tensor]) -> bool:
-    """Whether the ref's tensors are the targets' dtypes and shapes (a
-    prefill worker of another dtype hands over tensors to convert)."""
+def _fits(ref: TensorRef, targets: list[list[torch.Tensor]]) -> bool:
+    """Whether the ref's tensors are the targets' dtypes and shapes, each
+    tensor's blocks one piece of its target (a prefill worker of another
+    dtype or block size hands over tensors to convert)."""
     return len(ref.tensors) == len(targets) and all(
-        spec.dtype == str(t.dtype).removeprefix("torch.") and list(spec.shape) == list(t.shape)
-        for spec, t in zip(ref.tensors, targets, strict=True)
+        len(pieces) == spec.shape[0]
+        and all(
+            spec.dtype == str(p.dtype).removeprefix("torch.") and list(spec.shape[1:]) == list(p.shape) for p in pieces
+        )
+        for spec, pieces in zip(ref.tensors, targets, strict=True)
     )

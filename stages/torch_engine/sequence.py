@@ -3,7 +3,7 @@ travels with a KV cache to another engine."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from stages.sampling import SamplingConfig
@@ -24,10 +24,14 @@ class Sequence:
     sampling: SamplingConfig
     rope_delta: int
     cache: Any  # transformers Cache until the batch decoder takes it; None after
-    # Slot in the batch decoder's cache once admitted there; -1 otherwise.
+    # Row of the batch decoder's steps once admitted there; -1 otherwise.
     slot: int = -1
-    # Its slot is being written by a KV transfer (reserve_kv): no step yet.
+    # Its blocks of the batch decoder's KV pool (its block table), in order.
+    blocks: list[int] = field(default_factory=list)
+    # Its blocks are being written by a KV transfer (reserve_kv): no row, no step yet.
     receiving: bool = False
+    # The CUDA event such a transfer waits for before it writes (TorchEngine.wait_quiet).
+    quiet: Any = None
     # Steps launched for it whose tokens are not collected yet (``launch``),
     # and the decoder row its last launched token waits in on the device.
     inflight: int = 0
@@ -54,7 +58,7 @@ class Sequence:
 
     @property
     def released(self) -> bool:
-        return self.cache is None and self.slot < 0
+        return self.cache is None and self.slot < 0 and not self.blocks
 
 
 @dataclass(frozen=True)
@@ -68,7 +72,8 @@ class Launch:
 @dataclass(frozen=True)
 class KvState:
     """What travels with a sequence's KV cache to another engine: enough to
-    rebuild the sequence there (the per-layer tensors travel beside it)."""
+    rebuild the sequence there (the per-layer tensors travel beside it, in
+    blocks: [blocks, kv_heads, block_size, head_dim] each)."""
 
     prompt_len: int
     output_ids: list[int]

@@ -11,8 +11,8 @@ from schemas.settings import setting
 @dataclass(frozen=True)
 class DecodeSettings:
     """The batch decoder: every running sequence in one forward over a
-    preallocated cache of ``slots`` sequences of ``max_len`` tokens each
-    (CUDA graphs on a GPU). Off, or for a sequence that does not fit, each
+    paged KV cache, blocks of ``block_size`` tokens from one pool (CUDA
+    graphs on a GPU). Off, or for a sequence that does not fit, each
     sequence runs the model on its own cache."""
 
     batched: bool = setting(
@@ -24,8 +24,13 @@ class DecodeSettings:
     # where prefill goes straight into its slots (the fused step, on a GPU),
     # and captures no decode step.
     decodes: bool = True
-    max_len: int = setting(
-        4096, flag="decode-max-len", help="tokens per sequence in the batch decoder's preallocated cache"
+    max_len: int = setting(4096, flag="decode-max-len", help="tokens one sequence may hold in the batch decoder")
+    block_size: int = setting(16, help="tokens per block of the paged KV cache (a power of two)")
+    kv_cache_memory: str | None = setting(
+        None,
+        help="memory for the KV cache's blocks: a fraction of the device memory free once the weights are loaded "
+        "(0.5; on CPU of the host's free memory), or bytes (8GiB, 512MiB, 1000000). Unset: room for "
+        "--max-batch sequences of --decode-max-len tokens",
     )
     cuda_graphs: bool = setting(True, help="capture decode steps as CUDA graphs (off: run them eagerly)")
     # None: on CUDA only (the CPU keeps generate()'s exact numerics).
@@ -52,3 +57,24 @@ class DecodeSettings:
         help="on a GPU, image grids whose vision tower call is kept as a CUDA graph, captured the second time a "
         "grid comes (Qwen2-VL; 0: the tower runs eagerly)",
     )
+
+
+_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30}
+
+
+def parse_memory(value: str) -> tuple[float | None, int | None]:
+    """``--kv-cache-memory``: (a fraction of free memory, or None; bytes, or None)."""
+    text = value.strip().upper().replace(" ", "")
+    number = text.rstrip("KMGIB")
+    unit = text[len(number) :]
+    try:
+        amount = float(number)
+    except ValueError:
+        raise ValueError(f"KV cache memory {value!r}: a fraction (0.5) or bytes (8GiB, 512MiB, 1000000)") from None
+    if unit not in _UNITS:
+        raise ValueError(f"KV cache memory {value!r}: unit {unit!r} is not one of B, KB, MB, GB, KiB, MiB, GiB")
+    if not unit and 0 < amount <= 1:
+        return amount, None
+    if amount <= 1 or (not unit and amount != int(amount)):
+        raise ValueError(f"KV cache memory {value!r}: a fraction in (0, 1], or bytes")
+    return None, int(amount * _UNITS[unit])

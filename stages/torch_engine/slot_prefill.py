@@ -1,6 +1,6 @@
 """One prompt's prefill on a GPU: the fused layer weights, the keys and
-values written straight into the prompt's batch decoder slot, each prompt
-length bucket one CUDA graph.
+values written straight into the prompt's blocks of the batch decoder's
+pool, each prompt length bucket one CUDA graph.
 
 The model's modules launch some thirty kernels a layer, each preceded by
 Python: a 2B model's prefill of 20 tokens cost as much as one of 300 on an
@@ -8,8 +8,9 @@ H100 (31 ms against 38, 2026-11-27), bound by launches, not by compute. A
 graph replays those launches in a few microseconds each. The prompt is
 padded up to its bucket at the end: attention is causal, so no real token
 sees a padding row, and the padding's keys and values land past the prompt
-in the slot, where the first decode step writes over them before any step
-reads them. The cache then needs no copy into the slot afterwards either.
+in its last block, where decode steps write over them before any step
+reads them, or in the null block past its blocks. The cache then needs no
+copy into the pool afterwards either.
 
 The arithmetic is the fused decode step's (stages/torch_engine/fused_decode.py):
 the models' own, with concatenated projections, so in bf16 it rounds
@@ -46,8 +47,8 @@ def mrope_section(config: Any) -> list[int] | None:
 
 
 class SlotPrefill:
-    """Prefill of one prompt of up to ``max_tokens`` tokens into a slot of
-    ``decoder`` (which must run the fused step)."""
+    """Prefill of one prompt of up to ``max_tokens`` tokens into blocks of
+    ``decoder``'s pool (which must run the fused step)."""
 
     def __init__(self, decoder: BatchDecoder, use_graphs: bool, longest: int = BUCKETS[-1]) -> None:
         if decoder.fused is None:
@@ -64,7 +65,8 @@ class SlotPrefill:
         self._embeds = torch.zeros(n, int(lm.config.hidden_size), dtype=dtype, device=device)
         self._cos = torch.zeros(n, 1, s.head_dim, dtype=dtype, device=device)
         self._sin = torch.zeros(n, 1, s.head_dim, dtype=dtype, device=device)
-        self._slot = torch.zeros(1, dtype=torch.long, device=device)
+        # The prompt's block table (the null block past its blocks).
+        self._table = torch.zeros(decoder.blocks_per_seq, dtype=torch.long, device=device)
         self._last = torch.zeros(1, dtype=torch.long, device=device)
         self._write_at = torch.arange(n, device=device)
         self.use_graphs = use_graphs and device.type == "cuda"
@@ -74,10 +76,10 @@ class SlotPrefill:
         return 0 < length <= self.max_tokens
 
     @torch.inference_mode()
-    def run(self, embeds: torch.Tensor, positions: torch.Tensor, slot: int) -> torch.Tensor:
+    def run(self, embeds: torch.Tensor, positions: torch.Tensor, blocks: list[int]) -> torch.Tensor:
         """Next-token logits [vocab] of a prompt given as embeddings [L,
         hidden] and its positions (the family's layout); its keys and values
-        are in ``slot`` after."""
+        are in ``blocks`` after."""
         length = int(embeds.shape[0])
         if not self.fits(length):
             raise ValueError(f"a prompt of {length} tokens; slot prefill takes 1 to {self.max_tokens}")
@@ -86,7 +88,9 @@ class SlotPrefill:
         self._embeds[:length].copy_(embeds)
         self._cos[:length].copy_(cos)
         self._sin[:length].copy_(sin)
-        self._slot.fill_(slot)
+        entries = blocks[: self.decoder.blocks_per_seq]
+        table = torch.tensor(entries + [0] * (self.decoder.blocks_per_seq - len(entries)), dtype=torch.long)
+        self._table.copy_(table, non_blocking=True)
         self._last.fill_(length - 1)
         if not self.use_graphs:
             return self._forward(bucket)
@@ -96,12 +100,12 @@ class SlotPrefill:
 
     def capture(self) -> list[int]:
         """Capture every bucket's graph (largest first, so the smaller reuse
-        its memory), before any sequence holds a slot: a capture writes
-        slot 0. Returns the buckets captured."""
+        its memory): a capture writes the null block. Returns the buckets
+        captured."""
         if not self.use_graphs:
             return []
         with torch.inference_mode():
-            self._slot.zero_()
+            self._table.zero_()
             for bucket in reversed(self.buckets):
                 self._graph(bucket)
         return list(self.buckets)
@@ -114,15 +118,15 @@ class SlotPrefill:
 
     def _forward(self, bucket: int) -> torch.Tensor:
         d, s = self.decoder, self.decoder.shape
-        rows = self._slot.expand(bucket)
         write_at = self._write_at[:bucket]
+        blocks, offsets = self._table[write_at // d.block_size], write_at % d.block_size
         cos, sin = self._cos[:bucket], self._sin[:bucket]
         hidden = self._embeds[:bucket]
         delta: torch.Tensor | None = None
         for i, w in enumerate(self.fused):
             hidden, q, k, v = _before_attention(hidden, delta, w, cos, sin, s.heads, s.kv_heads)
-            d.keys[i][rows, :, write_at] = k
-            d.values[i][rows, :, write_at] = v
+            d.keys[i][blocks, :, offsets] = k
+            d.values[i][blocks, :, offsets] = v
             attended = _causal_attention(q, k, v, d.scaling)
             hidden, delta = after_attention(hidden, F.linear(attended, w.o), w.ln2, w.gate_up, w.down, w.eps)
         assert delta is not None

@@ -1,20 +1,24 @@
-"""Which sequence sits in which slot of the batch decoder's cache.
+"""Which sequence runs in which row of the batch decoder, and which blocks
+of the paged KV pool hold its cache.
 
-A step runs rows ``0..n-1`` of the cache, so taken slots are kept low: a
-freed slot is refilled with the last one's cache. Two things may not move:
-a slot that another worker's KV cache is being READ into (the transfer
-writes its address; ``receiving``), and, after a READ that could not be
-cancelled, that slot for good (it may still be written). Where the last
-slot cannot move, a freed slot stays a hole until a new sequence takes it.
+A sequence is given, when it joins, every block it can come to need: its
+prompt and ``max_tokens`` (positions below ``prompt_len + max_tokens``; a
+step launched past its last token writes the last of them). Admission is
+then by memory (free blocks) as well as by rows, and a running sequence
+never waits for a block.
 
-Every row steps (one batch shape whatever the mix): a hole and a receiving
-slot take a step nobody reads. A receiving row writes only the position
-after the cache being received, which its first real step writes again.
+A step runs rows ``0..n-1``, so taken rows are kept low: a freed row is
+refilled with the last one's sequence (its block table moves, not its
+cache). A sequence whose cache is still arriving (``hold``: another
+worker's KV cache is being READ into its blocks) holds blocks and a
+promise of a row, not a row: no step runs for it until ``place``. After a
+READ that could not be cancelled, its blocks are never used again
+(``leak``).
 
 A sequence may have steps launched whose tokens are not read yet
 (``inflight``): its cache already holds (or will, in stream order) those
-steps' inputs, so positions, a move's length and the next input count them,
-and its next token is fed from the device row of its last launch.
+steps' inputs, so positions and the next input count them, and its next
+token is fed from the device row of its last launch.
 """
 
 from __future__ import annotations
@@ -31,58 +35,86 @@ if TYPE_CHECKING:
 class SlotTable:
     def __init__(self, decoder: BatchDecoder) -> None:
         self.decoder = decoder
-        self.rows: list[Sequence | None] = []
+        self.rows: list[Sequence] = []
+        # Rows promised to sequences whose cache is arriving.
+        self.promised = 0
 
     def __len__(self) -> int:
         return len(self.rows)
 
     @property
     def taken(self) -> int:
-        return sum(row is not None for row in self.rows)
+        return len(self.rows) + self.promised
 
-    def has_room(self) -> bool:
-        return None in self.rows or len(self.rows) < self.decoder.max_slots
+    def blocks_needed(self, tokens: int) -> int:
+        return self.decoder.blocks_for(tokens)
 
-    def take(self, seq: Sequence) -> int:
-        """A slot for ``seq`` (the lowest hole, else the next row); sets ``seq.slot``."""
-        try:
-            slot = self.rows.index(None)
-            self.rows[slot] = seq
-        except ValueError:
-            if len(self.rows) >= self.decoder.max_slots:
-                raise RuntimeError("no free decoder slot") from None
-            slot = len(self.rows)
-            self.rows.append(seq)
-        seq.slot = slot
-        return slot
+    def can_take(self, tokens: int) -> bool:
+        """Whether a sequence that may grow to ``tokens`` positions can join now."""
+        n = self.blocks_needed(tokens)
+        decoder = self.decoder
+        return self.taken < decoder.max_slots and n <= decoder.blocks_per_seq and decoder.pool.can_allocate(n)
+
+    def take(self, seq: Sequence, tokens: int) -> int:
+        """A row for ``seq`` (the next one) and its blocks; sets ``seq.slot``."""
+        self._allocate(seq, tokens)
+        return self._place(seq)
+
+    def hold(self, seq: Sequence, tokens: int) -> None:
+        """Blocks for ``seq`` and a row promised: its cache is to arrive."""
+        self._allocate(seq, tokens)
+        self.promised += 1
+
+    def place(self, seq: Sequence) -> int:
+        """The promised row for a sequence ``hold`` took, its cache arrived."""
+        self.promised -= 1
+        return self._place(seq)
 
     def free(self, seq: Sequence) -> None:
-        slot, seq.slot = seq.slot, -1
-        last = self.rows[-1]
+        """``seq``'s row (if any) and blocks go back."""
+        self._leave(seq)
+        self.decoder.pool.free(seq.blocks)
+        seq.blocks = []
+
+    def leak(self, seq: Sequence) -> None:
+        """As ``free``, but its blocks stay out of use for good (a READ may still write them)."""
+        self._leave(seq)
+        seq.blocks = []
+
+    def _allocate(self, seq: Sequence, tokens: int) -> None:
+        if not self.can_take(tokens):
+            raise RuntimeError("no decoder row or KV blocks free")
+        seq.blocks = self.decoder.pool.allocate(self.blocks_needed(tokens))
+
+    def _place(self, seq: Sequence) -> int:
+        if len(self.rows) >= self.decoder.max_slots:
+            raise RuntimeError("no free decoder row")
+        row = len(self.rows)
+        self.rows.append(seq)
+        seq.slot = row
+        self.decoder.set_table(row, seq.blocks)
+        return row
+
+    def _leave(self, seq: Sequence) -> None:
+        if seq.slot < 0:
+            if seq.receiving:
+                self.promised -= 1
+            return
+        row, seq.slot = seq.slot, -1
+        last = self.rows.pop()
         if last is seq:
-            self.rows.pop()
-        elif last is not None and not last.receiving:
-            self.rows.pop()
-            # Queued after any launched step of ``last``: its writes move too.
-            self.decoder.move(last.slot, slot, last.length - 1 + last.inflight)
-            last.slot = slot
-            self.rows[slot] = last
-        else:
-            self.rows[slot] = None
-        while self.rows and self.rows[-1] is None:
-            self.rows.pop()
+            self.decoder.clear_row(row)
+            return
+        # Queued after any launched step of ``last``: that step read its old row.
+        self.decoder.move_row(last.slot, row)
+        last.slot = row
+        self.rows[row] = last
 
     def step_inputs(self, asked: set[int] | None = None) -> StepInputs:
-        """Each row's inputs to a step (``asked``: the slots whose tokens are
-        wanted; default every live row)."""
+        """Each row's inputs to a step (``asked``: the rows whose tokens are
+        wanted; default every row)."""
         inputs = StepInputs([], [], [], [], [], [])
         for row, seq in enumerate(self.rows):
-            if seq is None or seq.receiving:
-                # Nobody reads this row's step: a hole writes position 0 of a free
-                # slot, a receiving slot the position after its incoming cache.
-                for column, value in zip(inputs, (0, 0, seq.length - 1 if seq else 0, -1, 0, 0), strict=True):
-                    column.append(value)
-                continue
             ahead = seq.length - 1 + seq.inflight
             fed = seq.feed_row >= 0
             inputs.tokens.append(0 if fed else seq.output_ids[-1])

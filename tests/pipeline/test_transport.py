@@ -32,6 +32,7 @@ from pipeline.transport.arena import FirstFit
 from pipeline.transport.holder import HeldRegions
 from pipeline.transport.nats_store import NatsTransport
 from pipeline.transport.nixl import NixlTransport
+from pipeline.transport.packing import Target, target_runs
 from schemas.tensors import TensorRef
 from tests.pipeline.transport_peer import ANSWER, digests, make_tensors
 from tests.polling import eventually
@@ -556,23 +557,40 @@ def test_first_fit_reuses_and_coalesces() -> None:
 # -- straight into the reader's own tensors ----------------------------------------
 
 
-def _kv_slot_targets(want: list[torch.Tensor]) -> tuple[list[torch.Tensor], torch.Tensor, torch.Tensor]:
+# The blocks a KV hand-off lands in, scattered in the pool as a decoder's
+# allocator may give them: two consecutive (one run of bytes), one apart.
+BLOCKS = [5, 6, 2]
+
+
+def _kv_block_targets(want: list[torch.Tensor]) -> tuple[list[Target], torch.Tensor, torch.Tensor]:
     """Targets for make_tensors: fresh tensors (one strided) for the mixed
-    ones, and for the KV hand-off views of slot 2 of a larger cache
-    [layers, slots, kv_heads, max_len, head_dim], as a decoder holds it."""
-    keys = torch.zeros(3, 4, 2, 50, 64, dtype=torch.bfloat16)
+    ones, and for the KV hand-off each tensor's blocks in a paged pool
+    [layers, blocks, kv_heads, block_size, head_dim], as a decoder holds it."""
+    keys = torch.zeros(3, 8, 2, 16, 64, dtype=torch.bfloat16)
     values = torch.zeros_like(keys)
-    targets = [torch.empty(t.shape, dtype=t.dtype) for t in want[:7]]
+    targets: list[Target] = [torch.empty(t.shape, dtype=t.dtype) for t in want[:7]]
     targets[4] = torch.empty(2, 3, dtype=torch.float16).t()
     for i in range(3):
-        targets += [keys[i, 2:3, :, :37], values[i, 2:3, :, :37]]
+        targets += [[keys[i, b] for b in BLOCKS], [values[i, b] for b in BLOCKS]]
     return targets, keys, values
 
 
-def _only_slot_written(cache: torch.Tensor) -> bool:
+def _same(targets: list[Target], want: list[torch.Tensor]) -> None:
+    assert_same([t if isinstance(t, torch.Tensor) else torch.stack(t) for t in targets], want)
+
+
+def _only_blocks_written(cache: torch.Tensor) -> bool:
     rest = cache.clone()
-    rest[:, 2, :, :37] = 0
-    return not rest.any() and bool(cache[:, 2, :, :37].any())
+    rest[:, BLOCKS] = 0
+    return not rest.any() and bool(cache[:, BLOCKS].any())
+
+
+def test_a_tensors_pieces_are_read_as_few_runs() -> None:
+    keys = torch.zeros(8, 2, 16, 64, dtype=torch.bfloat16)
+    runs = target_runs([keys[b] for b in BLOCKS])
+    block = keys[0].numel() * keys.element_size()
+    assert [(n, offset) for _, n, offset in runs] == [(2 * block, 0), (block, 2 * block)]
+    assert runs[0][0] == keys[5].data_ptr() and runs[1][0] == keys[2].data_ptr()
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -580,14 +598,16 @@ async def test_get_into_writes_a_peers_tensors_in_place(kind: str, make_transpor
     peer = await spawn_peer(kind)
     here = await make_transport(kind, "reader")
     want = make_tensors(3)
-    targets, keys, values = _kv_slot_targets(want)
+    targets, keys, values = _kv_block_targets(want)
     ref = await peer.put(seed=3)
     # Targets that do not match are refused before anything is read.
     with pytest.raises(ValueError, match="targets do not match"):
         await here.get_into(ref, targets[:-1])
+    with pytest.raises(ValueError, match="targets do not match"):
+        await here.get_into(ref, [*targets[:-1], [values[2, b] for b in BLOCKS[:2]]])  # a block short
     await here.get_into(ref, targets)
-    assert_same(targets, want)
-    assert _only_slot_written(keys) and _only_slot_written(values)
+    _same(targets, want)
+    assert _only_blocks_written(keys) and _only_blocks_written(values)
     assert here.last_transfer[0] == ref.nbytes
     for _ in range(200):
         if await peer.held() == 0:
@@ -603,14 +623,14 @@ async def test_nixl_get_into_registers_a_cache_once_and_reads_its_own_tensors(ma
     reader = await make_transport("nixl", "reader")
     assert isinstance(reader, NixlTransport)
     want = make_tensors(5)
-    targets, keys, _ = _kv_slot_targets(want)
+    targets, keys, _ = _kv_block_targets(want)
     for seed in (5, 6):
         await reader.get_into(await holder.put(make_tensors(seed), owner=f"r{seed}"), targets)
-        assert_same(targets, make_tensors(seed))
+        _same(targets, make_tensors(seed))
     # The cache's two tensors and the six fresh ones not empty: each storage registered once.
     assert len(reader._targets) == 8 and keys.untyped_storage().data_ptr() in reader._targets
     # A worker reading what it put itself copies from its own arena.
     ref = await reader.put(make_tensors(7), owner="r7")
     await reader.get_into(ref, targets)
-    assert_same(targets, make_tensors(7))
+    _same(targets, make_tensors(7))
     assert reader.held_bytes == 0

@@ -37,8 +37,8 @@ def make_tensors(seed: int) -> list[torch.Tensor]:
         torch.randn(2, 3, generator=g).to(torch.float16).t(),  # not contiguous
         torch.zeros(0, 4),
         torch.randn(1000, generator=g).to(torch.float64),
-        # A KV hand-off: keys and values of 3 layers, [batch, kv_heads, tokens, head_dim], bf16.
-        *(torch.randn(1, 2, 37, 64, generator=g).to(torch.bfloat16) for _ in range(6)),
+        # A KV hand-off: keys and values of 3 layers, [blocks, kv_heads, block_size, head_dim], bf16.
+        *(torch.randn(3, 2, 16, 64, generator=g).to(torch.bfloat16) for _ in range(6)),
     ]
 
 

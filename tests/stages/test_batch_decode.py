@@ -1,8 +1,9 @@
 """The batch decoder: sequences that join and leave between steps, of
 different lengths, with and without images, give exactly the tokens of the
-per-sequence path (itself equal to generate()); what does not fit a slot
-falls back to that path. On --engine-device cuda the decoder replays CUDA
-graphs and its fused step is compiled."""
+per-sequence path (itself equal to generate()); their caches in blocks of
+one pool, which come back when they leave; what does not fit falls back to
+that path. On --engine-device cuda the decoder replays CUDA graphs and its
+fused step is compiled."""
 
 from __future__ import annotations
 
@@ -16,9 +17,8 @@ from PIL import Image
 
 from stages.models import builtin_path
 from stages.sampling import SamplingConfig
-from stages.torch_engine.decode_attention import varlen_reference
+from stages.torch_engine.batch_decoder import from_blocks
 from stages.torch_engine.engine import TorchEngine
-from stages.torch_engine.fused_decode import FusedKernels
 from stages.torch_engine.reference import load_reference_model, reference_generate
 from stages.torch_engine.settings import DecodeSettings
 from tests.stages.engine_helpers import chat_prompt, engine_on
@@ -28,10 +28,7 @@ N = 16
 
 @pytest.fixture(
     scope="module",
-    params=[
-        *((m, fused) for m in ("tiny-qwen2-vl", "tiny-llava", "tiny-qwen2-audio") for fused in ("modules", "fused")),
-        ("tiny-qwen2-vl", "varlen"),
-    ],
+    params=[(m, fused) for m in ("tiny-qwen2-vl", "tiny-llava", "tiny-qwen2-audio") for fused in ("modules", "fused")],
     ids=lambda p: f"{p[0]}-{p[1]}",
 )
 def engines(
@@ -40,17 +37,12 @@ def engines(
     """A batch decoder on the model's modules (the CPU default), or on the
     fused layer step (the GPU default; eager on the CPU, compiled on CUDA),
     in CUDA graphs on CUDA, and an engine without one (each sequence on
-    its own). "varlen": the fused step with the varlen attention of a GPU
-    in half precision, here through its plain-torch contract."""
+    its own)."""
     name, step = request.param
-    if step == "varlen" and engine_device != "cpu":
-        pytest.skip("varlen_reference reads lengths on the host (no CUDA graphs): test_fused_decode has the kernel")
     model_dir = builtin_path(name)
     fused = step != "modules"
     batched = engine_on(engine_device, model_dir, DecodeSettings(slots=4, max_len=512, fused=fused))
     assert batched.decoder is not None and (batched.decoder.fused is not None) == fused
-    if step == "varlen":
-        batched.decoder.kernels = FusedKernels(compile=False, attention="flash", varlen=varlen_reference)
     assert batched.decoder.use_graphs == (torch.device(engine_device).type == "cuda")
     alone = engine_on(engine_device, model_dir, DecodeSettings(batched=False))
     assert batched.decoder is not None and alone.decoder is None
@@ -108,14 +100,15 @@ def test_joining_and_leaving_gives_the_tokens_of_one_at_a_time(engines: Any, tem
                 del running[i]
     assert [outputs[i] for i in range(len(prompts))] == expected
     assert batched._slots is not None and len(batched._slots) == 0
+    assert batched.decoder is not None and batched.decoder.pool.num_free == batched.decoder.pool.capacity
 
 
 def test_steps_launched_one_ahead_give_the_tokens_of_one_at_a_time(engines: Any) -> None:
     """The decode loop's way (stages.torch_engine.scheduler): step k+1 is
     launched before step k's tokens are read, so every token after the first
     launch comes from the device; a sequence that ends takes one step more
-    (dropped), and is freed while that step is launched: the last slot moves
-    into its place with the launched step's write. EOS is masked on the
+    (dropped), and is freed while that step is launched: the last row moves
+    into its place (its block table; the launched step wrote through the old). EOS is masked on the
     device until min_tokens (here below max_tokens)."""
     name, batched, alone = engines
     prompts = _prompts(batched, name)
@@ -154,7 +147,7 @@ def test_what_cannot_launch_steps_instead(engines: Any) -> None:
     prompt = batched.tokenizer("Sample me")["input_ids"]
     [(greedy, _)] = batched.prefill([prompt], [[]], [SamplingConfig(max_tokens=4)])
     [(sampled, _)] = batched.prefill([prompt], [[]], [SamplingConfig(temperature=0.8, max_tokens=4)])
-    too_long = SamplingConfig(max_tokens=600)  # over the 512-token slots
+    too_long = SamplingConfig(max_tokens=600)  # over the 512 tokens a sequence may hold
     [(outside, _)] = batched.prefill([prompt], [[]], [too_long])
     assert batched.launch([greedy, sampled]) is None  # sampled on the host
     assert batched.launch([outside]) is None and outside.slot < 0
@@ -177,10 +170,10 @@ def test_batched_decode_equals_generate(engines: Any, engine_device: str) -> Non
     assert _alone(batched, prompt, [], SamplingConfig(temperature=0.0, max_tokens=N, min_tokens=N)) == expected
 
 
-def test_a_sequence_too_long_for_a_slot_decodes_on_its_own(engines: Any) -> None:
+def test_a_sequence_too_long_for_the_decoder_decodes_on_its_own(engines: Any) -> None:
     _, batched, alone = engines
     prompt = batched.tokenizer("A long answer, please.")["input_ids"]
-    sampling = SamplingConfig(temperature=0.0, max_tokens=600, min_tokens=600)  # over the 512-token slots
+    sampling = SamplingConfig(temperature=0.0, max_tokens=600, min_tokens=600)  # over the 512 a sequence may hold
     short = SamplingConfig(temperature=0.0, max_tokens=8, min_tokens=8)
     [(long_seq, long_first)] = batched.prefill([prompt], [[]], [sampling])
     [(short_seq, short_first)] = batched.prefill([prompt], [[]], [short])
@@ -207,17 +200,24 @@ def test_kv_of_a_batched_sequence_exports_as_the_per_sequence_one(engines: Any) 
     got, state = batched.export_kv(a)
     want, want_state = alone.export_kv(b)
     assert state == want_state
-    assert all(g.shape == w.shape and (g - w).abs().max() < 1e-5 for g, w in zip(got, want, strict=True))
+    # In blocks; what lies past the cache in its last block is nobody's to read.
+    length = state.prompt_len + len(state.output_ids) - 1
+    assert all(
+        g.shape == w.shape and (from_blocks(g, length) - from_blocks(w, length)).abs().max() < 1e-5
+        for g, w in zip(got, want, strict=True)
+    )
     batched.release(a)
     alone.release(b)
 
 
-def test_a_cache_written_into_its_reserved_slot_decodes_as_the_sequence_it_left(engines: Any) -> None:
-    """reserve_kv: the slot's views take the cache in place (what a NIXL READ
-    does); rows around it keep decoding meanwhile, a slot freed below it
-    becomes a hole the next sequence takes, and a slot a READ may still
-    write is never handed out again."""
+def test_a_cache_written_into_its_reserved_blocks_decodes_as_the_sequence_it_left(engines: Any) -> None:
+    """reserve_kv: views of the blocks take the cache in place (what a NIXL
+    READ does, block by block); the sequence holds blocks and the promise of
+    a row, but no row and no step, until it is received; rows around it
+    keep decoding meanwhile. Blocks a READ may still write are never handed
+    out again; every other block comes back."""
     name, batched, alone = engines
+    pool = batched.decoder.pool
     prompts = _prompts(batched, name)
     greedy = SamplingConfig(temperature=0.0, max_tokens=N, min_tokens=N)
     # What the prefill worker hands over: its sequence after prefill and two steps.
@@ -232,14 +232,18 @@ def test_a_cache_written_into_its_reserved_slot_decodes_as_the_sequence_it_left(
     reserved = batched.reserve_kv(state, greedy)
     assert reserved is not None
     a, targets = reserved
-    assert a.slot == 1 and a.receiving
-    assert [tuple(t.shape) for t in targets] == [batched.kv_shape(state)] * len(tensors)
+    assert a.slot < 0 and a.receiving and a.blocks and batched._slots.taken == 2
+    shape = batched.kv_shape(state)
+    assert len(targets) == len(tensors) and all(len(pieces) == shape[0] for pieces in targets)
+    assert all(tuple(piece.shape) == shape[1:] for pieces in targets for piece in pieces)
     with pytest.raises(ValueError, match="still arriving"):
         batched.step([a])
-    b_out += batched.step([b])  # the receiving row steps too, unread
-    for target, tensor in zip(targets, tensors, strict=True):
-        target.copy_(tensor)
+    b_out += batched.step([b])
+    for pieces, tensor in zip(targets, tensors, strict=True):
+        for piece, block in zip(pieces, tensor, strict=True):
+            piece.copy_(block)
     batched.received(a)
+    assert a.slot == 1
     a_out = list(head)
     while len(a_out) < N:
         token_a, token_b = batched.step([a, b])
@@ -248,19 +252,57 @@ def test_a_cache_written_into_its_reserved_slot_decodes_as_the_sequence_it_left(
     assert a_out == _alone(alone, p_a, m_a, greedy)
     assert b_out == _alone(alone, p_b, [], greedy)
 
-    # b (slot 0) leaves while a new reservation sits on top: slot 0 becomes a hole, c takes it.
-    batched.release(a)
-    again = batched.reserve_kv(state, greedy)
-    assert again is not None and again[0].slot == 1
+    # b (row 0) leaves: a moves down to row 0 and goes on as it was.
     batched.release(b)
-    assert batched._slots is not None and batched._slots.rows[0] is None
+    assert a.slot == 0 and batched._slots.rows == [a]
+    batched.release(a)
+    assert pool.num_free == pool.capacity
+    # A reservation never received frees its blocks; one a READ may still write does not.
+    again = batched.reserve_kv(state, greedy)
+    assert again is not None
+    batched.abandon(again[0], False)
+    assert pool.num_free == pool.capacity and batched._slots.taken == 0
+    tainted = batched.reserve_kv(state, greedy)
+    assert tainted is not None
+    leaked = list(tainted[0].blocks)
+    batched.abandon(tainted[0], True)
+    assert pool.num_free == pool.capacity - len(leaked) and batched._slots.taken == 0
+    assert not set(leaked) & set(pool._free)
     [(c, c_first)] = batched.prefill([p_c], [[]], [greedy])
     c_out = [c_first]
     while len(c_out) < N:
         c_out += batched.step([c])
-    assert c.slot == 0 and c_out == _alone(alone, p_c, [], greedy)
+    assert c.slot == 0 and not set(c.blocks) & set(leaked) and c_out == _alone(alone, p_c, [], greedy)
     batched.release(c)
-    # A READ that could not be cancelled: its slot stays out of use for good.
-    batched.abandon(again[0], True)
-    assert batched._slots.rows == [None, again[0]] and batched._slots.taken == 1
-    batched._slots.rows.clear()  # the module-scoped engine goes on to other tests
+    pool.free(leaked)  # the module-scoped engine goes on to other tests
+
+
+def test_the_pool_is_sized_by_memory_and_a_sequence_it_cannot_hold_decodes_on_its_own(
+    mmpipe_home: Path, engine_device: str
+) -> None:
+    """--kv-cache-memory in bytes: that many bytes of blocks. A sequence
+    whose prompt and max_tokens do not fit the blocks left waits for none:
+    it runs on its own cache, as one too long for the decoder does."""
+    model_dir = builtin_path("tiny-qwen2-vl")
+    probe = engine_on(engine_device, model_dir, DecodeSettings(slots=4, max_len=512))
+    assert probe.decoder is not None
+    per_block = probe.decoder.bytes_per_block
+    engine = engine_on(
+        engine_device, model_dir, DecodeSettings(slots=4, max_len=512, kv_cache_memory=str(9 * per_block + 5))
+    )
+    decoder = engine.decoder
+    assert decoder is not None and decoder.pool.num_blocks == 9 and decoder.nbytes == 9 * per_block
+    prompt = engine.tokenizer("Fill the pool")["input_ids"]  # a few tokens: one block with 8 tokens to make
+    small = SamplingConfig(temperature=0.0, max_tokens=8, min_tokens=8)
+    seqs = [engine.prefill([prompt], [[]], [small])[0][0] for _ in range(5)]
+    tokens = engine.step(seqs)
+    assert [s.slot for s in seqs] == [0, 1, 2, 3, -1]  # four rows
+    big = SamplingConfig(temperature=0.0, max_tokens=100, min_tokens=100)
+    [(wide, _)] = engine.prefill([prompt], [[]], [big])
+    engine.release(seqs[0])
+    tokens = engine.step([wide, *seqs[1:4]])
+    assert wide.slot < 0 and len(tokens) == 4  # 8 blocks, more than are free: on its own
+    assert decoder.pool.num_free == 8 - 3 * decoder.blocks_for(len(prompt) + 8)
+    for seq in [wide, *seqs[1:]]:
+        engine.release(seq)
+    assert decoder.pool.num_free == decoder.pool.capacity

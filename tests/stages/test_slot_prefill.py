@@ -1,4 +1,4 @@
-"""The graphed prefill straight into a decoder slot (stages/torch_engine/slot_prefill.py):
+"""The graphed prefill straight into blocks of the decoder's pool (stages/torch_engine/slot_prefill.py):
 the modules' logits and cache, M-RoPE positions of an image included, and
 the modules still for what it does not take. On the CPU in float32 without
 graphs (run eagerly, so CI checks the arithmetic); with --engine-device cuda
@@ -14,6 +14,7 @@ import torch
 from schemas.processed import MediaKind
 from stages.models import builtin_path
 from stages.sampling import SamplingConfig
+from stages.torch_engine.batch_decoder import from_blocks
 from stages.torch_engine.engine import TorchEngine
 from stages.torch_engine.settings import DecodeSettings
 from tests.e2e.conftest import gradient
@@ -48,17 +49,20 @@ def test_the_slot_prefill_gives_the_modules_logits_and_cache(
         prompt = [fam.placeholder_ids[MediaKind.IMAGE], *prompt]
     ids, positions, _ = engine._prepare(prompt, media, [])
     assert with_image == bool((positions[0] != positions[1]).any())  # M-RoPE rows differ over the image
+    n = len(ids)
+    # Blocks scattered through the pool, backwards: the prompt's, and none of the others written.
+    blocks = list(range(3, 3 + 2 * decoder.blocks_for(n), 2))[::-1]
     with torch.inference_mode():
         embeds = fam.embed_prompt(engine.model, ids, media)
         want, cache = fam.forward(engine.model, positions, None, inputs_embeds=embeds)
-        decoder.keys.fill_(7.0)  # whatever a slot held before
-        got = prefill.run(embeds[0], positions, slot=2)
+        decoder.keys.fill_(7.0)  # whatever the blocks held before
+        got = prefill.run(embeds[0], positions, blocks)
     _close(got, want, engine_device)
-    n = len(ids)
     for i, layer in enumerate(cache.layers):
-        _close(decoder.keys[i, 2, :, :n], layer.keys[0], engine_device)
-        _close(decoder.values[i, 2, :, :n], layer.values[0], engine_device)
-    assert bool((decoder.keys[:, 1] == 7.0).all())  # no other slot written
+        _close(from_blocks(decoder.keys[i, blocks], n), layer.keys[0], engine_device)
+        _close(from_blocks(decoder.values[i, blocks], n), layer.values[0], engine_device)
+    others = [b for b in range(1, decoder.pool.num_blocks) if b not in blocks]
+    assert bool((decoder.keys[:, others] == 7.0).all())  # no other block written
 
 
 def test_a_prefilled_slot_decodes_the_modules_tokens_and_a_long_prompt_takes_the_modules(
@@ -71,7 +75,7 @@ def test_a_prefilled_slot_decodes_the_modules_tokens_and_a_long_prompt_takes_the
     runs = []
     for engine in (graphed, modules):
         [(seq, first)] = engine.prefill([prompt], [[]], [greedy])
-        assert (seq.slot >= 0 and seq.cache is None) == (engine is graphed)  # straight into a slot
+        assert (seq.slot >= 0 and seq.cache is None) == (engine is graphed)  # straight into its blocks
         tokens = [first]
         while len(tokens) < 12:
             tokens += engine.step([seq])
@@ -88,11 +92,11 @@ def test_a_prefilled_slot_decodes_the_modules_tokens_and_a_long_prompt_takes_the
     graphed.release(seq)
 
 
-def test_a_role_that_ends_at_prefill_prefills_into_slots_and_hands_them_off(
+def test_a_role_that_ends_at_prefill_prefills_into_blocks_and_hands_them_off(
     mmpipe_home: Path, engine_device: str
 ) -> None:
-    """A prefill-only engine keeps the decoder's slots only to prefill into
-    (no decode graphs); the cache it exports from a slot decodes to the
+    """A prefill-only engine keeps the decoder's pool only to prefill into
+    (no decode graphs); the cache it exports from its blocks decodes to the
     same tokens in another engine."""
     prefill = _engine(engine_device, decodes=False)  # type: ignore[arg-type]
     assert prefill.decoder is not None and prefill._slot_prefill is not None
@@ -100,7 +104,7 @@ def test_a_role_that_ends_at_prefill_prefills_into_slots_and_hands_them_off(
     cpu_modules = TorchEngine(
         builtin_path("tiny-qwen2-vl"), device="cpu", decode=DecodeSettings(batched=True, decodes=False)
     )
-    assert cpu_modules.decoder is None  # no fused step here: no slots to prefill into
+    assert cpu_modules.decoder is None  # no fused step here: no pool to prefill into
     decode = _engine(engine_device)
     greedy = SamplingConfig(temperature=0.0, max_tokens=10, min_tokens=10)
     prompt = prefill.tokenizer("Count from one to ten:")["input_ids"]

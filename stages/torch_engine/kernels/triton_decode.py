@@ -1,4 +1,4 @@
-"""Decode attention over the batch decoder's cache, as two Triton kernels.
+"""Decode attention over the batch decoder's paged cache, as one Triton kernel.
 
 One query token per row, grouped-query: the heads of a kv head's group are
 the rows of one small matrix, so each key and value is read once per kv
@@ -7,10 +7,12 @@ few programs (flash-decoding), each leaving its partial output and
 log-sum-exp; the last of them to finish combines the partials (a counter
 per (row, kv head), which that program resets), so a layer's attention is
 one kernel, not a split kernel and a combine kernel (in a CUDA graph each
-kernel also costs its gap before the next). A row reads its own
-length of its slot ([slots, kv_heads, max_len, head_dim], as it lies) and
-nothing past it; the grid depends on the batch size only (not on the
-slot's size or the rows' lengths), so a CUDA graph serves any length.
+kernel also costs its gap before the next). A row reads its own length
+through its block table (a layer's pool is [blocks, kv_heads, block_size,
+head_dim]: each position's block looked up, a head's positions within a
+block contiguous, so loads stay coalesced along head_dim) and nothing past
+it; the grid depends on the batch size only (not on the rows' lengths), so
+a CUDA graph serves any length.
 
 Why not flash-attention's kernel: on an H100, Qwen2-VL-2B shapes, 32 rows
 of ~360 tokens, its split-KV kernel and combine take 13.6 us a layer for
@@ -50,15 +52,17 @@ def attend(
     keys: torch.Tensor,
     values: torch.Tensor,
     lengths: torch.Tensor,
+    table: torch.Tensor,
     scaling: float,
     counters: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """q [b, heads, d] over keys, values [slots, kv_heads, max_len, d] (rows
-    0..b-1), row r reading its first lengths[r] positions; → [b, heads * d].
+    """q [b, heads, d] over a layer's pool keys, values [blocks, kv_heads,
+    block_size, d], row r reading its first lengths[r] positions through
+    its block table table[r]; → [b, heads * d].
     ``counters``: int32 zeros, b * kv_heads at least, left zero again (a
     decoder keeps one for all its steps and layers; fresh ones if None)."""
     b, heads, d = q.shape
-    kv_heads = keys.shape[1]
+    kv_heads, block_size = keys.shape[1], keys.shape[2]
     groups = heads // kv_heads
     groups_p = max(16, 1 << (groups - 1).bit_length())  # tl.dot wants 16 rows at least
     programs = programs_per_row(b, kv_heads)
@@ -71,14 +75,14 @@ def attend(
     q = q.contiguous()
     out = torch.empty_like(q)
     _kernel()[(b, kv_heads, programs)](
-        q, keys, values, lengths, partial, lse, out, counters, scaling,
-        q.stride(0), q.stride(1),
+        q, keys, values, lengths, table, partial, lse, out, counters, scaling,
+        q.stride(0), q.stride(1), table.stride(0),
         keys.stride(0), keys.stride(1), keys.stride(2),
         values.stride(0), values.stride(1), values.stride(2),
         partial.stride(0), partial.stride(1), partial.stride(2), partial.stride(3),
         lse.stride(0), lse.stride(1), lse.stride(2),
         out.stride(0), out.stride(1),
-        GROUPS=groups, GROUPS_P=groups_p, D=d, BLOCK_N=BLOCK_N,
+        GROUPS=groups, GROUPS_P=groups_p, D=d, BLOCK_N=BLOCK_N, PAGE=block_size,
         num_warps=4, num_stages=2,
     )  # fmt: skip
     return out.reshape(b, heads * d)
@@ -91,11 +95,12 @@ def _kernel() -> Any:
 
     @triton.jit
     def decode_attention(  # type: ignore[no-untyped-def]  # Triton reads annotations as types
-        Q, K, V, Lengths, Partial, Lse, Out, Counters, scale,
-        sqb, sqh, skb, skh, skn, svb, svh, svn, spb, sph, sps, spg, slb, slh, sls, sob, soh,
+        Q, K, V, Lengths, Table, Partial, Lse, Out, Counters, scale,
+        sqb, sqh, stb, skb, skh, skn, svb, svh, svn, spb, sph, sps, spg, slb, slh, sls, sob, soh,
         GROUPS: tl.constexpr, GROUPS_P: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr,
+        PAGE: tl.constexpr,
     ):  # fmt: skip
-        # 64-bit offsets: a slot's stride times 128 rows passes 2**31 at long lengths.
+        # 64-bit offsets: a block's stride times the pool's blocks passes 2**31.
         b = tl.program_id(0).to(tl.int64)
         h = tl.program_id(1)
         s = tl.program_id(2)
@@ -109,27 +114,35 @@ def _kernel() -> Any:
         m = tl.full([GROUPS_P], float("-inf"), tl.float32)
         total = tl.zeros([GROUPS_P], tl.float32)
         acc = tl.zeros([GROUPS_P, D], tl.float32)
-        k_base = K + b * skb + h * skh
-        v_base = V + b * svb + h * svh
+        table = Table + b * stb
         for n0 in range(start, length, programs * BLOCK_N):
             n = n0 + tl.arange(0, BLOCK_N)
             live = n < length
-            k = tl.load(k_base + n[:, None] * skn + d[None, :], mask=live[:, None], other=0.0)
+            block = tl.load(table + n // PAGE, mask=live, other=0).to(tl.int64)
+            within = n % PAGE
+            k_rows = K + block * skb + h * skh + within * skn
+            v_rows = V + block * svb + h * svh + within * svn
+            k = tl.load(k_rows[:, None] + d[None, :], mask=live[:, None], other=0.0)
             scores = tl.dot(q, tl.trans(k)) * scale
             scores = tl.where(live[None, :], scores, float("-inf"))
             m_new = tl.maximum(m, tl.max(scores, 1))
             p = tl.exp(scores - m_new[:, None])
             alpha = tl.exp(m - m_new)
             total = total * alpha + tl.sum(p, 1)
-            v = tl.load(v_base + n[:, None] * svn + d[None, :], mask=live[:, None], other=0.0)
+            v = tl.load(v_rows[:, None] + d[None, :], mask=live[:, None], other=0.0)
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
             m = m_new
         # A program past the row's length read nothing and writes nothing: the combine stops before it.
-        live = rows & (start < length)
+        # A tensor, not a scalar, beside ``rows``: Triton's CPU interpreter takes no other mask.
+        live = rows & ((g * 0 + start) < length)
         safe = tl.where(total > 0, total, 1.0)
         partial_base = Partial + b * spb + h * sph
         lse_base = Lse + b * slb + h * slh + g
-        tl.store(partial_base + s * sps + g[:, None] * spg + d[None, :], acc / safe[:, None], mask=live[:, None])
+        tl.store(
+            partial_base + s * sps + g[:, None] * spg + d[None, :],
+            acc / safe[:, None],
+            mask=live[:, None],
+        )
         tl.store(lse_base + s * sls, m + tl.log(safe), mask=live)
 
         # Every program counts itself in, after its stores (the atomic releases
