@@ -187,6 +187,12 @@ class Worker:
                 self._slot_free.clear()
                 await self._slot_free.wait()
                 continue
+            if not self.stage.has_room():
+                # The engine's memory for sequences (its KV blocks) is spent:
+                # more would only wait inside. Running ones leaving make room.
+                metrics.BACKPRESSURE.labels(self.role, "engine_full").inc()
+                await asyncio.sleep(0.05)
+                continue
             if self.tensors is not None and not self.tensors.has_room():
                 # Held tensors at their byte budget: taking more work would
                 # only hold more. Readers (or the TTL) free room.

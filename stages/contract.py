@@ -87,4 +87,9 @@ class Stage(Protocol):
 
     async def close(self) -> None: ...
 
+    def has_room(self) -> bool:
+        """Whether the worker may fetch another message: False holds it back
+        (back-pressure, never an error) until the stage has room again."""
+        ...
+
     def run(self, message: StageInput, ctx: HopContext) -> AsyncGenerator[StageOutput, None]: ...

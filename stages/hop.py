@@ -70,6 +70,9 @@ class HopStage:
         """Raises where the engine can serve no more: the worker is not ready."""
         await self.engine.health()
 
+    def has_room(self) -> bool:
+        return self.engine.has_room()
+
     async def close(self) -> None:
         await self.engine.close()
 

@@ -98,6 +98,11 @@ class HopEngine(Protocol[H]):
         says ``engine_dead``)."""
         ...
 
+    def has_room(self) -> bool:
+        """Whether the worker should take another request now (False: its
+        memory for sequences is spent; it fetches again once some leave)."""
+        ...
+
     async def encode(self, req: ProcessedRequest, ctx: HopContext) -> list[MediaEmbedding]:
         """The request's media as embeddings, one per item (none for text)."""
         ...

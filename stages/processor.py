@@ -99,6 +99,9 @@ class Processor:
     async def close(self) -> None:
         pass
 
+    def has_room(self) -> bool:
+        return True  # holds nothing between requests
+
     async def run(
         self, message: GenerateRequest | ProcessedRequest, ctx: HopContext
     ) -> AsyncGenerator[StageOutput, None]:

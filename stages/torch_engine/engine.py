@@ -217,11 +217,13 @@ class TorchEngine:
         seq.pending = None
         return token
 
-    def step(self, seqs: list[Sequence]) -> list[int]:
+    def step(self, seqs: list[Sequence]) -> list[int | None]:
         """One decode step: each sequence gets one new token, appended to it.
 
-        Sequences that fit the batch decoder advance there together, in one
-        forward; the others (no decoder, no free slot, too long) one by one.
+        Sequences in (or admitted now to) the batch decoder advance there
+        together, in one forward; those that never fit it (no decoder, too
+        long) one by one. One that fits the decoder but not now (its blocks
+        are not free) takes no step: None in its place.
         """
         for seq in seqs:
             if seq.released:
@@ -234,13 +236,14 @@ class TorchEngine:
                 raise ContextLengthExceeded(f"sequence reached the model's context of {self.max_model_len} tokens")
         with self._lock, torch.inference_mode():
             batched = [seq for seq in seqs if self._admit(seq)]
+            chosen: dict[int, int] = {}
             if batched:
                 assert self.decoder is not None and self._slots is not None
-                # Every slot steps (a slot not asked for writes the same key and
+                # Every row steps (a row not asked for writes the same key and
                 # value again: idempotent); only the asked ones take a token.
                 logits = self.decoder.step(*self._slots.step_inputs({q.slot for q in batched}))
                 chosen = self._select_batch(batched, logits)
-            return [chosen[id(q)] if q.slot >= 0 else self._step_one(q) for q in seqs]
+            return [chosen[id(q)] if q.slot >= 0 else None if self._ever_fits(q) else self._step_one(q) for q in seqs]
 
     def launch(self, seqs: list[Sequence]) -> Launch | None:
         """Queue one step of ``seqs`` on the device and return without waiting
@@ -250,8 +253,10 @@ class TorchEngine:
         last one (the decode loop keeps one step ahead: the GPU never waits
         for the host between steps). None, with nothing queued, where the
         batch cannot go this way: a sequence that samples on the host (not
-        greedy) or runs outside the batch decoder; ``step`` it instead, once
-        nothing launched is left uncollected.
+        greedy) or never fits the batch decoder; ``step`` it instead, once
+        nothing launched is left uncollected. A sequence that fits the
+        decoder but not now (its blocks are not free) is not in the step:
+        ``collect`` gives None in its place.
 
         A step may run for a sequence that the previous step's token ends (it
         is launched before that token is read): it writes one position past
@@ -271,21 +276,25 @@ class TorchEngine:
             if wanted and seq.length + seq.inflight >= self.max_model_len:
                 raise ContextLengthExceeded(f"sequence reached the model's context of {self.max_model_len} tokens")
         with self._lock, torch.inference_mode():
-            if not all(self._admit(seq) for seq in seqs):
+            if any(not self._admit(seq) and not self._ever_fits(seq) for seq in seqs):
                 return None
-            launched = decoder.launch(slots.step_inputs({seq.slot for seq in seqs}))
-            for seq in seqs:
+            stepped = [seq for seq in seqs if seq.slot >= 0]
+            launched = decoder.launch(slots.step_inputs({seq.slot for seq in stepped}))
+            for seq in stepped:
                 seq.inflight += 1
                 seq.feed_row = seq.slot
             return Launch([(seq, seq.slot) for seq in seqs], launched)
 
-    def collect(self, launch: Launch) -> list[int]:
+    def collect(self, launch: Launch) -> list[int | None]:
         """The tokens of a launched step (waits for it), each appended to its
-        sequence unless that was released meanwhile."""
+        sequence unless that was released meanwhile (None: not in the step)."""
         values = launch.launched.tokens()
         with self._lock:
-            tokens = []
+            tokens: list[int | None] = []
             for seq, row in launch.rows:
+                if row < 0:
+                    tokens.append(None)
+                    continue
                 seq.inflight -= 1
                 if not seq.inflight:
                     seq.feed_row = -1
@@ -293,6 +302,42 @@ class TorchEngine:
                     seq.output_ids.append(values[row])
                 tokens.append(values[row])
             return tokens
+
+    def admissible(self, seqs: list[Sequence]) -> list[bool]:
+        """Which of ``seqs`` a step can take now, first come first served:
+        one in the batch decoder, or never to be in it (it steps on its own
+        cache), goes; one that needs blocks goes if they are free beside
+        those taken by the ones before it, and once one must wait, the ones
+        behind it that need blocks wait too. (Read without the engine's
+        lock: a step admits again, and one it cannot take waits a step.)"""
+        decoder, slots = self.decoder, self._slots
+        if decoder is None or slots is None:
+            return [True] * len(seqs)
+        free, rows = decoder.pool.num_free, decoder.max_slots - slots.taken
+        out, waiting = [], False
+        for seq in seqs:
+            if seq.slot >= 0 or not self._ever_fits(seq):
+                out.append(True)
+                continue
+            need = decoder.blocks_for(_budget(seq))
+            waiting = waiting or need > free or rows < 1
+            if not waiting:
+                free, rows = free - need, rows - 1
+            out.append(not waiting)
+        return out
+
+    def has_room(self) -> bool:
+        """Whether the pool has blocks for more than a few tokens: below that,
+        a worker takes no more requests until running ones leave."""
+        decoder = self.decoder
+        return decoder is None or decoder.pool.num_free > max(1, decoder.pool.capacity // 100)
+
+    def _ever_fits(self, seq: Sequence) -> bool:
+        decoder = self.decoder
+        if decoder is None:
+            return False
+        blocks = decoder.blocks_for(_budget(seq))
+        return blocks <= decoder.blocks_per_seq and blocks <= decoder.pool.capacity
 
     def release(self, seq: Sequence) -> None:
         seq.cache = None

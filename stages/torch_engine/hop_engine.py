@@ -107,6 +107,13 @@ class TorchHopEngine:
             await self.fetcher.close()
         self.thread.close()
 
+    def has_room(self) -> bool:
+        """Whether to take another request: the KV pool has blocks to spare
+        and no sequence waits for them."""
+        if self.scheduler is not None and self.scheduler.blocked:
+            return False
+        return self.torch.has_room()
+
     async def health(self) -> None:
         """Raises once the decode loop has stopped other than by ``close()``:
         the worker would take requests whose streams never get a token. (The

@@ -169,6 +169,9 @@ class DecodeScheduler:
         self._pipelined = hasattr(engine, "launch") and hasattr(engine, "collect")
         # The launched step whose tokens are not handed out yet, and its batch.
         self._ahead: tuple[Any, list[_Running]] | None = None
+        # Sequences were released since the loop last waited for the engine's thread.
+        self._released = False
+        self._blocked = False
 
     def start(self) -> None:
         if self._loop_task is None:
@@ -232,14 +235,46 @@ class DecodeScheduler:
             entry.done = True
             self._wake.set()
 
+    def _admit(self, admissible: Callable[[list[Any]], list[bool]] | None) -> None:
+        """Waiting sequences the engine can take now join the batch, in order."""
+        room = self._max_batch - len(self._running)
+        if room <= 0 or not self._waiting:
+            self._blocked = False
+            return
+        takes = admissible([e.seq for e in self._waiting]) if admissible is not None else [True] * len(self._waiting)
+        joining = [e for e, take in zip(self._waiting, takes, strict=True) if take][:room]
+        self._blocked = not all(takes)
+        for entry in joining:
+            self._waiting.remove(entry)
+        self._running += joining
+
+    def _set_aside(self, batch: list[_Running], tokens: list[Any]) -> None:
+        """Sequences a step did not take (None: their blocks were not free)
+        wait again, ahead of those that came after them."""
+        left = [e for e, token in zip(batch, tokens, strict=True) if token is None and e in self._running]
+        for entry in left:
+            self._running.remove(entry)
+        self._waiting[:0] = left
+        self._blocked = self._blocked or bool(left)
+
+    @property
+    def blocked(self) -> bool:
+        """The first waiting sequence waits for the engine to have room for it (KV blocks)."""
+        return self._blocked and bool(self._waiting)
+
     async def _loop(self) -> None:
+        admissible = getattr(self._engine, "admissible", None)
         while True:
             self._drop_done()
-            room = self._max_batch - len(self._running)
-            if room > 0 and self._waiting:
-                self._running += self._waiting[:room]
-                del self._waiting[:room]
+            # First come, first served: one that waits for blocks holds back those behind it.
+            self._admit(admissible)
             if not self._running and self._ahead is None:
+                if self._waiting and self._released:
+                    # What finished gives its blocks back on the engine's thread: once
+                    # those releases have run, the first waiting may fit.
+                    self._released = False
+                    await self._thread.call(_nothing)
+                    continue
                 self._wake.clear()
                 await self._wake.wait()
                 continue
@@ -252,6 +287,7 @@ class DecodeScheduler:
                 self._fail(batch, exc)
                 continue
             self._hand_out(batch, tokens)
+            self._set_aside(batch, tokens)
             # Let consumers take their token (and say whether they are done)
             # before the next step.
             await asyncio.sleep(0)
@@ -295,6 +331,7 @@ class DecodeScheduler:
             return True
         if launched is not None:
             self._ahead = (launched, batch)
+            self._set_aside(batch, [0 if stepped else None for stepped in launched.stepped])
         await asyncio.sleep(0)
         # Not launched: step it, unless tokens were just handed out (the batch may have changed).
         return launched is not None or ahead is not None
@@ -305,9 +342,9 @@ class DecodeScheduler:
             entry.queue.put_nowait(exc)
             entry.done = True
 
-    def _hand_out(self, batch: list[_Running], tokens: list[int]) -> None:
+    def _hand_out(self, batch: list[_Running], tokens: list[int | None]) -> None:
         for entry, token in zip(batch, tokens, strict=True):
-            if entry.done:
+            if entry.done or token is None:
                 continue
             entry.queue.put_nowait(token)
             if entry.is_last(token):
@@ -318,3 +355,8 @@ class DecodeScheduler:
         for entry in [e for e in self._running + self._waiting if e.done]:
             (self._running if entry in self._running else self._waiting).remove(entry)
             self._thread.submit(self._engine.release, entry.seq)
+            self._released = True
+
+
+def _nothing() -> None:
+    """A call that runs once every call submitted before it has."""

@@ -63,10 +63,15 @@ class Sequence:
 
 @dataclass(frozen=True)
 class Launch:
-    """A launched step: its sequences with their rows, and the device step."""
+    """A launched step: the sequences asked for with their rows (-1: not in
+    the step, waiting for blocks), and the device step."""
 
     rows: list[tuple[Sequence, int]]
     launched: Launched
+
+    @property
+    def stepped(self) -> list[bool]:
+        return [row >= 0 for _, row in self.rows]
 
 
 @dataclass(frozen=True)

@@ -143,6 +143,11 @@ class VllmHopEngine:
         """Raises where vLLM's engine core is gone."""
         await self.llm.check_health()
 
+    def has_room(self) -> bool:
+        # vLLM's scheduler queues what its KV cache cannot hold yet; the
+        # worker's in-flight cap bounds what it is given.
+        return True
+
     # -- encode ---------------------------------------------------------------
 
     async def encode(self, req: ProcessedRequest, ctx: HopContext) -> list[MediaEmbedding]:

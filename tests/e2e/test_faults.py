@@ -155,6 +155,9 @@ class FlakyEncode:
     async def close(self) -> None:
         pass
 
+    def has_room(self) -> bool:
+        return True
+
     async def run(self, message: Any, ctx: HopContext) -> AsyncGenerator[StageOutput, None]:
         self.attempts.append(time.monotonic())
         raise TransientError("injected: the encoder's device went away")

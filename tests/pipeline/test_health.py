@@ -47,6 +47,9 @@ class WordsStage:
     async def close(self) -> None:
         pass
 
+    def has_room(self) -> bool:
+        return True
+
     async def run(
         self, message: GenerateRequest | ProcessedRequest, ctx: HopContext
     ) -> AsyncGenerator[StageOutput, None]:

@@ -22,6 +22,7 @@ from schemas.errors import ErrorCode, InvalidMedia, TransientError
 from schemas.processed import ProcessedRequest
 from schemas.request import ChatMessage, GenerateRequest
 from stages.contract import HopContext, StageOutput
+from tests.polling import eventually
 
 
 class ScriptStage:
@@ -37,6 +38,8 @@ class ScriptStage:
         self.running = 0
         self.peak = 0
         self.finished: list[str] = []
+        # False: the stage has no room for more (the worker fetches nothing).
+        self.room = True
 
     @property
     def models(self) -> list[str]:
@@ -47,6 +50,9 @@ class ScriptStage:
 
     async def close(self) -> None:
         pass
+
+    def has_room(self) -> bool:
+        return self.room
 
     async def run(
         self, message: GenerateRequest | ProcessedRequest, ctx: HopContext
@@ -211,6 +217,31 @@ async def test_fetches_no_more_than_its_free_slots(running: Any, pipeline_config
     assert stage.peak == 2
 
 
+async def test_a_stage_without_room_holds_the_fetch_and_loses_nothing(
+    running: Any, pipeline_config: PipelineConfig
+) -> None:
+    """A stage whose engine memory is spent says so (``has_room``): the
+    worker fetches nothing more, the requests wait in the stream (not
+    errors, not redeliveries), and all run once it has room again."""
+    stage = ScriptStage()
+    stage.room = False
+    worker = await running(stage, max_inflight=4)
+    subs = []
+    for i in range(3):
+        subs.append(await running.nc.subscribe(pipeline_config.subjects.reply(f"room{i}")))
+        await publish(running.js, pipeline_config, request(f"room{i}", "a bb"))
+    s = pipeline_config.subjects
+    turned = worker.last_progress
+    await eventually(lambda: worker.last_progress > turned + 0.5, within=5)  # the fetch loop turned, refraining
+    consumer = await running.js.consumer_info(s.stream("processor"), s.durable("processor"))
+    assert not stage.calls and consumer.num_pending == 3 and consumer.num_ack_pending == 0
+    stage.room = True
+    for i, sub in enumerate(subs):
+        chunks = await collect(sub)
+        assert [c.seq for c in chunks if isinstance(c, TokenChunk)] == [0, 1], f"room{i}"
+    assert sorted(rid for rid, _ in stage.calls) == ["room0", "room1", "room2"]
+
+
 async def test_expired_deadline_fails_without_work(running: Any, pipeline_config: PipelineConfig) -> None:
     stage = ScriptStage()
     await running(stage)
@@ -317,6 +348,9 @@ class Forward:
 
     async def close(self) -> None:
         pass
+
+    def has_room(self) -> bool:
+        return True
 
     async def run(
         self, message: GenerateRequest | ProcessedRequest, ctx: HopContext

@@ -86,14 +86,18 @@ def test_joining_and_leaving_gives_the_tokens_of_one_at_a_time(engines: Any, tem
     running: dict[int, Any] = {}
     pending = list(range(len(prompts)))
     while pending or running:
-        # One joins per step (more than the 4 slots wait their turn in the per-sequence path).
+        # One joins per step; more than the 4 rows wait for one (no token that step).
         if pending:
             i = pending.pop(0)
             (prompt, media), sampling = prompts[i], samplings[i]
             [(seq, first)] = batched.prefill([prompt], [media], [sampling])
             outputs[i], running[i] = [first], seq
         tokens = batched.step(list(running.values()))
+        assert batched._slots is not None and batched._slots.taken == min(len(running), 4)
+        assert tokens.count(None) == len(running) - batched._slots.taken
         for (i, seq), token in zip(list(running.items()), tokens, strict=True):
+            if token is None:
+                continue
             outputs[i].append(token)
             if len(outputs[i]) == samplings[i].max_tokens:
                 batched.release(seq)

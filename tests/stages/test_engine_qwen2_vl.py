@@ -23,6 +23,7 @@ from schemas.request import ChatMessage, GenerateRequest, SamplingParams
 from stages.emitter import ChunkEmitter
 from stages.families import MediaEmbedding
 from stages.sampling import SamplingConfig
+from stages.torch_engine.batch_decoder import from_blocks, to_blocks
 from stages.torch_engine.engine import TorchEngine
 from stages.torch_engine.reference import load_reference_model, reference_generate
 from stages.torch_engine.sampling import select_token, token_seed
@@ -247,7 +248,9 @@ def test_kv_handed_to_another_engine_continues_like_generate(
     [(seq, first)] = engine.prefill([prompt], [engine.encode(imgs)], [greedy(N_NEW)])
     tensors, state = engine.export_kv(seq)
     assert len(tensors) == 2 * engine.family.num_hidden_layers
-    assert state.output_ids == [first] and tensors[0].shape[2] == state.prompt_len
+    # In blocks, the prompt's positions (the first token is not in the cache yet).
+    blocks, _, block_size, _ = tensors[0].shape
+    assert state.output_ids == [first] and blocks == -(-state.prompt_len // block_size)
     # Over the wire the tensors are bytes: copies, not views of prefill's cache.
     received = [t.clone() for t in tensors]
     engine.release(seq)
@@ -283,5 +286,15 @@ def test_import_checks_the_shape(engine: TorchEngine, decode_engine: TorchEngine
     tensors, state = engine.export_kv(seq)
     with pytest.raises(InvalidRequest, match="layers"):
         decode_engine.import_kv(tensors[:2], state, greedy(N_NEW))
+    block_size = tensors[0].shape[2]
+    longer = KvState(state.prompt_len + block_size, state.output_ids, 0)  # a block more than was sent
     with pytest.raises(InvalidRequest, match="shape"):
-        decode_engine.import_kv(tensors, KvState(state.prompt_len + 1, state.output_ids, 0), greedy(N_NEW))
+        decode_engine.import_kv(tensors, longer, greedy(N_NEW))
+    # Blocks of another size (another worker's --block-size) are taken as they come.
+    length = state.prompt_len + len(state.output_ids) - 1
+    halves = [to_blocks(from_blocks(t, length), block_size // 2) for t in tensors]
+    a = decode_engine.import_kv(halves, state, greedy(N_NEW))
+    b = decode_engine.import_kv(tensors, state, greedy(N_NEW))
+    assert decode_engine.step([a]) == decode_engine.step([b])
+    for s in (a, b, seq):
+        (decode_engine if s is not seq else engine).release(s)

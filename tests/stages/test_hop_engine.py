@@ -4,6 +4,7 @@ real tensor store between them (the NATS object-store transport)."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -26,6 +27,7 @@ from stages.processor import Processor
 from stages.torch_engine.engine import TorchEngine
 from stages.torch_engine.hop_engine import TorchHopEngine
 from stages.torch_engine.reference import reference_generate
+from stages.torch_engine.settings import DecodeSettings
 from tests.e2e.conftest import gradient, png_data_url
 
 N = 8
@@ -181,3 +183,43 @@ async def test_a_hop_ending_at_prefill_streams_its_token_before_the_hand_off(
     chunks = first + rest
     assert chunks[-1].finish_reason == FinishReason.STOP
     assert "".join(c.text for c in chunks) == text[: text.index(stop)]
+
+
+async def test_sequences_the_pool_cannot_hold_yet_wait_for_blocks(tiny_model_dir: Path) -> None:
+    """A KV pool with room for two requests at a time: the others wait for
+    blocks (none steps on its own cache outside the pool), the engine says
+    it has no room meanwhile, and every stream is generate()'s."""
+    processor = Processor(load_traits(resolve_model(str(tiny_model_dir), "tiny")))
+    reqs = [processor.process(image_request(f"w{i}")) for i in range(5)]
+    expected = reference_generate(tiny_model_dir, reqs[0].prompt_token_ids, [gradient(60, 44, 3)], N)
+    probe = TorchEngine(tiny_model_dir, decode=DecodeSettings(slots=8))
+    assert probe.decoder is not None
+    media = probe.encode([gradient(60, 44, 3)])
+    need = probe.decoder.blocks_for(len(probe._prepare(reqs[0].prompt_token_ids, media, [])[0]) + N)
+    memory = (2 * need + 1) * probe.decoder.bytes_per_block  # two budgets and the null block
+    torch_engine = TorchEngine(tiny_model_dir, decode=DecodeSettings(slots=8, kv_cache_memory=str(memory)))
+    alone: list[Any] = []
+    step_one = torch_engine._step_one
+    torch_engine._step_one = lambda seq: alone.append(seq) or step_one(seq)  # type: ignore[method-assign]
+    engine = TorchHopEngine("encode+prefill+decode", torch_engine, max_batch=8)
+    stage = HopStage(engine.role, engine, "tiny")
+    await engine.start()
+    rooms: list[bool] = []
+    try:
+
+        async def run(req: ProcessedRequest) -> list[int]:
+            tokens = []
+            async for out in stage.run(req, HopContext()):
+                assert isinstance(out, TokenChunk)
+                tokens += out.token_ids
+                rooms.append(engine.has_room())
+            return tokens
+
+        got = await asyncio.gather(*(run(r) for r in reqs))
+    finally:
+        await engine.close()
+    assert got == [expected] * len(reqs)
+    assert not alone  # every sequence stepped in the batch decoder, after waiting
+    assert False in rooms and rooms[-1]  # full while some waited; room again at the end
+    assert torch_engine.decoder is not None
+    assert torch_engine.decoder.pool.num_free == torch_engine.decoder.pool.capacity
