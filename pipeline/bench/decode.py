@@ -42,7 +42,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--profile", action="store_true", help="print the kernels of a few decoder steps (torch.profiler)")
     p.add_argument(
         "--attention",
-        choices=("triton", "flash", "sdpa", "compiled"),
+        choices=("triton", "sdpa", "compiled"),
         default=None,
         help="the fused step's attention (default: the decoder's)",
     )
@@ -217,7 +217,9 @@ def _decoder_step_ms(
         for step in range(new - 1):
             lengths = [context + step] * batch
             feed = rows if ahead and step > 0 else none
-            previous, launched = launched, decoder.launch(StepInputs(tokens, lengths, lengths, feed, zeros, ones))
+            block = [blocks[r][lengths[r] // decoder.block_size] for r in rows]
+            inputs = StepInputs(tokens, lengths, lengths, feed, zeros, ones, block)
+            previous, launched = launched, decoder.launch(inputs)
             if not ahead:
                 tokens = launched.tokens()
                 seen.append(tokens)

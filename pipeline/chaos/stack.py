@@ -44,6 +44,9 @@ class StackOptions:
     decoded_cache_bytes: int = 8 << 20
     max_inflight: int = 8
     log_level: str = "WARNING"
+    # Each worker's KV pool (--kv-cache-memory); small, so sequences wait for
+    # blocks and are swapped out as they grow. None: the worker's default.
+    kv_cache_memory: str | None = None
 
 
 @dataclass
@@ -111,6 +114,8 @@ class ChaosStack:
         args += ["--transport", o.transport, "--tensor-budget-mb", str(o.tensor_budget_mb)]
         args += ["--embedding-cache-bytes", str(o.embedding_cache_bytes), "--max-inflight", str(o.max_inflight)]
         args += ["--decoded-cache-bytes", str(o.decoded_cache_bytes)]
+        if o.kv_cache_memory is not None:
+            args += ["--kv-cache-memory", o.kv_cache_memory]
         args += ["--health-port", str(port)]
         member = self._cli(*args, role=role, health_port=port)
         self.members.append(member)
@@ -189,11 +194,18 @@ class ChaosStack:
     def budget_bytes(self, role: str) -> int:
         """What a worker of ``role`` may hold beyond its model: the tensor
         budget (NIXL registers it twice: held tensors and a receive arena)
-        and, where it encodes, the embedding and decoded-media caches."""
+        and, where it encodes, the embedding and decoded-media caches; where
+        it decodes, copies of its KV pool's blocks swapped out to host memory
+        (the pool itself is there from the start)."""
         if role == PROCESSOR or role == "bridge":
             return 0
         o = self.options
         cache = o.embedding_cache_bytes + o.decoded_cache_bytes if role.startswith("encode") else 0
+        if "decode" in role and o.kv_cache_memory is not None:
+            from stages.torch_engine.settings import parse_memory
+
+            _, pool = parse_memory(o.kv_cache_memory)
+            cache += pool or 0
         return 2 * (o.tensor_budget_mb << 20) + cache
 
     def stop(self) -> None:

@@ -59,9 +59,11 @@ class StepInputs(NamedTuple):
     """Per row of a step: its last token (used where ``feed`` < 0), rotary
     position, write position (tokens already in its blocks), the row of the
     previous step's ``sampled`` to take the token from instead (-1: none),
-    whether EOS is masked for its choice (min_tokens not reached), and
-    whether its choice is wanted (1) or the row only rewrites its pending
-    token (0: its ``sampled`` entry keeps the fed token)."""
+    whether EOS is masked for its choice (min_tokens not reached), whether
+    its choice is wanted (1) or the row only rewrites its pending token (0:
+    its ``sampled`` entry keeps the fed token), and the block the write
+    position lies in (the step enters it in the row's table: a sequence's
+    table grows with the steps that need a new block)."""
 
     tokens: list[int]
     positions: list[int]
@@ -69,6 +71,7 @@ class StepInputs(NamedTuple):
     feed: list[int]
     mask_eos: list[int]
     asked: list[int]
+    block: list[int]
 
 
 class Launched:
@@ -168,7 +171,7 @@ class BatchDecoder:
         # Static inputs of a step (graphs read them from these addresses).
         # One tensor, so a step's inputs go to the device in one copy.
         self._inputs = torch.zeros(len(StepInputs._fields), max_slots, dtype=torch.long, device=self.device)
-        self.tokens, self.positions, self.write_at, self.feed, self.mask_eos, self.asked = self._inputs
+        self.tokens, self.positions, self.write_at, self.feed, self.mask_eos, self.asked, self.block = self._inputs
         # Each row's chosen token of the last step (argmax), where the next step can feed it from.
         self.sampled = torch.zeros(max_slots, dtype=torch.long, device=self.device)
         eos = sorted(set(eos_ids))
@@ -233,6 +236,29 @@ class BatchDecoder:
             for i in range(self.shape.layers)
         ]
 
+    def to_host(self, blocks: list[int]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Copies of ``blocks`` in host memory (pinned, queued in stream order
+        on a GPU: the blocks may be reused by what is queued after)."""
+        index = torch.tensor(blocks, dtype=torch.long, device=self.device)
+        pinned = self.device.type == "cuda"
+        out = []
+        for i in range(self.shape.layers):
+            pair = []
+            for pool in (self.keys[i], self.values[i]):
+                host = torch.empty((len(blocks), *pool.shape[1:]), dtype=self.dtype, pin_memory=pinned)
+                host.copy_(pool.index_select(0, index), non_blocking=pinned)
+                pair.append(host)
+            out.append((pair[0], pair[1]))
+        return out
+
+    def from_host(self, blocks: list[int], host: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """``to_host``'s copies into ``blocks`` (as many)."""
+        index = torch.tensor(blocks, dtype=torch.long, device=self.device)
+        pinned = self.device.type == "cuda"
+        for i, (k, v) in enumerate(host):
+            self.keys[i].index_copy_(0, index, k.to(self.device, non_blocking=pinned))
+            self.values[i].index_copy_(0, index, v.to(self.device, non_blocking=pinned))
+
     def block_views(self, blocks: list[int]) -> list[tuple[list[torch.Tensor], list[torch.Tensor]]]:
         """Per layer, the views [kv_heads, block_size, head_dim] of each of
         ``blocks``' keys and values: where a sequence's cache can be written
@@ -252,6 +278,7 @@ class BatchDecoder:
         feed: list[int] | None = None,
         mask_eos: list[int] | None = None,
         asked: list[int] | None = None,
+        block: list[int] | None = None,
     ) -> torch.Tensor:
         """Logits [n, vocab] of one new token for slots 0..n-1; their greedy
         choices land in ``sampled[:n]``.
@@ -260,7 +287,7 @@ class BatchDecoder:
         ``positions[i]`` its rotary position and ``lengths[i]`` the number of
         tokens already in its blocks (where the new one is written, through
         its block table). The rest as ``StepInputs`` (default: no feed, no
-        EOS mask, every row asked).
+        EOS mask, every row asked, each write in the block its table has).
         """
         n = len(tokens)
         if n > self.max_slots:
@@ -283,6 +310,7 @@ class BatchDecoder:
             (feed or [-1] * n) + [-1] * pad,
             (mask_eos or [0] * n) + zeros,
             (asked or [1] * n) + zeros,
+            (block or [-1] * n) + [NULL_BLOCK] * pad,
         ]
         self._inputs[:, :bucket].copy_(torch.tensor(rows), non_blocking=True)
         if not self.use_graphs:
@@ -387,9 +415,13 @@ class BatchDecoder:
         return self._choose(bucket, logits, tokens)
 
     def _write_address(self, bucket: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Each row's block and offset in it where this step's key and value go."""
-        write_at = self.write_at[:bucket]
-        blocks = self.tables[self.rows[:bucket], write_at // self.block_size]
+        """Each row's block and offset in it where this step's key and value
+        go; a block given in the inputs is entered in the row's table first."""
+        rows, write_at = self.rows[:bucket], self.write_at[:bucket]
+        index = write_at // self.block_size
+        given = self.block[:bucket]
+        blocks = torch.where(given >= 0, given, self.tables[rows, index])
+        self.tables[rows, index] = blocks
         return blocks, write_at % self.block_size
 
     def _fed_tokens(self, bucket: int) -> torch.Tensor:

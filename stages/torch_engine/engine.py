@@ -32,7 +32,7 @@ from stages.device_copy import tensor_on, to_device
 from stages.families import Grid, Media, MediaEmbedding, family_for_architecture
 from stages.families.tower_graphs import TowerGraphs
 from stages.sampling import SamplingConfig
-from stages.torch_engine import batch_decoder
+from stages.torch_engine import batch_decoder, metrics
 from stages.torch_engine.batch_decoder import BatchDecoder, Launched, from_blocks, to_blocks
 from stages.torch_engine.block_pool import blocks_for
 from stages.torch_engine.sampling import greedy_choice, select_token
@@ -223,7 +223,8 @@ class TorchEngine:
         Sequences in (or admitted now to) the batch decoder advance there
         together, in one forward; those that never fit it (no decoder, too
         long) one by one. One that fits the decoder but not now (its blocks
-        are not free) takes no step: None in its place.
+        are not free, or it was swapped out for an older one to grow) takes
+        no step: None in its place.
         """
         for seq in seqs:
             if seq.released:
@@ -235,7 +236,7 @@ class TorchEngine:
             if seq.length >= self.max_model_len:
                 raise ContextLengthExceeded(f"sequence reached the model's context of {self.max_model_len} tokens")
         with self._lock, torch.inference_mode():
-            batched = [seq for seq in seqs if self._admit(seq)]
+            batched = self._grown([seq for seq in seqs if self._admit(seq)])
             chosen: dict[int, int] = {}
             if batched:
                 assert self.decoder is not None and self._slots is not None
@@ -255,13 +256,13 @@ class TorchEngine:
         batch cannot go this way: a sequence that samples on the host (not
         greedy) or never fits the batch decoder; ``step`` it instead, once
         nothing launched is left uncollected. A sequence that fits the
-        decoder but not now (its blocks are not free) is not in the step:
-        ``collect`` gives None in its place.
+        decoder but not now (its blocks are not free, or it was swapped out
+        for an older one to grow) is not in the step: ``collect`` gives None
+        in its place.
 
         A step may run for a sequence that the previous step's token ends (it
         is launched before that token is read): it writes one position past
-        the last token, which the slot holds (admission counts max_tokens),
-        and its token is dropped."""
+        the last token, in a block it is given, and its token is dropped."""
         decoder, slots = self.decoder, self._slots
         if decoder is None or slots is None:
             return None
@@ -278,7 +279,7 @@ class TorchEngine:
         with self._lock, torch.inference_mode():
             if any(not self._admit(seq) and not self._ever_fits(seq) for seq in seqs):
                 return None
-            stepped = [seq for seq in seqs if seq.slot >= 0]
+            stepped = self._grown([seq for seq in seqs if seq.slot >= 0])
             launched = decoder.launch(slots.step_inputs({seq.slot for seq in stepped}))
             for seq in stepped:
                 seq.inflight += 1
@@ -303,6 +304,25 @@ class TorchEngine:
                 tokens.append(values[row])
             return tokens
 
+    def _grown(self, seqs: list[Sequence]) -> list[Sequence]:
+        """``seqs`` (in the decoder) with a block each for this step's write;
+        those swapped out to make room are left out."""
+        if not seqs:
+            return seqs
+        assert self._slots is not None and self.decoder is not None
+        preempted = self._slots.grow(seqs)
+        if preempted:
+            metrics.PREEMPTIONS.inc(len(preempted))
+            log.info("kv_preempted", sequences=len(preempted), free_blocks=self.decoder.pool.num_free)
+        self._count_blocks()
+        return [seq for seq in seqs if seq.slot >= 0]
+
+    def _count_blocks(self) -> None:
+        decoder = self.decoder
+        if decoder is not None:
+            pool = decoder.pool
+            metrics.KV_USAGE.set(1 - pool.num_free / pool.capacity)
+
     def admissible(self, seqs: list[Sequence]) -> list[bool]:
         """Which of ``seqs`` a step can take now, first come first served:
         one in the batch decoder, or never to be in it (it steps on its own
@@ -319,7 +339,8 @@ class TorchEngine:
             if seq.slot >= 0 or not self._ever_fits(seq):
                 out.append(True)
                 continue
-            need = decoder.blocks_for(_budget(seq))
+            # One swapped out comes back as it was; a new one leaves a few blocks to grow into.
+            need = len(seq.swapped[0][0]) if seq.swapped else decoder.blocks_for(seq.length) + self._spare()
             waiting = waiting or need > free or rows < 1
             if not waiting:
                 free, rows = free - need, rows - 1
@@ -330,7 +351,13 @@ class TorchEngine:
         """Whether the pool has blocks for more than a few tokens: below that,
         a worker takes no more requests until running ones leave."""
         decoder = self.decoder
-        return decoder is None or decoder.pool.num_free > max(1, decoder.pool.capacity // 100)
+        return decoder is None or decoder.pool.num_free > self._spare()
+
+    def _spare(self) -> int:
+        """Blocks a new sequence leaves free for running ones to grow into
+        (vLLM's watermark: 1% of the pool)."""
+        decoder = self.decoder
+        return 0 if decoder is None else max(1, decoder.pool.capacity // 100)
 
     def _ever_fits(self, seq: Sequence) -> bool:
         decoder = self.decoder
@@ -341,11 +368,13 @@ class TorchEngine:
 
     def release(self, seq: Sequence) -> None:
         seq.cache = None
+        seq.swapped = None
         if seq.slot < 0 and not seq.blocks and not seq.receiving:
             return
         assert self._slots is not None
         with self._lock:
             self._slots.free(seq)
+            self._count_blocks()
 
     def _admit(self, seq: Sequence) -> bool:
         """Whether ``seq`` is (now) in the batch decoder; its cache moves to its blocks."""
@@ -354,9 +383,16 @@ class TorchEngine:
         if seq.receiving:
             raise ValueError("step on a sequence whose KV cache is still arriving")
         decoder, slots = self.decoder, self._slots
-        if decoder is None or slots is None or not slots.can_take(_budget(seq)):
+        if decoder is None or slots is None:
             return False
-        slots.take(seq, _budget(seq))
+        if seq.swapped is not None:
+            if not slots.can_swap_in(seq):
+                return False
+            slots.swap_in(seq)
+            return True
+        if not self._ever_fits(seq) or not slots.can_take(seq.length):
+            return False
+        slots.take(seq, seq.length)
         decoder.load(seq.blocks, [(layer.keys, layer.values) for layer in seq.cache.layers])
         seq.cache = None
         return True
@@ -461,9 +497,9 @@ class TorchEngine:
             receiving=True,
         )
         with self._lock:
-            if not slots.can_take(_budget(seq)):
+            if not self._ever_fits(seq) or not slots.can_take(_cached(state), self._spare()):
                 return None
-            slots.hold(seq, _budget(seq))
+            slots.hold(seq, _cached(state))
             # A step launched for the blocks' last owner may still be queued:
             # the READ, which the device's queue does not order, waits for it.
             seq.quiet = torch.cuda.Event() if self.device.type == "cuda" else None
@@ -604,9 +640,11 @@ class TorchEngine:
         modules)."""
         prefill, slots = self._slot_prefill, self._slots
         seq = Sequence(prompt_len=length, output_ids=[], sampling=sampling, rope_delta=delta, cache=None)
-        if prefill is None or slots is None or not prefill.fits(length) or not slots.can_take(_budget(seq)):
+        if prefill is None or slots is None or not prefill.fits(length) or not self._ever_fits(seq):
             return None
-        slots.take(seq, _budget(seq))
+        if not slots.can_take(length, self._spare()):
+            return None
+        slots.take(seq, length)
         try:
             logits = prefill.run(embeds[0], positions, seq.blocks)
         except BaseException:
@@ -666,7 +704,8 @@ class TorchEngine:
 
 def _budget(seq: Sequence) -> int:
     """Positions ``seq`` can come to write: its prompt and every token it
-    may make (a step launched past its last token writes the last one)."""
+    may make (a step launched past its last token writes the last one): a
+    sequence the decoder could never hold to its end steps on its own."""
     return seq.prompt_len + seq.sampling.max_tokens
 
 

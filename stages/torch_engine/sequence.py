@@ -32,6 +32,11 @@ class Sequence:
     receiving: bool = False
     # The CUDA event such a transfer waits for before it writes (TorchEngine.wait_quiet).
     quiet: Any = None
+    # Preempted: its cache in host memory, per layer (keys, values) of its
+    # blocks, until blocks are free again (SlotTable.swap_in).
+    swapped: Any = None
+    # Its place in the order sequences first took a row (the youngest is preempted first).
+    admitted: int = 0
     # Steps launched for it whose tokens are not collected yet (``launch``),
     # and the decoder row its last launched token waits in on the device.
     inflight: int = 0
@@ -58,7 +63,7 @@ class Sequence:
 
     @property
     def released(self) -> bool:
-        return self.cache is None and self.slot < 0 and not self.blocks
+        return self.cache is None and self.slot < 0 and not self.blocks and self.swapped is None
 
 
 @dataclass(frozen=True)

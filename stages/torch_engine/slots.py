@@ -1,11 +1,14 @@
 """Which sequence runs in which row of the batch decoder, and which blocks
 of the paged KV pool hold its cache.
 
-A sequence is given, when it joins, every block it can come to need: its
-prompt and ``max_tokens`` (positions below ``prompt_len + max_tokens``; a
-step launched past its last token writes the last of them). Admission is
-then by memory (free blocks) as well as by rows, and a running sequence
-never waits for a block.
+A sequence joins with the blocks its cache fills and is given one more
+each time a step writes past them (``grow``). When the pool has none left,
+the youngest running sequence is preempted (``swap_out``): its blocks are
+copied to host memory and freed, and it waits until they can come back
+(``swap_in``), then goes on where it was. Swapped, not recomputed as
+vLLM's are: a decode worker holds no prompt to recompute from, and a
+copy back costs a PCIe transfer, not a prefill. Its tokens go on from
+where they were: nothing is emitted twice.
 
 A step runs rows ``0..n-1``, so taken rows are kept low: a freed row is
 refilled with the last one's sequence (its block table moves, not its
@@ -38,6 +41,8 @@ class SlotTable:
         self.rows: list[Sequence] = []
         # Rows promised to sequences whose cache is arriving.
         self.promised = 0
+        # Sequences given a row so far: the order that says which is youngest.
+        self._admitted = 0
 
     def __len__(self) -> int:
         return len(self.rows)
@@ -49,11 +54,12 @@ class SlotTable:
     def blocks_needed(self, tokens: int) -> int:
         return self.decoder.blocks_for(tokens)
 
-    def can_take(self, tokens: int) -> bool:
-        """Whether a sequence that may grow to ``tokens`` positions can join now."""
+    def can_take(self, tokens: int, spare: int = 0) -> bool:
+        """Whether a sequence holding ``tokens`` positions can join now,
+        leaving ``spare`` blocks free."""
         n = self.blocks_needed(tokens)
         decoder = self.decoder
-        return self.taken < decoder.max_slots and n <= decoder.blocks_per_seq and decoder.pool.can_allocate(n)
+        return self.taken < decoder.max_slots and n <= decoder.blocks_per_seq and decoder.pool.can_allocate(n + spare)
 
     def take(self, seq: Sequence, tokens: int) -> int:
         """A row for ``seq`` (the next one) and its blocks; sets ``seq.slot``."""
@@ -71,10 +77,45 @@ class SlotTable:
         return self._place(seq)
 
     def free(self, seq: Sequence) -> None:
-        """``seq``'s row (if any) and blocks go back."""
+        """``seq``'s row (if any) and blocks go back (and any copy swapped out)."""
         self._leave(seq)
         self.decoder.pool.free(seq.blocks)
         seq.blocks = []
+        seq.swapped = None
+
+    def swap_out(self, seq: Sequence) -> None:
+        """Preempt ``seq``: its cache to host memory, its row and blocks back."""
+        swapped = self.decoder.to_host(seq.blocks)
+        self.free(seq)
+        seq.swapped = swapped
+
+    def can_swap_in(self, seq: Sequence) -> bool:
+        n = len(seq.swapped[0][0]) if seq.swapped else 0
+        return self.taken < self.decoder.max_slots and self.decoder.pool.can_allocate(n)
+
+    def swap_in(self, seq: Sequence) -> int:
+        """A swapped-out sequence back in blocks and a row, as it was."""
+        assert seq.swapped is not None
+        seq.blocks = self.decoder.pool.allocate(len(seq.swapped[0][0]))
+        self.decoder.from_host(seq.blocks, seq.swapped)
+        seq.swapped = None
+        return self._place(seq)
+
+    def grow(self, seqs: list[Sequence]) -> list[Sequence]:
+        """A block for each row's next write where it has none, oldest first;
+        where the pool has none left, the youngest of ``seqs`` is swapped out
+        (it may be the one growing). Returns those swapped out."""
+        pool, size = self.decoder.pool, self.decoder.block_size
+        preempted: list[Sequence] = []
+        for seq in sorted(seqs, key=lambda q: q.admitted):
+            while seq.slot >= 0 and len(seq.blocks) <= (seq.length - 1 + seq.inflight) // size:
+                if pool.can_allocate(1):
+                    seq.blocks += pool.allocate(1)
+                    continue
+                victim = max((q for q in seqs if q.slot >= 0), key=lambda q: q.admitted)
+                self.swap_out(victim)
+                preempted.append(victim)
+        return preempted
 
     def leak(self, seq: Sequence) -> None:
         """As ``free``, but its blocks stay out of use for good (a READ may still write them)."""
@@ -92,6 +133,9 @@ class SlotTable:
         row = len(self.rows)
         self.rows.append(seq)
         seq.slot = row
+        if not seq.admitted:
+            self._admitted += 1
+            seq.admitted = self._admitted
         self.decoder.set_table(row, seq.blocks)
         return row
 
@@ -113,9 +157,13 @@ class SlotTable:
     def step_inputs(self, asked: set[int] | None = None) -> StepInputs:
         """Each row's inputs to a step (``asked``: the rows whose tokens are
         wanted; default every row)."""
-        inputs = StepInputs([], [], [], [], [], [])
+        inputs = StepInputs([], [], [], [], [], [], [])
+        size = self.decoder.block_size
         for row, seq in enumerate(self.rows):
             ahead = seq.length - 1 + seq.inflight
+            # A row not asked (nor grown) past its blocks writes where its table says: the null block.
+            index = ahead // size
+            inputs.block.append(seq.blocks[index] if index < len(seq.blocks) else -1)
             fed = seq.feed_row >= 0
             inputs.tokens.append(0 if fed else seq.output_ids[-1])
             inputs.positions.append(ahead + seq.rope_delta)

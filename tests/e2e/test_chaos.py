@@ -12,6 +12,10 @@ the very scenarios ``mmpipe chaos`` runs and reports (pipeline/chaos/):
   Retry-After within 100 ms (in the bridge) for what cannot be taken, the rest completes,
   and no worker grows beyond its budgets.
 
+The decode workers' KV pools hold 11 blocks of 16 tokens, fewer than their
+eight requests in flight come to need: sequences wait for blocks and are
+swapped out and back while all this goes on.
+
 Small request counts: the whole module runs in a few minutes on 2 cores.
 """
 
@@ -25,7 +29,7 @@ import pytest
 from pipeline.chaos.figures import Figures, table
 from pipeline.chaos.reference import Reference
 from pipeline.chaos.scenarios import ChaosSpec, Run, crash, nats_restart, overload
-from pipeline.chaos.stack import ChaosStack, StackOptions
+from pipeline.chaos.stack import ChaosStack, StackOptions, metric
 
 pytestmark = [pytest.mark.e2e, pytest.mark.chaos]
 
@@ -34,7 +38,8 @@ SPEC = ChaosSpec(concurrency=16, requests=16, max_tokens=24, overload_seconds=2.
 
 @pytest.fixture(scope="module")
 def chaos_stack(tmp_path_factory: pytest.TempPathFactory, mmpipe_home: Path) -> Iterator[ChaosStack]:
-    with ChaosStack(tmp_path_factory.mktemp("chaos"), StackOptions()) as stack:
+    # 12 blocks of the tiny model's 8 KiB (2 layers, 1 kv head of 32, float32), the null one among them.
+    with ChaosStack(tmp_path_factory.mktemp("chaos"), StackOptions(kv_cache_memory="96KiB")) as stack:
         yield stack
 
 
@@ -71,6 +76,10 @@ async def test_crash_of_each_role_loses_nothing(
     live = {role: len(chaos_stack.workers(role)) for role in chaos_stack.roles}
     dead = [(m.role, m.popen.returncode, m.tail()) for m in chaos_stack.members if not m.alive]
     assert live == dict.fromkeys(chaos_stack.roles, 2), (live, dead)
+    # The pool was too small for what the decode workers held: some sequence was swapped out.
+    preempted = [metric(m, "mmpipe_preemptions_total") for m in chaos_stack.workers("decode")]
+    print("preemptions per live decode worker:", preempted)
+    assert sum(preempted) > 0, (preempted, figures.notes)
 
 
 @pytest.mark.timeout(180)

@@ -281,12 +281,13 @@ def test_a_cache_written_into_its_reserved_blocks_decodes_as_the_sequence_it_lef
     pool.free(leaked)  # the module-scoped engine goes on to other tests
 
 
-def test_the_pool_is_sized_by_memory_and_a_sequence_it_cannot_hold_decodes_on_its_own(
-    mmpipe_home: Path, engine_device: str
-) -> None:
-    """--kv-cache-memory in bytes: that many bytes of blocks. A sequence
-    whose prompt and max_tokens do not fit the blocks left waits for none:
-    it runs on its own cache, as one too long for the decoder does."""
+def test_a_pool_too_small_for_all_swaps_the_youngest_out_and_back(mmpipe_home: Path, engine_device: str) -> None:
+    """--kv-cache-memory in bytes: that many bytes of blocks. Four sequences
+    join with a block each and grow past what the pool holds: the youngest
+    is swapped out (no token that step) while the older grow, and comes back
+    where it was once blocks are free; every sequence's tokens are those of
+    one decoded alone, none twice. One that the pool could never hold to its
+    end steps on its own cache."""
     model_dir = builtin_path("tiny-qwen2-vl")
     probe = engine_on(engine_device, model_dir, DecodeSettings(slots=4, max_len=512))
     assert probe.decoder is not None
@@ -296,17 +297,31 @@ def test_the_pool_is_sized_by_memory_and_a_sequence_it_cannot_hold_decodes_on_it
     )
     decoder = engine.decoder
     assert decoder is not None and decoder.pool.num_blocks == 9 and decoder.nbytes == 9 * per_block
-    prompt = engine.tokenizer("Fill the pool")["input_ids"]  # a few tokens: one block with 8 tokens to make
-    small = SamplingConfig(temperature=0.0, max_tokens=8, min_tokens=8)
-    seqs = [engine.prefill([prompt], [[]], [small])[0][0] for _ in range(5)]
-    tokens = engine.step(seqs)
-    assert [s.slot for s in seqs] == [0, 1, 2, 3, -1]  # four rows
-    big = SamplingConfig(temperature=0.0, max_tokens=100, min_tokens=100)
-    [(wide, _)] = engine.prefill([prompt], [[]], [big])
-    engine.release(seqs[0])
-    tokens = engine.step([wide, *seqs[1:4]])
-    assert wide.slot < 0 and len(tokens) == 4  # 8 blocks, more than are free: on its own
-    assert decoder.pool.num_free == 8 - 3 * decoder.blocks_for(len(prompt) + 8)
-    for seq in [wide, *seqs[1:]]:
-        engine.release(seq)
+    alone = engine_on(engine_device, model_dir, DecodeSettings(batched=False))
+    prompts = [engine.tokenizer(text)["input_ids"] for text in ("One", "Two, two", "Three three three", "Four")]
+    greedy = SamplingConfig(temperature=0.0, max_tokens=40, min_tokens=40)  # 3 blocks each, 12 in all
+    expected = [_alone(alone, p, [], greedy) for p in prompts]
+    outs, running, skipped = [], [], 0
+    for prompt in prompts:
+        [(seq, first)] = engine.prefill([prompt], [[]], [greedy])
+        outs.append([first])
+        running.append(seq)
+    swapped_seen = False
+    while any(len(out) < 40 for out in outs):
+        live = [(out, seq) for out, seq in zip(outs, running, strict=True) if len(out) < 40]
+        for (out, seq), token in zip(live, engine.step([seq for _, seq in live]), strict=True):
+            swapped_seen = swapped_seen or seq.swapped is not None
+            if token is None:
+                skipped += 1
+                continue
+            out.append(token)
+            if len(out) == 40:
+                engine.release(seq)
+        assert decoder.pool.num_free >= 0 and len(engine._slots or []) <= 4
+    assert outs == expected
+    assert skipped and swapped_seen  # someone waited in host memory
     assert decoder.pool.num_free == decoder.pool.capacity
+    wide = SamplingConfig(temperature=0.0, max_tokens=200, min_tokens=200)  # 13 blocks: more than the pool
+    [(seq, _)] = engine.prefill([prompts[0]], [[]], [wide])
+    assert engine.step([seq]) != [None] and seq.slot < 0 and seq.cache is not None
+    engine.release(seq)

@@ -24,6 +24,7 @@ from stages.hop_engine import HopEngine, check_context
 from stages.models import resolve_model
 from stages.models.traits import load_traits
 from stages.processor import Processor
+from stages.torch_engine import metrics
 from stages.torch_engine.engine import TorchEngine
 from stages.torch_engine.hop_engine import TorchHopEngine
 from stages.torch_engine.reference import reference_generate
@@ -185,10 +186,13 @@ async def test_a_hop_ending_at_prefill_streams_its_token_before_the_hand_off(
     assert "".join(c.text for c in chunks) == text[: text.index(stop)]
 
 
-async def test_sequences_the_pool_cannot_hold_yet_wait_for_blocks(tiny_model_dir: Path) -> None:
-    """A KV pool with room for two requests at a time: the others wait for
-    blocks (none steps on its own cache outside the pool), the engine says
-    it has no room meanwhile, and every stream is generate()'s."""
+async def test_sequences_the_pool_cannot_hold_wait_or_are_swapped_out(tiny_model_dir: Path) -> None:
+    """A KV pool with room for less than two whole requests: two join (a
+    sequence joins with the blocks its cache fills), and as they grow the
+    younger is swapped out and back, through the decode loop's launched steps; the
+    rest wait for blocks (none steps on its own cache outside the pool),
+    the engine says it has no room meanwhile, and every stream is
+    generate()'s."""
     processor = Processor(load_traits(resolve_model(str(tiny_model_dir), "tiny")))
     reqs = [processor.process(image_request(f"w{i}")) for i in range(5)]
     expected = reference_generate(tiny_model_dir, reqs[0].prompt_token_ids, [gradient(60, 44, 3)], N)
@@ -196,13 +200,14 @@ async def test_sequences_the_pool_cannot_hold_yet_wait_for_blocks(tiny_model_dir
     assert probe.decoder is not None
     media = probe.encode([gradient(60, 44, 3)])
     need = probe.decoder.blocks_for(len(probe._prepare(reqs[0].prompt_token_ids, media, [])[0]) + N)
-    memory = (2 * need + 1) * probe.decoder.bytes_per_block  # two budgets and the null block
+    memory = 2 * need * probe.decoder.bytes_per_block  # less than two budgets beside the null block
     torch_engine = TorchEngine(tiny_model_dir, decode=DecodeSettings(slots=8, kv_cache_memory=str(memory)))
     alone: list[Any] = []
     step_one = torch_engine._step_one
     torch_engine._step_one = lambda seq: alone.append(seq) or step_one(seq)  # type: ignore[method-assign]
     engine = TorchHopEngine("encode+prefill+decode", torch_engine, max_batch=8)
     stage = HopStage(engine.role, engine, "tiny")
+    preempted = metrics.PREEMPTIONS._value.get()
     await engine.start()
     rooms: list[bool] = []
     try:
@@ -220,6 +225,7 @@ async def test_sequences_the_pool_cannot_hold_yet_wait_for_blocks(tiny_model_dir
         await engine.close()
     assert got == [expected] * len(reqs)
     assert not alone  # every sequence stepped in the batch decoder, after waiting
+    assert metrics.PREEMPTIONS._value.get() > preempted
     assert False in rooms and rooms[-1]  # full while some waited; room again at the end
     assert torch_engine.decoder is not None
     assert torch_engine.decoder.pool.num_free == torch_engine.decoder.pool.capacity
