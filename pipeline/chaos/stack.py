@@ -45,8 +45,10 @@ class StackOptions:
     max_inflight: int = 8
     log_level: str = "WARNING"
     # Each worker's KV pool (--kv-cache-memory); small, so sequences wait for
-    # blocks and are swapped out as they grow. None: the worker's default.
+    # blocks and are swapped out as they grow, with the longest sequence the
+    # decoder takes (--decode-max-len) no more than it holds. None: the defaults.
     kv_cache_memory: str | None = None
+    decode_max_len: int | None = None
 
 
 @dataclass
@@ -116,6 +118,8 @@ class ChaosStack:
         args += ["--decoded-cache-bytes", str(o.decoded_cache_bytes)]
         if o.kv_cache_memory is not None:
             args += ["--kv-cache-memory", o.kv_cache_memory]
+        if o.decode_max_len is not None:
+            args += ["--decode-max-len", str(o.decode_max_len)]
         args += ["--health-port", str(port)]
         member = self._cli(*args, role=role, health_port=port)
         self.members.append(member)

@@ -134,14 +134,18 @@ class TorchEngine:
         fam = self.family
         itemsize = torch.empty(0, dtype=self.dtype).element_size()
         per_block = 2 * fam.num_hidden_layers * fam.num_key_value_heads * decode.block_size * fam.head_dim * itemsize
-        blocks = size // per_block
-        # One sequence of a single token at least, besides the null block.
-        if blocks < 2:
+        blocks = int(size // per_block)
+        # As vLLM refuses a max_model_len its KV cache cannot hold: one
+        # sequence of the longest the decoder takes must fit, beside the
+        # null block, or such a sequence could never finish.
+        longest = blocks_for(max_len, decode.block_size)
+        if blocks - 1 < longest:
             raise ValueError(
-                f"--kv-cache-memory {decode.kv_cache_memory}: {size} bytes hold {blocks} KV blocks of "
-                f"{per_block} bytes; two at least"
+                f"--kv-cache-memory {decode.kv_cache_memory}: {size} bytes hold {max(blocks - 1, 0)} KV blocks of "
+                f"{decode.block_size} tokens ({per_block} bytes each), fewer than one sequence of "
+                f"--decode-max-len {max_len} needs ({longest}): give it more memory or lower --decode-max-len"
             )
-        return int(blocks)
+        return blocks
 
     # -- media --------------------------------------------------------------
 

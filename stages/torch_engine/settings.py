@@ -29,8 +29,8 @@ class DecodeSettings:
     kv_cache_memory: str | None = setting(
         None,
         help="memory for the KV cache's blocks: a fraction of the device memory free once the weights are loaded "
-        "(0.5; on CPU of the host's free memory), or bytes (8GiB, 512MiB, 1000000). Unset: room for "
-        "--max-batch sequences of --decode-max-len tokens",
+        "(0.5; on CPU of the host's free memory), or bytes (8GiB, 512MiB, 1000000); one sequence of "
+        "--decode-max-len tokens at least. Unset: room for --max-batch sequences of --decode-max-len tokens",
     )
     cuda_graphs: bool = setting(True, help="capture decode steps as CUDA graphs (off: run them eagerly)")
     # None: on CUDA only (the CPU keeps generate()'s exact numerics).

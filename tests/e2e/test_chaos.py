@@ -39,7 +39,8 @@ SPEC = ChaosSpec(concurrency=16, requests=16, max_tokens=24, overload_seconds=2.
 @pytest.fixture(scope="module")
 def chaos_stack(tmp_path_factory: pytest.TempPathFactory, mmpipe_home: Path) -> Iterator[ChaosStack]:
     # 12 blocks of the tiny model's 8 KiB (2 layers, 1 kv head of 32, float32), the null one among them.
-    with ChaosStack(tmp_path_factory.mktemp("chaos"), StackOptions(kv_cache_memory="96KiB")) as stack:
+    options = StackOptions(kv_cache_memory="96KiB", decode_max_len=176)  # 11 blocks: 176 tokens
+    with ChaosStack(tmp_path_factory.mktemp("chaos"), options) as stack:
         yield stack
 
 

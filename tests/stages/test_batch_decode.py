@@ -282,18 +282,21 @@ def test_a_cache_written_into_its_reserved_blocks_decodes_as_the_sequence_it_lef
 
 
 def test_a_pool_too_small_for_all_swaps_the_youngest_out_and_back(mmpipe_home: Path, engine_device: str) -> None:
-    """--kv-cache-memory in bytes: that many bytes of blocks. Four sequences
+    """--kv-cache-memory in bytes: that many bytes of blocks, one sequence of
+    --decode-max-len at least (128 tokens, 8 blocks). Four sequences
     join with a block each and grow past what the pool holds: the youngest
     is swapped out (no token that step) while the older grow, and comes back
     where it was once blocks are free; every sequence's tokens are those of
     one decoded alone, none twice. One that the pool could never hold to its
-    end steps on its own cache."""
+    end (past --decode-max-len) steps on its own cache."""
     model_dir = builtin_path("tiny-qwen2-vl")
-    probe = engine_on(engine_device, model_dir, DecodeSettings(slots=4, max_len=512))
+    probe = engine_on(engine_device, model_dir, DecodeSettings(slots=4, max_len=128))
     assert probe.decoder is not None
     per_block = probe.decoder.bytes_per_block
+    with pytest.raises(ValueError, match="fewer than one sequence of --decode-max-len 128"):
+        engine_on(engine_device, model_dir, DecodeSettings(slots=4, max_len=128, kv_cache_memory=str(8 * per_block)))
     engine = engine_on(
-        engine_device, model_dir, DecodeSettings(slots=4, max_len=512, kv_cache_memory=str(9 * per_block + 5))
+        engine_device, model_dir, DecodeSettings(slots=4, max_len=128, kv_cache_memory=str(9 * per_block + 5))
     )
     decoder = engine.decoder
     assert decoder is not None and decoder.pool.num_blocks == 9 and decoder.nbytes == 9 * per_block
@@ -321,7 +324,7 @@ def test_a_pool_too_small_for_all_swaps_the_youngest_out_and_back(mmpipe_home: P
     assert outs == expected
     assert skipped and swapped_seen  # someone waited in host memory
     assert decoder.pool.num_free == decoder.pool.capacity
-    wide = SamplingConfig(temperature=0.0, max_tokens=200, min_tokens=200)  # 13 blocks: more than the pool
+    wide = SamplingConfig(temperature=0.0, max_tokens=200, min_tokens=200)  # past --decode-max-len
     [(seq, _)] = engine.prefill([prompts[0]], [[]], [wide])
     assert engine.step([seq]) != [None] and seq.slot < 0 and seq.cache is not None
     engine.release(seq)

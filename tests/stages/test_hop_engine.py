@@ -201,7 +201,9 @@ async def test_sequences_the_pool_cannot_hold_wait_or_are_swapped_out(tiny_model
     media = probe.encode([gradient(60, 44, 3)])
     need = probe.decoder.blocks_for(len(probe._prepare(reqs[0].prompt_token_ids, media, [])[0]) + N)
     memory = 2 * need * probe.decoder.bytes_per_block  # less than two budgets beside the null block
-    torch_engine = TorchEngine(tiny_model_dir, decode=DecodeSettings(slots=8, kv_cache_memory=str(memory)))
+    max_len = (2 * need - 1) * probe.decoder.block_size  # what that pool can hold of one sequence
+    decode = DecodeSettings(slots=8, max_len=max_len, kv_cache_memory=str(memory))
+    torch_engine = TorchEngine(tiny_model_dir, decode=decode)
     alone: list[Any] = []
     step_one = torch_engine._step_one
     torch_engine._step_one = lambda seq: alone.append(seq) or step_one(seq)  # type: ignore[method-assign]
