@@ -344,7 +344,8 @@ class TorchEngine:
                 out.append(True)
                 continue
             # One swapped out comes back as it was; a new one leaves a few blocks to grow into.
-            need = len(seq.swapped[0][0]) if seq.swapped else decoder.blocks_for(seq.length) + self._spare()
+            swapped = seq.swapped  # once: the engine's thread may take it meanwhile
+            need = len(swapped[0][0]) if swapped else decoder.blocks_for(seq.length) + self._spare()
             waiting = waiting or need > free or rows < 1
             if not waiting:
                 free, rows = free - need, rows - 1

@@ -1,0 +1,78 @@
+"""The decode loop over a KV pool far smaller than what is asked of it
+(stages/torch_engine/slots.py, scheduler.py): sequences of different
+lengths join, wait for blocks, grow, are swapped out and back, and some
+leave mid-stream, while steps are launched one ahead; every stream is the
+sequence decoded alone, and the pool and rows come back whole."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from pathlib import Path
+
+from stages.models import builtin_path
+from stages.sampling import SamplingConfig
+from stages.torch_engine import metrics
+from stages.torch_engine.engine import TorchEngine
+from stages.torch_engine.scheduler import DecodeScheduler, EngineThread
+from stages.torch_engine.settings import DecodeSettings
+from tests.stages.engine_helpers import engine_on
+
+MAX_LEN = 128
+
+
+async def test_the_decode_loop_over_a_small_pool_loses_nothing_under_churn(
+    mmpipe_home: Path, engine_device: str
+) -> None:
+    model_dir = builtin_path("tiny-qwen2-vl")
+    probe = engine_on(engine_device, model_dir, DecodeSettings(slots=8, max_len=MAX_LEN))
+    assert probe.decoder is not None
+    # 12 blocks of 16 tokens (and the null block) for twelve sequences of up to 80 positions.
+    memory = 13 * probe.decoder.bytes_per_block
+    engine = engine_on(engine_device, model_dir, DecodeSettings(slots=8, max_len=MAX_LEN, kv_cache_memory=str(memory)))
+    alone = engine_on(engine_device, model_dir, DecodeSettings(batched=False))
+    decoder = engine.decoder
+    assert decoder is not None and decoder.pool.capacity == 12
+    prompts = [engine.tokenizer(f"Count {i}: " + "x " * (2 * i))["input_ids"] for i in range(12)]
+    samplings = [SamplingConfig(temperature=0.0, max_tokens=20 + 4 * i, min_tokens=20 + 4 * i) for i in range(12)]
+    expected = [_alone(alone, p, s) for p, s in zip(prompts, samplings, strict=True)]
+    # Three leave early: their consumer stops after this many tokens.
+    leave_after = {2: 5, 7: 12, 10: 3}
+    thread = EngineThread()
+    scheduler = DecodeScheduler(engine, thread, max_batch=8)
+    scheduler.start()
+    preempted = metrics.PREEMPTIONS._value.get()
+
+    async def consume(i: int) -> list[int]:
+        [(seq, first)] = await thread.call(engine.prefill, [prompts[i]], [[]], [samplings[i]])
+        tokens = [first]
+        want = samplings[i].max_tokens
+        stream = scheduler.stream(seq, lambda _: len(tokens) + 1 >= want)
+        async with contextlib.aclosing(stream) as tokens_in:
+            async for token in tokens_in:
+                tokens.append(token)
+                if len(tokens) == leave_after.get(i):
+                    break
+        return tokens
+
+    try:
+        got = await asyncio.wait_for(asyncio.gather(*(consume(i) for i in range(12))), timeout=300)
+    finally:
+        await scheduler.close()
+    # What the loop gave back is released on the engine's thread, in order: once this runs, all of it has.
+    await thread.call(lambda: None)
+    thread.close()
+    for i, tokens in enumerate(got):
+        assert tokens == expected[i][: leave_after.get(i, len(expected[i]))], i
+    assert metrics.PREEMPTIONS._value.get() > preempted
+    assert engine._slots is not None and not engine._slots.rows and engine._slots.promised == 0
+    assert decoder.pool.num_free == decoder.pool.capacity
+
+
+def _alone(engine: TorchEngine, prompt: list[int], sampling: SamplingConfig) -> list[int]:
+    [(seq, first)] = engine.prefill([prompt], [[]], [sampling])
+    out = [first]
+    while len(out) < sampling.max_tokens:
+        out += [t for t in engine.step([seq]) if t is not None]
+    engine.release(seq)
+    return out
