@@ -3,10 +3,12 @@
 
 - ``hop_engine``: ``TorchHopEngine``, the engine as a hop sees it;
 - ``engine``: ``TorchEngine``, encode / prefill / decode calls on the model,
-  with ``sequence`` (a sequence and its KV cache), ``slots`` (the batch
-  decoder's slots), ``sampling`` (token selection), ``prefill_together``
-  (several prompts in one padded forward);
-- ``batch_decoder``: every running sequence in one forward over a static
+  with ``sequence`` (a sequence and its KV cache), ``slots`` (which
+  sequence runs in which row of the batch decoder and holds which blocks;
+  growth and preemption), ``block_pool`` (the free blocks), ``sampling``
+  (token selection), ``prefill_together`` (several prompts in one padded
+  forward), ``metrics`` (the pool's);
+- ``batch_decoder``: every running sequence in one forward over a paged KV
   cache; ``fused_decode`` and ``decode_attention``: its fused layer step
   and attention; ``kernels``: the Triton kernels;
 - ``scheduler``: the engine thread and the continuous-batching decode loop;
