@@ -203,10 +203,13 @@ class BatchDecoder:
 
     # -- block tables -----------------------------------------------------------
 
+    def table_row(self, blocks: list[int]) -> torch.Tensor:
+        """A block table on the host: ``blocks``, then the null block."""
+        return torch.tensor(blocks + [NULL_BLOCK] * (self.blocks_per_seq - len(blocks)), dtype=torch.long)
+
     def set_table(self, row: int, blocks: list[int]) -> None:
         """Row ``row`` reads and writes ``blocks`` (queued in stream order)."""
-        entries = blocks + [NULL_BLOCK] * (self.blocks_per_seq - len(blocks))
-        self.tables[row].copy_(torch.tensor(entries, dtype=torch.long), non_blocking=True)
+        self.tables[row].copy_(self.table_row(blocks), non_blocking=True)
 
     def move_row(self, src: int, dst: int) -> None:
         """Row ``src``'s sequence continues in row ``dst`` (keeps running rows

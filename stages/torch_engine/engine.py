@@ -365,11 +365,9 @@ class TorchEngine:
         return 0 if decoder is None else max(1, decoder.pool.capacity // 100)
 
     def _ever_fits(self, seq: Sequence) -> bool:
+        # The pool holds one sequence of the decoder's longest at least (checked at start).
         decoder = self.decoder
-        if decoder is None:
-            return False
-        blocks = decoder.blocks_for(_budget(seq))
-        return blocks <= decoder.blocks_per_seq and blocks <= decoder.pool.capacity
+        return decoder is not None and decoder.blocks_for(_budget(seq)) <= decoder.blocks_per_seq
 
     def release(self, seq: Sequence) -> None:
         seq.cache = None
@@ -417,27 +415,18 @@ class TorchEngine:
         if seq.pending is not None:
             raise ValueError("export of a sequence whose prefill token is not settled")
         tensors: list[torch.Tensor] = []
-        decoder = self.decoder
-        if seq.blocks and decoder is not None and decoder.block_size == self.block_size:
+        if seq.blocks:
+            assert self.decoder is not None
             with self._lock:
-                layers = decoder.read(seq.blocks[: blocks_for(seq.length - 1, self.block_size)])
+                layers = self.decoder.read(seq.blocks[: blocks_for(seq.length - 1, self.block_size)])
         else:
-            cache = (
-                [(layer.keys, layer.values) for layer in seq.cache.layers]
-                if seq.cache is not None
-                else self._read_dense(seq)
-            )
-            layers = [(to_blocks(k[0], self.block_size), to_blocks(v[0], self.block_size)) for k, v in cache]
+            layers = [
+                (to_blocks(layer.keys[0], self.block_size), to_blocks(layer.values[0], self.block_size))
+                for layer in seq.cache.layers
+            ]
         for keys, values in layers:
             tensors += [keys, values]
         return tensors, KvState(seq.prompt_len, list(seq.output_ids), seq.rope_delta)
-
-    def _read_dense(self, seq: Sequence) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        assert self.decoder is not None
-        length = seq.length - 1
-        with self._lock:
-            blocks = self.decoder.read(seq.blocks[: self.decoder.blocks_for(length)])
-        return [(from_blocks(k, length)[None], from_blocks(v, length)[None]) for k, v in blocks]
 
     def kv_shape(self, state: KvState, block_size: int | None = None) -> tuple[int, ...]:
         """The shape of each of the ``2 * layers`` tensors of a hand-off of
@@ -487,11 +476,10 @@ class TorchEngine:
         for a transport to READ the cache straight into: no copy after the
         transfer. Call ``received`` once it is there, or ``abandon``
         (``tainted`` if a READ into it may still run). None where the
-        sequence would not go to the batch decoder (or its blocks are of
-        another size than this engine hands off): ``import_kv`` then."""
+        sequence would not go to the batch decoder: ``import_kv`` then."""
         shape = self.kv_shape(state)
         decoder, slots = self.decoder, self._slots
-        if decoder is None or slots is None or decoder.block_size != self.block_size:
+        if decoder is None or slots is None:
             return None
         seq = Sequence(
             prompt_len=state.prompt_len,

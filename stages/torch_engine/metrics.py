@@ -7,4 +7,3 @@ from prometheus_client import Counter, Gauge
 
 KV_USAGE = Gauge("mmpipe_kv_cache_usage", "Fraction of the KV pool's blocks held by sequences")
 PREEMPTIONS = Counter("mmpipe_preemptions_total", "Running sequences swapped out of the KV pool to let older ones grow")
-SWAPPED = Gauge("mmpipe_kv_swapped_sequences", "Sequences whose KV cache waits in host memory for blocks")

@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import concurrent.futures
+import contextlib
 import threading
 import time
 from collections.abc import AsyncGenerator, Callable
@@ -140,6 +141,8 @@ class _Call:
 
 
 _END = object()
+# How often a loop with nothing running looks again for blocks for a waiting sequence.
+_BLOCKED_POLL_S = 0.05
 
 
 @dataclass
@@ -276,7 +279,13 @@ class DecodeScheduler:
                     await self._thread.call(_nothing)
                     continue
                 self._wake.clear()
-                await self._wake.wait()
+                if not self._waiting:
+                    await self._wake.wait()
+                    continue
+                # Blocks can come back without a word to this loop (a KV
+                # transfer given up frees what it held): look again soon.
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._wake.wait(), _BLOCKED_POLL_S)
                 continue
             batch = list(self._running)
             if self._pipelined and await self._advance(batch):

@@ -88,9 +88,7 @@ class SlotPrefill:
         self._embeds[:length].copy_(embeds)
         self._cos[:length].copy_(cos)
         self._sin[:length].copy_(sin)
-        entries = blocks[: self.decoder.blocks_per_seq]
-        table = torch.tensor(entries + [0] * (self.decoder.blocks_per_seq - len(entries)), dtype=torch.long)
-        self._table.copy_(table, non_blocking=True)
+        self._table.copy_(self.decoder.table_row(blocks), non_blocking=True)
         self._last.fill_(length - 1)
         if not self.use_graphs:
             return self._forward(bucket)

@@ -2,7 +2,8 @@
 (stages/torch_engine/slots.py, scheduler.py): sequences of different
 lengths join, wait for blocks, grow, are swapped out and back, and some
 leave mid-stream, while steps are launched one ahead; every stream is the
-sequence decoded alone, and the pool and rows come back whole."""
+sequence decoded alone, and the pool and rows come back whole. And blocks
+given back without a word to the loop still let a waiting sequence go."""
 
 from __future__ import annotations
 
@@ -15,7 +16,9 @@ from stages.sampling import SamplingConfig
 from stages.torch_engine import metrics
 from stages.torch_engine.engine import TorchEngine
 from stages.torch_engine.scheduler import DecodeScheduler, EngineThread
+from stages.torch_engine.sequence import KvState
 from stages.torch_engine.settings import DecodeSettings
+from tests.polling import eventually
 from tests.stages.engine_helpers import engine_on
 
 MAX_LEN = 128
@@ -76,3 +79,45 @@ def _alone(engine: TorchEngine, prompt: list[int], sampling: SamplingConfig) -> 
         out += [t for t in engine.step([seq]) if t is not None]
     engine.release(seq)
     return out
+
+
+async def test_a_sequence_waiting_for_blocks_goes_once_a_transfer_gives_them_back(
+    mmpipe_home: Path, engine_device: str
+) -> None:
+    """Blocks held for a KV transfer that is then given up come back with
+    no word to the decode loop: a sequence waiting for them goes anyway."""
+    model_dir = builtin_path("tiny-qwen2-vl")
+    probe = engine_on(engine_device, model_dir, DecodeSettings(slots=4, max_len=MAX_LEN))
+    assert probe.decoder is not None
+    engine = engine_on(
+        engine_device,
+        model_dir,
+        DecodeSettings(slots=4, max_len=MAX_LEN, kv_cache_memory=str(9 * probe.decoder.bytes_per_block)),
+    )
+    greedy = SamplingConfig(temperature=0.0, max_tokens=8, min_tokens=8)
+    prompt = engine.tokenizer("Wait for me")["input_ids"]
+    expected = _alone(engine_on(engine_device, model_dir, DecodeSettings(batched=False)), prompt, greedy)
+    # Another worker's cache of 100 positions on its way: 7 of the 8 blocks.
+    held = engine.reserve_kv(KvState(prompt_len=100, output_ids=[1], rope_delta=0), greedy)
+    assert held is not None and engine.decoder is not None and engine.decoder.pool.num_free == 1
+    thread = EngineThread()
+    scheduler = DecodeScheduler(engine, thread, max_batch=4)
+    scheduler.start()
+    try:
+        [(seq, first)] = await thread.call(engine.prefill, [prompt], [[]], [greedy])
+        tokens = [first]
+
+        async def consume() -> None:
+            async for token in scheduler.stream(seq, lambda _: len(tokens) + 1 >= 8):
+                tokens.append(token)
+
+        consumer = asyncio.ensure_future(consume())
+        await eventually(lambda: scheduler.blocked, within=10)
+        await asyncio.sleep(0.2)
+        assert tokens == [first]  # no blocks, no step
+        await thread.call(engine.abandon, held[0], False)
+        await asyncio.wait_for(consumer, 30)
+    finally:
+        await scheduler.close()
+        thread.close()
+    assert tokens == expected
