@@ -222,18 +222,21 @@ class BatchDecoder:
 
     # -- a sequence's cache -----------------------------------------------------
 
+    def _index(self, blocks: list[int]) -> torch.Tensor:
+        return torch.tensor(blocks, dtype=torch.long, device=self.device)
+
     def load(self, blocks: list[int], layers: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
         """Copy one sequence's cache (per layer [1, kv_heads, length, head_dim])
         into the first of ``blocks`` it fills."""
         length = layers[0][0].shape[2]
-        index = torch.tensor(blocks[: self.blocks_for(length)], dtype=torch.long, device=self.device)
+        index = self._index(blocks[: self.blocks_for(length)])
         for i, (k, v) in enumerate(layers):
             self.keys[i].index_copy_(0, index, to_blocks(k[0], self.block_size).to(self.dtype))
             self.values[i].index_copy_(0, index, to_blocks(v[0], self.block_size).to(self.dtype))
 
     def read(self, blocks: list[int]) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Copies of ``blocks``, per layer keys and values [len(blocks), kv_heads, block_size, head_dim]."""
-        index = torch.tensor(blocks, dtype=torch.long, device=self.device)
+        index = self._index(blocks)
         return [
             (self.keys[i].index_select(0, index), self.values[i].index_select(0, index))
             for i in range(self.shape.layers)
@@ -242,7 +245,7 @@ class BatchDecoder:
     def to_host(self, blocks: list[int]) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Copies of ``blocks`` in host memory (pinned, queued in stream order
         on a GPU: the blocks may be reused by what is queued after)."""
-        index = torch.tensor(blocks, dtype=torch.long, device=self.device)
+        index = self._index(blocks)
         pinned = self.device.type == "cuda"
         out = []
         for i in range(self.shape.layers):
@@ -256,7 +259,7 @@ class BatchDecoder:
 
     def from_host(self, blocks: list[int], host: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
         """``to_host``'s copies into ``blocks`` (as many)."""
-        index = torch.tensor(blocks, dtype=torch.long, device=self.device)
+        index = self._index(blocks)
         pinned = self.device.type == "cuda"
         for i, (k, v) in enumerate(host):
             self.keys[i].index_copy_(0, index, k.to(self.device, non_blocking=pinned))

@@ -251,10 +251,10 @@ class DecodeScheduler:
             self._waiting.remove(entry)
         self._running += joining
 
-    def _set_aside(self, batch: list[_Running], tokens: list[Any]) -> None:
-        """Sequences a step did not take (None: their blocks were not free)
-        wait again, ahead of those that came after them."""
-        left = [e for e, token in zip(batch, tokens, strict=True) if token is None and e in self._running]
+    def _set_aside(self, batch: list[_Running], taken: list[bool]) -> None:
+        """Sequences a step did not take (their blocks were not free) wait
+        again, ahead of those that came after them."""
+        left = [e for e, took in zip(batch, taken, strict=True) if not took and e in self._running]
         for entry in left:
             self._running.remove(entry)
         self._waiting[:0] = left
@@ -296,7 +296,7 @@ class DecodeScheduler:
                 self._fail(batch, exc)
                 continue
             self._hand_out(batch, tokens)
-            self._set_aside(batch, tokens)
+            self._set_aside(batch, [token is not None for token in tokens])
             # Let consumers take their token (and say whether they are done)
             # before the next step.
             await asyncio.sleep(0)
@@ -340,7 +340,7 @@ class DecodeScheduler:
             return True
         if launched is not None:
             self._ahead = (launched, batch)
-            self._set_aside(batch, [0 if stepped else None for stepped in launched.stepped])
+            self._set_aside(batch, launched.stepped)
         await asyncio.sleep(0)
         # Not launched: step it, unless tokens were just handed out (the batch may have changed).
         return launched is not None or ahead is not None

@@ -51,13 +51,10 @@ class SlotTable:
     def taken(self) -> int:
         return len(self.rows) + self.promised
 
-    def blocks_needed(self, tokens: int) -> int:
-        return self.decoder.blocks_for(tokens)
-
     def can_take(self, tokens: int, spare: int = 0) -> bool:
         """Whether a sequence holding ``tokens`` positions can join now,
         leaving ``spare`` blocks free."""
-        n = self.blocks_needed(tokens)
+        n = self.decoder.blocks_for(tokens)
         decoder = self.decoder
         return self.taken < decoder.max_slots and n <= decoder.blocks_per_seq and decoder.pool.can_allocate(n + spare)
 
@@ -125,7 +122,7 @@ class SlotTable:
     def _allocate(self, seq: Sequence, tokens: int) -> None:
         if not self.can_take(tokens):
             raise RuntimeError("no decoder row or KV blocks free")
-        seq.blocks = self.decoder.pool.allocate(self.blocks_needed(tokens))
+        seq.blocks = self.decoder.pool.allocate(self.decoder.blocks_for(tokens))
 
     def _place(self, seq: Sequence) -> int:
         if len(self.rows) >= self.decoder.max_slots:
