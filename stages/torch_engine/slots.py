@@ -157,12 +157,16 @@ class SlotTable:
         inputs = StepInputs([], [], [], [], [], [], [])
         size = self.decoder.block_size
         for row, seq in enumerate(self.rows):
-            ahead = seq.length - 1 + seq.inflight
+            # A prefill token still on its way to the host (prefill(defer=True)) is not in
+            # output_ids yet, and its prompt fills the cache: a step it takes no part in
+            # writes past it (not over the prompt's last position).
+            settled = seq.pending is None
+            ahead = seq.length - settled + seq.inflight
             # A row not asked (nor grown) past its blocks writes where its table says: the null block.
             index = ahead // size
             inputs.block.append(seq.blocks[index] if index < len(seq.blocks) else -1)
             fed = seq.feed_row >= 0
-            inputs.tokens.append(0 if fed else seq.output_ids[-1])
+            inputs.tokens.append(seq.output_ids[-1] if settled and not fed else 0)
             inputs.positions.append(ahead + seq.rope_delta)
             inputs.write_at.append(ahead)
             inputs.feed.append(seq.feed_row if fed else -1)

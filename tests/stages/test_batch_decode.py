@@ -17,7 +17,7 @@ from PIL import Image
 
 from stages.models import builtin_path
 from stages.sampling import SamplingConfig
-from stages.torch_engine.batch_decoder import from_blocks
+from stages.torch_engine.batch_decoder import Launched, from_blocks
 from stages.torch_engine.engine import TorchEngine
 from stages.torch_engine.reference import load_reference_model, reference_generate
 from stages.torch_engine.settings import DecodeSettings
@@ -144,6 +144,42 @@ def test_steps_launched_one_ahead_give_the_tokens_of_one_at_a_time(engines: Any)
         ahead = (launch, batch) if launch is not None else None
     assert [outputs[i] for i in range(len(prompts))] == expected
     assert batched._slots is not None and len(batched._slots) == 0
+
+
+def test_a_prefill_token_on_its_way_leaves_its_cache_alone_while_others_step(engines: Any) -> None:
+    """On a GPU a hop's prefill leaves its token on the device on its way to
+    the host (``prefill(defer=True)``) while the decode loop goes on stepping
+    the other rows: the waiting row (the fused engines prefill straight into
+    a row) takes part in those steps' forward, and must not write over its
+    prompt's last position (nor read a token it has not got). The CPU makes
+    the same state by hand."""
+    name, batched, alone = engines
+    prompts = _prompts(batched, name)
+    sampling = SamplingConfig(temperature=0.0, max_tokens=8, min_tokens=8)
+    (first_prompt, first_media), (later_prompt, later_media) = prompts[0], prompts[1]
+    [(running, token)] = batched.prefill([first_prompt], [first_media], [sampling])
+    outputs = [[token], []]
+    [(waiting, deferred)] = batched.prefill([later_prompt], [later_media], [sampling], defer=True)
+    if waiting.pending is None:
+        assert deferred == waiting.output_ids.pop()
+        waiting.pending = Launched(torch.tensor([deferred], device=batched.device), 1)
+    assert waiting.output_ids == []
+    # The fused engines prefill straight into the decoder's blocks: the waiting row is there.
+    assert (waiting.slot >= 0) == (batched._slot_prefill is not None)
+    for _ in range(3):
+        [token] = batched.step([running])
+        outputs[0].append(token)
+    outputs[1].append(batched.settle(waiting))
+    while len(outputs[1]) < sampling.max_tokens:
+        for out, token in zip(outputs, batched.step([running, waiting]), strict=True):
+            if len(out) < sampling.max_tokens:
+                out.append(token)
+    assert outputs == [
+        _alone(alone, first_prompt, first_media, sampling),
+        _alone(alone, later_prompt, later_media, sampling),
+    ]
+    batched.release(running)
+    batched.release(waiting)
 
 
 def test_what_cannot_launch_steps_instead(engines: Any) -> None:
