@@ -8,8 +8,16 @@ counts each distinct stack; the file it writes holds one line per stack,
 ``thread;outermost;...;innermost count`` (the "folded" form flame-graph
 tools read), rewritten every ``flush_s`` and at exit. A thread idle in a
 wait shows as the wait's frame (``select``, ``wait``): its share of the
-samples is the thread's idle time. Cost: one walk of each stack per sample,
-some tens of microseconds every 5 ms.
+samples is the thread's idle time.
+
+Samples say where a thread is, not whether it runs: one waiting for the
+GIL looks like one in its own code or idle in C (uvloop's ``run`` is both).
+So each sample is also weighed by the CPU time its thread used since the
+last one (the thread's own CPU clock), written beside the samples as
+``<file>.cpu`` in the same form, counts in microseconds: where a process
+that is the wall (one core busy) spends its CPU. Cost: one walk of each
+stack and one clock read per thread per sample, some tens of microseconds
+every 5 ms.
 """
 
 from __future__ import annotations
@@ -32,6 +40,8 @@ class StackSampler:
         self.flush_s = flush_s
         self.samples = 0
         self._counts: collections.Counter[str] = collections.Counter()
+        self._cpu_us: collections.Counter[str] = collections.Counter()
+        self._cpu_seen: dict[int, int] = {}
         self._stop = threading.Event()
         self._lock = threading.Lock()
         self._thread = threading.Thread(target=self._run, name="stack-sampler", daemon=True)
@@ -55,18 +65,39 @@ class StackSampler:
             with self._lock:
                 for ident, frame in sys._current_frames().items():
                     if ident != me:
-                        self._counts[_folded(names.get(ident, str(ident)), frame)] += 1
+                        stack = _folded(names.get(ident, str(ident)), frame)
+                        self._counts[stack] += 1
+                        used = self._cpu_since(ident)
+                        if used:
+                            self._cpu_us[stack] += used
                 self.samples += 1
             if time.monotonic() - flushed >= self.flush_s:
                 self.write()
                 flushed = time.monotonic()
 
+    def _cpu_since(self, ident: int) -> int:
+        """Microseconds of CPU ``ident``'s thread used since the last sample."""
+        try:
+            now = time.clock_gettime_ns(time.pthread_getcpuclockid(ident)) // 1000
+        except (OSError, AttributeError):  # gone meanwhile, or no per-thread clocks here
+            return 0
+        last = self._cpu_seen.get(ident)
+        self._cpu_seen[ident] = now
+        return now - last if last is not None else 0
+
     def write(self) -> None:
         with self._lock:
             lines = [f"{stack} {n}\n" for stack, n in self._counts.most_common()]
-        partial = self.path.with_suffix(".tmp")
-        partial.write_text("".join(lines))
-        partial.replace(self.path)
+            cpu = [f"{stack} {n}\n" for stack, n in self._cpu_us.most_common()]
+        for path, text in ((self.path, lines), (cpu_path(self.path), cpu)):
+            partial = path.with_suffix(".tmp")
+            partial.write_text("".join(text))
+            partial.replace(path)
+
+
+def cpu_path(path: Path) -> Path:
+    """Where the CPU-weighted stacks of the samples at ``path`` are."""
+    return path.with_name(path.name + ".cpu")
 
 
 def _folded(thread: str, frame: object) -> str:
@@ -96,7 +127,15 @@ def start(folder: str, process: str) -> StackSampler | None:
 
 def summary(path: Path, top: int = 25) -> str:
     """Each thread's share of the samples, and its frames that hold the most
-    samples (themselves or in what they call)."""
+    samples (themselves or in what they call); then the same by CPU time
+    where the ``.cpu`` file is there."""
+    out = [_summary(path, top, "samples")]
+    if cpu_path(path).exists():
+        out.append(_summary(cpu_path(path), top, "CPU"))
+    return "\n".join(out)
+
+
+def _summary(path: Path, top: int, what: str) -> str:
     by_thread: collections.Counter[str] = collections.Counter()
     inclusive: dict[str, collections.Counter[str]] = collections.defaultdict(collections.Counter)
     for line in path.read_text().splitlines():
@@ -106,9 +145,10 @@ def summary(path: Path, top: int = 25) -> str:
         for frame in set(frames[1:]):
             inclusive[frames[0]][frame] += int(count)
     total = sum(by_thread.values()) or 1
-    out = []
+    out = [f"-- by {what}"]
     for thread, n in by_thread.most_common():
-        out.append(f"{thread}: {n} samples ({n / total:.1%})")
+        amount = f"{n / 1e6:.2f} s of CPU" if what == "CPU" else f"{n} samples"
+        out.append(f"{thread}: {amount} ({n / total:.1%})")
         for frame, m in inclusive[thread].most_common(top):
             out.append(f"  {m / n:6.1%}  {frame}")
     return "\n".join(out)

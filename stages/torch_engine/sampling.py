@@ -101,6 +101,6 @@ def greedy_choice(
 
 
 def _without(logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-    masked = logits.clone()
-    masked[ids.to(logits.device)] = float("-inf")
-    return masked
+    # index_fill, not ``masked[ids] = -inf``: the indexing assignment waited for
+    # the device on a GPU (a third of a deferred prefill's host time under load).
+    return logits.index_fill(0, ids.to(logits.device), float("-inf"))
