@@ -201,6 +201,12 @@ def _load_flags(p: argparse.ArgumentParser, after: bool = False) -> None:
     add("--image-size", default="224x224", help="WIDTHxHEIGHT of the synthetic images")
     add("--images-per-request", type=int, default=1, help="images in each request")
     add("--seed", type=int, default=0, help="seed of the synthetic images")
+    add(
+        "--processes",
+        type=int,
+        default=0,
+        help="client processes sending the load (0: one per 16 streams, up to a quarter of the cores)",
+    )
     add("--json", action="store_true", help="print machine-readable results (JSON on stdout)")
     add("--log-level", default="ERROR", help="ERROR: the results alone")
 

@@ -22,6 +22,12 @@ Why it is built this way:
   (first NIXL connection between two workers, allocator growth).
 - Failed requests are counted and their errors listed, never dropped from
   the report: a fast benchmark that failed half its requests is not fast.
+- Several client processes under load (``processes``; by default one per 16
+  streams, up to a quarter of the cores): the openai client parsing 64
+  streams' SSE in one Python process was itself the wall (one core busy,
+  the bridge and worker nearly idle, on an H100 host at about 32 req/s).
+  Each reports the share of a core it used; one near a whole core says the
+  numbers are the client's, not the server's.
 
 TTFT is the time to the first chunk with a choice (the bridge sends one per
 token, even when the detokenizer holds that token's text back); ITL is the
@@ -38,10 +44,12 @@ import base64
 import io
 import json
 import math
+import multiprocessing
+import os
 import time
 from collections import Counter
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -49,6 +57,10 @@ if TYPE_CHECKING:
 
 PROMPT = "Describe the picture."
 PERCENTILES = (50, 90, 99)
+# Streams one client process takes by default (64 in one were its whole core).
+STREAMS_PER_PROCESS = 16
+# A client process busier than this share of a core may be what the figures measure.
+CLIENT_BUSY = 0.85
 
 
 @dataclass(frozen=True)
@@ -63,11 +75,15 @@ class LoadSpec:
     seed: int = 0
     api_key: str | None = None
     timeout_s: float = 300.0
+    # Client processes (0: one per STREAMS_PER_PROCESS streams, up to a quarter of the cores).
+    processes: int = 0
 
     def __post_init__(self) -> None:
         for name in ("concurrency", "requests", "max_tokens"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1")
+        if self.processes < 0:
+            raise ValueError("processes must not be negative")
         if self.images_per_request < 0:
             raise ValueError("images_per_request must not be negative")
         if min(self.image_size) < 1:
@@ -104,6 +120,7 @@ def spec_from_args(args: argparse.Namespace, url: str | None = None, model: str 
             images_per_request=args.images_per_request,
             seed=args.seed,
             api_key=args.api_key,
+            processes=args.processes,
         )
     except ValueError as exc:
         raise SystemExit(f"mmpipe bench: {exc}") from None
@@ -196,6 +213,8 @@ class LoadReport:
     warmup_error: str | None = None
     # When the measured requests began (after the warm-up), wall clock.
     started_ns: int = 0
+    # Each client process's CPU over the load, as a share of one core.
+    client_cpu: list[float] = field(default_factory=list)
 
     def summary(self) -> dict[str, Any]:
         done = [r for r in self.results if r.ok]
@@ -218,6 +237,7 @@ class LoadReport:
             "e2e_ms": _stats([r.e2e_s for r in done]),
             "errors": dict(Counter(r.error for r in self.results if r.error).most_common()),
             "warmup_error": self.warmup_error,
+            "client_cpu": self.client_cpu,
         }
 
 
@@ -242,12 +262,66 @@ def _stats(seconds: list[float]) -> dict[str, float | None]:
     return out
 
 
+def client_processes(spec: LoadSpec) -> int:
+    """How many processes send ``spec``'s load."""
+    wanted = spec.processes or min(math.ceil(spec.concurrency / STREAMS_PER_PROCESS), (os.cpu_count() or 1) // 4)
+    return max(1, min(wanted, spec.concurrency, spec.requests))
+
+
+def split(spec: LoadSpec, n: int) -> list[LoadSpec]:
+    """``spec`` as ``n`` loads, one per client process: its streams and
+    requests shared out, each with images of its own seed (the first
+    keeps ``spec``'s)."""
+    streams = [spec.concurrency // n + (k < spec.concurrency % n) for k in range(n)]
+    requests = [spec.requests * c // spec.concurrency for c in streams]
+    for k in range(spec.requests - sum(requests)):
+        requests[k % n] += 1
+    return [
+        replace(spec, concurrency=c, requests=r, seed=spec.seed + k, processes=1)
+        for k, (c, r) in enumerate(zip(streams, requests, strict=True))
+    ]
+
+
 async def run_load(
     spec: LoadSpec, images: tuple[list[str], list[list[str]]] | None = None, warmup: bool = True
 ) -> LoadReport:
-    """The warm-up request, then ``spec.requests`` requests, ``spec.concurrency`` at a time."""
+    """The warm-up request, then ``spec.requests`` requests, ``spec.concurrency``
+    at a time, from one process or several (``client_processes``; then
+    ``images`` are made in each, from its own seed)."""
+    n = client_processes(spec)
+    if n > 1:
+        return await asyncio.to_thread(_run_processes, spec, n, warmup)
+    run = await _run_client(spec, images or synthetic_images(spec), warmup)
+    return LoadReport(
+        spec=spec,
+        results=run.results,
+        wall_s=run.ended - run.started,
+        warmup_error=run.warmup_error,
+        started_ns=run.started_ns,
+        client_cpu=[run.cpu / max(run.ended - run.started, 1e-9)],
+    )
+
+
+@dataclass
+class _ClientRun:
+    results: list[RequestResult]
+    started: float  # time.monotonic(): one clock for every process of the host
+    ended: float
+    started_ns: int
+    cpu: float  # this process's CPU seconds over the load
+    warmup_error: str | None
+
+
+async def _run_client(
+    spec: LoadSpec,
+    images: tuple[list[str], list[list[str]]],
+    warmup: bool,
+    ready: Any = None,
+) -> _ClientRun:
+    """One process's closed loop; ``ready`` (a barrier) is passed once the
+    warm-up is done, by every process at once."""
     openai = import_openai()
-    warmup_urls, image_sets = images or synthetic_images(spec)
+    warmup_urls, image_sets = images
     client = openai.AsyncOpenAI(
         base_url=spec.url, api_key=spec.api_key or "none", max_retries=0, timeout=spec.timeout_s
     )
@@ -256,6 +330,8 @@ async def run_load(
         if warmup:
             warm = await one_request(client, spec, warmup_urls)
             warmup_error = warm.error
+        if ready is not None:
+            ready.wait()
         results: list[RequestResult] = [RequestResult(ok=False, e2e_s=0.0, error="not run")] * spec.requests
         indices = iter(range(spec.requests))
 
@@ -264,12 +340,55 @@ async def run_load(
                 results[i] = await one_request(client, spec, image_sets[i])
 
         started_ns = time.time_ns()
-        t0 = time.perf_counter()
+        cpu0, t0 = time.process_time(), time.monotonic()
         await asyncio.gather(*(sender() for _ in range(min(spec.concurrency, spec.requests))))
-        wall = time.perf_counter() - t0
+        t1, cpu1 = time.monotonic(), time.process_time()
     finally:
         await client.close()
-    return LoadReport(spec=spec, results=results, wall_s=wall, warmup_error=warmup_error, started_ns=started_ns)
+    return _ClientRun(results, t0, t1, started_ns, cpu1 - cpu0, warmup_error)
+
+
+def _client_process(spec: LoadSpec, warmup: bool, ready: Any, out: Any) -> None:
+    try:
+        run: _ClientRun | str = asyncio.run(_run_client(spec, synthetic_images(spec), warmup, ready))
+    except BaseException as exc:
+        ready.abort()
+        run = f"client process failed: {_describe(exc)}"
+    out.put((spec.seed, run))
+
+
+def _run_processes(spec: LoadSpec, n: int, warmup: bool) -> LoadReport:
+    # Spawned, not forked: the parent may hold threads (an event loop, NATS).
+    ctx = multiprocessing.get_context("spawn")
+    loads = split(spec, n)
+    ready, out = ctx.Barrier(n), ctx.Queue()
+    procs = [
+        ctx.Process(target=_client_process, args=(load, warmup and k == 0, ready, out), daemon=True)
+        for k, load in enumerate(loads)
+    ]
+    for proc in procs:
+        proc.start()
+    try:
+        runs = dict(out.get(timeout=spec.timeout_s + 120) for _ in procs)
+    finally:
+        for proc in procs:
+            proc.join(timeout=10)
+            if proc.is_alive():
+                proc.kill()
+    failed = [r for r in runs.values() if isinstance(r, str)]
+    if failed:
+        raise RuntimeError("; ".join(failed))
+    ordered = [runs[load.seed] for load in loads]
+    done = [r for r in ordered if isinstance(r, _ClientRun)]
+    started, ended = min(r.started for r in done), max(r.ended for r in done)
+    return LoadReport(
+        spec=spec,
+        results=[result for r in done for result in r.results],
+        wall_s=ended - started,
+        warmup_error=done[0].warmup_error,
+        started_ns=min(r.started_ns for r in done),
+        client_cpu=[r.cpu / max(r.ended - r.started, 1e-9) for r in done],
+    )
 
 
 def _ms(value: float | None) -> str:
@@ -290,6 +409,12 @@ def format_report(summary: dict[str, Any]) -> str:
     for label, key in (("TTFT ms", "ttft_ms"), ("ITL ms", "itl_ms"), ("E2E ms", "e2e_ms")):
         s = summary[key]
         lines.append(f"{label:<8}{_ms(s['p50']):>10}{_ms(s['p90']):>10}{_ms(s['p99']):>10}{_ms(s['mean']):>10}")
+    cpu = summary.get("client_cpu") or []
+    if cpu:
+        shares = ", ".join(f"{c:.0%}" for c in cpu)
+        lines += ["", f"client: {len(cpu)} process{'es' if len(cpu) > 1 else ''}, each busy {shares} of a core"]
+        if max(cpu) > CLIENT_BUSY:
+            lines.append("  a client process near a whole core: these figures may be the client's limit (--processes)")
     if summary["warmup_error"]:
         lines += ["", f"warm-up request failed: {summary['warmup_error']}"]
     if summary["errors"]:

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from pipeline.bench.load import LoadSpec, format_report, percentile, run_load, synthetic_images
+from pipeline.bench.load import LoadSpec, client_processes, format_report, percentile, run_load, split, synthetic_images
 from pipeline.bench.transport import format_rows, parse_size
 from tests.e2e.conftest import Stack
 
@@ -33,9 +33,23 @@ def test_helpers() -> None:
         parse_size("2 parsecs")
 
 
+def test_a_load_shared_out_over_client_processes() -> None:
+    spec = LoadSpec(concurrency=7, requests=23, seed=5)
+    loads = split(spec, 3)
+    assert [(s.concurrency, s.requests) for s in loads] == [(3, 10), (2, 7), (2, 6)]
+    assert [s.seed for s in loads] == [5, 6, 7]  # images of their own, the first the single process's
+    assert sum(s.concurrency for s in loads) == 7 and sum(s.requests for s in loads) == 23
+    assert client_processes(LoadSpec(concurrency=64, processes=3)) == 3
+    assert client_processes(LoadSpec(concurrency=2, requests=1, processes=3)) == 1
+    assert client_processes(LoadSpec(concurrency=1)) == 1
+
+
 @pytest.mark.e2e
-async def test_load_generator_against_the_epd_stack(stack: Stack) -> None:
-    spec = LoadSpec(url=f"{stack.base_url}/v1", concurrency=2, requests=6, max_tokens=8, image_size=(96, 64))
+@pytest.mark.parametrize("processes", [1, 2])
+async def test_load_generator_against_the_epd_stack(stack: Stack, processes: int) -> None:
+    spec = LoadSpec(
+        url=f"{stack.base_url}/v1", concurrency=2, requests=6, max_tokens=8, image_size=(96, 64), processes=processes
+    )
     report = await run_load(spec)
     summary = report.summary()
     assert summary["errors"] == {} and summary["warmup_error"] is None
@@ -48,7 +62,8 @@ async def test_load_generator_against_the_epd_stack(stack: Stack) -> None:
         assert 0 < s["p50"] <= s["p90"] <= s["p99"], (key, s)
     assert summary["ttft_ms"]["p99"] < summary["e2e_ms"]["p99"]
     assert summary["requests_per_s"] > 0 and summary["tokens_per_s"] > 0
-    assert "TTFT ms" in format_report(summary)
+    assert len(summary["client_cpu"]) == processes and all(0 < c for c in summary["client_cpu"])
+    assert "TTFT ms" in format_report(summary) and f"client: {processes} process" in format_report(summary)
 
 
 @pytest.mark.e2e
