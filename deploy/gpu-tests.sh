@@ -26,5 +26,6 @@ exec "${PYTHON:-python3}" -m pytest -p no:cacheprovider -v --timeout 900 \
   tests/stages/test_triton_linear.py \
   tests/stages/test_slot_prefill.py \
   tests/stages/test_tower_graphs.py \
+  tests/stages/test_device_copy.py \
   tests/pipeline/test_transport.py \
   "$@"
