@@ -29,7 +29,7 @@ from stages.contract import Stage, TensorStore
 from stages.media import EmbeddingCache, MediaPolicy
 from stages.models import DEFAULT_MODEL, ModelSpec, resolve_model
 from stages.processor import ProcessorLimits
-from stages.torch_engine.settings import DecodeSettings
+from stages.torch_engine.settings import DecodeSettings, step_priority_s
 from stages.vllm_engine.args import STORAGE_TTL_S, KvConnectorSettings, engine_args_file
 
 log = structlog.get_logger(__name__)
@@ -189,7 +189,7 @@ def build_stage(
         max_batch=settings.max_batch,
         embedding_cache=cache,
         prefill_batch=settings.prefill_batch,
-        step_priority_s=None if decode.step_priority_ms is None else decode.step_priority_ms / 1000,
+        step_priority_s=step_priority_s(decode.step_priority_ms, str(engine.device)),
     )
     return HopStage(role, hop_engine, spec.served_name)
 

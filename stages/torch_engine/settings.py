@@ -49,14 +49,26 @@ class DecodeSettings:
     step_priority_ms: float | None = setting(
         None,
         help="engine-thread time the calls that admit requests (encodes, prefills) get before a waiting decode "
-        "step goes ahead of them (0: steps first; unset: every call in submission order). Lower: smoother "
-        "tokens under load; higher or unset: requests admitted faster",
+        "step goes ahead of them (0: steps first; negative: every call in submission order; unset: 0 on a GPU, "
+        "submission order on a CPU). Lower: smoother tokens under load; higher: requests admitted faster",
     )
     tower_graphs: int = setting(
         8,
         help="on a GPU, image grids whose vision tower call is kept as a CUDA graph, captured the second time a "
         "grid comes (Qwen2-VL; 0: the tower runs eagerly)",
     )
+
+
+def step_priority_s(step_priority_ms: float | None, device: str) -> float | None:
+    """``--step-priority-ms`` as the engine thread takes it (seconds; None:
+    submission order). Unset: steps first on a GPU, where a step is a graph
+    launch and new requests lose little (2B preset, H100, 64 clients: ITL p99
+    172 against 54 ms, 36.7 against 34.3 req/s); submission order on a CPU,
+    where the engine thread is the compute and steps first let new requests
+    in one call per step (2 vCPUs, 32 clients: 14-17 against 21 req/s)."""
+    if step_priority_ms is None:
+        return 0.0 if device.startswith("cuda") else None
+    return None if step_priority_ms < 0 else step_priority_ms / 1000
 
 
 _UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30}

@@ -23,6 +23,7 @@ from schemas.codec import encode
 from schemas.processed import ProcessedRequest, VllmKv
 from schemas.request import ChatMessage, GenerateRequest, SamplingParams
 from stages.models import resolve_model
+from stages.torch_engine.settings import step_priority_s
 from stages.vllm_engine.args import KvConnectorSettings, kv_transfer_config
 
 
@@ -125,3 +126,19 @@ def test_engine_vllm_without_vllm_fails_at_start_naming_what_to_install(
         build_stage("prefill+decode", PipelineConfig(), settings, spec)
     with pytest.raises(SystemExit, match=r"pip install 'mmpipe\[vllm\]'"):
         build_stage("decode", PipelineConfig(), settings, spec)
+
+
+@pytest.mark.parametrize(
+    ("flags", "device", "expected"),
+    [
+        ((), "cuda:0", 0.0),
+        ((), "cpu", None),
+        (("--step-priority-ms", "-1"), "cuda", None),
+        (("--step-priority-ms", "20"), "cpu", 0.02),
+    ],
+)
+def test_decode_steps_go_first_on_a_gpu_unless_told(
+    flags: tuple[str, ...], device: str, expected: float | None
+) -> None:
+    settings = _worker("encode+prefill+decode", *flags)
+    assert step_priority_s(settings.decode.step_priority_ms, device) == expected
