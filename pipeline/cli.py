@@ -202,6 +202,12 @@ def _load_flags(p: argparse.ArgumentParser, after: bool = False) -> None:
     add("--images-per-request", type=int, default=1, help="images in each request")
     add("--seed", type=int, default=0, help="seed of the synthetic images")
     add(
+        "--filler-words",
+        type=int,
+        default=0,
+        help="words appended to each prompt (' the' each, one token for Qwen tokenizers): long-context loads",
+    )
+    add(
         "--processes",
         type=int,
         default=0,

@@ -77,13 +77,15 @@ class LoadSpec:
     timeout_s: float = 300.0
     # Client processes (0: one per STREAMS_PER_PROCESS streams, up to a quarter of the cores).
     processes: int = 0
+    # Words appended to the prompt (long-context loads): " the" each, one token in Qwen's vocabulary.
+    filler_words: int = 0
 
     def __post_init__(self) -> None:
         for name in ("concurrency", "requests", "max_tokens"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1")
-        if self.processes < 0:
-            raise ValueError("processes must not be negative")
+        if self.processes < 0 or self.filler_words < 0:
+            raise ValueError("processes and filler_words must not be negative")
         if self.images_per_request < 0:
             raise ValueError("images_per_request must not be negative")
         if min(self.image_size) < 1:
@@ -97,6 +99,7 @@ class RequestResult:
     ttft_s: float | None = None
     itl_s: list[float] = field(default_factory=list)
     tokens: int = 0
+    prompt_tokens: int = 0
     finish_reason: str | None = None
     error: str | None = None
 
@@ -121,6 +124,7 @@ def spec_from_args(args: argparse.Namespace, url: str | None = None, model: str 
             seed=args.seed,
             api_key=args.api_key,
             processes=args.processes,
+            filler_words=args.filler_words,
         )
     except ValueError as exc:
         raise SystemExit(f"mmpipe bench: {exc}") from None
@@ -167,12 +171,13 @@ def _describe(exc: BaseException) -> str:
 async def one_request(client: openai.AsyncOpenAI, spec: LoadSpec, image_urls: list[str]) -> RequestResult:
     """One streamed chat completion, timed from before the call to the end of the stream."""
     content: list[dict[str, Any]] = [{"type": "image_url", "image_url": {"url": url}} for url in image_urls]
-    content.append({"type": "text", "text": PROMPT})
+    content.append({"type": "text", "text": PROMPT + " the" * spec.filler_words})
     messages: Any = [{"role": "user", "content": content}]
     first: float | None = None
     last = 0.0
     gaps: list[float] = []
     tokens: int | None = None
+    prompt_tokens = 0
     finish: str | None = None
     t0 = time.perf_counter()
     try:
@@ -196,13 +201,22 @@ async def one_request(client: openai.AsyncOpenAI, spec: LoadSpec, image_urls: li
                 finish = chunk.choices[0].finish_reason or finish
             if chunk.usage is not None:
                 tokens = chunk.usage.completion_tokens
+                prompt_tokens = chunk.usage.prompt_tokens
     except Exception as exc:
         return RequestResult(ok=False, e2e_s=time.perf_counter() - t0, error=_describe(exc))
     end = time.perf_counter()
     if first is None or tokens is None:
         error = "the stream ended without tokens" if first is None else "the stream ended without a usage chunk"
         return RequestResult(ok=False, e2e_s=end - t0, error=error)
-    return RequestResult(ok=True, e2e_s=end - t0, ttft_s=first - t0, itl_s=gaps, tokens=tokens, finish_reason=finish)
+    return RequestResult(
+        ok=True,
+        e2e_s=end - t0,
+        ttft_s=first - t0,
+        itl_s=gaps,
+        tokens=tokens,
+        prompt_tokens=prompt_tokens,
+        finish_reason=finish,
+    )
 
 
 @dataclass
@@ -232,6 +246,7 @@ class LoadReport:
             "requests_per_s": len(done) / wall,
             "tokens_per_s": tokens / wall,
             "completion_tokens": tokens,
+            "prompt_tokens_mean": sum(r.prompt_tokens for r in done) / len(done) if done else 0.0,
             "ttft_ms": _stats([r.ttft_s for r in done if r.ttft_s is not None]),
             "itl_ms": _stats([gap for r in done for gap in r.itl_s]),
             "e2e_ms": _stats([r.e2e_s for r in done]),
@@ -402,7 +417,8 @@ def format_report(summary: dict[str, Any]) -> str:
         f"mmpipe bench  {c['url']}  model={c['model']}  concurrency={c['concurrency']}  "
         f"requests={c['requests']}  max_tokens={c['max_tokens']}  images={images}  seed={c['seed']}",
         f"completed {summary['completed']}  failed {summary['failed']}  short {summary['short']}  "
-        f"in {summary['wall_s']:.2f} s: {summary['requests_per_s']:.2f} req/s, {summary['tokens_per_s']:.1f} tokens/s",
+        f"in {summary['wall_s']:.2f} s: {summary['requests_per_s']:.2f} req/s, {summary['tokens_per_s']:.1f} tokens/s, "
+        f"prompts of {summary['prompt_tokens_mean']:.0f} tokens on average",
         "",
         f"{'':<8}{'p50':>10}{'p90':>10}{'p99':>10}{'mean':>10}",
     ]

@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -57,6 +58,11 @@ async def test_load_generator_against_the_epd_stack(stack: Stack, processes: int
     assert [r.tokens for r in report.results] == [8] * 6
     assert [len(r.itl_s) for r in report.results] == [7] * 6  # one chunk per token
     assert summary["completion_tokens"] == 48
+    assert summary["prompt_tokens_mean"] > 0
+    if processes == 1:
+        # A long-context load: each filler word one more prompt token.
+        longer = (await run_load(replace(spec, requests=1, concurrency=1, filler_words=50))).summary()
+        assert longer["prompt_tokens_mean"] == summary["prompt_tokens_mean"] + 50
     for key in ("ttft_ms", "itl_ms", "e2e_ms"):
         s = summary[key]
         assert 0 < s["p50"] <= s["p90"] <= s["p99"], (key, s)
