@@ -15,7 +15,10 @@ GIL looks like one in its own code or idle in C (uvloop's ``run`` is both).
 So each sample is also weighed by the CPU time its thread used since the
 last one (the thread's own CPU clock), written beside the samples as
 ``<file>.cpu`` in the same form, counts in microseconds: where a process
-that is the wall (one core busy) spends its CPU. Cost: one walk of each
+that is the wall (one core busy) spends its CPU. And how late the sampler
+itself woke for each sample (``<file>.gil``, percentiles in ms): it needs
+the GIL to take a sample, so lateness near the 5 ms switch interval says
+the process's Python threads keep the GIL busy, whatever their stacks say. Cost: one walk of each
 stack and one clock read per thread per sample, some tens of microseconds
 every 5 ms.
 """
@@ -31,6 +34,8 @@ import time
 from pathlib import Path
 
 _MAX_DEPTH = 64
+# Wake-ups whose lateness is kept (an hour at 5 ms).
+_MAX_LATE = 720_000
 
 
 class StackSampler:
@@ -42,6 +47,8 @@ class StackSampler:
         self._counts: collections.Counter[str] = collections.Counter()
         self._cpu_us: collections.Counter[str] = collections.Counter()
         self._cpu_seen: dict[int, int] = {}
+        # How late each wake-up was (seconds), for the GIL's business.
+        self._late: list[float] = []
         self._stop = threading.Event()
         self._lock = threading.Lock()
         self._thread = threading.Thread(target=self._run, name="stack-sampler", daemon=True)
@@ -60,7 +67,11 @@ class StackSampler:
     def _run(self) -> None:
         me = threading.get_ident()
         flushed = time.monotonic()
+        woke = time.monotonic()
         while not self._stop.wait(self.interval_s):
+            now = time.monotonic()
+            if len(self._late) < _MAX_LATE:
+                self._late.append(max(0.0, now - woke - self.interval_s))
             names = {t.ident: t.name for t in threading.enumerate()}
             with self._lock:
                 for ident, frame in sys._current_frames().items():
@@ -74,6 +85,7 @@ class StackSampler:
             if time.monotonic() - flushed >= self.flush_s:
                 self.write()
                 flushed = time.monotonic()
+            woke = time.monotonic()
 
     def _cpu_since(self, ident: int) -> int:
         """Microseconds of CPU ``ident``'s thread used since the last sample."""
@@ -89,10 +101,21 @@ class StackSampler:
         with self._lock:
             lines = [f"{stack} {n}\n" for stack, n in self._counts.most_common()]
             cpu = [f"{stack} {n}\n" for stack, n in self._cpu_us.most_common()]
-        for path, text in ((self.path, lines), (cpu_path(self.path), cpu)):
+            late = sorted(self._late)
+        gil = [f"{q} {_quantile(late, q / 100) * 1000:.3f}\n" for q in (50, 90, 99)] + [f"n {len(late)}\n"]
+        for path, text in ((self.path, lines), (cpu_path(self.path), cpu), (gil_path(self.path), gil)):
             partial = path.with_suffix(".tmp")
             partial.write_text("".join(text))
             partial.replace(path)
+
+
+def _quantile(ordered: list[float], q: float) -> float:
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))] if ordered else 0.0
+
+
+def gil_path(path: Path) -> Path:
+    """Where the sampler's lateness percentiles (ms) of the samples at ``path`` are."""
+    return path.with_name(path.name + ".gil")
 
 
 def cpu_path(path: Path) -> Path:
@@ -132,6 +155,12 @@ def summary(path: Path, top: int = 25) -> str:
     out = [_summary(path, top, "samples")]
     if cpu_path(path).exists():
         out.append(_summary(cpu_path(path), top, "CPU"))
+    if gil_path(path).exists():
+        late = dict(line.split() for line in gil_path(path).read_text().splitlines())
+        out.append(
+            f"-- the sampler woke late by p50 {late['50']} ms, p90 {late['90']}, p99 {late['99']} "
+            f"over {late['n']} samples (near 5 ms: the GIL is busy)"
+        )
     return "\n".join(out)
 
 

@@ -50,7 +50,8 @@ class TracingSettings:
     stack_samples: str = setting(
         "",
         help="a folder where each process writes its threads' sampled Python stacks "
-        "(<process>-<pid>.folded, for flame graphs), every 10 s and at exit: where host time goes under load "
+        "(<process>-<pid>.folded, for flame graphs; .folded.cpu the same weighed by CPU time; .folded.gil how "
+        "late the sampler woke, the GIL's business), every 10 s and at exit: where host time goes under load "
         "(unset: off)",
     )
 

@@ -1,6 +1,7 @@
 """``--stack-samples``: where a process's threads are, and where its CPU
 goes. A thread that computes and one that sleeps are sampled side by side:
-both fill samples, only the first fills CPU time, in its own function."""
+both fill samples, only the first fills CPU time, in its own function; the
+sampler's own lateness is kept (what a busy GIL shows as)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import threading
 import time
 from pathlib import Path
 
-from pipeline.stack_samples import StackSampler, cpu_path, summary
+from pipeline.stack_samples import StackSampler, cpu_path, gil_path, summary
 
 
 def _spin_until(stop: threading.Event) -> None:
@@ -73,3 +74,8 @@ def test_cpu_time_goes_to_the_thread_and_function_that_computes(tmp_path: Path) 
     text = summary(path)
     assert "-- by samples" in text and "-- by CPU" in text
     assert "spinner: " in text.split("-- by CPU")[1]
+    # How late the sampler woke: it competed for the GIL with the spinner.
+    late = dict(line.split() for line in gil_path(path).read_text().splitlines())
+    assert int(late["n"]) >= 50
+    assert 0 <= float(late["50"]) <= float(late["90"]) <= float(late["99"])
+    assert "woke late by p50" in text
