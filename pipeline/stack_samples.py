@@ -18,9 +18,9 @@ last one (the thread's own CPU clock), written beside the samples as
 that is the wall (one core busy) spends its CPU. And how late the sampler
 itself woke for each sample (``<file>.gil``, percentiles in ms): it needs
 the GIL to take a sample, so lateness near the 5 ms switch interval says
-the process's Python threads keep the GIL busy, whatever their stacks say. Cost: one walk of each
-stack and one clock read per thread per sample, some tens of microseconds
-every 5 ms.
+the process's Python threads keep the GIL busy, whatever their stacks
+say. Cost: one walk of each stack and one clock read per thread per
+sample, some tens of microseconds every 5 ms.
 """
 
 from __future__ import annotations
@@ -34,8 +34,9 @@ import time
 from pathlib import Path
 
 _MAX_DEPTH = 64
-# Wake-ups whose lateness is kept (an hour at 5 ms).
-_MAX_LATE = 720_000
+# The sampler's lateness is counted in steps of this many seconds, up to the last (and beyond, in it).
+_LATE_STEP_S = 0.0001
+_LATE_STEPS = 500
 
 
 class StackSampler:
@@ -47,8 +48,8 @@ class StackSampler:
         self._counts: collections.Counter[str] = collections.Counter()
         self._cpu_us: collections.Counter[str] = collections.Counter()
         self._cpu_seen: dict[int, int] = {}
-        # How late each wake-up was (seconds), for the GIL's business.
-        self._late: list[float] = []
+        # How late the wake-ups were, counted by _LATE_STEP_S, for the GIL's business.
+        self._late = [0] * (_LATE_STEPS + 1)
         self._stop = threading.Event()
         self._lock = threading.Lock()
         self._thread = threading.Thread(target=self._run, name="stack-sampler", daemon=True)
@@ -70,8 +71,7 @@ class StackSampler:
         woke = time.monotonic()
         while not self._stop.wait(self.interval_s):
             now = time.monotonic()
-            if len(self._late) < _MAX_LATE:
-                self._late.append(max(0.0, now - woke - self.interval_s))
+            self._late[min(_LATE_STEPS, max(0, int((now - woke - self.interval_s) / _LATE_STEP_S)))] += 1
             names = {t.ident: t.name for t in threading.enumerate()}
             with self._lock:
                 for ident, frame in sys._current_frames().items():
@@ -101,16 +101,22 @@ class StackSampler:
         with self._lock:
             lines = [f"{stack} {n}\n" for stack, n in self._counts.most_common()]
             cpu = [f"{stack} {n}\n" for stack, n in self._cpu_us.most_common()]
-            late = sorted(self._late)
-        gil = [f"{q} {_quantile(late, q / 100) * 1000:.3f}\n" for q in (50, 90, 99)] + [f"n {len(late)}\n"]
+            late = list(self._late)
+        gil = [f"{q} {_quantile(late, q / 100) * 1000:.1f}\n" for q in (50, 90, 99)] + [f"n {sum(late)}\n"]
         for path, text in ((self.path, lines), (cpu_path(self.path), cpu), (gil_path(self.path), gil)):
             partial = path.with_suffix(".tmp")
             partial.write_text("".join(text))
             partial.replace(path)
 
 
-def _quantile(ordered: list[float], q: float) -> float:
-    return ordered[min(len(ordered) - 1, int(q * len(ordered)))] if ordered else 0.0
+def _quantile(counts: list[int], q: float) -> float:
+    """The upper end of the step that holds the ``q`` quantile of ``counts`` (seconds)."""
+    wanted, seen = q * sum(counts), 0
+    for step, n in enumerate(counts):
+        seen += n
+        if n and seen >= wanted:
+            return (step + 1) * _LATE_STEP_S
+    return 0.0
 
 
 def gil_path(path: Path) -> Path:
