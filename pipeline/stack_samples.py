@@ -16,7 +16,8 @@ So each sample is also weighed by the CPU time its thread used since the
 last one (the thread's own CPU clock), written beside the samples as
 ``<file>.cpu`` in the same form, counts in microseconds: where a process
 that is the wall (one core busy) spends its CPU. And how late the sampler
-itself woke for each sample (``<file>.gil``, percentiles in ms): it needs
+itself woke for each sample (``<file>.gil``, percentiles in ms and the
+counts in 0.1 ms steps): it needs
 the GIL to take a sample, so lateness near the 5 ms switch interval says
 the process's Python threads keep the GIL busy, whatever their stacks
 say. Cost: one walk of each stack and one clock read per thread per
@@ -103,6 +104,8 @@ class StackSampler:
             cpu = [f"{stack} {n}\n" for stack, n in self._cpu_us.most_common()]
             late = list(self._late)
         gil = [f"{q} {_quantile(late, q / 100) * 1000:.1f}\n" for q in (50, 90, 99)] + [f"n {sum(late)}\n"]
+        # The counts themselves: two files' difference is a stretch of the run (a load) alone.
+        gil.append(f"counts {' '.join(map(str, late))}\n")
         for path, text in ((self.path, lines), (cpu_path(self.path), cpu), (gil_path(self.path), gil)):
             partial = path.with_suffix(".tmp")
             partial.write_text("".join(text))
@@ -162,7 +165,7 @@ def summary(path: Path, top: int = 25) -> str:
     if cpu_path(path).exists():
         out.append(_summary(cpu_path(path), top, "CPU"))
     if gil_path(path).exists():
-        late = dict(line.split() for line in gil_path(path).read_text().splitlines())
+        late = dict(line.split(maxsplit=1) for line in gil_path(path).read_text().splitlines())
         out.append(
             f"-- the sampler woke late by p50 {late['50']} ms, p90 {late['90']}, p99 {late['99']} "
             f"over {late['n']} samples (near 5 ms: the GIL is busy)"
