@@ -17,10 +17,9 @@ last one (the thread's own CPU clock), written beside the samples as
 ``<file>.cpu`` in the same form, counts in microseconds: where a process
 that is the wall (one core busy) spends its CPU. And how late the sampler
 itself woke for each sample (``<file>.gil``, percentiles in ms and the
-counts in 0.1 ms steps): it needs
-the GIL to take a sample, so lateness near the 5 ms switch interval says
-the process's Python threads keep the GIL busy, whatever their stacks
-say. Cost: one walk of each stack and one clock read per thread per
+counts in 0.1 ms steps): it needs the GIL to take a sample, so lateness
+near the 5 ms switch interval says the process's Python threads keep the
+GIL busy, whatever their stacks say. Cost: one walk of each stack and one clock read per thread per
 sample, some tens of microseconds every 5 ms.
 """
 
@@ -107,7 +106,8 @@ class StackSampler:
         # The counts themselves: two files' difference is a stretch of the run (a load) alone.
         gil.append(f"counts {' '.join(map(str, late))}\n")
         for path, text in ((self.path, lines), (cpu_path(self.path), cpu), (gil_path(self.path), gil)):
-            partial = path.with_suffix(".tmp")
+            # Its own partial file: with_suffix would give .cpu and .gil the same one.
+            partial = path.with_name(path.name + ".tmp")
             partial.write_text("".join(text))
             partial.replace(path)
 
