@@ -313,7 +313,7 @@ async def run_load(
         wall_s=run.ended - run.started,
         warmup_error=run.warmup_error,
         started_ns=run.started_ns,
-        client_cpu=[run.cpu / max(run.ended - run.started, 1e-9)],
+        client_cpu=[run.busy],
     )
 
 
@@ -325,6 +325,11 @@ class _ClientRun:
     started_ns: int
     cpu: float  # this process's CPU seconds over the load
     warmup_error: str | None
+
+    @property
+    def busy(self) -> float:
+        """The share of one core this process used over the load."""
+        return self.cpu / max(self.ended - self.started, 1e-9)
 
 
 async def _run_client(
@@ -402,7 +407,7 @@ def _run_processes(spec: LoadSpec, n: int, warmup: bool) -> LoadReport:
         wall_s=ended - started,
         warmup_error=done[0].warmup_error,
         started_ns=min(r.started_ns for r in done),
-        client_cpu=[r.cpu / max(r.ended - r.started, 1e-9) for r in done],
+        client_cpu=[r.busy for r in done],
     )
 
 
