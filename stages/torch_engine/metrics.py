@@ -1,9 +1,33 @@
-"""The built-in engine's KV pool as Prometheus metrics, on the worker's
-``/metrics`` beside the rest (named as vLLM's: usage and preemptions)."""
+"""The built-in engine as Prometheus metrics, on the worker's ``/metrics``
+beside the rest: its KV pool (named as vLLM's: usage and preemptions), and
+where its one thread's time goes (each call's wait in the thread's queue and
+its run, the decode loop's step interval and rows), so a throughput ceiling
+can be read off a running worker instead of guessed."""
 
 from __future__ import annotations
 
-from prometheus_client import Counter, Gauge
+from prometheus_client import Counter, Gauge, Histogram
 
 KV_USAGE = Gauge("mmpipe_kv_cache_usage", "Fraction of the KV pool's blocks held by sequences")
 PREEMPTIONS = Counter("mmpipe_preemptions_total", "Running sequences swapped out of the KV pool to let older ones grow")
+
+# Engine calls and steps last from tens of microseconds (a release) to tens
+# of milliseconds (a batch of images through the tower).
+_CALL = (0.0001, 0.0005, 0.001, 0.002, 0.003, 0.005, 0.0075, 0.01, 0.015, 0.025, 0.05, 0.1, 0.25, 1, 5)
+ENGINE_CALL_WAIT = Histogram(
+    "mmpipe_engine_call_wait_seconds",
+    "Time an engine call waited for the engine's thread, by call",
+    ["call"],
+    buckets=_CALL,
+)
+ENGINE_CALL_RUN = Histogram(
+    "mmpipe_engine_call_seconds", "Time an engine call held the engine's thread, by call", ["call"], buckets=_CALL
+)
+STEP_INTERVAL = Histogram(
+    "mmpipe_decode_step_interval_seconds",
+    "Time between two hand-outs of the decode loop's tokens (a running sequence's inter-token time in the worker)",
+    buckets=_CALL,
+)
+STEP_ROWS = Histogram(
+    "mmpipe_decode_batch_rows", "Sequences in one decode step", buckets=(1, 2, 4, 8, 16, 24, 32, 48, 64, 128, 256)
+)

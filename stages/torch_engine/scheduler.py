@@ -24,6 +24,8 @@ from typing import Any, TypeVar
 
 import structlog
 
+from stages.torch_engine.metrics import ENGINE_CALL_RUN, ENGINE_CALL_WAIT, STEP_INTERVAL, STEP_ROWS
+
 log = structlog.get_logger(__name__)
 
 T = TypeVar("T")
@@ -84,7 +86,8 @@ class EngineThread:
             if self.closed:
                 raise RuntimeError("the engine thread is closed")
             self._submitted += 1
-            (self._urgent if urgent else self._normal).append(_Call(fn, args, future, self._submitted))
+            call = _Call(fn, args, future, self._submitted, time.perf_counter())
+            (self._urgent if urgent else self._normal).append(call)
             if not self._started:
                 self._started = True
                 self._thread.start()
@@ -109,10 +112,14 @@ class EngineThread:
                 call.future.set_exception(exc)
             else:
                 call.future.set_result(result)
+            ran = time.perf_counter() - started
+            name = getattr(call.fn, "__name__", "call")
+            ENGINE_CALL_WAIT.labels(name).observe(started - call.submitted)
+            ENGINE_CALL_RUN.labels(name).observe(ran)
             if urgent:
                 self._others_ran_s = 0.0
             else:
-                self._others_ran_s += time.perf_counter() - started
+                self._others_ran_s += ran
 
     def _urgent_next(self) -> bool:
         if not self._normal:
@@ -138,6 +145,7 @@ class _Call:
     args: tuple[Any, ...]
     future: concurrent.futures.Future[Any]
     order: int
+    submitted: float
 
 
 _END = object()
@@ -175,6 +183,7 @@ class DecodeScheduler:
         # Sequences were released since the loop last waited for the engine's thread.
         self._released = False
         self._blocked = False
+        self._handed_out_at: float | None = None
 
     def start(self) -> None:
         if self._loop_task is None:
@@ -272,6 +281,7 @@ class DecodeScheduler:
             # First come, first served: one that waits for blocks holds back those behind it.
             self._admit(admissible)
             if not self._running and self._ahead is None:
+                self._handed_out_at = None  # idle time is no step interval
                 if self._waiting and self._released:
                     # What finished gives its blocks back on the engine's thread: once
                     # those releases have run, the first waiting may fit.
@@ -352,6 +362,11 @@ class DecodeScheduler:
             entry.done = True
 
     def _hand_out(self, batch: list[_Running], tokens: list[int | None]) -> None:
+        now = time.perf_counter()
+        if self._handed_out_at is not None:
+            STEP_INTERVAL.observe(now - self._handed_out_at)
+        self._handed_out_at = now
+        STEP_ROWS.observe(len(batch))
         for entry, token in zip(batch, tokens, strict=True):
             if entry.done or token is None:
                 continue

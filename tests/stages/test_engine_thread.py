@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from prometheus_client import REGISTRY
 
 from stages.models import builtin_path
 from stages.sampling import SamplingConfig
@@ -179,3 +180,69 @@ async def test_with_steps_first_a_decode_loop_steps_between_the_other_calls_queu
     await scheduler.close()
     thread.close()
     assert len(tokens) == 40
+
+
+def _sample(metric: Any, call: str, suffix: str) -> float:
+    value = REGISTRY.get_sample_value(f"{metric}{suffix}", {"call": call})
+    return value or 0.0
+
+
+async def test_each_call_s_wait_for_the_thread_and_its_run_are_recorded_by_name() -> None:
+    thread = EngineThread()
+    wait, run = "mmpipe_engine_call_wait_seconds", "mmpipe_engine_call_seconds"
+    before = {
+        (m, c, s): _sample(m, c, s) for m in (wait, run) for c in ("hold", "queued_behind") for s in ("_count", "_sum")
+    }
+    running, gate = blocker(thread)
+    assert await asyncio.to_thread(running.wait, 5)
+
+    def queued_behind() -> int:
+        return 1
+
+    behind = asyncio.ensure_future(thread.call(queued_behind))
+    await asyncio.sleep(0)  # submitted
+    held_from = time.perf_counter()
+    await asyncio.sleep(0.05)
+    held_s = time.perf_counter() - held_from
+    gate.set()
+    assert await behind == 1
+    thread.close()
+
+    def delta(metric: str, call: str, suffix: str) -> float:
+        return _sample(metric, call, suffix) - before[(metric, call, suffix)]
+
+    assert [delta(m, c, "_count") for m in (wait, run) for c in ("hold", "queued_behind")] == [1, 1, 1, 1]
+    # Causal, not timed: the queued call could not start before the gate
+    # opened, nor the held call end before it.
+    assert delta(wait, "queued_behind", "_sum") >= held_s
+    assert delta(run, "hold", "_sum") >= held_s
+
+
+async def test_the_decode_loop_records_each_steps_rows_and_the_interval_between_hand_outs(
+    mmpipe_home: Path,
+) -> None:
+    engine = TorchEngine(builtin_path("tiny-qwen2-vl"))
+    thread = EngineThread()
+    scheduler = DecodeScheduler(engine, thread)
+    scheduler.start()
+
+    def samples() -> list[float]:
+        names = ["mmpipe_decode_batch_rows_count", "mmpipe_decode_batch_rows_sum"]
+        names.append("mmpipe_decode_step_interval_seconds_count")
+        return [REGISTRY.get_sample_value(n) or 0.0 for n in names]
+
+    before = samples()
+    greedy = SamplingConfig(temperature=0.0, max_tokens=20, min_tokens=20)
+    [(seq, first)] = await thread.call(engine.prefill, [engine.tokenizer("Count:")["input_ids"]], [[]], [greedy])
+    tokens = [first]
+    async for token in scheduler.stream(seq, lambda _: len(tokens) + 1 >= 20):
+        tokens.append(token)
+    await scheduler.close()
+    thread.close()
+    steps, rows, intervals = (after - b for after, b in zip(samples(), before, strict=True))
+    assert len(tokens) == 20
+    # 19 tokens from the loop (one more step may have been launched ahead), one row each,
+    # and an interval between each two hand-outs of one uninterrupted run.
+    assert steps in (19, 20)
+    assert rows == steps
+    assert intervals == steps - 1
