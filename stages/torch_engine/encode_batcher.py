@@ -30,7 +30,7 @@ class EncodeBatcher:
     def __init__(self, engine: TorchEngine, thread: EngineThread, max_items: int) -> None:
         self.engine = engine
         self._batcher: CallBatcher[list[Media], list[MediaEmbedding]] = CallBatcher(
-            "encode", self._run, thread, max_items, weight=len
+            "encode", self._encode_together, thread, max_items, weight=len
         )
 
     @property
@@ -43,7 +43,7 @@ class EncodeBatcher:
         whatever other requests wait at the same time."""
         return await self._batcher.submit(list(media))
 
-    def _run(self, jobs: list[list[Media]]) -> list[list[MediaEmbedding]]:
+    def _encode_together(self, jobs: list[list[Media]]) -> list[list[MediaEmbedding]]:
         encoded = iter(self.engine.encode([m for job in jobs for m in job]))
         return [[next(encoded) for _ in job] for job in jobs]
 

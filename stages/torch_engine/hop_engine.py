@@ -144,11 +144,11 @@ class TorchHopEngine:
                 seq, _ = await self.prefills.submit((req.prompt_token_ids, media, sampling(req)))
             else:
 
-                def run() -> tuple[Sequence, int]:
+                def prefill_one() -> tuple[Sequence, int]:
                     job = [req.prompt_token_ids], [media], [sampling(req)], [ctx.emitted]
                     return engine.prefill(*job, defer=True)[0]
 
-                seq, _ = await self.thread.call_or_release(lambda out: engine.release(out[0]), run)
+                seq, _ = await self.thread.call_or_release(lambda out: engine.release(out[0]), prefill_one)
                 if seq.pending is not None:
                     await self._settle(seq)
         return TorchPrefilled(seq)
