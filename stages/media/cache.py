@@ -94,15 +94,9 @@ class CachedEmbedding:
     scales: tuple[float, ...] = ()
 
     def __post_init__(self) -> None:
-        import torch
+        from stages.device_copy import to_host
 
-        src = self.embeddings.detach()
-        if src.device.type == "cpu":
-            copy = src.clone(memory_format=torch.contiguous_format)
-        else:
-            # A device-to-host copy is a new tensor already; cloning it again would copy twice.
-            copy = src.to("cpu", memory_format=torch.contiguous_format)
-        object.__setattr__(self, "embeddings", copy)
+        object.__setattr__(self, "embeddings", to_host(self.embeddings))
         object.__setattr__(self, "grid", tuple(int(g) for g in self.grid))
 
     @property

@@ -67,3 +67,21 @@ def test_copies_wrapping_the_ring_behind_a_busy_gpu_arrive_whole(engine_device: 
     torch.cuda.synchronize()
     for i, tensor in enumerate(moved):
         assert torch.equal(tensor.cpu(), sources[i]), i
+
+
+def test_a_host_copy_is_contiguous_and_its_own(engine_device: str) -> None:
+    """What the embedding cache keeps: a copy that waited for the kernels
+    writing its source (queued behind a long one on a GPU), laid out
+    contiguously, sharing no memory with the source."""
+    device = torch.device(engine_device)
+    base = torch.arange(24, dtype=torch.float32, device=device).reshape(4, 6)
+    if device.type == "cuda":
+        torch.cuda._sleep(200_000_000)
+    source = (base * 2).t()  # written by a kernel still queued; not contiguous
+    host = device_copy.to_host(source)
+    assert host.device.type == "cpu" and host.is_contiguous()
+    assert host.is_pinned() == (device.type == "cuda")
+    assert torch.equal(host, (torch.arange(24, dtype=torch.float32).reshape(4, 6) * 2).t())
+    if device.type == "cpu":
+        source.add_(1)
+        assert host[0, 0] == 0  # its own memory
