@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import json
+import os
 
 import structlog
 import torch
@@ -34,6 +35,7 @@ from stages.media import (
     decode_video,
     parse_embeddings,
 )
+from stages.media.decode_pool import DecodePool
 from stages.media.decoded import DecodedMediaCache
 from stages.torch_engine.encode_batcher import EncodeBatcher
 from stages.torch_engine.engine import TorchEngine
@@ -63,6 +65,8 @@ class MediaEncoder:
         self.cache = cache
         self.decoded_cache = DecodedMediaCache(policy.decoded_cache_bytes) if policy.decoded_cache_bytes else None
         self.batcher = EncodeBatcher(engine, thread, policy.encode_batch_items)
+        processes = decode_processes(policy, engine.device)
+        self.decode_pool = DecodePool(processes) if processes > 0 else None
         # Host copies on their way into the cache (held so they are not collected).
         self._storing: set[asyncio.Future[CachedEmbedding]] = set()
         # What else changes the embeddings of the same bytes: the weights and their dtype.
@@ -139,14 +143,23 @@ class MediaEncoder:
     async def _decoded(self, item: MediaItem, data: bytes) -> Decoded:
         """The item decoded, from the decoded-media cache when these bytes were read this way before."""
         if self.decoded_cache is None:
-            return await asyncio.to_thread(self._decode, item, data)
+            return await self._decode_off_loop(item, data)
         options = json.dumps([item.kind.value, item.num_frames, item.fps, item.max_frames, item.format])
         key = await _content_key(data, model="", kind="decoded", options=options)
         if (hit := self.decoded_cache.get(key)) is not None:
             return hit
-        media = await asyncio.to_thread(self._decode, item, data)
+        media = await self._decode_off_loop(item, data)
         self.decoded_cache.put(key, media)
         return media
+
+    async def _decode_off_loop(self, item: MediaItem, data: bytes) -> Decoded:
+        if self.decode_pool is None:
+            return await asyncio.to_thread(self._decode, item, data)
+        return await self.decode_pool.decode(item.kind, data, self.policy, self._options(item), item.format or None)
+
+    def close(self) -> None:
+        if self.decode_pool is not None:
+            self.decode_pool.close()
 
     async def _encode_media(self, items: list[MediaItem], datas: list[bytes], ctx: HopContext) -> list[MediaEmbedding]:
         with ctx.timed("media_decode", items=len(items)):
@@ -185,6 +198,17 @@ class MediaEncoder:
         # How each item is read: its kind, a video's sampling, an audio's declared format.
         options = json.dumps([[m.kind.value, m.num_frames, m.fps, m.max_frames, m.format] for m in items])
         return await _content_key(blob, model=self._model_key, kind="media", options=options)
+
+
+def decode_processes(policy: MediaPolicy, device: torch.device) -> int:
+    """``--media-processes``, or what it means unset: a GPU worker decodes in
+    processes (its engine thread needs the GIL between launches); a CPU one
+    in threads (its engine thread is the compute and holds no GIL in it)."""
+    if policy.decode_processes is not None:
+        return policy.decode_processes
+    if device.type != "cuda":
+        return 0
+    return min(4, max(1, (os.cpu_count() or 1) // 4))
 
 
 async def _content_key(data: bytes, model: str, kind: str, options: str) -> str:

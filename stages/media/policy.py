@@ -108,7 +108,17 @@ class MediaPolicy:
         "more: GPU throughput, last-bit differences)",
     )
 
+    # Processes that decode media beside the worker (stages.media.decode_pool).
+    decode_processes: int | None = setting(
+        None,
+        flag="media-processes",
+        help="processes that decode images, video and audio off the worker's GIL (0: threads of the worker; "
+        "unset: 4 on a GPU worker, at most a quarter of the cores; threads on a CPU one)",
+    )
+
     def __post_init__(self) -> None:
+        if self.decode_processes is not None and self.decode_processes < 0:
+            raise ValueError("MediaPolicy.decode_processes must be 0 or more")
         for name in (
             "max_bytes",
             "max_pixels",

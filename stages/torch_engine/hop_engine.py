@@ -105,6 +105,8 @@ class TorchHopEngine:
             await self.scheduler.close()
         if self.fetcher is not None:
             await self.fetcher.close()
+        if self.encoder is not None:
+            self.encoder.close()
         self.thread.close()
 
     def has_room(self) -> bool:

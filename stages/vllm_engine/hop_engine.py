@@ -136,6 +136,7 @@ class VllmHopEngine:
         if self.encoder is not None:
             await self.encoder.fetcher.close()
         if isinstance(self.encoder, MediaEncoder):  # the torch vision tower beside vLLM: its own thread
+            self.encoder.close()
             self.encoder.thread.close()
         self.llm.close()
 
