@@ -182,19 +182,23 @@ class TorchHopEngine:
             raise InvalidRequest(f"a request reached {self.role} without its KV cache")
         kv = req.kv
         state = KvState(kv.prompt_len, list(kv.output_ids), kv.rope_delta)
+
         # Straight into blocks of the decoder's pool where the cache comes as
         # they are (this engine's dtype and block size): no copy after the transfer.
-        reserved = await self.thread.call_or_release(
-            self._drop_reserved, lambda: self.torch.reserve_kv(state, sampling(req))
-        )
+        def reserve_kv() -> tuple[Sequence, list[list[torch.Tensor]]] | None:
+            return self.torch.reserve_kv(state, sampling(req))
+
+        reserved = await self.thread.call_or_release(self._drop_reserved, reserve_kv)
         if reserved is not None and _fits(kv.ref, reserved[1]):
             await self._read_into_slot(reserved[0], kv.ref, reserved[1], ctx)
             return TorchPrefilled(reserved[0])
         self._drop_reserved(reserved)
         tensors = await get_tensors(self.tensors, kv.ref, self.torch.device, ctx)
-        seq = await self.thread.call_or_release(
-            self.torch.release, lambda: self.torch.import_kv(tensors, state, sampling(req))
-        )
+
+        def import_kv() -> Sequence:
+            return self.torch.import_kv(tensors, state, sampling(req))
+
+        seq = await self.thread.call_or_release(self.torch.release, import_kv)
         return TorchPrefilled(seq)
 
     def _drop_reserved(self, reserved: tuple[Sequence, list[list[torch.Tensor]]] | None) -> None:
