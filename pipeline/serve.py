@@ -29,7 +29,7 @@ from stages.contract import Stage, TensorStore
 from stages.media import EmbeddingCache, MediaPolicy
 from stages.models import DEFAULT_MODEL, ModelSpec, resolve_model
 from stages.processor import ProcessorLimits
-from stages.torch_engine.settings import DecodeSettings, step_priority_s
+from stages.torch_engine.settings import DecodeSettings, intra_op_threads, step_priority_s
 from stages.vllm_engine.args import STORAGE_TTL_S, KvConnectorSettings, engine_args_file
 
 log = structlog.get_logger(__name__)
@@ -53,6 +53,11 @@ class WorkerSettings:
         None, help="requests one worker runs at once; it fetches only into free slots (unset: --max-batch)"
     )
     max_batch: int = setting(32, help="sequences decoded together in one step (the batch decoder's slots)")
+    torch_threads: int | None = setting(
+        None,
+        help="torch's CPU threads (intra-op) in a built-in engine's worker (unset: 1 on a GPU worker, whose CPU "
+        "ops are small and share the cores with its other threads; torch's default, one a core, on a CPU one)",
+    )
     prefill_batch: int = setting(
         1,
         help="new prompts prefilled together in one forward when they wait together (1: each alone, generate()'s "
@@ -108,6 +113,8 @@ class WorkerSettings:
     )
 
     def __post_init__(self) -> None:
+        if self.torch_threads is not None and self.torch_threads < 1:
+            raise ValueError("torch-threads must be at least 1")
         for name in ("max_batch", "prefill_batch"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name.replace('_', '-')} must be at least 1")
@@ -178,7 +185,13 @@ def build_stage(
         decodes="decode" in steps,
         slots=settings.max_batch,
     )
-    engine = TorchEngine(Path(spec.path), device=resolve_device(settings.device), decode=decode)
+    device = resolve_device(settings.device)
+    threads = intra_op_threads(settings.torch_threads, device)
+    if threads is not None:
+        import torch
+
+        torch.set_num_threads(threads)
+    engine = TorchEngine(Path(spec.path), device=device, decode=decode)
     policy = settings.media
     cache = EmbeddingCache(settings.embedding_cache_bytes, name=role) if role.startswith("encode") else None
     hop_engine = TorchHopEngine(

@@ -23,7 +23,7 @@ from schemas.codec import encode
 from schemas.processed import ProcessedRequest, VllmKv
 from schemas.request import ChatMessage, GenerateRequest, SamplingParams
 from stages.models import resolve_model
-from stages.torch_engine.settings import step_priority_s
+from stages.torch_engine.settings import intra_op_threads, step_priority_s
 from stages.vllm_engine.args import KvConnectorSettings, kv_transfer_config
 
 
@@ -142,3 +142,29 @@ def test_decode_steps_go_first_on_a_gpu_unless_told(
 ) -> None:
     settings = _worker("encode+prefill+decode", *flags)
     assert step_priority_s(settings.decode.step_priority_ms, device) == expected
+
+
+@pytest.mark.parametrize(
+    ("flags", "device", "expected"),
+    [((), "cuda:0", 1), ((), "cpu", None), (("--torch-threads", "3"), "cuda", 3), (("--torch-threads", "2"), "cpu", 2)],
+)
+def test_torch_keeps_one_cpu_thread_on_a_gpu_worker_unless_told(
+    flags: tuple[str, ...], device: str, expected: int | None
+) -> None:
+    settings = _worker("encode+prefill+decode", *flags)
+    assert intra_op_threads(settings.torch_threads, device) == expected
+
+
+def test_a_torch_worker_applies_its_thread_count(tiny_model_dir: Path) -> None:
+    import torch
+
+    before = torch.get_num_threads()
+    want = 1 if before != 1 else 2
+    try:
+        settings = _worker("encode+prefill+decode", "--device", "cpu", "--torch-threads", str(want))
+        build_stage("encode+prefill+decode", PipelineConfig(), settings, resolve_model(str(tiny_model_dir), "tiny"))
+        assert torch.get_num_threads() == want
+    finally:
+        torch.set_num_threads(before)
+    with pytest.raises(SettingError, match="torch-threads"):
+        _worker("decode", "--torch-threads", "0")
