@@ -20,6 +20,7 @@ import contextlib
 import threading
 import time
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -85,6 +86,7 @@ class TorchEngine:
         self._lock = threading.Lock()
         # A KV hand-off travels in blocks of this many tokens.
         self.block_size = decode.block_size
+        self.max_num_batched_tokens = decode.max_num_batched_tokens
         self.decoder: BatchDecoder | None = None
         if decode.batched and batch_decoder.supports(self.model):
             max_len = min(decode.max_len, self.max_model_len)
@@ -209,6 +211,45 @@ class TorchEngine:
             raise ValueError("prefill: prompt_token_ids, media, sampling and emitted differ in length")
         jobs = zip(prompt_token_ids, media, sampling, emitted, strict=True)
         return [self._prefill_one(p, im, s, e, defer) for p, im, s, e in jobs]
+
+    def chunked(self, expanded_len: int) -> bool:
+        """Whether a prompt of this many tokens (media expanded) prefills in chunks."""
+        budget = self.max_num_batched_tokens
+        return 0 < budget < expanded_len
+
+    def start_prefill(
+        self, prompt_token_ids: list[int], media: list[MediaEmbedding], sampling: SamplingConfig
+    ) -> Prefilling:
+        """A long prompt to prefill chunk by chunk (``prefill_chunk``), one
+        engine call each, so that running sequences step between the chunks
+        instead of waiting for the whole prompt (``--max-num-batched-tokens``).
+        Holds no KV blocks until its last chunk: its cache is the model's own
+        until the sequence joins the batch decoder."""
+        ids, positions, delta = self._prepare(prompt_token_ids, media, [])
+        with self._lock, torch.inference_mode():
+            embeds = self.family.embed_prompt(self.model, ids, media)
+        return Prefilling(len(ids), positions, delta, embeds, sampling)
+
+    def prefill_chunk(self, prefilling: Prefilling, defer: bool = False) -> tuple[Sequence, int] | None:
+        """The next chunk of ``prefilling`` through the model, over the cache
+        of the chunks before it; after the last, its sequence and next token
+        (as ``prefill`` gives them), else None. Chunked, the prompt's keys and
+        values are the same computation over other matrix shapes: their last
+        bits may differ from one forward's."""
+        p = prefilling
+        if p.done >= p.length:
+            raise ValueError("the prompt is prefilled already")
+        end = p.length if self.max_num_batched_tokens <= 0 else min(p.length, p.done + self.max_num_batched_tokens)
+        with self._lock, torch.inference_mode():
+            logits, p.cache = self.family.forward(
+                self.model, p.positions[..., p.done : end], p.cache, inputs_embeds=p.embeds[:, p.done : end]
+            )
+        p.done = end
+        if end < p.length:
+            return None
+        seq = Sequence(prompt_len=p.length, output_ids=[], sampling=p.sampling, rope_delta=p.delta, cache=p.cache)
+        p.cache = p.embeds = None
+        return seq, self._select(seq, logits, defer)
 
     def settle(self, seq: Sequence) -> int:
         """The token ``prefill(defer=True)`` chose for ``seq``, once it is on
@@ -693,6 +734,20 @@ class TorchEngine:
         token = select_token(logits.float(), seq.sampling, seq.num_generated, self._eos_tensor)
         seq.output_ids.append(token)
         return token
+
+
+@dataclass(eq=False)
+class Prefilling:
+    """A prompt part way through a chunked prefill (``TorchEngine.start_prefill``)."""
+
+    length: int
+    positions: torch.Tensor
+    delta: int
+    embeds: Any
+    sampling: SamplingConfig
+    cache: Any = None
+    # Positions of the prompt in the cache so far.
+    done: int = 0
 
 
 def _budget(seq: Sequence) -> int:

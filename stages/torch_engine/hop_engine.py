@@ -141,8 +141,12 @@ class TorchHopEngine:
 
     async def prefill(self, req: ProcessedRequest, media: list[MediaEmbedding], ctx: HopContext) -> TorchPrefilled:
         engine = self.torch
+        # Placeholders expanded: each media item's one id becomes its tokens.
+        expanded = len(req.prompt_token_ids) + sum(m.num_tokens - 1 for m in media)
         with ctx.timed("prefill", tokens=len(req.prompt_token_ids)):
-            if self.prefills.max_items > 1 and not ctx.emitted:
+            if not ctx.emitted and engine.chunked(expanded):
+                seq = await self._prefill_in_chunks(req, media, ctx)
+            elif self.prefills.max_items > 1 and not ctx.emitted:
                 seq, _ = await self.prefills.submit((req.prompt_token_ids, media, sampling(req)))
             else:
 
@@ -154,6 +158,31 @@ class TorchHopEngine:
                 if seq.pending is not None:
                     await self._settle(seq)
         return TorchPrefilled(seq)
+
+    async def _prefill_in_chunks(self, req: ProcessedRequest, media: list[MediaEmbedding], ctx: HopContext) -> Sequence:
+        """A long prompt in chunks of ``--max-num-batched-tokens``, one engine
+        call each: the decode loop's steps go between them (chunked prefill)."""
+        engine = self.torch
+        prefilling = await self.thread.call(engine.start_prefill, req.prompt_token_ids, media, sampling(req))
+
+        def prefill_chunk() -> tuple[Sequence, int] | None:
+            return engine.prefill_chunk(prefilling, defer=True)
+
+        def release(out: tuple[Sequence, int] | None) -> None:
+            if out is not None:
+                engine.release(out[0])
+
+        chunks = 0
+        while True:
+            out = await self.thread.call_or_release(release, prefill_chunk)
+            chunks += 1
+            if out is not None:
+                break
+        ctx.trace["prefill_chunks"] = float(chunks)
+        seq = out[0]
+        if seq.pending is not None:
+            await self._settle(seq)
+        return seq
 
     async def _settle(self, seq: Sequence) -> None:
         """Wait for the prefill's token off the engine's thread, which goes

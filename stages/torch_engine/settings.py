@@ -46,6 +46,12 @@ class DecodeSettings:
         help="where the fused step runs, prompts of up to this many tokens prefill straight into a decoder slot, "
         "one CUDA graph per length bucket (0: the model's modules for every prompt)",
     )
+    # vLLM's name; its default for an API server.
+    max_num_batched_tokens: int = setting(
+        2048,
+        help="a prompt longer than this (media expanded) is prefilled in chunks of this many tokens, one engine "
+        "call each, and running sequences step between them (0: every prompt in one call)",
+    )
     step_priority_ms: float | None = setting(
         None,
         help="engine-thread time the calls that admit requests (encodes, prefills) get before a waiting decode "
