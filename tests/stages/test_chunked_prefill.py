@@ -21,6 +21,7 @@ from stages.torch_engine.hop_engine import TorchHopEngine
 from stages.torch_engine.reference import reference_generate
 from stages.torch_engine.settings import DecodeSettings
 from tests.e2e.conftest import gradient
+from tests.polling import eventually
 from tests.stages.test_hop_engine import N, image_request
 
 
@@ -71,8 +72,7 @@ async def test_running_sequences_step_between_the_chunks_of_a_long_prompt(tiny_m
     await engine.start()
     try:
         first = asyncio.ensure_future(_stream(stage, running, HopContext()))
-        while calls.count("step") < 3:  # the first request is decoding
-            await asyncio.sleep(0.01)
+        await eventually(lambda: calls.count("step") >= 3, within=10.0)  # the first request is decoding
         start = len(calls)
         second = await _stream(stage, long, HopContext())
         await first
