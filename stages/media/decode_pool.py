@@ -5,7 +5,7 @@ Python between chunks, and every return takes the GIL. On a GPU worker
 the GIL is also what the engine's one thread needs between its kernel
 launches: under 64 clients (2B preset, 448×448 PNGs, an H100 host) the
 engine's thread spent most of each call waiting for the GIL, every call
-three times as long as alone, while media threads, the event loop and the
+about four times as long as alone, while media threads, the event loop and the
 engine took turns. Decoded in another process, an image costs this one
 only its pickled pixels.
 
@@ -65,19 +65,25 @@ class DecodePool:
         self, kind: MediaKind, data: bytes, policy: MediaPolicy, options: VideoOptions | None, fmt: str | None
     ) -> Decoded:
         loop = asyncio.get_running_loop()
-        for attempt in (1, 2):
-            pool = self._executor()
-            try:
-                return await loop.run_in_executor(pool, decode_item, kind, data, policy, options, fmt)
-            except BrokenProcessPool:
-                if self._pool is pool:  # the first to see it starts the next pool
-                    self._pool = None
-                    self.restarts += 1
-                    pool.shutdown(wait=False, cancel_futures=True)
-                    log.warning("media_decode_pool_restarted", kind=kind.value, bytes=len(data))
-                if attempt == 2:
-                    raise InvalidMedia(f"the {kind.value} decoder's process died twice decoding this input") from None
-        raise AssertionError("unreachable")
+        pool = self._executor()
+        try:
+            return await loop.run_in_executor(pool, decode_item, kind, data, policy, options, fmt)
+        except BrokenProcessPool:
+            self._replace(pool, kind, len(data))
+        pool = self._executor()
+        try:
+            return await loop.run_in_executor(pool, decode_item, kind, data, policy, options, fmt)
+        except BrokenProcessPool:
+            self._replace(pool, kind, len(data))
+            raise InvalidMedia(f"the {kind.value} decoder's process died twice decoding this input") from None
+
+    def _replace(self, broken: ProcessPoolExecutor, kind: MediaKind, nbytes: int) -> None:
+        """The next decode starts a new pool; the first to see this one broken says so."""
+        if self._pool is broken:
+            self._pool = None
+            self.restarts += 1
+            broken.shutdown(wait=False, cancel_futures=True)
+            log.warning("media_decode_pool_restarted", kind=kind.value, bytes=nbytes)
 
     def close(self) -> None:
         if self._pool is not None:
