@@ -33,6 +33,9 @@ class Figures:
     peak_rss_mib: dict[str, float] = field(default_factory=dict)
     rss_growth_mib: dict[str, float] = field(default_factory=dict)
     budget_mib: dict[str, float] = field(default_factory=dict)
+    # Sequences swapped out of a decode worker's KV pool over the scenario, every
+    # decode worker that ran counted (a killed one as it was just before the kill).
+    preemptions: float = 0.0
     notes: list[str] = field(default_factory=list)
     # Accepted requests that did not complete, for the report.
     failures: list[str] = field(default_factory=list)

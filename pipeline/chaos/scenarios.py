@@ -24,11 +24,13 @@ import aiohttp
 from pipeline.chaos.client import Job, Result, session, stream
 from pipeline.chaos.figures import Figures, p99, recovery
 from pipeline.chaos.reference import Reference
-from pipeline.chaos.stack import ChaosStack, Member
+from pipeline.chaos.stack import ChaosStack, Member, metric
 from pipeline.config import PipelineConfig
 from pipeline.connection import connect
 from pipeline.streams import ensure_streams, stream_configs
 from schemas.routes import PROCESSOR
+
+PREEMPTIONS = "mmpipe_preemptions_total"
 
 SCENARIOS = ("crash", "nats-restart", "overload")
 
@@ -226,6 +228,8 @@ async def crash(run: Run) -> Figures:
                     continue
                 await _mid_stream(live)
                 victim, inflight = await _busiest(stack, role)
+                if "decode" in role:  # what it preempted goes with it
+                    figures.preemptions += await asyncio.to_thread(metric, victim, PREEMPTIONS)
                 stack.kill(victim)
                 kills.append(time.monotonic())
                 figures.notes.append(f"SIGKILL {role} pid {victim.popen.pid} holding {inflight:.0f} requests")
@@ -242,6 +246,9 @@ async def crash(run: Run) -> Figures:
     started = time.monotonic()
     await asyncio.to_thread(stack.wait_ready, 180.0)
     figures.notes.append(f"respawned workers ready {time.monotonic() - started:.1f}s after the load ended")
+    for member in [m for r in stack.roles if "decode" in r for m in stack.workers(r)]:
+        figures.preemptions += await asyncio.to_thread(metric, member, PREEMPTIONS)
+    figures.notes.append(f"KV pool preemptions across decode workers: {figures.preemptions:.0f}")
     worst = [recovery(live, t) for t in kills]
     figures.recovery_s = [s for s, _ in worst]
     figures.notes.append(
