@@ -118,9 +118,10 @@ def to_host(tensor: torch.Tensor) -> torch.Tensor:
     """A contiguous host copy of ``tensor``. From a GPU: into pinned memory,
     the calling thread asleep until the copy has run. A plain ``.to("cpu")``
     waits for everything queued on the stream as well, but it spins in the
-    driver meanwhile: from a media thread (the embedding cache's copy) it
-    slowed every launch of the engine's thread under load (an H100 host,
-    64 clients: the engine thread's copies were a third of its CPU)."""
+    driver meanwhile: the embedding cache's copies were 30% of the media
+    threads' CPU under 64 clients (an H100 host), CPU the engine's thread
+    competes for. (Its effect on requests/s alone was within that run's
+    noise.)"""
     if tensor.device.type != "cuda":
         return tensor.detach().clone(memory_format=torch.contiguous_format)
     host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
