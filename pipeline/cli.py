@@ -129,6 +129,14 @@ def _bench(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         help="with --breakdown: the stack's NATS, where its spans are published ($MMPIPE_NATS_URL)",
     )
     bench.add_argument("--namespace", default="default", help="with --breakdown: the stack's namespace")
+    bench.add_argument(
+        "--engine-metrics",
+        action="append",
+        default=[],
+        metavar="URL",
+        help="a worker's /metrics (mmpipe up: --health-port, one port a worker): where its engine thread's time "
+        "went over the load (repeatable)",
+    )
     bench.add_argument("--compare-modes", action="store_true", help="start `mmpipe up` per mode, same load on each")
     bench.add_argument("--modes", default="epd,e-pd,e-p-d,ep-d", help="with --compare-modes")
     bench.add_argument("--transport", choices=("auto", "nixl", "nats"), default="nixl", help="with --compare-modes")

@@ -449,9 +449,28 @@ def main(args: argparse.Namespace) -> int:
     spec = spec_from_args(args)
     if args.breakdown:
         return _with_breakdown(args, spec)
+    before = scrape_engines(args)
     summary = run_async(run_load(spec)).summary()
-    print(json.dumps(summary, indent=2) if args.json else format_report(summary), flush=True)
+    text = format_report(summary) + report_engine_calls(args, before, summary)
+    print(json.dumps(summary, indent=2) if args.json else text, flush=True)
     return 1 if summary["failed"] else 0
+
+
+def scrape_engines(args: argparse.Namespace) -> dict[str, Any]:
+    """Each --engine-metrics URL's samples before the load."""
+    from pipeline.bench.engine_calls import scrape
+
+    return {url: scrape(url) for url in getattr(args, "engine_metrics", None) or []}
+
+
+def report_engine_calls(args: argparse.Namespace, before: dict[str, Any], summary: dict[str, Any]) -> str:
+    """The engine threads' share of the load, into ``summary`` and as text."""
+    from pipeline.bench.engine_calls import format_engine_calls, scrape, summarize
+
+    if not before:
+        return ""
+    summary["engine_calls"] = {url: summarize(b, scrape(url), summary["wall_s"]) for url, b in before.items()}
+    return "".join(f"\n\n{format_engine_calls(url, s)}" for url, s in summary["engine_calls"].items())
 
 
 def _with_breakdown(args: argparse.Namespace, spec: LoadSpec) -> int:
@@ -478,11 +497,13 @@ def _with_breakdown(args: argparse.Namespace, spec: LoadSpec) -> int:
             await shutdown(nc)
         return report, sink
 
+    before = scrape_engines(args)
     report, sink = run_async(run())
     summary = report.summary()
     summary["breakdown"] = summarize(sink, since_ns=report.started_ns)
+    engines = report_engine_calls(args, before, summary)
     if args.json:
         print(json.dumps(summary, indent=2), flush=True)
     else:
-        print(format_report(summary) + "\n\n" + format_summary(summary["breakdown"]), flush=True)
+        print(format_report(summary) + "\n\n" + format_summary(summary["breakdown"]) + engines, flush=True)
     return 1 if summary["failed"] else 0

@@ -13,8 +13,20 @@ from pathlib import Path
 
 import pytest
 
-from pipeline.bench.load import LoadSpec, client_processes, format_report, percentile, run_load, split, synthetic_images
+from pipeline.bench.engine_calls import format_engine_calls, scrape, summarize
+from pipeline.bench.load import (
+    LoadSpec,
+    client_processes,
+    format_report,
+    percentile,
+    report_engine_calls,
+    run_load,
+    scrape_engines,
+    split,
+    synthetic_images,
+)
 from pipeline.bench.transport import format_rows, parse_size
+from pipeline.cli import parser
 from tests.e2e.conftest import Stack
 
 REPO = Path(__file__).resolve().parents[2]
@@ -70,6 +82,41 @@ async def test_load_generator_against_the_epd_stack(stack: Stack, processes: int
     assert summary["requests_per_s"] > 0 and summary["tokens_per_s"] > 0
     assert len(summary["client_cpu"]) == processes and all(0 < c for c in summary["client_cpu"])
     assert "TTFT ms" in format_report(summary) and f"client: {processes} process" in format_report(summary)
+
+
+@pytest.mark.e2e
+async def test_engine_metrics_say_where_the_workers_engine_thread_went(stack: Stack) -> None:
+    """--engine-metrics: the worker's /metrics (here the in-process stack's
+    registry served over HTTP) scraped around a load: each engine call the
+    load made, counted (the warm-up request's too), and the decode loop's pace."""
+    import asyncio
+
+    from prometheus_client import start_http_server
+
+    server, thread = start_http_server(0, addr="127.0.0.1")
+    url = f"http://127.0.0.1:{server.server_port}/metrics"
+    try:
+        before = await asyncio.to_thread(scrape, url)
+        spec = LoadSpec(url=f"{stack.base_url}/v1", concurrency=2, requests=5, max_tokens=6, image_size=(64, 48))
+        report = await run_load(spec)
+        after = await asyncio.to_thread(scrape, url)
+        # The same through `mmpipe bench --engine-metrics URL`'s flag and its report.
+        args = parser().parse_args(["bench", "--engine-metrics", url])
+        report_summary = report.summary()
+        printed = report_engine_calls(args, await asyncio.to_thread(scrape_engines, args), report_summary)
+        assert printed.startswith(f"\n\nengine thread of {url}") and url in report_summary["engine_calls"]
+    finally:
+        server.shutdown()
+        server.server_close()
+        thread.join(5)
+    summary = summarize(before, after, report.wall_s)
+    runs = {row["call"]: row["runs"] for row in summary["calls"]}
+    assert runs["_encode_together"] == runs["prefill_one"] == runs["release"] == 6  # 5 and the warm-up
+    assert runs["launch_then_collect"] >= 5  # tokens after the first come from the decode loop
+    assert summary["busy"] > 0 and all(row["run_ms"] > 0 for row in summary["calls"])
+    assert summary["step_interval_ms"] > 0 and 1 <= summary["step_rows"] <= 2
+    text = format_engine_calls(url, summary)
+    assert "prefill_one" in text and "decode loop" in text
 
 
 @pytest.mark.e2e

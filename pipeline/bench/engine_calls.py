@@ -1,0 +1,91 @@
+"""``mmpipe bench --engine-metrics URL``: where a worker's engine thread
+spent the load, from its ``/metrics`` scraped before and after it.
+
+The built-in engine times every call on its one thread by name (the wait
+for the thread and the run) and the decode loop's interval between
+hand-outs (stages/torch_engine/metrics.py); the difference of two scrapes
+says, per call, how many ran, their mean wait and run, and the share of the
+load's wall time they held the thread: a share near 100% in total is a
+worker whose engine thread is the wall.
+"""
+
+from __future__ import annotations
+
+import re
+import urllib.request
+from typing import Any
+
+_SAMPLE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{[^}]*\})?\s+(\S+)$")
+_CALL = re.compile(r'call="([^"]*)"')
+WAIT, RUN = "mmpipe_engine_call_wait_seconds", "mmpipe_engine_call_seconds"
+INTERVAL, ROWS = "mmpipe_decode_step_interval_seconds", "mmpipe_decode_batch_rows"
+
+Samples = dict[tuple[str, str], float]
+
+
+def parse(text: str) -> Samples:
+    out: Samples = {}
+    for line in text.splitlines():
+        if line.startswith("#"):
+            continue
+        m = _SAMPLE.match(line.strip())
+        if m:
+            out[(m.group(1), m.group(2) or "")] = float(m.group(3))
+    return out
+
+
+def scrape(url: str, timeout_s: float = 5.0) -> Samples:
+    with urllib.request.urlopen(url, timeout=timeout_s) as response:
+        return parse(response.read().decode())
+
+
+def summarize(before: Samples, after: Samples, wall_s: float) -> dict[str, Any]:
+    """Per call: runs, mean wait and run (ms), share of ``wall_s`` held; the
+    decode loop's mean step interval (ms) and rows."""
+    delta = {key: value - before.get(key, 0.0) for key, value in after.items()}
+    calls: dict[str, dict[str, float]] = {}
+    for (name, labels), value in delta.items():
+        m = _CALL.search(labels)
+        if m is None or name not in (f"{WAIT}_sum", f"{RUN}_sum", f"{RUN}_count"):
+            continue
+        calls.setdefault(m.group(1), {})[name] = value
+    rows: list[dict[str, Any]] = []
+    for call, v in calls.items():
+        n = v.get(f"{RUN}_count", 0.0)
+        if n <= 0:
+            continue
+        rows.append(
+            {
+                "call": call,
+                "runs": int(n),
+                "wait_ms": v.get(f"{WAIT}_sum", 0.0) / n * 1e3,
+                "run_ms": v.get(f"{RUN}_sum", 0.0) / n * 1e3,
+                "share": v.get(f"{RUN}_sum", 0.0) / max(wall_s, 1e-9),
+            }
+        )
+    rows.sort(key=lambda r: -float(r["share"]))
+
+    def mean(name: str) -> float | None:
+        n = delta.get((f"{name}_count", ""), 0.0)
+        return delta.get((f"{name}_sum", ""), 0.0) / n if n > 0 else None
+
+    interval = mean(INTERVAL)
+    return {
+        "calls": rows,
+        "busy": sum(r["share"] for r in rows),
+        "step_interval_ms": interval * 1e3 if interval is not None else None,
+        "step_rows": mean(ROWS),
+    }
+
+
+def format_engine_calls(url: str, summary: dict[str, Any]) -> str:
+    lines = [f"engine thread of {url}: busy {summary['busy']:.0%} of the load"]
+    lines.append(f"  {'call':<28}{'runs':>7}{'wait ms':>10}{'run ms':>9}{'share':>8}")
+    for r in summary["calls"]:
+        lines.append(f"  {r['call']:<28}{r['runs']:>7}{r['wait_ms']:>10.2f}{r['run_ms']:>9.2f}{r['share']:>8.1%}")
+    if summary["step_interval_ms"] is not None:
+        lines.append(
+            f"  decode loop: a step's tokens every {summary['step_interval_ms']:.2f} ms, {summary['step_rows']:.1f} "
+            "rows on average"
+        )
+    return "\n".join(lines)
