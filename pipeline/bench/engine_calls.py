@@ -11,27 +11,25 @@ worker whose engine thread is the wall.
 
 from __future__ import annotations
 
-import re
 import urllib.request
 from typing import Any
 
-_SAMPLE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{[^}]*\})?\s+(\S+)$")
-_CALL = re.compile(r'call="([^"]*)"')
+from prometheus_client.parser import text_string_to_metric_families
+
 WAIT, RUN = "mmpipe_engine_call_wait_seconds", "mmpipe_engine_call_seconds"
 INTERVAL, ROWS = "mmpipe_decode_step_interval_seconds", "mmpipe_decode_batch_rows"
 
+# (sample name, its ``call`` label or ""): value. Histogram buckets are not read.
 Samples = dict[tuple[str, str], float]
 
 
 def parse(text: str) -> Samples:
-    out: Samples = {}
-    for line in text.splitlines():
-        if line.startswith("#"):
-            continue
-        m = _SAMPLE.match(line.strip())
-        if m:
-            out[(m.group(1), m.group(2) or "")] = float(m.group(3))
-    return out
+    return {
+        (sample.name, sample.labels.get("call", "")): sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+        if not sample.name.endswith("_bucket")
+    }
 
 
 def scrape(url: str, timeout_s: float = 5.0) -> Samples:
@@ -44,11 +42,9 @@ def summarize(before: Samples, after: Samples, wall_s: float) -> dict[str, Any]:
     decode loop's mean step interval (ms) and rows."""
     delta = {key: value - before.get(key, 0.0) for key, value in after.items()}
     calls: dict[str, dict[str, float]] = {}
-    for (name, labels), value in delta.items():
-        m = _CALL.search(labels)
-        if m is None or name not in (f"{WAIT}_sum", f"{RUN}_sum", f"{RUN}_count"):
-            continue
-        calls.setdefault(m.group(1), {})[name] = value
+    for (name, call), value in delta.items():
+        if call and name in (f"{WAIT}_sum", f"{RUN}_sum", f"{RUN}_count"):
+            calls.setdefault(call, {})[name] = value
     rows: list[dict[str, Any]] = []
     for call, v in calls.items():
         n = v.get(f"{RUN}_count", 0.0)
