@@ -2,7 +2,13 @@
 
 from __future__ import annotations
 
-from prometheus_client import Counter, Gauge, Histogram
+import threading
+import time
+from collections.abc import Iterator
+
+from prometheus_client import REGISTRY, Counter, Gauge, Histogram
+from prometheus_client.core import CounterMetricFamily
+from prometheus_client.registry import Collector
 
 _LATENCY = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 
@@ -32,3 +38,32 @@ HOP_TRANSFER_SECONDS = Histogram(
 HOP_TRANSFER_GBPS = Histogram(
     "mmpipe_hop_transfer_gbps", "Throughput of a hop's tensor put or get, GB/s", ["role", "direction"], buckets=_GBPS
 )
+
+
+class ThreadCpu(Collector):
+    """``mmpipe_thread_cpu_seconds_total{thread}``: CPU time of each live
+    Python thread of this process, by its name. Beside
+    ``process_cpu_seconds_total`` it tells a process whose threads together
+    hold about one core (one GIL shared, each waiting for the others) from
+    one whose single thread is busy."""
+
+    def collect(self) -> Iterator[CounterMetricFamily]:
+        family = CounterMetricFamily(
+            "mmpipe_thread_cpu_seconds", "CPU time of each live Python thread, by name", labels=["thread"]
+        )
+        by_name: dict[str, float] = {}
+        for thread in threading.enumerate():
+            if thread.ident is None:
+                continue
+            try:
+                seconds = time.clock_gettime(time.pthread_getcpuclockid(thread.ident))
+            except (OSError, AttributeError):  # the thread just ended; no such clock on this OS
+                continue
+            # Pools name their threads by pool and index: each its own series.
+            by_name[thread.name] = by_name.get(thread.name, 0.0) + seconds
+        for name, seconds in sorted(by_name.items()):
+            family.add_metric([name], seconds)
+        yield family
+
+
+REGISTRY.register(ThreadCpu())

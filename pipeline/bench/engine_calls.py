@@ -6,7 +6,10 @@ for the thread and the run) and the decode loop's interval between
 hand-outs (stages/torch_engine/metrics.py); the difference of two scrapes
 says, per call, how many ran, their mean wait and run, and the share of the
 load's wall time they held the thread: a share near 100% in total is a
-worker whose engine thread is the wall.
+worker whose engine thread is the wall. Of each run, the time the thread
+was on a CPU (the rest it waited: for the GPU, or for the GIL); and each
+Python thread's CPU over the load, beside the process's: threads that
+together hold about one core share one GIL and wait for each other.
 """
 
 from __future__ import annotations
@@ -17,15 +20,17 @@ from typing import Any
 from prometheus_client.parser import text_string_to_metric_families
 
 WAIT, RUN = "mmpipe_engine_call_wait_seconds", "mmpipe_engine_call_seconds"
+CPU = "mmpipe_engine_call_cpu_seconds_total"
+THREAD_CPU, PROCESS_CPU = "mmpipe_thread_cpu_seconds_total", "process_cpu_seconds_total"
 INTERVAL, ROWS = "mmpipe_decode_step_interval_seconds", "mmpipe_decode_batch_rows"
 
-# (sample name, its ``call`` label or ""): value. Histogram buckets are not read.
+# (sample name, its ``call`` or ``thread`` label or ""): value. Histogram buckets are not read.
 Samples = dict[tuple[str, str], float]
 
 
 def parse(text: str) -> Samples:
     return {
-        (sample.name, sample.labels.get("call", "")): sample.value
+        (sample.name, sample.labels.get("call") or sample.labels.get("thread", "")): sample.value
         for family in text_string_to_metric_families(text)
         for sample in family.samples
         if not sample.name.endswith("_bucket")
@@ -38,12 +43,14 @@ def scrape(url: str, timeout_s: float = 5.0) -> Samples:
 
 
 def summarize(before: Samples, after: Samples, wall_s: float) -> dict[str, Any]:
-    """Per call: runs, mean wait and run (ms), share of ``wall_s`` held; the
-    decode loop's mean step interval (ms) and rows."""
+    """Per call: runs, mean wait, run and CPU (ms), share of ``wall_s``
+    held; the decode loop's mean step interval (ms) and rows; the cores each
+    Python thread and the whole process used over ``wall_s``."""
+    wall_s = max(wall_s, 1e-9)
     delta = {key: value - before.get(key, 0.0) for key, value in after.items()}
     calls: dict[str, dict[str, float]] = {}
     for (name, call), value in delta.items():
-        if call and name in (f"{WAIT}_sum", f"{RUN}_sum", f"{RUN}_count"):
+        if call and name in (f"{WAIT}_sum", f"{RUN}_sum", f"{RUN}_count", CPU):
             calls.setdefault(call, {})[name] = value
     rows: list[dict[str, Any]] = []
     for call, v in calls.items():
@@ -56,7 +63,8 @@ def summarize(before: Samples, after: Samples, wall_s: float) -> dict[str, Any]:
                 "runs": int(n),
                 "wait_ms": v.get(f"{WAIT}_sum", 0.0) / n * 1e3,
                 "run_ms": v.get(f"{RUN}_sum", 0.0) / n * 1e3,
-                "share": v.get(f"{RUN}_sum", 0.0) / max(wall_s, 1e-9),
+                "cpu_ms": v.get(CPU, 0.0) / n * 1e3,
+                "share": v.get(f"{RUN}_sum", 0.0) / wall_s,
             }
         )
     rows.sort(key=lambda r: -float(r["share"]))
@@ -71,17 +79,33 @@ def summarize(before: Samples, after: Samples, wall_s: float) -> dict[str, Any]:
         "busy": sum(r["share"] for r in rows),
         "step_interval_ms": interval * 1e3 if interval is not None else None,
         "step_rows": mean(ROWS),
+        # Threads alive at both scrapes; one that used under 1% of a core is left out.
+        "thread_cores": {
+            thread: value / wall_s
+            for (name, thread), value in sorted(delta.items(), key=lambda kv: -kv[1])
+            if name == THREAD_CPU and (name, thread) in before and value / wall_s >= 0.01
+        },
+        "process_cores": delta[(PROCESS_CPU, "")] / wall_s if (PROCESS_CPU, "") in delta else None,
     }
 
 
 def format_engine_calls(url: str, summary: dict[str, Any]) -> str:
     lines = [f"engine thread of {url}: busy {summary['busy']:.0%} of the load"]
-    lines.append(f"  {'call':<28}{'runs':>7}{'wait ms':>10}{'run ms':>9}{'share':>8}")
+    lines.append(f"  {'call':<28}{'runs':>7}{'wait ms':>10}{'run ms':>9}{'on cpu ms':>11}{'share':>8}")
     for r in summary["calls"]:
-        lines.append(f"  {r['call']:<28}{r['runs']:>7}{r['wait_ms']:>10.2f}{r['run_ms']:>9.2f}{r['share']:>8.1%}")
+        lines.append(
+            f"  {r['call']:<28}{r['runs']:>7}{r['wait_ms']:>10.2f}{r['run_ms']:>9.2f}{r['cpu_ms']:>11.2f}"
+            f"{r['share']:>8.1%}"
+        )
     if summary["step_interval_ms"] is not None:
         lines.append(
             f"  decode loop: a step's tokens every {summary['step_interval_ms']:.2f} ms, {summary['step_rows']:.1f} "
             "rows on average"
         )
+    threads = summary.get("thread_cores") or {}
+    if threads:
+        process = summary.get("process_cores")
+        whole = f" (the process: {process:.2f})" if process is not None else ""
+        each = ", ".join(f"{name} {cores:.2f}" for name, cores in threads.items())
+        lines.append(f"  cores used by its Python threads{whole}: {each}")
     return "\n".join(lines)

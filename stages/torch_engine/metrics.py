@@ -23,6 +23,12 @@ ENGINE_CALL_WAIT = Histogram(
 ENGINE_CALL_RUN = Histogram(
     "mmpipe_engine_call_seconds", "Time an engine call held the engine's thread, by call", ["call"], buckets=_CALL
 )
+# Of a call's run, the time the thread was on a CPU: the rest it waited,
+# for the GPU (a blocking sync) or for the GIL, which the process's other
+# threads held.
+ENGINE_CALL_CPU = Counter(
+    "mmpipe_engine_call_cpu_seconds", "CPU time of the engine's thread during its calls, by call", ["call"]
+)
 STEP_INTERVAL = Histogram(
     "mmpipe_decode_step_interval_seconds",
     "Time between two hand-outs of the decode loop's tokens (a running sequence's inter-token time in the worker)",

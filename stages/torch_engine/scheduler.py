@@ -24,7 +24,7 @@ from typing import Any, TypeVar
 
 import structlog
 
-from stages.torch_engine.metrics import ENGINE_CALL_RUN, ENGINE_CALL_WAIT, STEP_INTERVAL, STEP_ROWS
+from stages.torch_engine.metrics import ENGINE_CALL_CPU, ENGINE_CALL_RUN, ENGINE_CALL_WAIT, STEP_INTERVAL, STEP_ROWS
 
 log = structlog.get_logger(__name__)
 
@@ -105,17 +105,18 @@ class EngineThread:
                 call = (self._urgent if urgent else self._normal).popleft()
             if not call.future.set_running_or_notify_cancel():
                 continue
-            started = time.perf_counter()
+            started, cpu = time.perf_counter(), time.thread_time()
             try:
                 result = call.fn(*call.args)
             except BaseException as exc:
                 call.future.set_exception(exc)
             else:
                 call.future.set_result(result)
-            ran = time.perf_counter() - started
+            ran, cpu = time.perf_counter() - started, time.thread_time() - cpu
             name = getattr(call.fn, "__name__", "call")
             ENGINE_CALL_WAIT.labels(name).observe(started - call.submitted)
             ENGINE_CALL_RUN.labels(name).observe(ran)
+            ENGINE_CALL_CPU.labels(name).inc(cpu)
             if urgent:
                 self._others_ran_s = 0.0
             else:

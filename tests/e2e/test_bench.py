@@ -114,9 +114,16 @@ async def test_engine_metrics_say_where_the_workers_engine_thread_went(stack: St
     assert runs["_encode_together"] == runs["prefill_one"] == runs["release"] == 6  # 5 and the warm-up
     assert runs["launch_then_collect"] >= 5  # tokens after the first come from the decode loop
     assert summary["busy"] > 0 and all(row["run_ms"] > 0 for row in summary["calls"])
+    # A thread's CPU time over a call is at most the call's wall time (both
+    # clocks read at its start and end, the CPU's a microsecond later).
+    assert all(0 < row["cpu_ms"] <= row["run_ms"] + 0.01 for row in summary["calls"] if row["call"] == "prefill_one")
     assert summary["step_interval_ms"] > 0 and 1 <= summary["step_rows"] <= 2
+    # This process's event loop served the stack; the whole process used at
+    # least what it did (the process's counter moves in 10 ms ticks).
+    assert summary["thread_cores"]["MainThread"] > 0
+    assert summary["process_cores"] + 0.02 / report.wall_s >= summary["thread_cores"]["MainThread"]
     text = format_engine_calls(url, summary)
-    assert "prefill_one" in text and "decode loop" in text
+    assert "prefill_one" in text and "decode loop" in text and "MainThread" in text
 
 
 @pytest.mark.e2e

@@ -218,6 +218,63 @@ async def test_each_call_s_wait_for_the_thread_and_its_run_are_recorded_by_name(
     assert delta(run, "hold", "_sum") >= held_s
 
 
+def _spin_cpu(seconds: float) -> None:
+    """Busy on this thread's CPU until it has used ``seconds`` of it."""
+    start = time.thread_time()
+    while time.thread_time() - start < seconds:
+        pass
+
+
+async def test_a_calls_time_on_the_cpu_is_told_from_its_time_waiting() -> None:
+    """Of a call's run, the thread's CPU time: all of it for a call that
+    computes, next to none for one that waits (as for the GIL or the GPU)."""
+    thread = EngineThread()
+    cpu, run = "mmpipe_engine_call_cpu_seconds", "mmpipe_engine_call_seconds"
+
+    def computes() -> None:
+        _spin_cpu(0.03)
+
+    def waits() -> None:
+        time.sleep(0.05)
+
+    before = {(m, c, s): _sample(m, c, s) for m, s in ((cpu, "_total"), (run, "_sum")) for c in ("computes", "waits")}
+    await thread.call(computes)
+    await thread.call(waits)
+    thread.close()
+
+    def delta(metric: str, call: str, suffix: str) -> float:
+        return _sample(metric, call, suffix) - before[(metric, call, suffix)]
+
+    assert delta(cpu, "computes", "_total") >= 0.03
+    assert delta(cpu, "computes", "_total") <= delta(run, "computes", "_sum") + 0.001
+    assert delta(run, "waits", "_sum") >= 0.05
+    assert delta(cpu, "waits", "_total") < 0.5 * delta(run, "waits", "_sum")
+
+
+def test_each_python_threads_cpu_is_a_metric_by_its_name() -> None:
+    import pipeline.metrics  # noqa: F401 (registers the collector)
+
+    def named() -> float:
+        return REGISTRY.get_sample_value("mmpipe_thread_cpu_seconds_total", {"thread": "test-spinner"}) or 0.0
+
+    spun, stop = threading.Event(), threading.Event()
+
+    def spinner() -> None:
+        _spin_cpu(0.04)
+        spun.set()
+        stop.wait(10)
+
+    worker = threading.Thread(target=spinner, name="test-spinner")
+    worker.start()
+    try:
+        assert spun.wait(10)
+        assert named() >= 0.04
+    finally:
+        stop.set()
+        worker.join(10)
+    assert named() == 0.0  # ended threads leave the metric
+
+
 async def test_the_decode_loop_records_each_steps_rows_and_the_interval_between_hand_outs(
     mmpipe_home: Path,
 ) -> None:
