@@ -181,8 +181,10 @@ class DecodeScheduler:
         self._pipelined = hasattr(engine, "launch") and hasattr(engine, "collect")
         # The launched step whose tokens are not handed out yet, and its batch.
         self._ahead: tuple[Any, list[_Running]] | None = None
-        # Sequences were released since the loop last waited for the engine's thread.
-        self._released = False
+        # Finished sequences whose release goes with the loop's next engine
+        # call (one call, and one wait for the GIL, fewer per request). Taken
+        # by the call when it runs: one cancelled before it ran leaves them here.
+        self._to_release: collections.deque[Any] = collections.deque()
         self._blocked = False
         self._handed_out_at: float | None = None
 
@@ -208,10 +210,10 @@ class DecodeScheduler:
         for entry in self._running + self._waiting:
             entry.queue.put_nowait(error)
             entry.done = True
-            if not self._thread.closed:
-                self._thread.submit(self._engine.release, entry.seq)
+            self._to_release.append(entry.seq)
         self._running.clear()
         self._waiting.clear()
+        self._flush_releases()
 
     async def close(self) -> None:
         self._closing = True
@@ -224,6 +226,12 @@ class DecodeScheduler:
             except Exception:  # it died before: logged then (_stopped)
                 pass
             self._loop_task = None
+        self._flush_releases()
+
+    def _flush_releases(self) -> None:
+        """Releases still owed, as a call of their own (the loop is gone)."""
+        if self._to_release and not self._thread.closed:
+            self._thread.submit(_releasing(self._engine, self._to_release))
 
     @property
     def active(self) -> int:
@@ -283,11 +291,10 @@ class DecodeScheduler:
             self._admit(admissible)
             if not self._running and self._ahead is None:
                 self._handed_out_at = None  # idle time is no step interval
-                if self._waiting and self._released:
-                    # What finished gives its blocks back on the engine's thread: once
-                    # those releases have run, the first waiting may fit.
-                    self._released = False
-                    await self._thread.call(_nothing)
+                if self._to_release:
+                    # No step to carry them: what finished gives its blocks back
+                    # now (the first waiting may fit then, the worker take more).
+                    await self._thread.call(_releasing(self._engine, self._to_release))
                     continue
                 self._wake.clear()
                 if not self._waiting:
@@ -302,7 +309,9 @@ class DecodeScheduler:
             if self._pipelined and await self._advance(batch):
                 continue
             try:
-                tokens = await self._thread.call(self._engine.step, [e.seq for e in batch], urgent=True)
+                tokens = await self._thread.call(
+                    _releasing(self._engine, self._to_release, self._engine.step), [e.seq for e in batch], urgent=True
+                )
             except Exception as exc:
                 self._fail(batch, exc)
                 continue
@@ -317,11 +326,12 @@ class DecodeScheduler:
         tokens. False where the batch must ``step`` instead (the engine would
         not launch it), with nothing launched left over."""
         ahead, self._ahead = self._ahead, None
-        engine = self._engine
+        engine, releases = self._engine, self._to_release
 
         def launch_then_collect() -> tuple[Any, Any]:
-            # One hop to the engine thread: queue the next step first, then
-            # wait for the last. Errors come back as values: each is its batch's.
+            # One hop to the engine thread: free what finished, queue the next
+            # step, then wait for the last. Errors come back as values: each is its batch's.
+            _release_all(engine, releases)
             launched: Any = None
             if batch:
                 try:
@@ -379,9 +389,28 @@ class DecodeScheduler:
     def _drop_done(self) -> None:
         for entry in [e for e in self._running + self._waiting if e.done]:
             (self._running if entry in self._running else self._waiting).remove(entry)
-            self._thread.submit(self._engine.release, entry.seq)
-            self._released = True
+            self._to_release.append(entry.seq)
 
 
-def _nothing() -> None:
-    """A call that runs once every call submitted before it has."""
+def _release_all(engine: Any, seqs: collections.deque[Any]) -> None:
+    """Each taken and released; one that fails to is logged and the rest go
+    on (a release is cleanup: its failure must not fail the step it rides with)."""
+    while seqs:
+        seq = seqs.popleft()  # only the engine's thread takes from it
+        try:
+            engine.release(seq)
+        except Exception as exc:
+            log.error("release_failed", error=repr(exc), exc_info=exc)
+
+
+def _releasing(engine: Any, seqs: collections.deque[Any], then: Callable[..., T] | None = None) -> Callable[..., Any]:
+    """A call for the engine's thread: ``seqs`` released, then ``then``; named
+    for what it runs, as the engine-call metrics show it."""
+
+    def release(*args: Any) -> Any:
+        _release_all(engine, seqs)
+        return then(*args) if then is not None else None
+
+    if then is not None:
+        release.__name__ = getattr(then, "__name__", "call")
+    return release

@@ -111,7 +111,10 @@ async def test_engine_metrics_say_where_the_workers_engine_thread_went(stack: St
         thread.join(5)
     summary = summarize(before, after, report.wall_s)
     runs = {row["call"]: row["runs"] for row in summary["calls"]}
-    assert runs["_encode_together"] == runs["prefill_one"] == runs["release"] == 6  # 5 and the warm-up
+    assert runs["_encode_together"] == runs["prefill_one"] == 6  # 5 and the warm-up
+    # A finished sequence's release rides the decode loop's next call, or is
+    # one of its own when the loop has none to make.
+    assert runs.get("release", 0) <= 6
     assert runs["launch_then_collect"] >= 5  # tokens after the first come from the decode loop
     assert summary["busy"] > 0 and all(row["run_ms"] > 0 for row in summary["calls"])
     # A thread's CPU time over a call is at most the call's wall time (both

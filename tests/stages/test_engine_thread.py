@@ -303,3 +303,42 @@ async def test_the_decode_loop_records_each_steps_rows_and_the_interval_between_
     assert steps in (19, 20)
     assert rows == steps
     assert intervals == steps - 1
+
+
+async def test_a_finished_sequence_is_released_with_the_next_step_and_when_idle_on_its_own(
+    mmpipe_home: Path,
+) -> None:
+    """A sequence that ends while another runs gives its blocks back inside
+    the decode loop's next call (no release call of its own); the last one
+    with the collect of the step launched past its end, or in a call of its
+    own; the pool whole again either way."""
+    engine = TorchEngine(builtin_path("tiny-qwen2-vl"))
+    assert engine.decoder is not None
+    pool = engine.decoder.pool
+    thread = EngineThread()
+    scheduler = DecodeScheduler(engine, thread)
+    scheduler.start()
+    releases = _sample("mmpipe_engine_call_seconds", "release", "_count")
+    prompt = engine.tokenizer("Count:")["input_ids"]
+
+    async def decode(n: int) -> tuple[Any, list[int]]:
+        greedy = SamplingConfig(temperature=0.0, max_tokens=n, min_tokens=n)
+        [(seq, first)] = await thread.call(engine.prefill, [prompt], [[]], [greedy])
+        tokens = [first]
+        async for token in scheduler.stream(seq, lambda _: len(tokens) + 1 >= n):
+            tokens.append(token)
+        return seq, tokens
+
+    free = pool.num_free
+    long_run = asyncio.ensure_future(decode(60))
+    short_seq, short = await decode(4)
+    # The short one's blocks come back while the long one still steps.
+    await eventually(lambda: short_seq.released, within=10)
+    assert not long_run.done()
+    assert _sample("mmpipe_engine_call_seconds", "release", "_count") == releases
+    long_seq, tokens = await long_run
+    assert len(short) == 4 and len(tokens) == 60
+    await eventually(lambda: long_seq.released and pool.num_free == free, within=10)
+    assert _sample("mmpipe_engine_call_seconds", "release", "_count") <= releases + 1
+    await scheduler.close()
+    thread.close()
