@@ -81,20 +81,31 @@ class HfServer:
         return stamps.times[0] - t0, gaps, end - t0
 
 
-def run_hf_load(server: HfServer, spec: LoadSpec, images: tuple[list[str], list[list[str]]]) -> LoadReport:
-    """The load's requests through ``server``, one at a time, with the waiting
-    a closed loop of ``spec.concurrency`` clients would see."""
+Service = tuple[float, list[float], float]  # HfServer.serve's: first token, gaps, all (s)
+
+
+def serve_all(server: HfServer, spec: LoadSpec, images: tuple[list[str], list[list[str]]]) -> list[Service]:
+    """Each request of the load served once, one at a time, after an
+    unmeasured warm-up (as the bridge's)."""
     warmup, sets = images
-    server.serve(warmup, spec.max_tokens)  # not counted, as the bridge's warm-up
+    server.serve(warmup, spec.max_tokens)
+    return [server.serve(urls, spec.max_tokens) for urls in sets]
+
+
+def closed_loop(services: list[Service], spec: LoadSpec) -> LoadReport:
+    """What a closed loop of ``spec.concurrency`` clients sees of a server
+    that serves one request at a time, each taking its measured time: the
+    time a request waits for the server is added to its TTFT and E2E. One
+    measured set serves every concurrency: one at a time, how many wait
+    changes nothing of the service."""
     # When each client sends its next request: all at 0 to begin with.
-    ready = [0.0] * min(spec.concurrency, spec.requests)
+    ready = [0.0] * min(spec.concurrency, len(services))
     heapq.heapify(ready)
     clock = 0.0  # when the server is free next
     results: list[RequestResult] = []
-    for urls in sets:
+    for first_s, gaps, total_s in services:
         arrival = heapq.heappop(ready)
         start = max(clock, arrival)
-        first_s, gaps, total_s = server.serve(urls, spec.max_tokens)
         clock = start + total_s
         results.append(
             RequestResult(
@@ -110,4 +121,10 @@ def run_hf_load(server: HfServer, spec: LoadSpec, images: tuple[list[str], list[
     return LoadReport(spec=spec, results=results, wall_s=clock)
 
 
-__all__ = ["HfServer", "run_hf_load"]
+def run_hf_load(server: HfServer, spec: LoadSpec, images: tuple[list[str], list[list[str]]]) -> LoadReport:
+    """The load's requests through ``server``, one at a time, with the waiting
+    a closed loop of ``spec.concurrency`` clients would see."""
+    return closed_loop(serve_all(server, spec, images), spec)
+
+
+__all__ = ["HfServer", "Service", "closed_loop", "run_hf_load", "serve_all"]

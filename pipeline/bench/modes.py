@@ -163,15 +163,21 @@ def compare(
 def _hf_rows(
     spec: LoadSpec, loads: list[tuple[int, LoadSpec]], images: dict[int, Any], device: str
 ) -> list[dict[str, Any]]:
-    """The plain-transformers baseline on the same requests, in this process."""
-    from pipeline.bench.hf_baseline import HfServer, run_hf_load
+    """The plain-transformers baseline, in this process: the first level's
+    requests served once, one at a time, and each concurrency's closed loop
+    made from those times (``generate()`` serves one request at a time, so
+    the clients waiting change only how long each waits; serving every
+    level again would cost minutes a level and tell nothing more)."""
+    from pipeline.bench.hf_baseline import HfServer, closed_loop, serve_all
     from stages.models import resolve_model
 
     print("transformers: loading the model for generate() ...", file=sys.stderr, flush=True)
     server = HfServer(resolve_model(spec.model).path, device)
+    first, load = loads[0]
+    services = serve_all(server, load, images[first])
     rows = []
     for c, load in loads:
-        summary = run_hf_load(server, load, images[c]).summary()
+        summary = closed_loop(services, load).summary()
         rows.append({"mode": HF, "concurrency": c, "transport": "-", "summary": summary})
     del server
     if device.startswith("cuda"):

@@ -161,6 +161,22 @@ def test_bench_transport_shows_the_nixl_read_alone() -> None:
     assert "into ratio" in format_rows([row])
 
 
+def test_one_set_of_generate_times_makes_each_concurrencys_closed_loop() -> None:
+    """The baseline's requests are served once; each concurrency's waiting is
+    made from those times: one client never waits, four queue behind each
+    other, and the server's busy time (the run) is the same."""
+    from pipeline.bench.hf_baseline import closed_loop
+
+    services = [(0.1, [0.05] * 4, 1.0), (0.2, [0.05] * 4, 2.0), (0.1, [0.05] * 4, 1.0)]
+    alone = closed_loop(services, LoadSpec(concurrency=1, requests=3))
+    crowd = closed_loop(services, LoadSpec(concurrency=4, requests=3))
+    assert [r.ttft_s for r in alone.results] == pytest.approx([0.1, 0.2, 0.1])
+    assert [r.ttft_s for r in crowd.results] == pytest.approx([0.1, 1.2, 3.1])
+    assert [r.e2e_s for r in crowd.results] == pytest.approx([1.0, 3.0, 4.0])
+    assert alone.wall_s == crowd.wall_s == pytest.approx(4.0)
+    assert crowd.summary()["config"]["concurrency"] == 4
+
+
 def test_plain_transformers_baseline_queues_one_request_at_a_time(tiny_model_dir: Path) -> None:
     from pipeline.bench.hf_baseline import HfServer, run_hf_load
     from pipeline.bench.modes import HF, ratios
