@@ -138,11 +138,7 @@ def compare(
                     run_async(run_load(warm, synthetic_images(warm)))
                     report = run_async(run_load(served, images[c]))
                     summary = report.summary()
-                    print(
-                        f"mode {mode} concurrency {c}: {summary['completed']} completed, {summary['failed']} failed",
-                        file=sys.stderr,
-                        flush=True,
-                    )
+                    print(f"mode {mode} concurrency {c}: {_progress(summary)}", file=sys.stderr, flush=True)
                     rows.append({"mode": mode, "concurrency": c, "transport": transport, "summary": summary})
                     if summary["failed"]:
                         # The stack's own log says why; its folder goes when the mode ends.
@@ -178,6 +174,7 @@ def _hf_rows(
     rows = []
     for c, load in loads:
         summary = closed_loop(services, load).summary()
+        print(f"transformers concurrency {c}: {_progress(summary)}", file=sys.stderr, flush=True)
         rows.append({"mode": HF, "concurrency": c, "transport": "-", "summary": summary})
     del server
     if device.startswith("cuda"):
@@ -185,6 +182,15 @@ def _hf_rows(
 
         torch.cuda.empty_cache()  # the stacks that follow need the memory
     return rows
+
+
+def _progress(summary: dict[str, Any]) -> str:
+    """A level's figures as it ends: a run cut short keeps what it measured."""
+    return (
+        f"{summary['completed']} completed, {summary['failed']} failed; TTFT p50 "
+        f"{_num(summary['ttft_ms']['p50'], '.1f')} ms, ITL p50 {_num(summary['itl_ms']['p50'], '.2f')} "
+        f"p99 {_num(summary['itl_ms']['p99'], '.1f')} ms, {summary['requests_per_s']:.2f} req/s"
+    )
 
 
 def _num(value: float | None, fmt: str) -> str:
