@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import psutil
+from prometheus_client.parser import text_string_to_metric_families
 
 from pipeline.nats_server import NatsServer, NatsServerConfig
 from schemas.routes import MODES, PROCESSOR
@@ -254,8 +255,9 @@ def metric(member: Member, name: str) -> float:
             text = response.read().decode()
     except (urllib.error.URLError, OSError):
         return 0.0
-    total = 0.0
-    for line in text.splitlines():
-        if line.startswith(name) and (line[len(name)] in " {"):
-            total += float(line.rsplit(" ", 1)[1])
-    return total
+    return sum(
+        sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+        if sample.name == name
+    )
