@@ -380,8 +380,14 @@ class Worker:
             return await self._restart_at_bridge(message, exc, deliveries)
         again = message.restarted()
         log.warning("restarting_from_first_hop", role=self.role, error=exc.message, attempt=again.attempt)
+        try:
+            await self._forward(again)
+        except MmpipeError as error:
+            # Not queued: the redelivery finds the tensors gone again and
+            # asks for this same attempt, which the first hop's stream takes
+            # once (its Nats-Msg-Id).
+            return outcome_for(error, deliveries, self.consumer.max_deliver)
         metrics.RESTARTS.labels(self.role).inc()
-        await self._forward(again)
         return Ack()
 
     async def _restart_at_bridge(self, message: ProcessedRequest, exc: TensorGone, deliveries: int) -> Outcome:

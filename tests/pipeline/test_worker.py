@@ -18,7 +18,7 @@ from pipeline.worker import Worker
 from schemas.chunk import ErrorChunk, FinishReason, ReplyChunk, TokenChunk
 from schemas.codec import CONTENT_TYPE, Decoder, encode
 from schemas.control import DeadLetter
-from schemas.errors import ErrorCode, InvalidMedia, TransientError
+from schemas.errors import ErrorCode, InvalidMedia, TensorGone, TransientError
 from schemas.processed import ProcessedRequest
 from schemas.request import ChatMessage, GenerateRequest
 from stages.contract import HopContext, StageOutput
@@ -493,3 +493,50 @@ async def test_jetstream_unanswering_past_unavailable_wait_s_gives_the_message_b
     await running.js.delete_stream(config.subjects.stream("decode"))
     await publish(running.js, config, request("given-back", "x", deadline=time.time() + 60))
     await eventually(lambda: len(stage.calls) > 1, within=10)  # given back, tried again
+
+
+class LostInput(ScriptStage):
+    """A decoding hop whose input tensors are gone every time."""
+
+    role = "decode"
+    input_type = ProcessedRequest  # type: ignore[assignment]
+
+    async def run(
+        self, message: GenerateRequest | ProcessedRequest, ctx: HopContext
+    ) -> AsyncGenerator[StageOutput, None]:
+        assert isinstance(message, ProcessedRequest)
+        self.calls.append((message.request.request_id, []))
+        raise TensorGone("the KV cache is gone")
+        yield  # a generator, as a stage is
+
+
+async def test_a_restart_no_stream_answers_for_is_given_back_and_queued_once_it_can(
+    running: Any, nats_server: Any
+) -> None:
+    """A restart that cannot be queued is an outcome of the message (given
+    back, tried again soon), not an error escaping its handler (the message
+    then waited out ack_wait); the retried restart is the same attempt."""
+    config = PipelineConfig(
+        nats_url=nats_server.url,
+        namespace=f"na{time.monotonic_ns()}",
+        consumer=ConsumerSettings(ack_wait_s=60.0),
+        unavailable_wait_s=0.2,
+    )
+    await ensure_streams(running.js, config)
+    await ensure_consumer(running.js, config, "decode")
+    stage = LostInput()
+    await running(stage, config=config)
+    await running.js.delete_stream(config.subjects.stream("encode"))
+    lost = ProcessedRequest(request("lost", "x"), [1], [], ["encode", "decode"], 4, 0, hop_index=1)
+    await running.js.publish(config.subjects.work("decode"), encode(lost))
+    await eventually(lambda: len(stage.calls) > 1, within=10)
+    await ensure_streams(running.js, config)  # the first hop's stream answers again
+    encode_stream = config.subjects.stream("encode")
+    for _ in range(200):
+        if (await running.js.stream_info(encode_stream)).state.messages:
+            break
+        await asyncio.sleep(0.05)
+    await _pending(running.js, config, "decode", 0)
+    psub = await running.js.pull_subscribe(config.subjects.work("encode"), stream=encode_stream)
+    msgs = await psub.fetch(10, timeout=2)
+    assert [Decoder(ProcessedRequest).decode(m.data).attempt for m in msgs] == [1]
