@@ -120,14 +120,20 @@ class HeldRegions:
         self._freed.set()
 
     def lease(self, key: str, lease: int, lease_s: float) -> str:
-        """Pin ``key`` for one reader; returns why not ("unknown": never held
-        or already freed, "read_or_released", "claimed" by another reader,
-        "expired"), or "" when granted."""
+        """Pin ``key`` for one reader (again for the reader that holds
+        ``lease``); returns why not ("unknown": never held or already freed,
+        "read_or_released", "claimed" by another reader, "expired"), or ""
+        when granted."""
         held = self._regions.get(key)
         if held is None or not held.ready:
             return "unknown"
         if held.done:
             return "read_or_released"
+        if held.lease == lease:
+            # Its reader asking again, its answer lost: pinned afresh from
+            # now, as the reader measures its lease from its new request.
+            held.lease_until = max(held.lease_until, time.monotonic() + lease_s)
+            return ""
         if held.lease:
             return "claimed"
         if time.time() > held.expires:
