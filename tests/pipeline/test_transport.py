@@ -583,7 +583,23 @@ async def test_a_lease_asked_for_again_by_its_reader_is_granted_again() -> None:
     assert regions.lease(held.key, 2, lease_s=5) == "claimed"
     regions.end_lease(held.key, 1, read=True)
     assert regions.used_bytes == 0
-    assert regions.lease(held.key, 1, lease_s=5) == "unknown"
+    # Its READ (posted beside the request) freed the region before the answer
+    # came: the bytes it got were the ref's, and that lease alone says so.
+    assert regions.lease(held.key, 1, lease_s=5) == ""
+    assert regions.lease(held.key, 2, lease_s=5) == "unknown"
+
+    held = await regions.reserve(1000, owner="r", wait_s=0)
+    regions.publish(held)
+    regions.end_lease(held.key, 3, read=True)  # the READ's notification before any request
+    assert regions.lease(held.key, 3, lease_s=5) == ""  # read: freed
+    assert regions.used_bytes == 0
+    assert regions.lease(held.key, 3, lease_s=5) == ""  # that answer lost too
+
+    held = await regions.reserve(1000, owner="r", wait_s=0)
+    regions.publish(held)
+    regions.release(held.key)  # freed unread: a READ under any lease may have met reused memory
+    regions.end_lease(held.key, 4, read=True)
+    assert regions.lease(held.key, 4, lease_s=5) == "unknown"
 
 
 async def test_a_read_notified_before_its_lease_counts_once_the_lease_is_granted() -> None:
