@@ -107,6 +107,13 @@ class PipelineConfig:
     # gives the message back, for a request without a deadline (one with a
     # deadline waits until it).
     full_stream_wait_s: float = 30.0
+    # How long a stage holds a message whose output no stream answers for
+    # now (a NATS node lost, its streams electing new leaders) before it
+    # gives the message back; a request's deadline may end the wait sooner.
+    # Not given back at once: the hop may already have read its input
+    # tensors, which are read once, so its redelivery would restart the
+    # request and spend one of its max_attempts on the outage.
+    unavailable_wait_s: float = 30.0
     # Attempts of a request from its first hop (a lost tensor restarts it)
     # before it is given up as dead.
     max_attempts: int = 3

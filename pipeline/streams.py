@@ -141,11 +141,9 @@ async def retrying(what: str, call: Callable[[], Awaitable[T]], timeout_s: float
     while True:
         try:
             return await call()
-        except APIError as exc:
-            if exc.err_code not in _NOT_NOW_CODES and not isinstance(exc, ServiceUnavailableError):
+        except Exception as exc:
+            if not is_not_now(exc):
                 raise
-            error: Exception = exc
-        except _NOT_NOW as exc:
             error = exc
         if time.monotonic() + delay > deadline:
             raise error
@@ -243,6 +241,17 @@ async def consumer_exists(js: JetStreamContext, subjects: Subjects, role: str) -
     except NotFoundError:
         return False
     return True
+
+
+def is_not_now(error: BaseException) -> bool:
+    """JetStream could not answer now but may soon: no stream leader while a
+    cluster elects one, a node down, a reconnect under way. Not a full
+    stream: nats-py raises ServiceUnavailableError (503) for that too."""
+    if isinstance(error, APIError):
+        if is_stream_full(error):
+            return False
+        return error.err_code in _NOT_NOW_CODES or isinstance(error, ServiceUnavailableError)
+    return isinstance(error, _NOT_NOW)
 
 
 def is_stream_full(error: APIError) -> bool:

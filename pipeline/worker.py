@@ -7,6 +7,7 @@ import asyncio
 import contextlib
 import time
 import uuid
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import msgspec
@@ -25,7 +26,7 @@ from pipeline.config import PipelineConfig
 from pipeline.outcomes import Ack, Nak, Outcome, Reject, outcome_for
 from pipeline.replies import ReplyPublisher
 from pipeline.settle import Settler
-from pipeline.streams import ensure_consumer, ensure_streams, is_stream_full
+from pipeline.streams import ensure_consumer, ensure_streams, is_not_now, is_stream_full
 from pipeline.subjects import check_token
 from pipeline.transport.base import TensorGone, TensorTransport
 from schemas.chunk import ReplyChunk, TokenChunk
@@ -379,8 +380,14 @@ class Worker:
             return await self._restart_at_bridge(message, exc, deliveries)
         again = message.restarted()
         log.warning("restarting_from_first_hop", role=self.role, error=exc.message, attempt=again.attempt)
+        try:
+            await self._forward(again)
+        except MmpipeError as error:
+            # Not queued: the redelivery finds the tensors gone again and
+            # asks for this same attempt, which the first hop's stream takes
+            # once (its Nats-Msg-Id).
+            return outcome_for(error, deliveries, self.consumer.max_deliver)
         metrics.RESTARTS.labels(self.role).inc()
-        await self._forward(again)
         return Ack()
 
     async def _restart_at_bridge(self, message: ProcessedRequest, exc: TensorGone, deliveries: int) -> Outcome:
@@ -446,11 +453,12 @@ class Worker:
         _trace(self.role, ctx.trace)
 
     async def _reply(self, subject: str, chunk: ReplyChunk, first: bool, ctx: HopContext) -> None:
+        give_up = time.monotonic() + self.config.unavailable_wait_s
         if not first:
-            await self.replies.publish(subject, chunk)
+            await self._until_stored(lambda: self.replies.publish(subject, chunk), give_up)
             return
         with ctx.timed("first_reply"):
-            await self.replies.publish(subject, chunk)
+            await self._until_stored(lambda: self.replies.publish(subject, chunk), give_up)
 
     async def _forward_holding(self, out: ProcessedRequest) -> None:
         """Forward; if the next hop never gets the message, nobody will read
@@ -484,20 +492,51 @@ class Worker:
         # sooner would spend one of its max_deliver deliveries on load that
         # is not its fault. Only a request with no deadline gives up, after
         # full_stream_wait_s.
-        give_up = None if out.request.deadline else time.monotonic() + self.config.full_stream_wait_s
+        full_until = None if out.request.deadline else time.monotonic() + self.config.full_stream_wait_s
+        unavailable_until = time.monotonic() + self.config.unavailable_wait_s
         pause = 0.05
         while True:
             try:
-                await self.js.publish(subject, data, headers=headers)
+                await self._until_stored(lambda: self.js.publish(subject, data, headers=headers), unavailable_until)
                 return
             except MaxPayloadError:
                 raise TooLarge(f"the request is too large for a message to {out.hop}") from None
             except APIError as exc:
-                if not is_stream_full(exc) or (give_up is not None and time.monotonic() >= give_up):
+                if not is_stream_full(exc) or (full_until is not None and time.monotonic() >= full_until):
                     raise TransientError(f"could not queue for {out.hop}: {exc.description}") from exc
-                metrics.BACKPRESSURE.labels(self.role, "next_hop_full").inc()
-                await asyncio.sleep(pause)
-                pause = min(2 * pause, 0.5)
+            except Exception as exc:
+                if not is_not_now(exc):
+                    raise
+                raise TransientError(f"could not queue for {out.hop}: JetStream did not answer ({exc!r})") from exc
+            metrics.BACKPRESSURE.labels(self.role, "next_hop_full").inc()
+            await asyncio.sleep(pause)
+            pause = min(2 * pause, 0.5)
+
+    async def _until_stored(self, publish: Callable[[], Awaitable[object]], give_up: float) -> None:
+        """``publish`` to a stream, tried again while no stream answers for
+        now (a NATS node lost, its streams electing leaders) until
+        ``give_up``. Given up on at once, the hop's work would be lost with
+        what it consumed: its input tensors are read once, so the message's
+        redelivery would find them gone and restart the request from its
+        first hop, spending one of its attempts on the outage. (The
+        JetStream context's own retry of no responders spans a second: a
+        new stream being heard of, not a leader elected.) Every publish here
+        carries a Nats-Msg-Id: one that was stored though its answer was
+        lost is stored once."""
+        pause = 0.05
+        while True:
+            try:
+                await publish()
+                return
+            except Exception as exc:
+                if not is_not_now(exc) or self.nc.is_closed or time.monotonic() >= give_up:
+                    raise
+                log.info("jetstream_unavailable", role=self.role, error=repr(exc), retry_in_s=pause)
+            # nats-py may swallow a cancel (a deadline, a drain) inside the publish.
+            _raise_if_cancelled()
+            metrics.BACKPRESSURE.labels(self.role, "jetstream_unavailable").inc()
+            await asyncio.sleep(pause)
+            pause = min(2 * pause, 1.0)
 
     async def _heartbeat(self, msg: Msg) -> None:
         # A third of ack_wait keeps a long generation from being redelivered.

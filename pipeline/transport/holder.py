@@ -18,6 +18,7 @@ nothing.
 from __future__ import annotations
 
 import asyncio
+import collections
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -56,6 +57,8 @@ class Held:
 
 # A reader refused a lease leaves its early notification behind: keep only a few.
 _EARLY_MAX = 8
+# Regions freed after a READ, remembered with its lease: the newest this many.
+_READ_MEMORY = 4096
 
 
 class HeldRegions:
@@ -67,6 +70,8 @@ class HeldRegions:
         self._regions: dict[str, Held] = {}
         self._freed = asyncio.Event()
         self._wake = asyncio.Event()
+        # Key -> the lease whose READ completed before the region was freed.
+        self._read_under: collections.OrderedDict[str, int] = collections.OrderedDict()
         self._gauge = metrics.HELD_BYTES.labels(transport)
 
     @property
@@ -120,14 +125,26 @@ class HeldRegions:
         self._freed.set()
 
     def lease(self, key: str, lease: int, lease_s: float) -> str:
-        """Pin ``key`` for one reader; returns why not ("unknown": never held
-        or already freed, "read_or_released", "claimed" by another reader,
-        "expired"), or "" when granted."""
+        """Pin ``key`` for one reader (again for the reader that holds
+        ``lease``, or whose READ under it freed the region); returns why not ("unknown": never held or already freed,
+        "read_or_released", "claimed" by another reader, "expired"), or ""
+        when granted."""
         held = self._regions.get(key)
+        if held is None and self._read_under.get(key) == lease:
+            # Its reader asking again, the answer that granted the lease
+            # lost, its READ already done (a READ posted beside its request):
+            # that READ completed before the region was freed, so the bytes
+            # it got are the ref's.
+            return ""
         if held is None or not held.ready:
             return "unknown"
         if held.done:
             return "read_or_released"
+        if held.lease == lease:
+            # Its reader asking again, its answer lost: pinned afresh from
+            # now, as the reader measures its lease from its new request.
+            held.lease_until = max(held.lease_until, time.monotonic() + lease_s)
+            return ""
         if held.lease:
             return "claimed"
         if time.time() > held.expires:
@@ -136,6 +153,7 @@ class HeldRegions:
         if lease in held.early:
             # Its READ completed before this grant, while the region was still held: read.
             held.done = True
+            self._remember_read(key, lease)
             self.free(held)
             return ""
         held.lease = lease
@@ -155,11 +173,18 @@ class HeldRegions:
         if read:
             # Even a notification of an older, lapsed lease means the bytes were read.
             held.done = True
+            self._remember_read(key, lease)
         if held.lease == lease:
             held.lease = 0
         if held.done and not held.lease:
             self.free(held)
         return True
+
+    def _remember_read(self, key: str, lease: int) -> None:
+        self._read_under[key] = lease
+        self._read_under.move_to_end(key)
+        while len(self._read_under) > _READ_MEMORY:
+            self._read_under.popitem(last=False)
 
     def release(self, key: str) -> None:
         held = self._regions.get(key)

@@ -121,16 +121,23 @@ class RemoteReads:
             # The holder may have died or re-registered: forget it, load it afresh.
             del self._remotes[holder]
             await self._agent.forget(holder)
-        assert self.kv is not None
-        try:
-            timeout = min(self._settings.request_timeout_s, max(0.001, deadline - time.monotonic()))
-            entry = await asyncio.wait_for(self.kv.get(holder), timeout)
-        except nats.js.errors.NotFoundError:
-            metrics.ERRORS.labels(NAME, "holder_unknown").inc()
-            raise TensorGone(f"tensor holder {holder} is gone (no agent metadata)") from None
-        except TimeoutError:
-            metrics.ERRORS.labels(NAME, "metadata_timeout").inc()
-            raise TensorGone(f"metadata of tensor holder {holder} did not arrive in time") from None
+        kv = self.kv
+        assert kv is not None
+        while True:
+            try:
+                timeout = min(self._settings.request_timeout_s, max(0.001, deadline - time.monotonic()))
+                entry = await asyncio.wait_for(kv.get(holder), timeout)
+                break
+            except nats.js.errors.NotFoundError:
+                metrics.ERRORS.labels(NAME, "holder_unknown").inc()
+                raise TensorGone(f"tensor holder {holder} is gone (no agent metadata)") from None
+            except TimeoutError:
+                metrics.ERRORS.labels(NAME, "metadata_timeout").inc()
+                # The bucket may be electing a leader (a NATS node lost): that
+                # says nothing of the holder, whose tensors a restart of the
+                # request would make again. Asked again while the get may wait.
+                if deadline - time.monotonic() < _MIN_ASK_S:
+                    raise TensorGone(f"metadata of tensor holder {holder} did not arrive in time") from None
         if entry.value is None:
             raise TensorGone(f"tensor holder {holder} is gone (empty agent metadata)")
         try:
@@ -156,6 +163,15 @@ class RemoteReads:
         while True:
             sent = time.monotonic()
             reply = await self._ask(ref, deadline, lease, sent)
+            if reply is None:
+                # No answer, though the holder's subscription is there (a gone
+                # holder has none: no responders): the request or its answer
+                # may have been lost with a NATS node, or the holder paused.
+                # Asked again while the get may wait; a holder that did grant
+                # this lease grants it again, pinned from the new request on.
+                if deadline - time.monotonic() < _MIN_ASK_S:
+                    raise TensorGone(f"tensor holder {ref.holder} did not answer by the get's deadline")
+                continue
             # The holder's GPU has not finished the copy yet: ask again while the get may wait.
             if reply.reason != "landing" or deadline - time.monotonic() < _MIN_ASK_S:
                 break
@@ -167,7 +183,8 @@ class RemoteReads:
             raise TensorGone(f"tensor holder {ref.holder} granted lease {reply.lease}, not the {lease} asked for")
         return reply.lease, sent + reply.lease_s * _LEASE_TRUST
 
-    async def _ask(self, ref: TensorRef, deadline: float, lease: int, sent: float) -> LeaseReply:
+    async def _ask(self, ref: TensorRef, deadline: float, lease: int, sent: float) -> LeaseReply | None:
+        """The holder's reply; None when none came in time."""
         timeout = min(self._settings.request_timeout_s, max(0.001, deadline - sent))
         payload = msgspec.msgpack.encode(LeaseRequest(key=ref.key, lease=lease, wait_s=timeout * 0.75))
         try:
@@ -178,7 +195,8 @@ class RemoteReads:
             raise TensorGone(f"tensor holder {ref.holder} is gone") from None
         except nats.errors.TimeoutError:
             metrics.ERRORS.labels(NAME, "lease_timeout").inc()
-            raise TensorGone(f"tensor holder {ref.holder} did not answer within {timeout:.1f}s") from None
+            log.warning("nixl_lease_unanswered", holder=ref.holder, key=ref.key, timeout_s=round(timeout, 3))
+            return None
         try:
             return msgspec.msgpack.decode(msg.data, type=LeaseReply)
         except msgspec.DecodeError as exc:

@@ -240,6 +240,52 @@ async def test_nixl_holder_killed_with_the_connection_up(make_transport: Factory
     assert reader._reads._remotes[ref.holder].stale
 
 
+async def test_nixl_an_unanswered_lease_request_is_asked_again(make_transport: Factory, spawn_peer: Any) -> None:
+    """A holder that does not answer for a while (paused here; in a NATS
+    failover a node goes with the request or its answer) is asked again
+    while the get may wait, not taken for gone: a TensorGone restarts the
+    request, an attempt spent on tensors still held. The holder grants the
+    lease it may have granted to the lost request again."""
+    peer = await spawn_peer("nixl")
+    reader = await make_transport("nixl", "reader", get_timeout_s=8, lease_s=10, request_timeout_s=1.0)
+    ref = await peer.put(seed=6)
+    peer.proc.send_signal(signal.SIGSTOP)
+    try:
+        got = asyncio.create_task(reader.get(ref))
+        await asyncio.sleep(1.5)  # past the first request's timeout
+        assert not got.done()
+    finally:
+        peer.proc.send_signal(signal.SIGCONT)
+    assert_same(await got, make_tensors(6))
+
+
+async def test_nixl_holder_metadata_late_is_asked_for_again(
+    make_transport: Factory, spawn_peer: Any, nats_server: NatsServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The agents' bucket not answering for a while (its stream electing a
+    leader after a NATS node was lost; the server paused here) says nothing
+    of the holder: its metadata is asked for again while the get may wait."""
+    peer = await spawn_peer("nixl")
+    reader = await make_transport("nixl", "reader", get_timeout_s=8, lease_s=10, request_timeout_s=1.0)
+    assert isinstance(reader, NixlTransport)
+    ref = await peer.put(seed=7)
+    claim = reader._reads.claim
+    assert nats_server.pid is not None
+    server = nats_server.pid
+
+    async def claim_then_pause_nats(ref: TensorRef, deadline: float, lease: int) -> tuple[int, float]:
+        granted = await claim(ref, deadline, lease)
+        os.kill(server, signal.SIGSTOP)
+        asyncio.get_running_loop().call_later(1.5, os.kill, server, signal.SIGCONT)
+        return granted
+
+    monkeypatch.setattr(reader._reads, "claim", claim_then_pause_nats)
+    try:
+        assert_same(await reader.get(ref), make_tensors(7))
+    finally:
+        os.kill(server, signal.SIGCONT)
+
+
 # -- one process -------------------------------------------------------------------
 
 
@@ -523,6 +569,37 @@ async def test_a_region_released_while_leased_waits_for_the_lease() -> None:
     assert regions.lease(held.key, 5, lease_s=5) == ""
     regions.end_lease(held.key, 5, read=True)
     assert regions.used_bytes == 0
+
+
+async def test_a_lease_asked_for_again_by_its_reader_is_granted_again() -> None:
+    # Its answer was lost: the reader asks again under the same lease id, from later on.
+    regions = HeldRegions("nixl", 4096, ttl_s=60)
+    held = await regions.reserve(1000, owner="r", wait_s=0)
+    regions.publish(held)
+    assert regions.lease(held.key, 1, lease_s=0) == ""
+    first_until = held.lease_until
+    assert regions.lease(held.key, 1, lease_s=5) == ""
+    assert held.lease == 1 and held.lease_until > first_until  # pinned from the new request on
+    assert regions.lease(held.key, 2, lease_s=5) == "claimed"
+    regions.end_lease(held.key, 1, read=True)
+    assert regions.used_bytes == 0
+    # Its READ (posted beside the request) freed the region before the answer
+    # came: the bytes it got were the ref's, and that lease alone says so.
+    assert regions.lease(held.key, 1, lease_s=5) == ""
+    assert regions.lease(held.key, 2, lease_s=5) == "unknown"
+
+    held = await regions.reserve(1000, owner="r", wait_s=0)
+    regions.publish(held)
+    regions.end_lease(held.key, 3, read=True)  # the READ's notification before any request
+    assert regions.lease(held.key, 3, lease_s=5) == ""  # read: freed
+    assert regions.used_bytes == 0
+    assert regions.lease(held.key, 3, lease_s=5) == ""  # that answer lost too
+
+    held = await regions.reserve(1000, owner="r", wait_s=0)
+    regions.publish(held)
+    regions.release(held.key)  # freed unread: a READ under any lease may have met reused memory
+    regions.end_lease(held.key, 4, read=True)
+    assert regions.lease(held.key, 4, lease_s=5) == "unknown"
 
 
 async def test_a_read_notified_before_its_lease_counts_once_the_lease_is_granted() -> None:

@@ -18,7 +18,7 @@ from pipeline.worker import Worker
 from schemas.chunk import ErrorChunk, FinishReason, ReplyChunk, TokenChunk
 from schemas.codec import CONTENT_TYPE, Decoder, encode
 from schemas.control import DeadLetter
-from schemas.errors import ErrorCode, InvalidMedia, TransientError
+from schemas.errors import ErrorCode, InvalidMedia, TensorGone, TransientError
 from schemas.processed import ProcessedRequest
 from schemas.request import ChatMessage, GenerateRequest
 from stages.contract import HopContext, StageOutput
@@ -299,6 +299,7 @@ class ForwardStage(ScriptStage):
         self, message: GenerateRequest | ProcessedRequest, ctx: HopContext
     ) -> AsyncGenerator[StageOutput, None]:
         assert isinstance(message, GenerateRequest)
+        self.calls.append((message.request_id, []))
         yield ProcessedRequest(message, [1], [], ["processor", "decode"], 4, 0, hop_index=1)
 
 
@@ -410,3 +411,132 @@ async def test_without_a_deadline_a_full_next_hop_gives_the_message_back(running
             break
         await asyncio.sleep(0.05)
     assert info.delivered.consumer_seq > 1 or info.num_redelivered > 0  # given back, tried again
+
+
+async def _pending(js: Any, config: PipelineConfig, role: str, ack_pending: int) -> Any:
+    """The role's consumer once ``ack_pending`` of its messages are out."""
+    for _ in range(200):
+        info = await js.consumer_info(config.subjects.stream(role), config.subjects.durable(role))
+        if info.num_ack_pending == ack_pending:
+            return info
+        await asyncio.sleep(0.05)
+    raise AssertionError(f"{role}: {info.num_ack_pending} messages out, not {ack_pending}")
+
+
+async def test_a_next_hop_no_stream_answers_for_holds_the_message_until_one_does(
+    running: Any, nats_server: Any
+) -> None:
+    """No stream answers for the next hop (as while a cluster elects its
+    leader after a node is lost): the message is held past ack_wait, not
+    handed back, and forwarded once a stream answers. Handed back, a hop
+    that had read its input tensors (read once) would find them gone on
+    the redelivery and restart the request, spending an attempt."""
+    config = PipelineConfig(
+        nats_url=nats_server.url,
+        namespace=f"na{time.monotonic_ns()}",
+        consumer=ConsumerSettings(ack_wait_s=1.0),
+    )
+    await ensure_streams(running.js, config)
+    stage = ForwardStage()
+    await running(stage, config=config)  # provisions every stream
+    await running.js.delete_stream(config.subjects.stream("decode"))
+    await publish(running.js, config, request("held", "x", deadline=time.time() + 60))
+    await _pending(running.js, config, "processor", 1)
+    await asyncio.sleep(2.5)  # over 2x ack_wait
+    info = await _pending(running.js, config, "processor", 1)
+    assert (info.num_redelivered, info.delivered.consumer_seq) == (0, 1)
+    await ensure_streams(running.js, config)  # a stream answers again
+    info = await _pending(running.js, config, "processor", 0)
+    assert (info.num_redelivered, info.delivered.consumer_seq) == (0, 1)
+    assert [rid for rid, _ in stage.calls] == ["held"]
+    hop = await running.js.stream_info(config.subjects.stream("decode"))
+    assert hop.state.messages == 1
+
+
+async def test_a_reply_no_stream_answers_for_is_held_until_one_does(running: Any, nats_server: Any) -> None:
+    """The same for the reply stream: a decoding hop's chunks wait for it
+    rather than its message being handed back (its KV cache read once)."""
+    config = PipelineConfig(
+        nats_url=nats_server.url,
+        namespace=f"na{time.monotonic_ns()}",
+        consumer=ConsumerSettings(ack_wait_s=1.0),
+    )
+    await ensure_streams(running.js, config)
+    stage = ScriptStage()
+    await running(stage, config=config)
+    await running.js.delete_stream(config.subjects.reply_stream)
+    await publish(running.js, config, request("replies", "a bb ccc", deadline=time.time() + 60))
+    await _pending(running.js, config, "processor", 1)
+    await asyncio.sleep(2.5)  # over 2x ack_wait
+    info = await _pending(running.js, config, "processor", 1)
+    assert (info.num_redelivered, info.delivered.consumer_seq) == (0, 1)
+    sub = await running.nc.subscribe(config.subjects.reply("replies"))
+    await ensure_streams(running.js, config)
+    chunks = await collect(sub)
+    assert [c.seq for c in chunks] == [0, 1, 2]  # type: ignore[union-attr]
+    info = await _pending(running.js, config, "processor", 0)
+    assert (info.num_redelivered, info.delivered.consumer_seq) == (0, 1)
+    assert stage.calls == [("replies", [])]
+
+
+async def test_jetstream_unanswering_past_unavailable_wait_s_gives_the_message_back(
+    running: Any, nats_server: Any
+) -> None:
+    config = PipelineConfig(
+        nats_url=nats_server.url,
+        namespace=f"na{time.monotonic_ns()}",
+        unavailable_wait_s=0.2,
+    )
+    await ensure_streams(running.js, config)
+    stage = ForwardStage()
+    await running(stage, config=config)
+    await running.js.delete_stream(config.subjects.stream("decode"))
+    await publish(running.js, config, request("given-back", "x", deadline=time.time() + 60))
+    await eventually(lambda: len(stage.calls) > 1, within=10)  # given back, tried again
+
+
+class LostInput(ScriptStage):
+    """A decoding hop whose input tensors are gone every time."""
+
+    role = "decode"
+    input_type = ProcessedRequest  # type: ignore[assignment]
+
+    async def run(
+        self, message: GenerateRequest | ProcessedRequest, ctx: HopContext
+    ) -> AsyncGenerator[StageOutput, None]:
+        assert isinstance(message, ProcessedRequest)
+        self.calls.append((message.request.request_id, []))
+        raise TensorGone("the KV cache is gone")
+        yield  # a generator, as a stage is
+
+
+async def test_a_restart_no_stream_answers_for_is_given_back_and_queued_once_it_can(
+    running: Any, nats_server: Any
+) -> None:
+    """A restart that cannot be queued is an outcome of the message (given
+    back, tried again soon), not an error escaping its handler (the message
+    then waited out ack_wait); the retried restart is the same attempt."""
+    config = PipelineConfig(
+        nats_url=nats_server.url,
+        namespace=f"na{time.monotonic_ns()}",
+        consumer=ConsumerSettings(ack_wait_s=60.0),
+        unavailable_wait_s=0.2,
+    )
+    await ensure_streams(running.js, config)
+    await ensure_consumer(running.js, config, "decode")
+    stage = LostInput()
+    await running(stage, config=config)
+    await running.js.delete_stream(config.subjects.stream("encode"))
+    lost = ProcessedRequest(request("lost", "x"), [1], [], ["encode", "decode"], 4, 0, hop_index=1)
+    await running.js.publish(config.subjects.work("decode"), encode(lost))
+    await eventually(lambda: len(stage.calls) > 1, within=10)
+    await ensure_streams(running.js, config)  # the first hop's stream answers again
+    encode_stream = config.subjects.stream("encode")
+    for _ in range(200):
+        if (await running.js.stream_info(encode_stream)).state.messages:
+            break
+        await asyncio.sleep(0.05)
+    await _pending(running.js, config, "decode", 0)
+    psub = await running.js.pull_subscribe(config.subjects.work("encode"), stream=encode_stream)
+    msgs = await psub.fetch(10, timeout=2)
+    assert [Decoder(ProcessedRequest).decode(m.data).attempt for m in msgs] == [1]
