@@ -213,11 +213,15 @@ class TorchHopEngine:
         state = KvState(kv.prompt_len, list(kv.output_ids), kv.rope_delta)
 
         # Straight into blocks of the decoder's pool where the cache comes as
-        # they are (this engine's dtype and block size): no copy after the transfer.
+        # they are (this engine's dtype and block size): no copy after the
+        # transfer. Not for a takeover whose client holds tokens past the
+        # cache: those are fed one step each first, which a sequence in the
+        # batch decoder cannot take alone.
         def reserve_kv() -> tuple[Sequence, list[list[torch.Tensor]]] | None:
             return self.torch.reserve_kv(state, sampling(req))
 
-        reserved = await self.thread.call_or_release(self._drop_reserved, reserve_kv)
+        resumes = _client_ahead(state.output_ids, ctx.emitted)
+        reserved = None if resumes else await self.thread.call_or_release(self._drop_reserved, reserve_kv)
         if reserved is not None and _fits(kv.ref, reserved[1]):
             await self._read_into_slot(reserved[0], kv.ref, reserved[1], ctx)
             return TorchPrefilled(reserved[0])
@@ -254,9 +258,7 @@ class TorchHopEngine:
     ) -> AsyncGenerator[int, None]:
         assert self.scheduler is not None, f"role {self.role} does not decode"
         seq, emitted = handle.seq, ctx.emitted
-        if emitted[: len(seq.output_ids)] != seq.output_ids[: len(emitted)] or len(emitted) > len(seq.output_ids):
-            # The client holds more than this sequence covers, or another
-            # token (a takeover raced an earlier attempt): its tokens win.
+        if _client_ahead(seq.output_ids, emitted):
             first = [await self.thread.call(self.torch.resume, seq, emitted)]
         else:
             first = seq.output_ids[len(emitted) :]
@@ -287,6 +289,12 @@ class TorchHopEngine:
         if handle.owned:
             handle.owned = False
             self.thread.submit(self.torch.release, handle.seq)
+
+
+def _client_ahead(output_ids: list[int], emitted: list[int]) -> bool:
+    """Whether the client holds more than the sequence covers, or another
+    token (a takeover raced an earlier attempt): its tokens then win."""
+    return emitted[: len(output_ids)] != output_ids[: len(emitted)] or len(emitted) > len(output_ids)
 
 
 def _fits(ref: TensorRef, targets: list[list[torch.Tensor]]) -> bool:

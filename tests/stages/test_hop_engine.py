@@ -63,9 +63,15 @@ def image_request(rid: str, max_tokens: int = N, stop: list[str] | None = None) 
     return GenerateRequest(rid, "tiny", [ChatMessage("user", content)], sampling)
 
 
-async def e_p_d(engines: dict[str, HopEngine[Any]], req: ProcessedRequest, emitted: list[int]) -> list[int]:
+async def e_p_d(
+    engines: dict[str, HopEngine[Any]],
+    req: ProcessedRequest,
+    emitted: list[int],
+    decode_emitted: list[int] | None = None,
+) -> list[int]:
     """Encode, prefill and decode apart, each hop with its own context and
-    only the message between them, as three workers would run them."""
+    only the message between them, as three workers would run them; the
+    decode hop's client holds ``decode_emitted`` (default: ``emitted``)."""
     encode = engines["encode"]
     req = (await encode.send_media(await encode.encode(req, HopContext()), req, HopContext())).next_hop(req)
     assert req.encoded is not None and req.kv is None
@@ -81,11 +87,12 @@ async def e_p_d(engines: dict[str, HopEngine[Any]], req: ProcessedRequest, emitt
     assert req.encoded is None and req.kv is not None
     assert {"prefill_s", "get_s", "put_s", "put_bytes"} <= set(ctx.trace)
 
-    decode, ctx = engines["decode"], HopContext(emitted=list(emitted))
+    decode, ctx = engines["decode"], HopContext(emitted=list(emitted if decode_emitted is None else decode_emitted))
     handle = await decode.receive_prefilled(req, ctx)
     assert handle.prompt_len > len(req.prompt_token_ids)  # the image's tokens, not its placeholder
-    # The cache went straight into a slot of the batch decoder, ready to step.
-    assert handle.seq.slot >= 0 and not handle.seq.receiving and {"get_s", "get_bytes"} <= set(ctx.trace)
+    if decode_emitted is None:
+        # The cache went straight into a slot of the batch decoder, ready to step.
+        assert handle.seq.slot >= 0 and not handle.seq.receiving and {"get_s", "get_bytes"} <= set(ctx.trace)
     try:
         async with contextlib.aclosing(decode.decode(handle, req, ctx, decode.eos_token_ids.__contains__)) as tokens:
             return [t async for t in tokens]
@@ -102,6 +109,9 @@ async def test_encode_prefill_and_decode_apart_equal_generate(
     assert await e_p_d(engines, req, []) == expected
     # A takeover: the client holds three tokens; the rest follow them.
     assert await e_p_d(engines, req, expected[:3]) == expected[3:]
+    # A decode hop taken over mid-stream: its KV cache covers the prompt and
+    # the prefill's token, the client holds four; they are fed, then the rest.
+    assert await e_p_d(engines, req, [], decode_emitted=expected[:4]) == expected[4:]
 
 
 async def test_health_fails_once_the_decode_loop_has_died(tiny_model_dir: Path) -> None:
