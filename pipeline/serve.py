@@ -19,6 +19,7 @@ from pipeline.bridge.app import Bridge, BridgeSettings
 from pipeline.bridge.processing import BridgeProcessing, load_processor
 from pipeline.config import PipelineConfig
 from pipeline.connection import connect, shutdown
+from pipeline.gc_heap import freeze_startup_heap
 from pipeline.health import HealthSettings, WorkerHealth
 from pipeline.transport.base import TensorTransport, TransportSettings
 from pipeline.worker import Worker
@@ -296,11 +297,21 @@ async def _serve_role(role: str, config: PipelineConfig, settings: WorkerSetting
         )
         health.worker = worker
         _on_signals(worker.stop)
-        await worker.run()
+        frozen = asyncio.create_task(_freeze_once_ready(worker))
+        try:
+            await worker.run()
+        finally:
+            frozen.cancel()
     finally:
         if tensors is not None:
             await tensors.close()
         await shutdown(nc)
+
+
+async def _freeze_once_ready(worker: Worker) -> None:
+    # Once the stage has started (model loaded, graphs captured, warmed up).
+    await worker.ready.wait()
+    freeze_startup_heap()
 
 
 async def run_bridge(
@@ -315,6 +326,7 @@ async def run_bridge(
     site = web.TCPSite(runner, settings.host, settings.port)
     await site.start()
     log.info("bridge_started", url=f"http://{settings.host}:{settings.port}/v1")
+    freeze_startup_heap()
     stopped = asyncio.Event()
     _on_signals(stopped.set)
     try:

@@ -72,6 +72,8 @@ async def test_sigterm_hands_a_decode_workers_streams_to_another(
     try:
         for proc in (leaving, staying):
             await asyncio.to_thread(proc.wait_for, "worker_started")
+            # Ready, the process moved its start-up heap out of the collector's way.
+            await asyncio.to_thread(proc.wait_for, "gc_startup_heap_frozen")
         # The staying worker sleeps until the other holds every request: its
         # pull request expires (1 s) and the server delivers to the other.
         staying.popen.send_signal(signal.SIGSTOP)
