@@ -29,6 +29,9 @@ ENGINE_CALL_RUN = Histogram(
 ENGINE_CALL_CPU = Counter(
     "mmpipe_engine_call_cpu_seconds", "CPU time of the engine's thread during its calls, by call", ["call"]
 )
+RELEASE_FAILURES = Counter(
+    "mmpipe_engine_release_failures", "Finished sequences whose release failed (their blocks may stay held)"
+)
 STEP_INTERVAL = Histogram(
     "mmpipe_decode_step_interval_seconds",
     "Time between two hand-outs of the decode loop's tokens (a running sequence's inter-token time in the worker)",

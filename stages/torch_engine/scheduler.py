@@ -24,7 +24,14 @@ from typing import Any, TypeVar
 
 import structlog
 
-from stages.torch_engine.metrics import ENGINE_CALL_CPU, ENGINE_CALL_RUN, ENGINE_CALL_WAIT, STEP_INTERVAL, STEP_ROWS
+from stages.torch_engine.metrics import (
+    ENGINE_CALL_CPU,
+    ENGINE_CALL_RUN,
+    ENGINE_CALL_WAIT,
+    RELEASE_FAILURES,
+    STEP_INTERVAL,
+    STEP_ROWS,
+)
 
 log = structlog.get_logger(__name__)
 
@@ -400,6 +407,7 @@ def _release_all(engine: Any, seqs: collections.deque[Any]) -> None:
         try:
             engine.release(seq)
         except Exception as exc:
+            RELEASE_FAILURES.inc()
             log.error("release_failed", error=repr(exc), exc_info=exc)
 
 

@@ -342,3 +342,37 @@ async def test_a_finished_sequence_is_released_with_the_next_step_and_when_idle_
     assert _sample("mmpipe_engine_call_seconds", "release", "_count") <= releases + 1
     await scheduler.close()
     thread.close()
+
+
+async def test_a_release_that_fails_is_counted_and_the_step_it_rode_with_goes_on(mmpipe_home: Path) -> None:
+    engine = TorchEngine(builtin_path("tiny-qwen2-vl"))
+    thread = EngineThread()
+    scheduler = DecodeScheduler(engine, thread)
+    scheduler.start()
+    prompt = engine.tokenizer("Count:")["input_ids"]
+    release, failing = engine.release, []
+
+    def release_or_fail(seq: Any) -> None:
+        if seq in failing:
+            raise RuntimeError("injected release failure")
+        release(seq)
+
+    engine.release = release_or_fail  # type: ignore[method-assign]
+    failures = REGISTRY.get_sample_value("mmpipe_engine_release_failures_total") or 0.0
+
+    async def decode(n: int, fails: bool) -> list[int]:
+        greedy = SamplingConfig(temperature=0.0, max_tokens=n, min_tokens=n)
+        [(seq, first)] = await thread.call(engine.prefill, [prompt], [[]], [greedy])
+        if fails:
+            failing.append(seq)
+        tokens = [first]
+        async for token in scheduler.stream(seq, lambda _: len(tokens) + 1 >= n):
+            tokens.append(token)
+        return tokens
+
+    long_run = asyncio.ensure_future(decode(40, False))
+    assert len(await decode(4, True)) == 4
+    assert len(await long_run) == 40  # the steps after the failed release went on
+    await eventually(lambda: (REGISTRY.get_sample_value("mmpipe_engine_release_failures_total") or 0.0) == failures + 1)
+    await scheduler.close()
+    thread.close()
