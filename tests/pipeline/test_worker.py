@@ -423,6 +423,13 @@ async def _pending(js: Any, config: PipelineConfig, role: str, ack_pending: int)
     raise AssertionError(f"{role}: {info.num_ack_pending} messages out, not {ack_pending}")
 
 
+def _one_second_ack_wait(nats_url: str) -> PipelineConfig:
+    """A namespace of its own whose messages are redelivered 1 s after their last sign of life."""
+    return PipelineConfig(
+        nats_url=nats_url, namespace=f"na{time.monotonic_ns()}", consumer=ConsumerSettings(ack_wait_s=1.0)
+    )
+
+
 async def test_a_next_hop_no_stream_answers_for_holds_the_message_until_one_does(
     running: Any, nats_server: Any
 ) -> None:
@@ -431,11 +438,7 @@ async def test_a_next_hop_no_stream_answers_for_holds_the_message_until_one_does
     handed back, and forwarded once a stream answers. Handed back, a hop
     that had read its input tensors (read once) would find them gone on
     the redelivery and restart the request, spending an attempt."""
-    config = PipelineConfig(
-        nats_url=nats_server.url,
-        namespace=f"na{time.monotonic_ns()}",
-        consumer=ConsumerSettings(ack_wait_s=1.0),
-    )
+    config = _one_second_ack_wait(nats_server.url)
     await ensure_streams(running.js, config)
     stage = ForwardStage()
     await running(stage, config=config)  # provisions every stream
@@ -456,11 +459,7 @@ async def test_a_next_hop_no_stream_answers_for_holds_the_message_until_one_does
 async def test_a_reply_no_stream_answers_for_is_held_until_one_does(running: Any, nats_server: Any) -> None:
     """The same for the reply stream: a decoding hop's chunks wait for it
     rather than its message being handed back (its KV cache read once)."""
-    config = PipelineConfig(
-        nats_url=nats_server.url,
-        namespace=f"na{time.monotonic_ns()}",
-        consumer=ConsumerSettings(ack_wait_s=1.0),
-    )
+    config = _one_second_ack_wait(nats_server.url)
     await ensure_streams(running.js, config)
     stage = ScriptStage()
     await running(stage, config=config)
