@@ -126,9 +126,9 @@ class HeldRegions:
 
     def lease(self, key: str, lease: int, lease_s: float) -> str:
         """Pin ``key`` for one reader (again for the reader that holds
-        ``lease``, or whose READ under it freed the region); returns why not ("unknown": never held or already freed,
-        "read_or_released", "claimed" by another reader, "expired"), or ""
-        when granted."""
+        ``lease``, or whose READ under it freed the region); returns why not
+        ("unknown": never held or already freed, "read_or_released",
+        "claimed" by another reader, "expired"), or "" when granted."""
         held = self._regions.get(key)
         if held is None and self._read_under.get(key) == lease:
             # Its reader asking again, the answer that granted the lease
