@@ -24,6 +24,7 @@ import structlog
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+from pipeline.metrics import before_scrape
 from pipeline.streams import consumer_exists
 from schemas.settings import setting
 
@@ -130,6 +131,7 @@ class WorkerHealth:
         return web.json_response(body, status=200 if ok else 503)
 
     async def _metrics(self, request: web.Request) -> web.Response:
+        await before_scrape()
         return web.Response(body=generate_latest(), headers={"Content-Type": CONTENT_TYPE_LATEST})
 
     async def serve(self, port: int | None = None) -> int:

@@ -2,13 +2,19 @@
 
 from __future__ import annotations
 
+import asyncio
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Awaitable, Callable, Iterator
 
+import structlog
 from prometheus_client import REGISTRY, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily
+from prometheus_client.metrics_core import Metric
+from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.registry import Collector
+
+log = structlog.get_logger(__name__)
 
 _LATENCY = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 
@@ -67,3 +73,67 @@ class ThreadCpu(Collector):
 
 
 REGISTRY.register(ThreadCpu())
+
+
+# Families both processes have that say something of each process: the
+# core's are shown under mmpipe_engine_core_<name> (its other twins, the
+# worker-side families it imports but never moves, are left out).
+_CORE_TWINS = ("mmpipe_thread_cpu_seconds", "process_cpu_seconds", "process_resident_memory_bytes")
+_CORE_PREFIX = "mmpipe_engine_core_"
+# How long a scrape waits for the core's exposition before it shows the last one.
+_CORE_SCRAPE_S = 2.0
+
+
+class EngineCoreMetrics(Collector):
+    """The engine core process's metrics (``--engine-process``) on the
+    worker's /metrics: its engine, pool and step families as they are, and
+    its thread and process CPU as ``mmpipe_engine_core_*``. Fetched from the
+    core before each scrape (``refresh``)."""
+
+    def __init__(self, scrape: Callable[[], Awaitable[bytes]]) -> None:
+        self._scrape = scrape
+        self._text = ""
+
+    async def refresh(self) -> None:
+        try:
+            self._text = (await asyncio.wait_for(self._scrape(), _CORE_SCRAPE_S)).decode()
+        except Exception as exc:
+            log.warning("engine_core_scrape_failed", error=repr(exc))
+
+    def collect(self) -> Iterator[Metric]:
+        # What this process registers itself (a private map, read-only here).
+        own = set(REGISTRY._names_to_collectors)
+        for family in text_string_to_metric_families(self._text):
+            if family.name in _CORE_TWINS:
+                yield _renamed(family, _CORE_PREFIX + family.name.removeprefix("mmpipe_"))
+            elif family.name not in own:
+                yield family
+
+
+def _renamed(family: Metric, name: str) -> Metric:
+    out = Metric(name, family.documentation, family.type, family.unit)
+    for sample in family.samples:
+        out.add_sample(name + sample.name[len(family.name) :], sample.labels, sample.value, sample.timestamp)
+    return out
+
+
+_BEFORE_SCRAPE: list[EngineCoreMetrics] = []
+
+
+def show_engine_core(scrape: Callable[[], Awaitable[bytes]]) -> Callable[[], None]:
+    """The core's metrics on this process's /metrics until the returned call."""
+    collector = EngineCoreMetrics(scrape)
+    REGISTRY.register(collector)
+    _BEFORE_SCRAPE.append(collector)
+
+    def hide() -> None:
+        _BEFORE_SCRAPE.remove(collector)
+        REGISTRY.unregister(collector)
+
+    return hide
+
+
+async def before_scrape() -> None:
+    """Bring what other processes show here up to date (the engine core's)."""
+    for collector in list(_BEFORE_SCRAPE):
+        await collector.refresh()

@@ -5,11 +5,13 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
+import logging
 import signal
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import structlog
 from aiohttp import web
@@ -21,6 +23,7 @@ from pipeline.config import PipelineConfig
 from pipeline.connection import connect, shutdown
 from pipeline.gc_heap import freeze_startup_heap
 from pipeline.health import HealthSettings, WorkerHealth
+from pipeline.metrics import show_engine_core
 from pipeline.transport.base import TensorTransport, TransportSettings
 from pipeline.worker import Worker
 from schemas.processed import MediaKind
@@ -32,6 +35,9 @@ from stages.models import DEFAULT_MODEL, ModelSpec, resolve_model
 from stages.processor import ProcessorLimits
 from stages.torch_engine.settings import DecodeSettings, intra_op_threads, step_priority_s
 from stages.vllm_engine.args import STORAGE_TTL_S, KvConnectorSettings, engine_args_file
+
+if TYPE_CHECKING:
+    from stages.torch_engine.hop_engine import TorchHopEngine
 
 log = structlog.get_logger(__name__)
 
@@ -86,6 +92,11 @@ class WorkerSettings:
     )
     tensor_settings: TransportSettings = section(TransportSettings, "tensor hand-offs (workers that hand off)")
     health: HealthSettings = section(HealthSettings, "health and metrics endpoints (probes and Prometheus)")
+    engine_process: bool = setting(
+        False,
+        help="run the built-in engine (model, KV cache, decode loop, media decoding, encoder) in a process of its "
+        "own, under its own GIL, beside the worker's NATS traffic and chunks (roles that hand no tensors on: EPD)",
+    )
     engine: str = setting(
         "torch",
         choices=ENGINES,
@@ -172,8 +183,28 @@ def build_stage(
     if role not in HOP_ROLES:
         raise SystemExit(f"unknown role {role!r}; roles: {PROCESSOR}, {', '.join(HOP_ROLES)}")
     if settings.engine == "vllm":
+        if settings.engine_process:
+            # vLLM runs its engine core in a process of its own already.
+            raise SystemExit("mmpipe: --engine-process is the built-in engine's (--engine torch)")
         return _vllm_stage(role, settings, spec, tensors)
     from stages.hop import HopStage
+
+    if settings.engine_process:
+        from stages.torch_engine.core_client import ProcessHopEngine
+
+        level = logging.getLevelName(logging.getLogger().getEffectiveLevel())
+        build = functools.partial(engine_core_hop_engine, role, settings, spec, str(level))
+        try:
+            return HopStage(role, ProcessHopEngine(role, build, Path(spec.path)), spec.served_name)
+        except ValueError as exc:
+            raise SystemExit(f"mmpipe: {exc}") from None
+    return HopStage(role, build_torch_hop_engine(role, settings, spec, tensors), spec.served_name)
+
+
+def build_torch_hop_engine(
+    role: str, settings: WorkerSettings, spec: ModelSpec, tensors: TensorStore | None = None
+) -> TorchHopEngine:
+    """The built-in engine of a role, its model loaded."""
     from stages.torch_engine.engine import TorchEngine
     from stages.torch_engine.hop_engine import TorchHopEngine
 
@@ -193,19 +224,26 @@ def build_stage(
 
         torch.set_num_threads(threads)
     engine = TorchEngine(Path(spec.path), device=device, decode=decode)
-    policy = settings.media
     cache = EmbeddingCache(settings.embedding_cache_bytes, name=role) if role.startswith("encode") else None
-    hop_engine = TorchHopEngine(
+    return TorchHopEngine(
         role,
         engine,
         tensors,
-        media_policy=policy,
+        media_policy=settings.media,
         max_batch=settings.max_batch,
         embedding_cache=cache,
         prefill_batch=settings.prefill_batch,
         step_priority_s=step_priority_s(decode.step_priority_ms, str(engine.device)),
     )
-    return HopStage(role, hop_engine, spec.served_name)
+
+
+def engine_core_hop_engine(role: str, settings: WorkerSettings, spec: ModelSpec, log_level: str) -> TorchHopEngine:
+    """``build_torch_hop_engine`` as the engine core process runs it
+    (``--engine-process``): its logs as the worker's."""
+    from pipeline import logging as mm_logging
+
+    mm_logging.configure(log_level)
+    return build_torch_hop_engine(role, settings, spec)
 
 
 def _vllm_stage(role: str, settings: WorkerSettings, spec: ModelSpec, tensors: TensorStore | None) -> Stage:
@@ -297,11 +335,16 @@ async def _serve_role(role: str, config: PipelineConfig, settings: WorkerSetting
         )
         health.worker = worker
         _on_signals(worker.stop)
+        # An engine core process (--engine-process) shows its metrics here.
+        scrape = getattr(getattr(stage, "engine", None), "scrape", None)
+        hide_core = show_engine_core(scrape) if scrape is not None else None
         frozen = asyncio.create_task(_freeze_once_ready(worker))
         try:
             await worker.run()
         finally:
             frozen.cancel()
+            if hide_core is not None:
+                hide_core()
     finally:
         if tensors is not None:
             await tensors.close()

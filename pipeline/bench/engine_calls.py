@@ -22,6 +22,9 @@ from prometheus_client.parser import text_string_to_metric_families
 WAIT, RUN = "mmpipe_engine_call_wait_seconds", "mmpipe_engine_call_seconds"
 CPU = "mmpipe_engine_call_cpu_seconds_total"
 THREAD_CPU, PROCESS_CPU = "mmpipe_thread_cpu_seconds_total", "process_cpu_seconds_total"
+# The same of an engine core process (--engine-process), as its worker shows them.
+CORE_THREAD_CPU = "mmpipe_engine_core_thread_cpu_seconds_total"
+CORE_PROCESS_CPU = "mmpipe_engine_core_process_cpu_seconds_total"
 INTERVAL, ROWS = "mmpipe_decode_step_interval_seconds", "mmpipe_decode_batch_rows"
 
 # (sample name, its ``call`` or ``thread`` label or ""): value. Histogram buckets are not read.
@@ -79,13 +82,19 @@ def summarize(before: Samples, after: Samples, wall_s: float) -> dict[str, Any]:
         "busy": sum(r["share"] for r in rows),
         "step_interval_ms": interval * 1e3 if interval is not None else None,
         "step_rows": mean(ROWS),
-        # Threads alive at both scrapes; one that used under 1% of a core is left out.
-        "thread_cores": {
-            thread: value / wall_s
-            for (name, thread), value in sorted(delta.items(), key=lambda kv: -kv[1])
-            if name == THREAD_CPU and (name, thread) in before and value / wall_s >= 0.01
-        },
+        "thread_cores": _thread_cores(THREAD_CPU, before, delta, wall_s),
         "process_cores": delta[(PROCESS_CPU, "")] / wall_s if (PROCESS_CPU, "") in delta else None,
+        "core_thread_cores": _thread_cores(CORE_THREAD_CPU, before, delta, wall_s),
+        "core_process_cores": delta[(CORE_PROCESS_CPU, "")] / wall_s if (CORE_PROCESS_CPU, "") in delta else None,
+    }
+
+
+def _thread_cores(family: str, before: Samples, delta: Samples, wall_s: float) -> dict[str, float]:
+    """Threads alive at both scrapes; one that used under 1% of a core is left out."""
+    return {
+        thread: value / wall_s
+        for (name, thread), value in sorted(delta.items(), key=lambda kv: -kv[1])
+        if name == family and (name, thread) in before and value / wall_s >= 0.01
     }
 
 
@@ -102,10 +111,14 @@ def format_engine_calls(url: str, summary: dict[str, Any]) -> str:
             f"  decode loop: a step's tokens every {summary['step_interval_ms']:.2f} ms, {summary['step_rows']:.1f} "
             "rows on average"
         )
-    threads = summary.get("thread_cores") or {}
-    if threads:
-        process = summary.get("process_cores")
-        whole = f" (the process: {process:.2f})" if process is not None else ""
-        each = ", ".join(f"{name} {cores:.2f}" for name, cores in threads.items())
-        lines.append(f"  cores used by its Python threads{whole}: {each}")
+    for whose, threads_key, process_key in (
+        ("its", "thread_cores", "process_cores"),
+        ("its engine core's", "core_thread_cores", "core_process_cores"),
+    ):
+        threads = summary.get(threads_key) or {}
+        if threads:
+            process = summary.get(process_key)
+            whole = f" (the process: {process:.2f})" if process is not None else ""
+            each = ", ".join(f"{name} {cores:.2f}" for name, cores in threads.items())
+            lines.append(f"  cores used by {whose} Python threads{whole}: {each}")
     return "\n".join(lines)

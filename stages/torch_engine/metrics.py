@@ -40,3 +40,8 @@ STEP_INTERVAL = Histogram(
 STEP_ROWS = Histogram(
     "mmpipe_decode_batch_rows", "Sequences in one decode step", buckets=(1, 2, 4, 8, 16, 24, 32, 48, 64, 128, 256)
 )
+# What an engine core process (--engine-process) keeps for its worker between
+# messages: a count that grows without load is a leak.
+CORE_HELD = Gauge(
+    "mmpipe_engine_core_held", "Prefilled sequences and encoded media an engine core holds for its worker", ["what"]
+)

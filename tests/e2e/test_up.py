@@ -131,3 +131,34 @@ async def test_a_setting_from_each_source_reaches_the_worker(
         code = up.stop(signal.SIGINT)
         procs.stop_all()
     assert code == 0, up.text()[-3000:]
+
+
+@pytest.mark.e2e
+def test_up_with_the_engine_in_its_own_process_serves_and_stops_cleanly(
+    tmp_path: Path, mmpipe_home: Path, tiny_model_dir: Path, reference: Any
+) -> None:
+    port = _free_port()
+    procs = Processes(tmp_path, mmpipe_home)
+    up = procs.start("up", "--port", str(port), "--data-dir", str(tmp_path / "data"), "--engine-process")
+    try:
+        up.wait_for("mmpipe ready")
+        worker = next(
+            c
+            for c in psutil.Process(up.popen.pid).children(recursive=True)
+            if "pipeline.cli" in c.cmdline() and "worker" in c.cmdline()
+        )
+        cores = [c for c in worker.children() if any("spawn_main" in part for part in c.cmdline())]
+        assert len(cores) == 1, [c.cmdline() for c in worker.children()]
+        assert f"pid={cores[0].pid}" in up.text() or f'"pid": {cores[0].pid}' in up.text()
+        image = gradient(64, 48, 1)
+        single = [{"type": "image_url", "image_url": {"url": png_data_url(image)}}, {"type": "text", "text": "What?"}]
+        with openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0) as client:
+            assert _ask(client, single, stream=True) == reference(single, [image], N)[1]
+            assert _ask(client, "Say something.", stream=False) == reference("Say something.", [], N)[1]
+    finally:
+        # Ctrl-C reaches the whole group: the core waits for its worker to close it.
+        code = up.stop(signal.SIGINT)
+        procs.stop_all()
+    assert code == 0, up.text()[-3000:]
+    assert not cores[0].is_running() or cores[0].status() == psutil.STATUS_ZOMBIE
+    assert "Traceback" not in up.text()

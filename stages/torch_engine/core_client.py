@@ -1,0 +1,390 @@
+"""The built-in engine run in its own process (``--engine-process``), as a
+hop sees it: ``ProcessHopEngine`` starts the engine core
+(stages/torch_engine/core_process.py) and forwards each of the hop's steps
+to it as one message.
+
+The worker keeps NATS, the chunks and their text; the core keeps the model,
+the KV pool, the decode loop and media decoding. A sequence and a request's
+embeddings stay in the core: the worker holds their numbers (and the
+embeddings' sizes, which the context check reads).
+
+Only roles that hand no tensors to another hop run this way so far (EPD):
+a split role's NIXL agent would have to live beside the tensors, in the core.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import multiprocessing
+import shutil
+import tempfile
+import weakref
+from collections.abc import AsyncGenerator, Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import structlog
+import torch
+
+import schemas.errors
+from schemas.errors import InvalidRequest, MmpipeError
+from schemas.processed import MediaKind, ProcessedRequest
+from schemas.routes import moves_tensors
+from stages.contract import HopContext
+from stages.families import MediaEmbedding
+from stages.hop_engine import Carried
+from stages.torch_engine import core_process
+from stages.torch_engine.core_wire import (
+    Abort,
+    Broken,
+    Cancel,
+    Decode,
+    DropMedia,
+    Encode,
+    Encoded,
+    Failed,
+    Finished,
+    FromCore,
+    Prefill,
+    Prefilled,
+    Ready,
+    Room,
+    Scrape,
+    Scraped,
+    StartFailed,
+    ToCore,
+    Tokens,
+    frame,
+    read_frame,
+)
+
+log = structlog.get_logger(__name__)
+
+_END = object()
+# How often start() looks whether the core process is still alive while it loads.
+_START_POLL_S = 0.2
+# How long close() gives the core to free what it holds and exit before it is killed.
+_EXIT_S = 30.0
+
+
+class EngineCoreDied(MmpipeError):
+    """The engine core process is gone: nothing it held can be served here."""
+
+    retryable = True
+
+
+@dataclass(eq=False)
+class RemoteEmbedding(MediaEmbedding):
+    """An item's embeddings as the core holds them: the worker sees their
+    size (a tensor on the meta device, no memory) and the core's number."""
+
+    media: int = 0
+
+
+@dataclass(eq=False)
+class RemotePrefilled:
+    seq: int
+    prompt_len: int
+    output_ids: list[int] = field(default_factory=list)
+    aborted: bool = False
+
+
+class ProcessHopEngine:
+    def __init__(self, role: str, build: Callable[[], Any], model_dir: Path) -> None:
+        """``build``: a picklable callable that builds the ``TorchHopEngine``
+        of ``role`` in the core (it loads the model there)."""
+        if moves_tensors(role):
+            raise ValueError(
+                f"role {role} hands tensors to or from another hop: --engine-process runs roles that hand none off"
+            )
+        from transformers import AutoTokenizer
+
+        self.role = role
+        self._build = build
+        # The chunks' text is made here: the worker needs the tokenizer, not the model.
+        self.tokenizer: Any = AutoTokenizer.from_pretrained(str(model_dir))
+        self._ready: Ready | None = None
+        self._process: Any = None
+        self._reader: asyncio.StreamReader | None = None
+        self._writer: asyncio.StreamWriter | None = None
+        self._reading: asyncio.Task[None] | None = None
+        self._encoder = msgspec.msgpack.Encoder()
+        self._decoder = msgspec.msgpack.Decoder(FromCore)
+        self._ids = itertools.count(1)
+        self._replies: dict[int, asyncio.Future[Any]] = {}
+        self._streams: dict[int, asyncio.Queue[Any]] = {}
+        self._room = True
+        self._gone: str | None = None
+        self._broken: str | None = None
+        self._eos: frozenset[int] = frozenset()
+
+    # -- what the chunks and the context check read -------------------------------
+
+    @property
+    def eos_token_ids(self) -> frozenset[int]:
+        return self._eos
+
+    @property
+    def max_model_len(self) -> int:
+        if self._ready is None:
+            raise RuntimeError("the engine core has not started")
+        return self._ready.max_model_len
+
+    @property
+    def pid(self) -> int | None:
+        return self._process.pid if self._process is not None else None
+
+    # -- life ----------------------------------------------------------------------
+
+    async def start(self) -> None:
+        folder = Path(tempfile.mkdtemp(prefix="mmpipe-core-"))
+        connected: asyncio.Future[tuple[asyncio.StreamReader, asyncio.StreamWriter]] = (
+            asyncio.get_running_loop().create_future()
+        )
+
+        def accept(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            if connected.done():
+                writer.close()
+            else:
+                connected.set_result((reader, writer))
+
+        server = await asyncio.start_unix_server(accept, str(folder / "core.sock"))
+        try:
+            # Spawned: the core holds CUDA state, and a fork of a threaded worker copies half its locks.
+            self._process = multiprocessing.get_context("spawn").Process(
+                target=core_process.main, args=(str(folder / "core.sock"), self._build), name="mmpipe-engine-core"
+            )
+            self._process.start()
+            self._reader, self._writer = await self._while_alive(connected, "connecting")
+            first = asyncio.ensure_future(read_frame(self._reader))
+            payload = await self._while_alive(first, "loading the model")
+        finally:
+            server.close()
+            shutil.rmtree(folder, ignore_errors=True)
+        msg = self._decoder.decode(payload) if payload is not None else None
+        if not isinstance(msg, Ready):
+            await self.close()
+            error = msg.error if isinstance(msg, StartFailed) else "it closed its socket"
+            raise RuntimeError(f"the engine core did not start: {error}")
+        self._ready = msg
+        self._eos = frozenset(msg.eos_token_ids)
+        self._reading = asyncio.create_task(self._read(), name="engine-core-reader")
+        log.info("engine_core_started", pid=msg.pid, device=msg.device, role=self.role)
+
+    async def _while_alive(self, waiting: asyncio.Future[Any], doing: str) -> Any:
+        while True:
+            done, _ = await asyncio.wait([waiting], timeout=_START_POLL_S)
+            if done:
+                return waiting.result()
+            if not self._process.is_alive():
+                waiting.cancel()
+                raise RuntimeError(f"the engine core exited ({self._process.exitcode}) while {doing}")
+
+    async def close(self) -> None:
+        self._gone = self._gone or "closed"
+        if self._writer is not None:
+            self._writer.close()  # the core ends when its socket does
+        process, self._process = self._process, None
+        if process is not None:
+            await asyncio.to_thread(process.join, _EXIT_S)
+            if process.is_alive():
+                log.warning("engine_core_killed", pid=process.pid, after_s=_EXIT_S)
+                process.kill()
+                await asyncio.to_thread(process.join)
+        if self._reading is not None:
+            self._reading.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._reading
+
+    async def health(self) -> None:
+        if self._gone is not None:
+            raise RuntimeError(f"the engine core is gone: {self._gone}")
+        if self._broken is not None:
+            raise RuntimeError(f"the engine core can serve no more: {self._broken}")
+
+    def has_room(self) -> bool:
+        return self._room and self._gone is None
+
+    async def scrape(self) -> bytes:
+        """The core's Prometheus exposition (its engine, pool and thread metrics)."""
+        reply = await self._call(Scrape(next(self._ids)))
+        assert isinstance(reply, Scraped)
+        return reply.text
+
+    # -- the hop's steps -------------------------------------------------------------
+
+    async def encode(self, req: ProcessedRequest, ctx: HopContext) -> list[MediaEmbedding]:
+        if not req.media:
+            return []
+        with ctx.timed("engine_encode", items=len(req.media)):
+            reply = await self._call(Encode(next(self._ids), req))
+        assert isinstance(reply, Encoded)
+        ctx.trace.update(reply.trace)
+        out: list[MediaEmbedding] = [
+            RemoteEmbedding(
+                torch.empty((i.num_tokens, 0), device="meta"),
+                tuple(i.grid),
+                MediaKind(i.kind),
+                i.seconds_per_grid,
+                media=reply.media,
+            )
+            for i in reply.items
+        ]
+        if out:
+            # A request that fails before its prefill (its context too long)
+            # leaves them: the core drops them once the worker forgets them.
+            weakref.finalize(out[0], self._forget_media, reply.media)
+        return out
+
+    def _forget_media(self, media: int) -> None:
+        if self._gone is None and self._writer is not None and not self._writer.is_closing():
+            self._send(DropMedia(media))
+
+    async def send_media(self, media: list[MediaEmbedding], req: ProcessedRequest, ctx: HopContext) -> Carried:
+        raise InvalidRequest(f"role {self.role} in an engine process hands no media on")
+
+    async def receive_media(self, req: ProcessedRequest, ctx: HopContext) -> list[MediaEmbedding]:
+        raise InvalidRequest(f"role {self.role} in an engine process receives no media")
+
+    async def prefill(self, req: ProcessedRequest, media: list[MediaEmbedding], ctx: HopContext) -> RemotePrefilled:
+        handle = media[0].media if media and isinstance(media[0], RemoteEmbedding) else 0
+        with ctx.timed("engine_prefill", tokens=len(req.prompt_token_ids)):
+            reply = await self._call(Prefill(next(self._ids), req, handle, list(ctx.emitted)))
+        assert isinstance(reply, Prefilled)
+        ctx.trace.update(reply.trace)
+        return RemotePrefilled(reply.seq, reply.prompt_len, reply.output_ids)
+
+    def first_token(self, handle: RemotePrefilled) -> int | None:
+        return handle.output_ids[-1]
+
+    async def hand_off(self, handle: RemotePrefilled, req: ProcessedRequest, ctx: HopContext) -> Carried:
+        raise InvalidRequest(f"role {self.role} in an engine process hands no KV cache on")
+
+    async def receive_prefilled(self, req: ProcessedRequest, ctx: HopContext) -> RemotePrefilled:
+        raise InvalidRequest(f"role {self.role} in an engine process receives no KV cache")
+
+    async def decode(
+        self, handle: RemotePrefilled, req: ProcessedRequest, ctx: HopContext, is_eos: Callable[[int], bool]
+    ) -> AsyncGenerator[int, None]:
+        """``is_eos`` is the ChunkEmitter's rule (the engine's EOS ids unless
+        ``ignore_eos``): the core applies the same rule to stop the sequence
+        before a step it has no use for."""
+        call = next(self._ids)
+        queue: asyncio.Queue[Any] = asyncio.Queue()
+        self._streams[call] = queue
+        ended = False
+        try:
+            self._send(Decode(call, handle.seq, req, list(ctx.emitted)))
+            while True:
+                item = await queue.get()
+                if item is _END:
+                    ended = True
+                    return
+                if isinstance(item, BaseException):
+                    ended = True
+                    raise item
+                for token in item:
+                    yield token
+        finally:
+            self._streams.pop(call, None)
+            if not ended and self._gone is None:
+                self._send(Cancel(call))
+
+    async def abort(self, handle: RemotePrefilled) -> None:
+        if not handle.aborted:
+            handle.aborted = True
+            if self._gone is None:
+                self._send(Abort(handle.seq))
+
+    # -- the socket -------------------------------------------------------------------
+
+    async def _call(self, msg: ToCore) -> FromCore:
+        if self._gone is not None:
+            raise EngineCoreDied(f"the engine core is gone: {self._gone}")
+        call: int = msg.call  # type: ignore[union-attr]
+        reply: asyncio.Future[FromCore] = asyncio.get_running_loop().create_future()
+        self._replies[call] = reply
+        self._send(msg)
+        try:
+            return await reply
+        except asyncio.CancelledError:
+            if self._replies.pop(call, None) is not None and self._gone is None:
+                self._send(Cancel(call))
+            raise
+
+    def _send(self, msg: ToCore) -> None:
+        if self._writer is None:
+            raise RuntimeError("the engine core has not started")
+        self._writer.write(frame(self._encoder.encode(msg)))
+
+    async def _read(self) -> None:
+        assert self._reader is not None
+        reason = "it closed its socket"
+        try:
+            while (payload := await read_frame(self._reader)) is not None:
+                self._on(self._decoder.decode(payload))
+        except asyncio.CancelledError:
+            reason = "closed"
+            raise
+        except Exception as exc:
+            reason = repr(exc)
+        finally:
+            self._lost(reason)
+
+    def _on(self, msg: FromCore) -> None:
+        if isinstance(msg, Tokens):
+            for call, tokens in msg.streams:
+                if (queue := self._streams.get(call)) is not None:
+                    queue.put_nowait(tokens)
+        elif isinstance(msg, Finished):
+            if (queue := self._streams.get(msg.call)) is not None:
+                queue.put_nowait(_END)
+        elif isinstance(msg, Room):
+            self._room = msg.has_room
+        elif isinstance(msg, Broken):
+            self._broken = msg.reason
+            log.error("engine_core_broken", reason=msg.reason)
+        elif isinstance(msg, Failed):
+            error = _rebuilt(msg)
+            if (queue := self._streams.get(msg.call)) is not None:
+                queue.put_nowait(error)
+            elif (reply := self._replies.pop(msg.call, None)) is not None and not reply.done():
+                reply.set_exception(error)
+        elif isinstance(msg, Encoded | Prefilled | Scraped):
+            reply = self._replies.pop(msg.call, None)
+            if reply is not None and not reply.done():
+                reply.set_result(msg)
+            elif isinstance(msg, Prefilled):
+                self._send(Abort(msg.seq))  # its caller left while the core prefilled: free it
+            elif isinstance(msg, Encoded) and msg.media:
+                self._send(DropMedia(msg.media))
+
+    def _lost(self, reason: str) -> None:
+        if self._gone is None:
+            self._gone = reason
+            if reason != "closed":
+                log.error("engine_core_lost", reason=reason, pid=self.pid)
+        error = EngineCoreDied(f"the engine core is gone: {self._gone}")
+        for reply in self._replies.values():
+            if not reply.done():
+                reply.set_exception(error)
+        self._replies.clear()
+        for queue in self._streams.values():
+            queue.put_nowait(error)
+        self._room = False
+
+
+def _rebuilt(msg: Failed) -> Exception:
+    """The core's error as the worker raises it: a schemas.errors class
+    keeps its code and HTTP status; any other is internal."""
+    cls = getattr(schemas.errors, msg.error, None)
+    if isinstance(cls, type) and issubclass(cls, MmpipeError):
+        try:
+            return cls(msg.message)
+        except TypeError:
+            pass
+    return RuntimeError(f"the engine core failed: {msg.error}: {msg.message}")

@@ -1,0 +1,165 @@
+"""The messages between a worker and its engine core process
+(``--engine-process``): msgspec Structs, msgpack, each frame a 4-byte
+length and one message.
+
+The worker asks at the level of a hop's steps (encode, prefill, decode,
+abort), not of engine calls: a request costs a handful of messages, and the
+decode loop runs in the core without a word from the worker between steps.
+A call's id names its reply (or, for a decode, its tokens and its end).
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import msgspec
+
+from schemas.processed import ProcessedRequest
+
+# -- worker → core -------------------------------------------------------------
+
+
+class Encode(msgspec.Struct, tag=True, array_like=True):
+    call: int
+    req: ProcessedRequest
+
+
+class Prefill(msgspec.Struct, tag=True, array_like=True):
+    call: int
+    req: ProcessedRequest
+    # An ``Encoded.media`` (0: a request without media).
+    media: int
+    emitted: list[int]
+
+
+class Decode(msgspec.Struct, tag=True, array_like=True):
+    call: int
+    seq: int
+    req: ProcessedRequest
+    emitted: list[int]
+
+
+class Cancel(msgspec.Struct, tag=True, array_like=True):
+    """The worker no longer waits for the call (its request was cancelled,
+    or its consumer stopped reading tokens)."""
+
+    call: int
+
+
+class Abort(msgspec.Struct, tag=True, array_like=True):
+    """The hop is done with a prefilled sequence: what the core holds for it goes."""
+
+    seq: int
+
+
+class DropMedia(msgspec.Struct, tag=True, array_like=True):
+    """Embeddings no prefill will take (the request failed between the two)."""
+
+    media: int
+
+
+class Scrape(msgspec.Struct, tag=True, array_like=True):
+    call: int
+
+
+ToCore = Encode | Prefill | Decode | Cancel | Abort | DropMedia | Scrape
+
+# -- core → worker -------------------------------------------------------------
+
+
+class Ready(msgspec.Struct, tag=True, array_like=True):
+    pid: int
+    eos_token_ids: list[int]
+    max_model_len: int
+    device: str
+
+
+class StartFailed(msgspec.Struct, tag=True, array_like=True):
+    error: str
+
+
+class EmbeddingInfo(msgspec.Struct, array_like=True):
+    """One encoded item as the worker sees it: its size and layout, not its tensor."""
+
+    num_tokens: int
+    grid: list[int]
+    kind: str
+    seconds_per_grid: float
+
+
+class Encoded(msgspec.Struct, tag=True, array_like=True):
+    call: int
+    media: int
+    items: list[EmbeddingInfo]
+    trace: dict[str, float]
+
+
+class Prefilled(msgspec.Struct, tag=True, array_like=True):
+    call: int
+    seq: int
+    prompt_len: int
+    output_ids: list[int]
+    trace: dict[str, float]
+
+
+class Tokens(msgspec.Struct, tag=True, array_like=True):
+    """What the decode loop made since the last frame: each open decode
+    call's tokens, in order (one frame for every stream a step fed)."""
+
+    streams: list[tuple[int, list[int]]]
+
+
+class Finished(msgspec.Struct, tag=True, array_like=True):
+    """A decode call's stream ended (its last token was in an earlier ``Tokens``)."""
+
+    call: int
+
+
+class Failed(msgspec.Struct, tag=True, array_like=True):
+    call: int
+    # The class's name: one of schemas.errors keeps its code and status.
+    error: str
+    message: str
+
+
+class Room(msgspec.Struct, tag=True, array_like=True):
+    """Whether the core would take another request (sent when it changes)."""
+
+    has_room: bool
+
+
+class Broken(msgspec.Struct, tag=True, array_like=True):
+    """The core can serve no more (its decode loop stopped)."""
+
+    reason: str
+
+
+class Scraped(msgspec.Struct, tag=True, array_like=True):
+    call: int
+    text: bytes
+
+
+FromCore = Ready | StartFailed | Encoded | Prefilled | Tokens | Finished | Failed | Room | Broken | Scraped
+
+# Frames past this are a bug, not a request (a ProcessedRequest with inline media stays far below).
+MAX_FRAME = 1 << 30
+
+_LENGTH = 4
+
+
+def frame(payload: bytes) -> bytes:
+    return len(payload).to_bytes(_LENGTH, "big") + payload
+
+
+async def read_frame(reader: asyncio.StreamReader) -> bytes | None:
+    """The next frame's payload; None at the end of the stream."""
+    try:
+        head = await reader.readexactly(_LENGTH)
+    except asyncio.IncompleteReadError as exc:
+        if exc.partial:
+            raise ConnectionError("the engine core's stream ended inside a frame") from None
+        return None
+    size = int.from_bytes(head, "big")
+    if size > MAX_FRAME:
+        raise ConnectionError(f"a frame of {size} bytes from the engine core's peer")
+    return await reader.readexactly(size)

@@ -1,0 +1,212 @@
+"""The built-in engine in its own process (``--engine-process``): the hop
+stage as a plain async function, the engine core a real spawned process."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import signal
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import pytest
+from prometheus_client import generate_latest
+from prometheus_client.parser import text_string_to_metric_families
+
+from pipeline.config import PipelineConfig
+from pipeline.metrics import before_scrape, show_engine_core
+from pipeline.serve import WorkerSettings, build_stage
+from schemas.chunk import TokenChunk
+from schemas.errors import ContextLengthExceeded, ErrorCode, InvalidMedia
+from schemas.request import ChatMessage, GenerateRequest, ImagePart, ImageURL, SamplingParams, TextPart
+from stages.contract import HopContext
+from stages.hop import HopStage
+from stages.models import resolve_model
+from stages.models.traits import load_traits
+from stages.processor import Processor
+from stages.torch_engine.core_client import EngineCoreDied, ProcessHopEngine
+from stages.torch_engine.reference import reference_generate
+from tests.e2e.conftest import gradient, png_data_url
+from tests.polling import eventually_true
+
+EPD = "encode+prefill+decode"
+
+
+@pytest.fixture
+async def stage(tiny_model_dir: Path) -> AsyncIterator[HopStage]:
+    settings = WorkerSettings(model=str(tiny_model_dir), device="cpu", engine_process=True)
+    s = build_stage(EPD, PipelineConfig(), settings)
+    assert isinstance(s, HopStage) and isinstance(s.engine, ProcessHopEngine)
+    await s.start()
+    yield s
+    await s.close()
+
+
+@pytest.fixture(scope="module")
+def processor(tiny_model_dir: Path) -> Processor:
+    return Processor(load_traits(resolve_model(str(tiny_model_dir), "tiny")))
+
+
+def engine(stage: HopStage) -> ProcessHopEngine:
+    assert isinstance(stage.engine, ProcessHopEngine)
+    return stage.engine
+
+
+def request(rid: str, n: int, image: str | None = None, text: str = "What is it?") -> GenerateRequest:
+    content: list[Any] = [ImagePart(ImageURL(image))] if image is not None else []
+    return GenerateRequest(
+        rid,
+        "tiny",
+        [ChatMessage("user", [*content, TextPart(text)])],
+        SamplingParams(max_tokens=n, min_tokens=n, temperature=0),
+    )
+
+
+async def run(stage: HopStage, processed: Any) -> list[TokenChunk]:
+    return [c async for c in stage.run(processed, HopContext())]  # type: ignore[misc]
+
+
+def tokens(chunks: list[TokenChunk]) -> list[int]:
+    return [t for c in chunks for t in c.token_ids]
+
+
+async def core_metric(stage: HopStage, name: str, **labels: str) -> float:
+    """A sample of the core's own exposition (0 where it has none)."""
+    text = (await engine(stage).scrape()).decode()
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items()):
+                return float(sample.value)
+    return 0.0
+
+
+async def held(stage: HopStage) -> tuple[float, float, float]:
+    """Sequences and media the core holds for the worker, and its KV pool's usage."""
+    return (
+        await core_metric(stage, "mmpipe_engine_core_held", what="sequences"),
+        await core_metric(stage, "mmpipe_engine_core_held", what="media"),
+        await core_metric(stage, "mmpipe_kv_cache_usage"),
+    )
+
+
+async def test_requests_decoded_together_in_the_core_each_get_generates_tokens(
+    stage: HopStage, processor: Processor, tiny_model_dir: Path
+) -> None:
+    one, two = gradient(60, 44, 3), gradient(32, 48, 7)
+    reqs = [
+        (processor.process(request("a", 10, png_data_url(one))), [one], 10),
+        (processor.process(request("b", 6, text="Say something.")), [], 6),
+        (processor.process(request("c", 8, png_data_url(two), text="And this?")), [two], 8),
+    ]
+    outs = await asyncio.gather(*(run(stage, p) for p, _, _ in reqs))
+    for (p, images, n), chunks in zip(reqs, outs, strict=True):
+        assert tokens(chunks) == reference_generate(tiny_model_dir, p.prompt_token_ids, images, n)
+        assert [c.seq for c in chunks] == [sum(len(c.token_ids) for c in chunks[:i]) for i in range(len(chunks))]
+        assert chunks[-1].finish_reason is not None
+    await eventually_true(lambda: _all_zero(stage), what="the core to hold nothing once every request is done")
+
+
+async def _all_zero(stage: HopStage) -> bool:
+    return await held(stage) == (0.0, 0.0, 0.0)
+
+
+async def test_a_consumer_leaving_mid_stream_frees_its_sequence_in_the_core(
+    stage: HopStage, processor: Processor, tiny_model_dir: Path
+) -> None:
+    processed = processor.process(request("r", 40, png_data_url(gradient(60, 44, 3))))
+    got = 0
+    async with contextlib.aclosing(stage.run(processed, HopContext())) as chunks:
+        async for chunk in chunks:
+            got += len(chunk.token_ids)
+            if got >= 3:
+                break
+    await eventually_true(lambda: _all_zero(stage), what="the left sequence's blocks back in the core's pool")
+    again = processor.process(request("r2", 5, text="Say something."))
+    assert tokens(await run(stage, again)) == reference_generate(tiny_model_dir, again.prompt_token_ids, [], 5)
+
+
+@pytest.mark.parametrize("after_s", [0.0, 0.005, 0.02, 0.08])
+async def test_a_request_cancelled_at_any_point_leaves_nothing_held_in_the_core(
+    stage: HopStage, processor: Processor, after_s: float
+) -> None:
+    processed = processor.process(request("c", 20, png_data_url(gradient(60, 44, 3))))
+    task = asyncio.ensure_future(run(stage, processed))
+    await asyncio.sleep(after_s)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    await eventually_true(lambda: _all_zero(stage), what="what the cancelled request held freed in the core")
+
+
+async def test_errors_from_the_core_keep_their_code_and_the_core_serves_on(
+    stage: HopStage, processor: Processor, tiny_model_dir: Path
+) -> None:
+    bad = processor.process(request("bad", 4, "data:image/png;base64,AAAAAAAA"))
+    with pytest.raises(InvalidMedia) as info:
+        await run(stage, bad)
+    assert info.value.code is ErrorCode.INVALID_MEDIA
+    # Too long once its image is expanded: the context check runs in the
+    # worker, after the core encoded it; the embeddings it made go.
+    long = msgspec.structs.replace(
+        processor.process(request("long", 4, png_data_url(gradient(60, 44, 3)))), max_tokens=10**7
+    )
+    with pytest.raises(ContextLengthExceeded):
+        await run(stage, long)
+    await eventually_true(lambda: _all_zero(stage), what="the embeddings no prefill took dropped")
+    ok = processor.process(request("ok", 5, text="Say something."))
+    assert tokens(await run(stage, ok)) == reference_generate(tiny_model_dir, ok.prompt_token_ids, [], 5)
+
+
+async def test_the_core_dying_fails_its_streams_and_the_workers_health(stage: HopStage, processor: Processor) -> None:
+    processed = processor.process(request("d", 400, text="Say a lot."))
+    core = engine(stage)
+    seen = 0
+    with pytest.raises(EngineCoreDied):
+        async for chunk in stage.run(processed, HopContext()):  # type: ignore[attr-defined]
+            seen += len(chunk.token_ids)
+            if seen == 1:
+                assert core.pid is not None
+                os.kill(core.pid, signal.SIGKILL)
+    assert 0 < seen < 400
+    with pytest.raises(RuntimeError, match="engine core is gone"):
+        await stage.health()
+    assert not stage.has_room()
+    with pytest.raises(EngineCoreDied):
+        await run(stage, processor.process(request("e", 3, text="Hello.")))
+
+
+async def test_the_cores_metrics_show_on_the_workers_metrics(stage: HopStage, processor: Processor) -> None:
+    await run(stage, processor.process(request("m", 4, png_data_url(gradient(60, 44, 3)))))
+    hide = show_engine_core(engine(stage).scrape)
+    try:
+        await before_scrape()
+        samples = {
+            (s.name, tuple(sorted(s.labels.items()))): s.value
+            for family in text_string_to_metric_families(generate_latest().decode())
+            for s in family.samples
+        }
+    finally:
+        hide()
+    # The core's engine calls, as they ran there.
+    assert samples[("mmpipe_engine_call_seconds_count", (("call", "prefill_one"),))] >= 1
+    # Its threads and CPU, beside the worker's own.
+    assert any(name == "mmpipe_engine_core_thread_cpu_seconds_total" and v > 0 for (name, _), v in samples.items())
+    assert samples[("mmpipe_engine_core_process_cpu_seconds_total", ())] > 0
+    assert ("process_cpu_seconds_total", ()) in samples
+    # Gone once hidden.
+    assert "mmpipe_engine_core_process_cpu_seconds" not in generate_latest().decode()
+
+
+def test_a_role_that_hands_tensors_on_is_refused(tiny_model_dir: Path) -> None:
+    settings = WorkerSettings(model=str(tiny_model_dir), device="cpu", engine_process=True)
+    with pytest.raises(SystemExit, match="hands tensors"):
+        build_stage("encode", PipelineConfig(), settings)
+
+
+def test_vllm_with_an_engine_process_is_refused(tiny_model_dir: Path) -> None:
+    settings = WorkerSettings(model=str(tiny_model_dir), device="cpu", engine="vllm", engine_process=True)
+    with pytest.raises(SystemExit, match="built-in engine"):
+        build_stage(EPD, PipelineConfig(), settings)
