@@ -21,6 +21,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 WAIT, RUN = "mmpipe_engine_call_wait_seconds", "mmpipe_engine_call_seconds"
 CPU = "mmpipe_engine_call_cpu_seconds_total"
+GPU = "mmpipe_engine_call_gpu_seconds_total"
 THREAD_CPU, PROCESS_CPU = "mmpipe_thread_cpu_seconds_total", "process_cpu_seconds_total"
 # The same of an engine core process (--engine-process), as its worker shows them.
 CORE_THREAD_CPU = "mmpipe_engine_core_thread_cpu_seconds_total"
@@ -53,7 +54,7 @@ def summarize(before: Samples, after: Samples, wall_s: float) -> dict[str, Any]:
     delta = {key: value - before.get(key, 0.0) for key, value in after.items()}
     calls: dict[str, dict[str, float]] = {}
     for (name, call), value in delta.items():
-        if call and name in (f"{WAIT}_sum", f"{RUN}_sum", f"{RUN}_count", CPU):
+        if call and name in (f"{WAIT}_sum", f"{RUN}_sum", f"{RUN}_count", CPU, GPU):
             calls.setdefault(call, {})[name] = value
     rows: list[dict[str, Any]] = []
     for call, v in calls.items():
@@ -67,6 +68,8 @@ def summarize(before: Samples, after: Samples, wall_s: float) -> dict[str, Any]:
                 "wait_ms": v.get(f"{WAIT}_sum", 0.0) / n * 1e3,
                 "run_ms": v.get(f"{RUN}_sum", 0.0) / n * 1e3,
                 "cpu_ms": v.get(CPU, 0.0) / n * 1e3,
+                # None: not a CUDA engine.
+                "gpu_ms": v[GPU] / n * 1e3 if GPU in v else None,
                 "share": v.get(f"{RUN}_sum", 0.0) / wall_s,
             }
         )
@@ -80,6 +83,9 @@ def summarize(before: Samples, after: Samples, wall_s: float) -> dict[str, Any]:
     return {
         "calls": rows,
         "busy": sum(r["share"] for r in rows),
+        "gpu_busy": sum(calls[r["call"]][GPU] for r in rows if GPU in calls[r["call"]]) / wall_s
+        if any(GPU in v for v in calls.values())
+        else None,
         "step_interval_ms": interval * 1e3 if interval is not None else None,
         "step_rows": mean(ROWS),
         "thread_cores": _thread_cores(THREAD_CPU, before, delta, wall_s),
@@ -99,11 +105,14 @@ def _thread_cores(family: str, before: Samples, delta: Samples, wall_s: float) -
 
 
 def format_engine_calls(url: str, summary: dict[str, Any]) -> str:
-    lines = [f"engine thread of {url}: busy {summary['busy']:.0%} of the load"]
-    lines.append(f"  {'call':<28}{'runs':>7}{'wait ms':>10}{'run ms':>9}{'on cpu ms':>11}{'share':>8}")
+    gpu = summary.get("gpu_busy")
+    on_gpu = f"; its calls' work spanned {gpu:.0%} of it on the GPU" if gpu is not None else ""
+    lines = [f"engine thread of {url}: busy {summary['busy']:.0%} of the load{on_gpu}"]
+    lines.append(f"  {'call':<28}{'runs':>7}{'wait ms':>10}{'run ms':>9}{'on cpu ms':>11}{'gpu ms':>9}{'share':>8}")
     for r in summary["calls"]:
+        gpu_ms = f"{r['gpu_ms']:>9.2f}" if r.get("gpu_ms") is not None else f"{'-':>9}"
         lines.append(
-            f"  {r['call']:<28}{r['runs']:>7}{r['wait_ms']:>10.2f}{r['run_ms']:>9.2f}{r['cpu_ms']:>11.2f}"
+            f"  {r['call']:<28}{r['runs']:>7}{r['wait_ms']:>10.2f}{r['run_ms']:>9.2f}{r['cpu_ms']:>11.2f}{gpu_ms}"
             f"{r['share']:>8.1%}"
         )
     if summary["step_interval_ms"] is not None:

@@ -81,7 +81,7 @@ class TorchHopEngine:
         self.eos_token_ids = engine.eos_token_ids
         self.max_model_len = engine.max_model_len
         self.tensors = tensors
-        self.thread = EngineThread(step_priority_s)
+        self.thread = EngineThread(step_priority_s, device=str(engine.device))
         policy = media_policy or MediaPolicy()
         self.fetcher = MediaFetcher(policy) if "encode" in steps else None
         self.encoder = (

@@ -29,6 +29,10 @@ ENGINE_CALL_RUN = Histogram(
 ENGINE_CALL_CPU = Counter(
     "mmpipe_engine_call_cpu_seconds", "CPU time of the engine's thread during its calls, by call", ["call"]
 )
+# Of a call, the span of its work on the GPU (its events on the current stream).
+ENGINE_CALL_GPU = Counter(
+    "mmpipe_engine_call_gpu_seconds", "Time the GPU spent on an engine call's work, by call (CUDA only)", ["call"]
+)
 RELEASE_FAILURES = Counter(
     "mmpipe_engine_release_failures", "Finished sequences whose release failed (their blocks may stay held)"
 )

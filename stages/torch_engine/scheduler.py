@@ -26,6 +26,7 @@ import structlog
 
 from stages.torch_engine.metrics import (
     ENGINE_CALL_CPU,
+    ENGINE_CALL_GPU,
     ENGINE_CALL_RUN,
     ENGINE_CALL_WAIT,
     RELEASE_FAILURES,
@@ -53,8 +54,12 @@ class EngineThread:
     21, with ITL p99 95 to 157 ms against 250. A running sequence waits at
     most about ``others_s`` plus one call between two steps."""
 
-    def __init__(self, others_s: float | None = None) -> None:
+    def __init__(self, others_s: float | None = None, device: str = "cpu") -> None:
         self.others_s = others_s
+        # On a GPU, each call's span on the device too (CUDA events around
+        # it, read once they have passed): a thread that waits in a sync is
+        # told from one the device waits for.
+        self._gpu = _GpuSpans() if device.startswith("cuda") else None
         # Thread time the other calls had since the last urgent one.
         self._others_ran_s = 0.0
         self._submitted = 0
@@ -112,15 +117,18 @@ class EngineThread:
                 call = (self._urgent if urgent else self._normal).popleft()
             if not call.future.set_running_or_notify_cancel():
                 continue
+            name = getattr(call.fn, "__name__", "call")
             started, cpu = time.perf_counter(), time.thread_time()
+            marker = self._gpu_begin()
             try:
                 result = call.fn(*call.args)
             except BaseException as exc:
                 call.future.set_exception(exc)
             else:
                 call.future.set_result(result)
+            if marker is not None:
+                self._gpu.end(name, marker)  # type: ignore[union-attr]
             ran, cpu = time.perf_counter() - started, time.thread_time() - cpu
-            name = getattr(call.fn, "__name__", "call")
             ENGINE_CALL_WAIT.labels(name).observe(started - call.submitted)
             ENGINE_CALL_RUN.labels(name).observe(ran)
             ENGINE_CALL_CPU.labels(name).inc(cpu)
@@ -128,6 +136,15 @@ class EngineThread:
                 self._others_ran_s = 0.0
             else:
                 self._others_ran_s += ran
+
+    def _gpu_begin(self) -> Any:
+        if self._gpu is None:
+            return None
+        try:
+            return self._gpu.begin()
+        except Exception as exc:
+            log.warning("engine_call_gpu_span_failed", error=repr(exc))
+            return None
 
     def _urgent_next(self) -> bool:
         if not self._normal:
@@ -145,6 +162,38 @@ class EngineThread:
             self._ready.notify()
         if self._started:
             self._thread.join()
+
+
+class _GpuSpans:
+    """Each engine call's span on the device's current stream: from where
+    the device reached the call's first work to where it finished its last
+    (gaps inside included: a call that launches slower than the device runs
+    spans its launches). Summed into ``mmpipe_engine_call_gpu_seconds``
+    once both events have passed, never waited for."""
+
+    def __init__(self) -> None:
+        import torch
+
+        self._torch = torch
+        self._open: collections.deque[tuple[str, Any, Any]] = collections.deque()
+
+    def begin(self) -> Any:
+        event = self._torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
+    def end(self, name: str, begun: Any) -> None:
+        # A measurement: a device in error fails the calls themselves, not the thread's loop.
+        try:
+            event = self._torch.cuda.Event(enable_timing=True)
+            event.record()
+            self._open.append((name, begun, event))
+            while self._open and self._open[0][2].query():
+                done, first, last = self._open.popleft()
+                ENGINE_CALL_GPU.labels(done).inc(first.elapsed_time(last) / 1000)
+        except Exception as exc:
+            self._open.clear()
+            log.warning("engine_call_gpu_span_failed", call=name, error=repr(exc))
 
 
 @dataclass

@@ -33,16 +33,17 @@ def _close(got: torch.Tensor, want: torch.Tensor, device: str) -> None:
         torch.testing.assert_close(got.float(), want.float(), atol=5e-2, rtol=5e-2)
 
 
-@pytest.mark.parametrize("with_image", [False, True])
+@pytest.mark.parametrize(("with_image", "words"), [(False, 0), (True, 0), (True, 260)])
 def test_the_slot_prefill_gives_the_modules_logits_and_cache(
-    mmpipe_home: Path, engine_device: str, with_image: bool
+    mmpipe_home: Path, engine_device: str, with_image: bool, words: int
 ) -> None:
     engine = _engine(engine_device)
     prefill, decoder = engine._slot_prefill, engine.decoder
     assert prefill is not None and decoder is not None
     assert bool(prefill._graphs) == (engine_device != "cpu")  # captured at start on a GPU
     fam = engine.family
-    prompt = engine.tokenizer("Describe the picture in three words, please.")["input_ids"]
+    filler = " ".join(["word"] * words)
+    prompt = engine.tokenizer(f"Describe the picture in three words, please. {filler}")["input_ids"]
     media = []
     if with_image:
         media = engine.encode([gradient(60, 44, 3)])
@@ -50,6 +51,9 @@ def test_the_slot_prefill_gives_the_modules_logits_and_cache(
     ids, positions, _ = engine._prepare(prompt, media, [])
     assert with_image == bool((positions[0] != positions[1]).any())  # M-RoPE rows differ over the image
     n = len(ids)
+    if n > 128:
+        # Padded by under a quarter (the rows past the prompt are a GPU's work for nothing).
+        assert prefill.bucket_for(n) - n < n / 4, (n, prefill.bucket_for(n))
     # Blocks scattered through the pool, backwards: the prompt's, and none of the others written.
     blocks = list(range(3, 3 + 2 * decoder.blocks_for(n), 2))[::-1]
     with torch.inference_mode():
