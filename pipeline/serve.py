@@ -234,6 +234,7 @@ def build_torch_hop_engine(
         embedding_cache=cache,
         prefill_batch=settings.prefill_batch,
         step_priority_s=step_priority_s(decode.step_priority_ms, str(engine.device)),
+        gpu_call_spans=decode.gpu_call_spans,
     )
 
 

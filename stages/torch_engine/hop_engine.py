@@ -70,6 +70,7 @@ class TorchHopEngine:
         embedding_cache: EmbeddingCache | None = None,
         prefill_batch: int = 1,
         step_priority_s: float | None = None,
+        gpu_call_spans: bool = False,
     ) -> None:
         if tensors is None and moves_tensors(role):
             raise ValueError(f"role {role} hands tensors to or from another hop: it needs a tensor store")
@@ -81,7 +82,7 @@ class TorchHopEngine:
         self.eos_token_ids = engine.eos_token_ids
         self.max_model_len = engine.max_model_len
         self.tensors = tensors
-        self.thread = EngineThread(step_priority_s, device=str(engine.device))
+        self.thread = EngineThread(step_priority_s, gpu_spans=gpu_call_spans and engine.device.type == "cuda")
         policy = media_policy or MediaPolicy()
         self.fetcher = MediaFetcher(policy) if "encode" in steps else None
         self.encoder = (

@@ -54,12 +54,12 @@ class EngineThread:
     21, with ITL p99 95 to 157 ms against 250. A running sequence waits at
     most about ``others_s`` plus one call between two steps."""
 
-    def __init__(self, others_s: float | None = None, device: str = "cpu") -> None:
+    def __init__(self, others_s: float | None = None, gpu_spans: bool = False) -> None:
         self.others_s = others_s
-        # On a GPU, each call's span on the device too (CUDA events around
-        # it, read once they have passed): a thread that waits in a sync is
-        # told from one the device waits for.
-        self._gpu = _GpuSpans() if device.startswith("cuda") else None
+        # Each call's span on the GPU too (CUDA events around it, read once
+        # they have passed): a thread that waits in a sync is told from one
+        # the device waits for.
+        self._gpu = _GpuSpans() if gpu_spans else None
         # Thread time the other calls had since the last urgent one.
         self._others_ran_s = 0.0
         self._submitted = 0

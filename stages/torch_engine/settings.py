@@ -58,6 +58,12 @@ class DecodeSettings:
         "step goes ahead of them (0: steps first; negative: every call in submission order; unset: 0 on a GPU, "
         "submission order on a CPU). Lower: smoother tokens under load; higher: requests admitted faster",
     )
+    gpu_call_spans: bool = setting(
+        False,
+        help="on a GPU, time each engine call's work on the device with CUDA events "
+        "(mmpipe_engine_call_gpu_seconds_total; bench --engine-metrics shows it): off by default, as a run with it "
+        "on served fewer requests (unmeasured alone)",
+    )
     tower_graphs: int = setting(
         8,
         help="on a GPU, image grids whose vision tower call is kept as a CUDA graph, captured the second time a "

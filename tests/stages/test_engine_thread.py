@@ -376,3 +376,27 @@ async def test_a_release_that_fails_is_counted_and_the_step_it_rode_with_goes_on
     await eventually(lambda: (REGISTRY.get_sample_value("mmpipe_engine_release_failures_total") or 0.0) == failures + 1)
     await scheduler.close()
     thread.close()
+
+
+async def test_a_calls_work_on_the_gpu_is_timed_by_its_span_there(engine_device: str) -> None:
+    if engine_device == "cpu":
+        pytest.skip("CUDA events time work on a GPU")
+    import torch
+
+    def gpu_spent() -> float:
+        return REGISTRY.get_sample_value("mmpipe_engine_call_gpu_seconds_total", {"call": "matmuls"}) or 0.0
+
+    def matmuls() -> None:
+        # Launched, not waited for: the thread is done long before the device is.
+        a = torch.randn(4096, 4096, device=engine_device)
+        for _ in range(40):
+            a = a @ a / 64
+
+    before = gpu_spent()
+    thread = EngineThread(gpu_spans=True)
+    await thread.call(matmuls)
+    torch.cuda.synchronize()
+    await thread.call(lambda: None)  # read once a later call ends and the span's events have passed
+    thread.close()
+    # 40 products of 4096² (5.5 TFLOP) take milliseconds on any GPU; their launches microseconds.
+    assert gpu_spent() - before > 0.001
