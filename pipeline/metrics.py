@@ -12,7 +12,7 @@ from prometheus_client import REGISTRY, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily
 from prometheus_client.metrics_core import Metric
 from prometheus_client.parser import text_string_to_metric_families
-from prometheus_client.registry import Collector
+from prometheus_client.registry import Collector, CollectorRegistry
 
 log = structlog.get_logger(__name__)
 
@@ -90,8 +90,9 @@ class EngineCoreMetrics(Collector):
     its thread and process CPU as ``mmpipe_engine_core_*``. Fetched from the
     core before each scrape (``refresh``)."""
 
-    def __init__(self, scrape: Callable[[], Awaitable[bytes]]) -> None:
+    def __init__(self, scrape: Callable[[], Awaitable[bytes]], registry: CollectorRegistry = REGISTRY) -> None:
         self._scrape = scrape
+        self._registry = registry
         self._text = ""
 
     async def refresh(self) -> None:
@@ -102,7 +103,7 @@ class EngineCoreMetrics(Collector):
 
     def collect(self) -> Iterator[Metric]:
         # What this process registers itself (a private map, read-only here).
-        own = set(REGISTRY._names_to_collectors)
+        own = set(self._registry._names_to_collectors)
         for family in text_string_to_metric_families(self._text):
             if family.name in _CORE_TWINS:
                 yield _renamed(family, _CORE_PREFIX + family.name.removeprefix("mmpipe_"))
@@ -120,15 +121,17 @@ def _renamed(family: Metric, name: str) -> Metric:
 _BEFORE_SCRAPE: list[EngineCoreMetrics] = []
 
 
-def show_engine_core(scrape: Callable[[], Awaitable[bytes]]) -> Callable[[], None]:
+def show_engine_core(
+    scrape: Callable[[], Awaitable[bytes]], registry: CollectorRegistry = REGISTRY
+) -> Callable[[], None]:
     """The core's metrics on this process's /metrics until the returned call."""
-    collector = EngineCoreMetrics(scrape)
-    REGISTRY.register(collector)
+    collector = EngineCoreMetrics(scrape, registry)
+    registry.register(collector)
     _BEFORE_SCRAPE.append(collector)
 
     def hide() -> None:
         _BEFORE_SCRAPE.remove(collector)
-        REGISTRY.unregister(collector)
+        registry.unregister(collector)
 
     return hide
 

@@ -33,6 +33,10 @@ class HopContext:
     # What the stage did, for the request's trace line: tensor bytes and
     # seconds moved in and out, step times.
     trace: dict[str, float] = field(default_factory=dict)
+    # Where the steps run in a process that exports no spans (the engine
+    # core): each step's name, wall-clock start and end (ns) and attributes,
+    # for the process that exports to make its spans.
+    steps: list[StepTime] | None = None
 
     @contextmanager
     def timed(self, step: str, **attributes: Any) -> Iterator[otel_trace.Span]:
@@ -40,12 +44,30 @@ class HopContext:
         (``<step>_s``) and a span in the request's trace (a no-op span when
         tracing is off). Not across a generator's yield: the span is current
         inside the block."""
-        started = time.monotonic()
+        started, started_ns = time.monotonic(), time.time_ns()
         try:
             with _TRACER.start_as_current_span(step, attributes=attributes) as span:
                 yield span
         finally:
             self.trace[f"{step}_s"] = time.monotonic() - started
+            if self.steps is not None:
+                self.steps.append((step, started_ns, time.time_ns(), _plain(attributes)))
+
+
+# A step timed in another process: name, start and end (wall clock, ns), attributes.
+StepTime = tuple[str, int, int, dict[str, str | int | float | bool]]
+
+
+def _plain(attributes: dict[str, Any]) -> dict[str, str | int | float | bool]:
+    return {k: v for k, v in attributes.items() if isinstance(v, str | int | float | bool)}
+
+
+def replay_steps(steps: list[StepTime]) -> None:
+    """Spans, under the current one, for steps timed in another process
+    (a host's processes share its wall clock)."""
+    for name, start_ns, end_ns, attributes in steps:
+        span = _TRACER.start_span(name, start_time=start_ns, attributes=attributes)
+        span.end(end_time=end_ns)
 
 
 # The runtime sets the provider (pipeline/tracing.py) before any span starts.

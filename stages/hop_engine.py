@@ -239,3 +239,9 @@ async def receive_embeddings(
         MediaEmbedding(t, tuple(i.grid_thw), m.kind, i.seconds_per_grid)
         for t, i, m in zip(got, items, req.media, strict=True)
     ]
+
+
+def client_ahead(output_ids: list[int], emitted: list[int]) -> bool:
+    """Whether the client holds more than a prefilled sequence covers, or
+    another token (a takeover raced an earlier attempt): its tokens then win."""
+    return emitted[: len(output_ids)] != output_ids[: len(emitted)] or len(emitted) > len(output_ids)

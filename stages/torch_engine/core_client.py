@@ -29,14 +29,15 @@ from typing import Any
 import msgspec
 import structlog
 import torch
+from opentelemetry.trace import Span
 
 import schemas.errors
 from schemas.errors import InvalidRequest, MmpipeError
 from schemas.processed import MediaKind, ProcessedRequest
 from schemas.routes import moves_tensors
-from stages.contract import HopContext
+from stages.contract import HopContext, replay_steps, step_span
 from stages.families import MediaEmbedding
-from stages.hop_engine import Carried
+from stages.hop_engine import Carried, client_ahead
 from stages.torch_engine import core_process
 from stages.torch_engine.core_wire import (
     Abort,
@@ -121,6 +122,7 @@ class ProcessHopEngine:
         self._gone: str | None = None
         self._broken: str | None = None
         self._eos: frozenset[int] = frozenset()
+        self._loop: asyncio.AbstractEventLoop | None = None
 
     # -- what the chunks and the context check read -------------------------------
 
@@ -141,6 +143,7 @@ class ProcessHopEngine:
     # -- life ----------------------------------------------------------------------
 
     async def start(self) -> None:
+        self._loop = asyncio.get_running_loop()
         folder = Path(tempfile.mkdtemp(prefix="mmpipe-core-"))
         connected: asyncio.Future[tuple[asyncio.StreamReader, asyncio.StreamWriter]] = (
             asyncio.get_running_loop().create_future()
@@ -222,7 +225,8 @@ class ProcessHopEngine:
             return []
         with ctx.timed("engine_encode", items=len(req.media)):
             reply = await self._call(Encode(next(self._ids), req))
-        assert isinstance(reply, Encoded)
+            assert isinstance(reply, Encoded)
+            replay_steps(reply.steps)
         ctx.trace.update(reply.trace)
         out: list[MediaEmbedding] = [
             RemoteEmbedding(
@@ -241,6 +245,16 @@ class ProcessHopEngine:
         return out
 
     def _forget_media(self, media: int) -> None:
+        # Called where the last reference went, which may be another thread.
+        loop = self._loop
+        if loop is None or loop.is_closed():
+            return
+        try:
+            loop.call_soon_threadsafe(self._drop_media, media)
+        except RuntimeError:  # the loop closed meanwhile: the core goes with it
+            pass
+
+    def _drop_media(self, media: int) -> None:
         if self._gone is None and self._writer is not None and not self._writer.is_closing():
             self._send(DropMedia(media))
 
@@ -254,7 +268,8 @@ class ProcessHopEngine:
         handle = media[0].media if media and isinstance(media[0], RemoteEmbedding) else 0
         with ctx.timed("engine_prefill", tokens=len(req.prompt_token_ids)):
             reply = await self._call(Prefill(next(self._ids), req, handle, list(ctx.emitted)))
-        assert isinstance(reply, Prefilled)
+            assert isinstance(reply, Prefilled)
+            replay_steps(reply.steps)
         ctx.trace.update(reply.trace)
         return RemotePrefilled(reply.seq, reply.prompt_len, reply.output_ids)
 
@@ -277,10 +292,21 @@ class ProcessHopEngine:
         queue: asyncio.Queue[Any] = asyncio.Queue()
         self._streams[call] = queue
         ended = False
+        # The tokens the core has before any step (the prefill's, or the
+        # one a takeover's resume makes); then, until the next one, the
+        # first step: joining the core's batch and one step.
+        before = 1 if client_ahead(handle.output_ids, ctx.emitted) else len(handle.output_ids) - len(ctx.emitted)
+        received = 0
+        first_step: Span | None = step_span("first_step")
         try:
             self._send(Decode(call, handle.seq, req, list(ctx.emitted)))
             while True:
                 item = await queue.get()
+                if first_step is not None and not isinstance(item, BaseException) and item is not _END:
+                    received += len(item)
+                    if received > before:
+                        first_step.end()
+                        first_step = None
                 if item is _END:
                     ended = True
                     return
@@ -290,6 +316,8 @@ class ProcessHopEngine:
                 for token in item:
                     yield token
         finally:
+            if first_step is not None:
+                first_step.end()
             self._streams.pop(call, None)
             if not ended and self._gone is None:
                 self._send(Cancel(call))

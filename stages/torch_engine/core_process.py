@@ -142,7 +142,10 @@ class EngineCore:
         if isinstance(msg, Encode):
             self._start(msg.call, self._encode(msg))
         elif isinstance(msg, Prefill):
-            self._start(msg.call, self._prefill(msg))
+            # Taken now, not when the task first runs: a Cancel read right
+            # after would cancel it before then, and nothing would drop them.
+            media = self._media.pop(msg.media, []) if msg.media else []
+            self._start(msg.call, self._prefill(msg, media))
         elif isinstance(msg, Decode):
             self._start(msg.call, self._decode(msg))
         elif isinstance(msg, Cancel):
@@ -182,21 +185,20 @@ class EngineCore:
     # -- the hop's steps ---------------------------------------------------------
 
     async def _encode(self, msg: Encode) -> Encoded:
-        ctx = HopContext()
+        ctx = HopContext(steps=[])
         media = await self.hop.encode(msg.req, ctx)
         handle = next(self._ids) if media else 0
         if media:
             self._media[handle] = media
         items = [EmbeddingInfo(m.num_tokens, list(m.grid_thw), m.kind.value, m.seconds_per_grid) for m in media]
-        return Encoded(msg.call, handle, items, ctx.trace)
+        return Encoded(msg.call, handle, items, ctx.trace, ctx.steps or [])
 
-    async def _prefill(self, msg: Prefill) -> Prefilled:
-        media = self._media.pop(msg.media, []) if msg.media else []
-        ctx = HopContext(emitted=msg.emitted)
+    async def _prefill(self, msg: Prefill, media: list[MediaEmbedding]) -> Prefilled:
+        ctx = HopContext(emitted=msg.emitted, steps=[])
         handle = await self.hop.prefill(msg.req, media, ctx)
         seq = next(self._ids)
         self._seqs[seq] = handle
-        return Prefilled(msg.call, seq, handle.prompt_len, list(handle.seq.output_ids), ctx.trace)
+        return Prefilled(msg.call, seq, handle.prompt_len, list(handle.seq.output_ids), ctx.trace, ctx.steps or [])
 
     async def _decode(self, msg: Decode) -> Finished:
         handle = self._seqs.get(msg.seq)

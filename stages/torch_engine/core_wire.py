@@ -87,11 +87,16 @@ class EmbeddingInfo(msgspec.Struct, array_like=True):
     seconds_per_grid: float
 
 
+# A step the core timed (HopContext.steps): the worker makes it a span.
+Step = tuple[str, int, int, dict[str, str | int | float | bool]]
+
+
 class Encoded(msgspec.Struct, tag=True, array_like=True):
     call: int
     media: int
     items: list[EmbeddingInfo]
     trace: dict[str, float]
+    steps: list[Step]
 
 
 class Prefilled(msgspec.Struct, tag=True, array_like=True):
@@ -100,6 +105,7 @@ class Prefilled(msgspec.Struct, tag=True, array_like=True):
     prompt_len: int
     output_ids: list[int]
     trace: dict[str, float]
+    steps: list[Step]
 
 
 class Tokens(msgspec.Struct, tag=True, array_like=True):

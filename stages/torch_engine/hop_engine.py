@@ -29,6 +29,7 @@ from stages.encoder import MediaEncoder
 from stages.families import MediaEmbedding
 from stages.hop_engine import (
     Carried,
+    client_ahead,
     get_tensors,
     get_tensors_into,
     put_media,
@@ -221,7 +222,7 @@ class TorchHopEngine:
         def reserve_kv() -> tuple[Sequence, list[list[torch.Tensor]]] | None:
             return self.torch.reserve_kv(state, sampling(req))
 
-        resumes = _client_ahead(state.output_ids, ctx.emitted)
+        resumes = client_ahead(state.output_ids, ctx.emitted)
         reserved = None if resumes else await self.thread.call_or_release(self._drop_reserved, reserve_kv)
         if reserved is not None and _fits(kv.ref, reserved[1]):
             await self._read_into_slot(reserved[0], kv.ref, reserved[1], ctx)
@@ -259,7 +260,7 @@ class TorchHopEngine:
     ) -> AsyncGenerator[int, None]:
         assert self.scheduler is not None, f"role {self.role} does not decode"
         seq, emitted = handle.seq, ctx.emitted
-        if _client_ahead(seq.output_ids, emitted):
+        if client_ahead(seq.output_ids, emitted):
             first = [await self.thread.call(self.torch.resume, seq, emitted)]
         else:
             first = seq.output_ids[len(emitted) :]
@@ -290,12 +291,6 @@ class TorchHopEngine:
         if handle.owned:
             handle.owned = False
             self.thread.submit(self.torch.release, handle.seq)
-
-
-def _client_ahead(output_ids: list[int], emitted: list[int]) -> bool:
-    """Whether the client holds more than the sequence covers, or another
-    token (a takeover raced an earlier attempt): its tokens then win."""
-    return emitted[: len(output_ids)] != output_ids[: len(emitted)] or len(emitted) > len(output_ids)
 
 
 def _fits(ref: TensorRef, targets: list[list[torch.Tensor]]) -> bool:

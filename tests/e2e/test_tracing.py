@@ -55,48 +55,11 @@ async def test_one_request_is_one_trace_across_every_process(
         "up", "--mode", "e-p-d", "--port", str(port), "--nats-port", str(nats_port), "--trace-nats",
         "--data-dir", str(tmp_path / "data"), "--model", str(tiny_model_dir), "--transport", "nixl",
     )  # fmt: skip
-    sink = SpanSink()
-    nc = None
     try:
-        up.wait_for("mmpipe ready")
-        url = re.search(r"nats=(\S+)", up.text())
-        assert url
-        nc, _ = await connect(url.group(1), name="test-spans")
-
-        async def take(msg: Any) -> None:
-            sink.take(msg.data)
-
-        await nc.subscribe(Subjects("default").all_spans, cb=take)
-        content: Any = [
-            {"type": "image_url", "image_url": {"url": png_data_url(gradient(64, 48, 1))}},
-            {"type": "text", "text": "What?"},
-        ]
-        async with openai.AsyncOpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0) as c:
-            chunks = await c.chat.completions.create(
-                model="tiny-qwen2-vl",
-                messages=[{"role": "user", "content": content}],
-                max_tokens=4,
-                temperature=0,
-                stream=True,
-            )
-            async for _ in chunks:
-                pass
-
-        def whole() -> list[SpanRecord] | None:
-            for spans in sink.traces.values():
-                names = {s.name for s in spans}
-                if {"bridge", "first_token", "encode", "prefill", "decode", "first_step"} <= names:
-                    return spans
-            return None
-
-        for _ in range(100):  # the processes export in batches every 200 ms
-            if (spans := whole()) is not None:
-                break
-            await asyncio.sleep(0.1)
-        assert spans is not None, {t: sorted({s.name for s in v}) for t, v in sink.traces.items()}
+        spans = await _trace_of_one_request(
+            up, port, {"bridge", "first_token", "encode", "prefill", "decode", "first_step"}
+        )
     finally:
-        if nc is not None:
-            await shutdown(nc)
         code = up.stop(signal.SIGINT)
         procs.stop_all()
     assert code == 0, up.text()[-3000:]
@@ -144,6 +107,84 @@ async def test_one_request_is_one_trace_across_every_process(
     total = sum(s.ms for s in steps if not s.nested)
     assert total == pytest.approx(ttft_ms, rel=0.02), steps
     assert all(s.ms >= 0 for s in steps)
+
+
+async def _trace_of_one_request(up: Any, port: int, names: set[str]) -> list[SpanRecord]:
+    """The spans of one image request sent to a ready ``mmpipe up
+    --trace-nats``, once a trace holds every one of ``names``."""
+    up.wait_for("mmpipe ready")
+    url = re.search(r"nats=(\S+)", up.text())
+    assert url
+    sink = SpanSink()
+    nc, _ = await connect(url.group(1), name="test-spans")
+    try:
+
+        async def take(msg: Any) -> None:
+            sink.take(msg.data)
+
+        await nc.subscribe(Subjects("default").all_spans, cb=take)
+        content: Any = [
+            {"type": "image_url", "image_url": {"url": png_data_url(gradient(64, 48, 1))}},
+            {"type": "text", "text": "What?"},
+        ]
+        async with openai.AsyncOpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0) as c:
+            chunks = await c.chat.completions.create(
+                model="tiny-qwen2-vl",
+                messages=[{"role": "user", "content": content}],
+                max_tokens=4,
+                temperature=0,
+                stream=True,
+            )
+            async for _ in chunks:
+                pass
+
+        def whole() -> list[SpanRecord] | None:
+            for spans in sink.traces.values():
+                if names <= {s.name for s in spans}:
+                    return spans
+            return None
+
+        for _ in range(100):  # the processes export in batches every 200 ms
+            if (spans := whole()) is not None:
+                return spans
+            await asyncio.sleep(0.1)
+        raise AssertionError({t: sorted({s.name for s in v}) for t, v in sink.traces.items()})
+    finally:
+        await shutdown(nc)
+
+
+@pytest.mark.e2e
+async def test_an_engine_processs_steps_are_spans_of_the_workers_hop(
+    tmp_path: Path, mmpipe_home: Path, tiny_model_dir: Path
+) -> None:
+    procs = Processes(tmp_path, mmpipe_home)
+    port, nats_port = _free_port(), _free_port()
+    up = procs.start(
+        "up", "--port", str(port), "--nats-port", str(nats_port), "--trace-nats", "--engine-process",
+        "--data-dir", str(tmp_path / "data"), "--model", str(tiny_model_dir),
+    )  # fmt: skip
+    try:
+        spans = await _trace_of_one_request(
+            up, port, {"bridge", "engine_encode", "media_fetch", "encode", "engine_prefill", "prefill", "first_step"}
+        )
+    finally:
+        code = up.stop(signal.SIGINT)
+        procs.stop_all()
+    assert code == 0, up.text()[-3000:]
+    ids = {s.span_id: s for s in spans}
+    (hop,) = [s for s in spans if "worker" in s.attributes]
+    # The core's steps, timed there, under the worker's call that asked for them, inside it in time.
+    for step, call in (("media_fetch", "engine_encode"), ("encode", "engine_encode"), ("prefill", "engine_prefill")):
+        span = _only(spans, step)
+        parent = ids[span.parent_id]
+        assert parent.name == call and ids[parent.parent_id] == hop, (step, parent.name)
+        assert parent.start_ns <= span.start_ns <= span.end_ns <= parent.end_ns, step
+        assert span.service == hop.service
+    assert _only(spans, "first_step").parent_id == hop.span_id
+    path = first_token_path(spans)
+    assert path is not None
+    labels = [s.label for s in path[1]]
+    assert any(label.endswith("encode") for label in labels) and any("prefill" in label for label in labels), labels
 
 
 @pytest.mark.e2e

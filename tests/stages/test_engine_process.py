@@ -13,7 +13,7 @@ from typing import Any
 
 import msgspec
 import pytest
-from prometheus_client import generate_latest
+from prometheus_client import CollectorRegistry, Gauge, ProcessCollector, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from pipeline.config import PipelineConfig
@@ -180,24 +180,31 @@ async def test_the_core_dying_fails_its_streams_and_the_workers_health(stage: Ho
 
 async def test_the_cores_metrics_show_on_the_workers_metrics(stage: HopStage, processor: Processor) -> None:
     await run(stage, processor.process(request("m", 4, png_data_url(gradient(60, 44, 3)))))
-    hide = show_engine_core(engine(stage).scrape)
+    # A worker's registry: its own families (this test process has the
+    # engine's as well, from the in-process tests), here one the core has too.
+    registry = CollectorRegistry(auto_describe=True)  # as the default registry
+    ProcessCollector(registry=registry)
+    Gauge("mmpipe_kv_cache_usage", "the worker's own", registry=registry).set(0.5)
+    hide = show_engine_core(engine(stage).scrape, registry)
     try:
         await before_scrape()
-        samples = {
-            (s.name, tuple(sorted(s.labels.items()))): s.value
-            for family in text_string_to_metric_families(generate_latest().decode())
-            for s in family.samples
-        }
+        text = generate_latest(registry).decode()
     finally:
         hide()
+    families = list(text_string_to_metric_families(text))
+    names = [f.name for f in families]
+    assert len(names) == len(set(names)), sorted({n for n in names if names.count(n) > 1})
+    samples = {(s.name, tuple(sorted(s.labels.items()))): s.value for f in families for s in f.samples}
     # The core's engine calls, as they ran there.
     assert samples[("mmpipe_engine_call_seconds_count", (("call", "prefill_one"),))] >= 1
     # Its threads and CPU, beside the worker's own.
     assert any(name == "mmpipe_engine_core_thread_cpu_seconds_total" and v > 0 for (name, _), v in samples.items())
     assert samples[("mmpipe_engine_core_process_cpu_seconds_total", ())] > 0
     assert ("process_cpu_seconds_total", ()) in samples
+    # A family the worker has itself is its own, not the core's.
+    assert samples[("mmpipe_kv_cache_usage", ())] == 0.5
     # Gone once hidden.
-    assert "mmpipe_engine_core_process_cpu_seconds" not in generate_latest().decode()
+    assert "mmpipe_engine_core_process_cpu_seconds" not in generate_latest(registry).decode()
 
 
 def test_a_role_that_hands_tensors_on_is_refused(tiny_model_dir: Path) -> None:
