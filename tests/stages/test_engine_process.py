@@ -132,10 +132,11 @@ async def test_a_consumer_leaving_mid_stream_frees_its_sequence_in_the_core(
 async def test_a_request_cancelled_at_any_point_leaves_nothing_held_in_the_core(
     stage: HopStage, processor: Processor, after_s: float
 ) -> None:
-    processed = processor.process(request("c", 20, png_data_url(gradient(60, 44, 3))))
+    # Long enough that every point lands before its end (a warm tiny model makes 20 tokens in ~80 ms).
+    processed = processor.process(request("c", 300, png_data_url(gradient(60, 44, 3))))
     task = asyncio.ensure_future(run(stage, processed))
     await asyncio.sleep(after_s)
-    task.cancel()
+    assert task.cancel(), "the request ended before it could be cancelled"
     with pytest.raises(asyncio.CancelledError):
         await task
     await eventually_true(lambda: _all_zero(stage), what="what the cancelled request held freed in the core")
