@@ -242,12 +242,12 @@ class EngineCore:
             self._writer.write(frame(self._encoder.encode(msg)))
 
     def _count(self) -> None:
+        # Read only by a scrape, so counted then.
         self._held_media.set(len(self._media))
         self._held_seqs.set(len(self._seqs))
 
     async def _watch(self) -> None:
         while True:
-            self._count()
             room = self.hop.has_room()
             if room != self._room:
                 self._room = room
