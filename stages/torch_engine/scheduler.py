@@ -119,15 +119,15 @@ class EngineThread:
                 continue
             name = getattr(call.fn, "__name__", "call")
             started, cpu = time.perf_counter(), time.thread_time()
-            marker = self._gpu_begin()
+            marker = self._gpu.begin() if self._gpu is not None else None
             try:
                 result = call.fn(*call.args)
             except BaseException as exc:
                 call.future.set_exception(exc)
             else:
                 call.future.set_result(result)
-            if marker is not None:
-                self._gpu.end(name, marker)  # type: ignore[union-attr]
+            if self._gpu is not None and marker is not None:
+                self._gpu.end(name, marker)
             ran, cpu = time.perf_counter() - started, time.thread_time() - cpu
             ENGINE_CALL_WAIT.labels(name).observe(started - call.submitted)
             ENGINE_CALL_RUN.labels(name).observe(ran)
@@ -136,15 +136,6 @@ class EngineThread:
                 self._others_ran_s = 0.0
             else:
                 self._others_ran_s += ran
-
-    def _gpu_begin(self) -> Any:
-        if self._gpu is None:
-            return None
-        try:
-            return self._gpu.begin()
-        except Exception as exc:
-            log.warning("engine_call_gpu_span_failed", error=repr(exc))
-            return None
 
     def _urgent_next(self) -> bool:
         if not self._normal:
@@ -178,12 +169,17 @@ class _GpuSpans:
         self._open: collections.deque[tuple[str, Any, Any]] = collections.deque()
 
     def begin(self) -> Any:
-        event = self._torch.cuda.Event(enable_timing=True)
-        event.record()
+        """The call's first event; None where it could not be recorded."""
+        # A measurement: a device in error fails the calls themselves, not the thread's loop.
+        try:
+            event = self._torch.cuda.Event(enable_timing=True)
+            event.record()
+        except Exception as exc:
+            log.warning("engine_call_gpu_span_failed", error=repr(exc))
+            return None
         return event
 
     def end(self, name: str, begun: Any) -> None:
-        # A measurement: a device in error fails the calls themselves, not the thread's loop.
         try:
             event = self._torch.cuda.Event(enable_timing=True)
             event.record()
