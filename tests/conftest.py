@@ -57,9 +57,6 @@ def pytest_configure(config: pytest.Config) -> None:
     # Inductor's advice when it compiles a float32 matmul with TF32 off (the
     # fused step): turned off on purpose here, not an error of the test.
     config.addinivalue_line("filterwarnings", f"ignore:{TF32_ADVICE}:UserWarning")
-    # torch 2.11's inductor imports torch.utils.mkldnn, whose module body uses
-    # the deprecated torch.jit.script_method: torch's own warning, at compile time.
-    config.addinivalue_line("filterwarnings", "ignore:.*torch.jit.script_method.*:DeprecationWarning")
 
 
 def pytest_report_header(config: pytest.Config) -> str | None:

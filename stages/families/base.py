@@ -97,6 +97,11 @@ class Family(Protocol):
 
     def on_loaded(self, model: Any, device: torch.device, dtype: torch.dtype) -> None: ...
 
+    def compile_tower(self, model: Any) -> None:
+        """On a GPU: compile the encoder's layers where that is known to
+        help, and compile them now rather than in a request."""
+        ...
+
     def prepare(self, media: list[Media], device: torch.device) -> list[Media]:
         """The CPU work on decoded media that needs no model (an image
         processor's resize and normalisation), on whatever thread calls it,
@@ -161,6 +166,9 @@ class LanguageModelFamily:
     def on_loaded(self, model: Any, device: torch.device, dtype: torch.dtype) -> None:
         """Adjust the loaded model for where it runs (a faster kernel that
         keeps its arithmetic); nothing by default."""
+
+    def compile_tower(self, model: Any) -> None:
+        """Nothing by default: a tower is compiled where it was measured to gain."""
 
     def prepare(self, media: list[Media], device: torch.device) -> list[Media]:
         return media

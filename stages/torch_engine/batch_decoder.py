@@ -136,6 +136,7 @@ class BatchDecoder:
         eos_ids: Iterable[int] = (),
         num_blocks: int | None = None,
         block_size: int = BLOCK_SIZE,
+        compile: bool = True,
     ) -> None:
         if block_size < 1 or block_size & (block_size - 1):
             raise ValueError(f"KV block size {block_size}: a power of two")
@@ -186,7 +187,7 @@ class BatchDecoder:
         if fused and all(can_fuse(layer) for layer in self.lm.layers) and hasattr(self.lm.norm, "variance_epsilon"):
             self.fused = [fuse_layer(layer) for layer in self.lm.layers]
             self.kernels = FusedKernels(
-                compile=self.device.type == "cuda",
+                compile=compile and self.device.type == "cuda",
                 attention=default_attention(self.device, self.dtype, self.shape.head_dim),
             )
 

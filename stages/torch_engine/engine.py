@@ -75,6 +75,8 @@ class TorchEngine:
         decode = decode or DecodeSettings()
         if self.device.type == "cuda":
             self.family.tower_graphs = TowerGraphs(decode.tower_graphs)
+            if decode.torch_compile:
+                self.family.compile_tower(self.model)
         self.tokenizer = AutoTokenizer.from_pretrained(str(self.model_dir))
         limit = self.family.max_position_embeddings
         self.max_model_len = min(max_model_len or limit, limit)
@@ -99,6 +101,7 @@ class TorchEngine:
                 eos_ids=self.eos_token_ids,
                 num_blocks=self._pool_blocks(decode, max_len),
                 block_size=decode.block_size,
+                compile=decode.torch_compile,
             )
             log.info(
                 "kv_cache_allocated",
@@ -109,7 +112,8 @@ class TorchEngine:
             )
         self._slot_prefill: SlotPrefill | None = None
         if self.decoder is not None and self.decoder.fused is not None and decode.graph_prefill_len > 0:
-            self._slot_prefill = SlotPrefill(self.decoder, decode.cuda_graphs, decode.graph_prefill_len)
+            compiled = decode.torch_compile and self.device.type == "cuda"
+            self._slot_prefill = SlotPrefill(self.decoder, decode.cuda_graphs, decode.graph_prefill_len, compiled)
         if not decode.decodes and self._slot_prefill is None:
             self.decoder = None  # a role that ends at prefill would never use it
         self._slots = SlotTable(self.decoder) if self.decoder is not None else None

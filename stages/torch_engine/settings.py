@@ -33,6 +33,12 @@ class DecodeSettings:
         "--decode-max-len tokens at least. Unset: room for --max-batch sequences of --decode-max-len tokens",
     )
     cuda_graphs: bool = setting(True, help="capture decode steps as CUDA graphs (off: run them eagerly)")
+    torch_compile: bool = setting(
+        True,
+        help="on a GPU, compile the engine's layer pieces with torch.compile (the decode step's, the prefill "
+        "graphs' and the Qwen2-VL vision tower's blocks), their elementwise work fused; off: the modules' kernels, "
+        "CUDA graphs still captured. The CPU never compiles",
+    )
     # None: on CUDA only (the CPU keeps generate()'s exact numerics).
     fused: bool | None = setting(
         None,

@@ -12,6 +12,12 @@ in its last block, where decode steps write over them before any step
 reads them, or in the null block past its blocks. The cache then needs no
 copy into the pool afterwards either.
 
+Each layer's pieces around attention (norm, projection, RoPE and the cache
+write; the MLP) are compiled where the decode step's are (``compiled``, on
+a GPU by default): their elementwise work fused, a 320-token prefill of the 2B preset ran
+4.2 ms on an H100 against 6.2 ms from graphs of the modules' kernel
+sequence (435 kernels against 1134; 2026-11-28).
+
 The arithmetic is the fused decode step's (stages/torch_engine/fused_decode.py):
 the models' own, with concatenated projections, so in bf16 it rounds
 differently from the modules in the last bits. Only where the fused step
@@ -27,6 +33,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from stages import compiled as compiled_options
 from stages import cuda_graph
 from stages.device_copy import to_device
 from stages.torch_engine.batch_decoder import BatchDecoder
@@ -56,7 +63,9 @@ class SlotPrefill:
     """Prefill of one prompt of up to ``max_tokens`` tokens into blocks of
     ``decoder``'s pool (which must run the fused step)."""
 
-    def __init__(self, decoder: BatchDecoder, use_graphs: bool, longest: int = BUCKETS[-1]) -> None:
+    def __init__(
+        self, decoder: BatchDecoder, use_graphs: bool, longest: int = BUCKETS[-1], compiled: bool = False
+    ) -> None:
         if decoder.fused is None:
             raise ValueError("slot prefill needs the batch decoder's fused layers")
         self.decoder = decoder
@@ -76,6 +85,8 @@ class SlotPrefill:
         self._last = torch.zeros(1, dtype=torch.long, device=device)
         self._write_at = torch.arange(n, device=device)
         self.use_graphs = use_graphs and device.type == "cuda"
+        self._before = torch.compile(_before_attention, **compiled_options.OPTIONS) if compiled else _before_attention
+        self._after = torch.compile(after_attention, **compiled_options.OPTIONS) if compiled else after_attention
         self._graphs: dict[int, tuple[Any, torch.Tensor]] = {}
 
     def fits(self, length: int) -> bool:
@@ -132,11 +143,12 @@ class SlotPrefill:
         hidden = self._embeds[:bucket]
         delta: torch.Tensor | None = None
         for i, w in enumerate(self.fused):
-            hidden, q, k, v = _before_attention(hidden, delta, w, cos, sin, s.heads, s.kv_heads)
-            d.keys[i][blocks, :, offsets] = k
-            d.values[i][blocks, :, offsets] = v
+            hidden, q, k, v = self._before(
+                hidden, delta, w.ln1, w.qkv, w.qkv_bias, w.eps, cos, sin, s.heads, s.kv_heads,
+                d.keys[i], d.values[i], blocks, offsets,
+            )  # fmt: skip
             attended = _causal_attention(q, k, v, d.scaling)
-            hidden, delta = after_attention(hidden, F.linear(attended, w.o), w.ln2, w.gate_up, w.down, w.eps)
+            hidden, delta = self._after(hidden, F.linear(attended, w.o), w.ln2, w.gate_up, w.down, w.eps)
         assert delta is not None
         last = (hidden + delta).index_select(0, self._last)
         norm = d.lm.norm
@@ -164,20 +176,31 @@ class SlotPrefill:
 def _before_attention(
     hidden: torch.Tensor,
     delta: torch.Tensor | None,
-    w: FusedLayer,
+    ln: torch.Tensor,
+    qkv_weight: torch.Tensor,
+    qkv_bias: torch.Tensor | None,
+    eps: float,
     cos: torch.Tensor,
     sin: torch.Tensor,
     heads: int,
     kv_heads: int,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    blocks: torch.Tensor,
+    offsets: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """hidden [L, hidden] (plus the last layer's MLP output) → (hidden, q
-    [L, heads, d], k and v [L, kv_heads, d]), RoPE applied."""
+    [L, heads, d], k and v [L, kv_heads, d]), RoPE applied; k and v also
+    written into a layer's pool keys, values at (blocks[i], offsets[i])."""
     if delta is not None:
         hidden = hidden + delta
     n, d = hidden.shape[0], cos.shape[-1]
-    qkv = F.linear(rms_norm(hidden, w.ln1, w.eps), w.qkv, w.qkv_bias)
+    qkv = F.linear(rms_norm(hidden, ln, eps), qkv_weight, qkv_bias)
     q, k, v = qkv.split([heads * d, kv_heads * d, kv_heads * d], dim=-1)
-    return hidden, rope(q.view(n, heads, d), cos, sin), rope(k.view(n, kv_heads, d), cos, sin), v.view(n, kv_heads, d)
+    k, v = rope(k.view(n, kv_heads, d), cos, sin), v.view(n, kv_heads, d)
+    keys[blocks, :, offsets] = k
+    values[blocks, :, offsets] = v
+    return hidden, rope(q.view(n, heads, d), cos, sin), k, v
 
 
 def _causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scaling: float) -> torch.Tensor:

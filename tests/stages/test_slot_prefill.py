@@ -17,6 +17,7 @@ from stages.sampling import SamplingConfig
 from stages.torch_engine.batch_decoder import from_blocks
 from stages.torch_engine.engine import TorchEngine
 from stages.torch_engine.settings import DecodeSettings
+from stages.torch_engine.slot_prefill import SlotPrefill
 from tests.e2e.conftest import gradient
 
 
@@ -159,3 +160,28 @@ def test_a_deferred_prefill_token_is_settled_to_the_token_waited_for(
         engine.release(seq)
         runs.append(tokens)
     assert runs[0] == runs[1]
+
+
+def test_the_compiled_prefill_gives_the_uncompiled_ones_logits_and_cache(mmpipe_home: Path, engine_device: str) -> None:
+    """The layer pieces through torch.compile (on a GPU by default,
+    --torch-compile) round where the modules round: in bf16 the same logits
+    and cache as uncompiled, bit for bit on the CPU (fused kernels that kept
+    float32 between ops parted by 0.23), within bf16 rounding on a GPU."""
+    decode = DecodeSettings(slots=4, fused=True, graph_prefill_len=64, torch_compile=False)
+    engine = TorchEngine(builtin_path("tiny-qwen2-vl"), device=engine_device, dtype=torch.bfloat16, decode=decode)
+    decoder = engine.decoder
+    assert decoder is not None
+    compiled = SlotPrefill(decoder, use_graphs=False, longest=64, compiled=True)
+    eager = SlotPrefill(decoder, use_graphs=False, longest=64, compiled=False)
+    prompt = engine.tokenizer("Describe the picture in three words, please.")["input_ids"]
+    ids, positions, _ = engine._prepare(prompt, [], [])
+    blocks = list(range(1, 1 + decoder.blocks_for(len(ids))))
+    with torch.inference_mode():
+        embeds = engine.family.embed_prompt(engine.model, ids, [])[0]
+        want = eager.run(embeds, positions, blocks)
+        want_keys = decoder.keys[:, blocks].clone()
+        decoder.keys.zero_()
+        got = compiled.run(embeds, positions, blocks)
+    exact = {"atol": 0, "rtol": 0} if engine_device == "cpu" else {"atol": 5e-2, "rtol": 5e-2}
+    torch.testing.assert_close(got.float(), want.float(), **exact)
+    torch.testing.assert_close(decoder.keys[:, blocks].float(), want_keys.float(), **exact)

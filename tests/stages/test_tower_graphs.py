@@ -12,6 +12,7 @@ import torch
 from stages.families.tower_graphs import TowerGraphs
 from stages.models import builtin_path
 from stages.torch_engine.engine import TorchEngine
+from stages.torch_engine.settings import DecodeSettings
 from tests.e2e.conftest import gradient
 
 
@@ -104,3 +105,21 @@ def test_images_prepared_off_the_engine_thread_encode_to_the_same_embeddings(
         assert [g.grid_thw for g in got] == [w.grid_thw for w in want]
         for g, w in zip(got, want, strict=True):
             assert torch.equal(g.embeddings, w.embeddings)
+
+
+def test_the_compiled_tower_gives_the_uncompiled_towers_features(mmpipe_home: Path, engine_device: str) -> None:
+    """Each vision block through torch.compile (at start on a GPU,
+    --torch-compile): in bf16 the uncompiled tower's features, bit for bit
+    on the CPU, within bf16 rounding on a GPU, graphed or not."""
+    decode = DecodeSettings(torch_compile=False)
+    engine = TorchEngine(builtin_path("tiny-qwen2-vl"), device=engine_device, dtype=torch.bfloat16, decode=decode)
+    blocks = engine.model.model.visual.blocks
+    assert blocks[0]._compiled_call_impl is None
+    want = [engine.encode([gradient(60, 44, 3)])[0].embeddings for _ in range(3)]  # eager, captured, replayed
+    engine.family.tower_graphs = TowerGraphs(8 if engine.device.type == "cuda" else 0)
+    engine.family.compile_tower(engine.model)
+    assert all(block._compiled_call_impl is not None for block in blocks)
+    exact = {"atol": 0, "rtol": 0} if engine_device == "cpu" else {"atol": 5e-2, "rtol": 5e-2}
+    for expected in want:
+        got = engine.encode([gradient(60, 44, 3)])[0].embeddings
+        torch.testing.assert_close(got.float(), expected.float(), **exact)
