@@ -15,6 +15,7 @@ from pipeline import stack_samples, tracing
 from pipeline.auth import NatsAuth
 from pipeline.bench.decode import add_arguments as add_decode_arguments
 from pipeline.bench.encode import add_arguments as add_encode_arguments
+from pipeline.bench.kernels import add_arguments as add_kernels_arguments
 from pipeline.bench.scale import add_arguments as add_scale_arguments
 from pipeline.config import DEFAULT_NATS_URL, PipelineConfig
 from pipeline.settings import (
@@ -183,6 +184,12 @@ def _bench(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         "encode", help="encoder images/s: one image per call vs --encode-batch (GPU)", formatter_class=_Shown
     )
     add_encode_arguments(encode)
+    kernels = bsub.add_parser(
+        "kernels",
+        help="one request's encode and prefill on the GPU: kernels and time, compiled vs not",
+        formatter_class=_Shown,
+    )
+    add_kernels_arguments(kernels)
     scale = bsub.add_parser(
         "scale", help="throughput with 1, 2, 4 workers of a role; R1 vs R3 streams on a cluster", formatter_class=_Shown
     )
