@@ -19,10 +19,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import time
 from typing import Any
+
+from pipeline.bench.results import write_json
 
 PEAK_HBM_BYTES_PER_S = {"H200": 4.8e12, "H100": 3.35e12}
 
@@ -77,10 +78,7 @@ def main(args: argparse.Namespace) -> int:
     for preset in args.presets.split(","):
         results["runs"] += _preset(preset, batches, args, device, peak)
     _table(results)
-    out = args.output or (os.path.join(os.environ["OUT"], "bench_decode.json") if os.environ.get("OUT") else "")
-    if out:
-        with open(out, "w") as f:
-            json.dump(results, f, indent=1)
+    write_json(results, args.output, "bench_decode.json")
     return 0
 
 

@@ -20,13 +20,13 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
-import os
 import statistics
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
+
+from pipeline.bench.results import write_json
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -189,10 +189,7 @@ def main(args: argparse.Namespace) -> int:
         raise SystemExit("mmpipe bench encode: --images and --repeats must be at least 1")
     result = run(args)
     print(format_result(result), flush=True)
-    out = args.output or (os.path.join(os.environ["OUT"], "bench_encode.json") if os.environ.get("OUT") else "")
-    if out:
-        with open(out, "w") as f:
-            json.dump(result, f, indent=1)
+    write_json(result, args.output, "bench_encode.json")
     return 0
 
 

@@ -23,13 +23,13 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
-import os
 import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
+
+from pipeline.bench.results import write_json
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -187,8 +187,5 @@ def main(args: argparse.Namespace) -> int:
         raise SystemExit("mmpipe bench kernels: --repeats must be at least 1, --top at least 0")
     result = run(args)
     print(format_result(result), flush=True)
-    out = args.output or (os.path.join(os.environ["OUT"], "bench_kernels.json") if os.environ.get("OUT") else "")
-    if out:
-        with open(out, "w") as f:
-            json.dump(result, f, indent=1)
+    write_json(result, args.output, "bench_kernels.json")
     return 0

@@ -1,0 +1,16 @@
+"""Where a benchmark's results go besides the terminal."""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any
+
+
+def write_json(results: Any, output: str, name: str) -> None:
+    """``results`` as JSON to ``output``, or to ``$OUT/name`` where a device
+    machine collects files from ``$OUT``; nowhere when neither is set."""
+    out = output or (os.path.join(os.environ["OUT"], name) if os.environ.get("OUT") else "")
+    if out:
+        with open(out, "w") as f:
+            json.dump(results, f, indent=1)
