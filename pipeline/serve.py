@@ -215,6 +215,7 @@ def build_torch_hop_engine(
         settings.decode,
         batched=settings.decode.batched and ("decode" in steps or "prefill" in steps),
         decodes="decode" in steps,
+        encodes="encode" in steps,
         slots=settings.max_batch,
     )
     device = resolve_device(settings.device)

@@ -75,7 +75,7 @@ class TorchEngine:
         decode = decode or DecodeSettings()
         if self.device.type == "cuda":
             self.family.tower_graphs = TowerGraphs(decode.tower_graphs)
-            if decode.torch_compile:
+            if decode.torch_compile and decode.encodes:
                 self.family.compile_tower(self.model)
         self.tokenizer = AutoTokenizer.from_pretrained(str(self.model_dir))
         limit = self.family.max_position_embeddings

@@ -24,6 +24,9 @@ class DecodeSettings:
     # where prefill goes straight into its slots (the fused step, on a GPU),
     # and captures no decode step.
     decodes: bool = True
+    # The role runs the vision tower: on a GPU its blocks are compiled at start
+    # (a split mode's prefill or decode worker takes embeddings, never images).
+    encodes: bool = True
     max_len: int = setting(4096, flag="decode-max-len", help="tokens one sequence may hold in the batch decoder")
     block_size: int = setting(16, help="tokens per block of the paged KV cache (a power of two)")
     kv_cache_memory: str | None = setting(
