@@ -236,6 +236,7 @@ def build_torch_hop_engine(
         prefill_batch=settings.prefill_batch,
         step_priority_s=step_priority_s(decode.step_priority_ms, str(engine.device)),
         gpu_call_spans=decode.gpu_call_spans,
+        calls_ahead_of_step=decode.calls_ahead_of_step,
     )
 
 

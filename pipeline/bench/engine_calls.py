@@ -27,18 +27,30 @@ THREAD_CPU, PROCESS_CPU = "mmpipe_thread_cpu_seconds_total", "process_cpu_second
 CORE_THREAD_CPU = "mmpipe_engine_core_thread_cpu_seconds_total"
 CORE_PROCESS_CPU = "mmpipe_engine_core_process_cpu_seconds_total"
 INTERVAL, ROWS = "mmpipe_decode_step_interval_seconds", "mmpipe_decode_batch_rows"
+# The worker's own inter-token latency: between two chunks of a request, each once published.
+PUBLISHED = "mmpipe_inter_token_latency_seconds"
 
-# (sample name, its ``call`` or ``thread`` label or ""): value. Histogram buckets are not read.
+# (sample name, its ``call`` or ``thread`` label, or a bucket's ``le``, or ""): value. Of the
+# histograms' buckets only the step interval's are read.
 Samples = dict[tuple[str, str], float]
+# Step intervals longer than these (s) are counted apart: a running sequence's
+# gaps between tokens in the worker, against an ITL goal.
+LONG_STEPS = ("0.025", "0.05")
 
 
 def parse(text: str) -> Samples:
-    return {
-        (sample.name, sample.labels.get("call") or sample.labels.get("thread", "")): sample.value
-        for family in text_string_to_metric_families(text)
-        for sample in family.samples
-        if not sample.name.endswith("_bucket")
-    }
+    samples: Samples = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name in (f"{INTERVAL}_bucket", f"{PUBLISHED}_bucket"):
+                # Summed over the ITL's roles (`where`): one worker's, whatever it runs.
+                key = (sample.name, sample.labels["le"])
+                samples[key] = samples.get(key, 0.0) + sample.value
+            elif sample.name == f"{PUBLISHED}_count":
+                samples[(sample.name, "")] = samples.get((sample.name, ""), 0.0) + sample.value
+            elif not sample.name.endswith("_bucket"):
+                samples[(sample.name, sample.labels.get("call") or sample.labels.get("thread", ""))] = sample.value
+    return samples
 
 
 def scrape(url: str, timeout_s: float = 5.0) -> Samples:
@@ -80,6 +92,11 @@ def summarize(before: Samples, after: Samples, wall_s: float) -> dict[str, Any]:
         return delta.get((f"{name}_sum", ""), 0.0) / n if n > 0 else None
 
     interval = mean(INTERVAL)
+
+    def longer(name: str) -> dict[str, float]:
+        n = delta.get((f"{name}_count", ""), 0.0)
+        return {le: 1 - delta.get((f"{name}_bucket", le), 0.0) / n for le in LONG_STEPS if n > 0}
+
     return {
         "calls": rows,
         "busy": sum(r["share"] for r in rows),
@@ -88,6 +105,10 @@ def summarize(before: Samples, after: Samples, wall_s: float) -> dict[str, Any]:
         else None,
         "step_interval_ms": interval * 1e3 if interval is not None else None,
         "step_rows": mean(ROWS),
+        # Of the step intervals, the fraction longer than each of LONG_STEPS (seconds, as text).
+        "steps_longer": longer(INTERVAL),
+        # The same of the gaps between a request's chunks as the worker published them.
+        "published_longer": longer(PUBLISHED),
         "thread_cores": _thread_cores(THREAD_CPU, before, delta, wall_s),
         "process_cores": delta[(PROCESS_CPU, "")] / wall_s if (PROCESS_CPU, "") in delta else None,
         "core_thread_cores": _thread_cores(CORE_THREAD_CPU, before, delta, wall_s),
@@ -120,6 +141,11 @@ def format_engine_calls(url: str, summary: dict[str, Any]) -> str:
             f"  decode loop: a step's tokens every {summary['step_interval_ms']:.2f} ms, {summary['step_rows']:.1f} "
             "rows on average"
         )
+    for key, what in (("steps_longer", "steps"), ("published_longer", "a request's chunks as published")):
+        longer = summary.get(key) or {}
+        if longer:
+            each = ", ".join(f"{float(le) * 1e3:g} ms: {share:.1%}" for le, share in longer.items())
+            lines.append(f"  {what} further apart than {each}")
     for whose, threads_key, process_key in (
         ("its", "thread_cores", "process_cores"),
         ("its engine core's", "core_thread_cores", "core_process_cores"),

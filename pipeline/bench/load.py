@@ -249,6 +249,10 @@ class LoadReport:
             "prompt_tokens_mean": sum(r.prompt_tokens for r in done) / len(done) if done else 0.0,
             "ttft_ms": _stats([r.ttft_s for r in done if r.ttft_s is not None]),
             "itl_ms": _stats([gap for r in done for gap in r.itl_s]),
+            # The ITL apart: each request's first gap (its first token came from
+            # prefill, its second from the decode loop it then joined) and the rest.
+            "itl_first_ms": _stats([r.itl_s[0] for r in done if r.itl_s]),
+            "itl_later_ms": _stats([gap for r in done for gap in r.itl_s[1:]]),
             "e2e_ms": _stats([r.e2e_s for r in done]),
             "errors": dict(Counter(r.error for r in self.results if r.error).most_common()),
             "warmup_error": self.warmup_error,
@@ -427,7 +431,14 @@ def format_report(summary: dict[str, Any]) -> str:
         "",
         f"{'':<8}{'p50':>10}{'p90':>10}{'p99':>10}{'mean':>10}",
     ]
-    for label, key in (("TTFT ms", "ttft_ms"), ("ITL ms", "itl_ms"), ("E2E ms", "e2e_ms")):
+    rows = (
+        ("TTFT ms", "ttft_ms"),
+        ("ITL ms", "itl_ms"),
+        ("  1st", "itl_first_ms"),
+        ("  later", "itl_later_ms"),
+        ("E2E ms", "e2e_ms"),
+    )
+    for label, key in rows:
         s = summary[key]
         lines.append(f"{label:<8}{_ms(s['p50']):>10}{_ms(s['p90']):>10}{_ms(s['p99']):>10}{_ms(s['mean']):>10}")
     cpu = summary.get("client_cpu") or []

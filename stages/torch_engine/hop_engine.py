@@ -72,6 +72,7 @@ class TorchHopEngine:
         prefill_batch: int = 1,
         step_priority_s: float | None = None,
         gpu_call_spans: bool = False,
+        calls_ahead_of_step: int = 0,
     ) -> None:
         if tensors is None and moves_tensors(role):
             raise ValueError(f"role {role} hands tensors to or from another hop: it needs a tensor store")
@@ -83,7 +84,10 @@ class TorchHopEngine:
         self.eos_token_ids = engine.eos_token_ids
         self.max_model_len = engine.max_model_len
         self.tensors = tensors
-        self.thread = EngineThread(step_priority_s, gpu_spans=gpu_call_spans and engine.device.type == "cuda")
+        cuda = engine.device.type == "cuda"
+        self.thread = EngineThread(
+            step_priority_s, gpu_spans=gpu_call_spans and cuda, others_ahead=calls_ahead_of_step if cuda else 0
+        )
         policy = media_policy or MediaPolicy()
         self.fetcher = MediaFetcher(policy) if "encode" in steps else None
         self.encoder = (
@@ -264,26 +268,35 @@ class TorchHopEngine:
             first = [await self.thread.call(self.torch.resume, seq, emitted)]
         else:
             first = seq.output_ids[len(emitted) :]
-        for token in first:
-            yield token
 
         def is_last(token: int) -> bool:
             # Decided on the decode loop, before the next step: a finished
             # sequence never takes a step it has no use for.
             return is_eos(token) or seq.num_generated >= req.max_tokens
 
-        self.scheduler.check()  # a dead loop would take the sequence and never free it
+        if first and is_last(first[-1]):
+            for token in first:
+                yield token
+            return  # the hop's abort frees it
+        scheduler = self.scheduler
+        scheduler.check()  # a dead loop would take the sequence and never free it
+        # The batch takes it before its first token goes out: that token's way
+        # to the client and the sequence's first step overlap.
         handle.owned = False  # from here on the decode loop frees it
+        joined = scheduler.join(seq, is_last)
         # Until the decode loop's first token for it: joining the batch and one step.
         first_step: Span | None = step_span("first_step")
         try:
-            async with contextlib.aclosing(self.scheduler.stream(seq, is_last)) as tokens:
+            for token in first:
+                yield token
+            async with contextlib.aclosing(scheduler.tokens(joined)) as tokens:
                 async for token in tokens:
                     if first_step is not None:
                         first_step.end()
                         first_step = None
                     yield token
         finally:
+            scheduler.leave(joined)
             if first_step is not None:
                 first_step.end()
 

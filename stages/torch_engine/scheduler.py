@@ -52,10 +52,32 @@ class EngineThread:
     but let new requests in more slowly: on a 2-vCPU machine (tiny model, 32
     clients) steps-first made 14 to 17 req/s where submission order made
     21, with ITL p99 95 to 157 ms against 250. A running sequence waits at
-    most about ``others_s`` plus one call between two steps."""
+    most about ``others_s`` plus one call between two steps.
 
-    def __init__(self, others_s: float | None = None, gpu_spans: bool = False) -> None:
+    On a GPU that order is the order of launches, not of work: an encode or
+    a prefill launches in a millisecond or two and runs for several, so
+    between two steps the thread could queue many of them on the device, and
+    the next step ran behind them all. With ``others_ahead`` (and
+    ``decoding()`` true) the thread launches another such call only once
+    all but ``others_ahead - 1`` of those before it are done on the device
+    (``fence``: what marks a call's work done; CUDA events by default); a
+    step that comes meanwhile goes first."""
+
+    def __init__(
+        self,
+        others_s: float | None = None,
+        gpu_spans: bool = False,
+        others_ahead: int = 0,
+        fence: Callable[[], Any] | None = None,
+    ) -> None:
         self.others_s = others_s
+        self._others_ahead = others_ahead
+        self._fence = fence if fence is not None else (_cuda_fence if others_ahead > 0 else None)
+        # The other calls whose work may still be on the device, oldest first.
+        self._fences: collections.deque[Any] = collections.deque()
+        # Set by a decode loop: whether sequences are running (only their next
+        # tokens are what the bound keeps from waiting).
+        self.decoding: Callable[[], bool] = lambda: False
         # Each call's span on the GPU too (CUDA events around it, read once
         # they have passed): a thread that waits in a sync is told from one
         # the device waits for.
@@ -114,6 +136,12 @@ class EngineThread:
                 if not self._urgent and not self._normal:
                     return  # closed and drained
                 urgent = self._urgent_next()
+                if not urgent and self._held_back():
+                    if not self._urgent:
+                        # Woken at once by a step's submission.
+                        self._ready.wait(_FENCE_POLL_S)
+                        continue
+                    urgent = True
                 call = (self._urgent if urgent else self._normal).popleft()
             if not call.future.set_running_or_notify_cancel():
                 continue
@@ -128,6 +156,8 @@ class EngineThread:
                 call.future.set_result(result)
             if self._gpu is not None and marker is not None:
                 self._gpu.end(name, marker)
+            if not urgent and self._others_ahead > 0 and self._fence is not None:
+                self._fenced()
             ran, cpu = time.perf_counter() - started, time.thread_time() - cpu
             ENGINE_CALL_WAIT.labels(name).observe(started - call.submitted)
             ENGINE_CALL_RUN.labels(name).observe(ran)
@@ -136,6 +166,23 @@ class EngineThread:
                 self._others_ran_s = 0.0
             else:
                 self._others_ran_s += ran
+
+    def _held_back(self) -> bool:
+        """Whether the next other call waits: sequences decode and
+        ``others_ahead`` other calls' work is still on the device."""
+        if self._others_ahead <= 0 or not self._fences:
+            return False
+        while self._fences and self._fences[0].query():
+            self._fences.popleft()
+        return len(self._fences) >= self._others_ahead and self.decoding()
+
+    def _fenced(self) -> None:
+        # A fence that cannot be made (a device in error) bounds nothing: the
+        # calls themselves fail then, not the thread's loop.
+        try:
+            self._fences.append(self._fence())  # type: ignore[misc]
+        except Exception as exc:
+            log.warning("engine_call_fence_failed", error=repr(exc))
 
     def _urgent_next(self) -> bool:
         if not self._normal:
@@ -201,7 +248,18 @@ class _Call:
     submitted: float
 
 
+def _cuda_fence() -> Any:
+    """An event after the work queued so far on the current CUDA stream."""
+    import torch
+
+    event = torch.cuda.Event()
+    event.record()
+    return event
+
+
 _END = object()
+# How often a thread holding back another call looks whether the device is done with the earlier ones.
+_FENCE_POLL_S = 0.0002
 # How often a loop with nothing running looks again for blocks for a waiting sequence.
 _BLOCKED_POLL_S = 0.05
 
@@ -239,6 +297,7 @@ class DecodeScheduler:
         self._to_release: collections.deque[Any] = collections.deque()
         self._blocked = False
         self._handed_out_at: float | None = None
+        thread.decoding = lambda: bool(self._running)
 
     def start(self) -> None:
         if self._loop_task is None:
@@ -292,21 +351,37 @@ class DecodeScheduler:
     async def stream(self, seq: Any, is_last: Callable[[int], bool]) -> AsyncGenerator[int, None]:
         """Tokens of a prefilled sequence as the shared loop produces them, up
         to the one ``is_last`` accepts, or until the caller stops iterating."""
+        entry = self.join(seq, is_last)
+        try:
+            async for token in self.tokens(entry):
+                yield token
+        finally:
+            self.leave(entry)
+
+    def join(self, seq: Any, is_last: Callable[[int], bool]) -> _Running:
+        """``seq`` joins the batch at the loop's next step; its tokens come
+        through ``tokens``, until ``leave``. (Apart from ``stream`` so a hop
+        can join before it hands out the token prefill made: the sequence's
+        first step then does not wait for that token's way to the client.)"""
         self.check()
         entry = _Running(seq, is_last)
         self._waiting.append(entry)
         self._wake.set()
-        try:
-            while True:
-                item = await entry.queue.get()
-                if item is _END:
-                    return
-                if isinstance(item, BaseException):
-                    raise item
-                yield item
-        finally:
-            entry.done = True
-            self._wake.set()
+        return entry
+
+    async def tokens(self, entry: _Running) -> AsyncGenerator[int, None]:
+        while True:
+            item = await entry.queue.get()
+            if item is _END:
+                return
+            if isinstance(item, BaseException):
+                raise item
+            yield item
+
+    def leave(self, entry: _Running) -> None:
+        """The sequence wants no more tokens: the loop drops and releases it."""
+        entry.done = True
+        self._wake.set()
 
     def _admit(self, admissible: Callable[[list[Any]], list[bool]] | None) -> None:
         """Waiting sequences the engine can take now join the batch, in order."""

@@ -67,6 +67,13 @@ class DecodeSettings:
         "step goes ahead of them (0: steps first; negative: every call in submission order; unset: 0 on a GPU, "
         "submission order on a CPU). Lower: smoother tokens under load; higher: requests admitted faster",
     )
+    calls_ahead_of_step: int = setting(
+        0,
+        help="on a GPU, while sequences decode: how many encodes and prefills may have work queued on the device "
+        "ahead of the next decode step (the engine thread launches another once the earlier ones are done there; "
+        "0: no bound). 1: shorter, emptier steps and smoother tokens, fewer requests admitted (2B preset, H200, 64 "
+        "clients: ITL p99 38.8 against 44.5 ms, 46.2 against 58.3 req/s)",
+    )
     gpu_call_spans: bool = setting(
         False,
         help="on a GPU, time each engine call's work on the device with CUDA events "

@@ -69,6 +69,10 @@ async def test_load_generator_against_the_epd_stack(stack: Stack, processes: int
     assert (summary["completed"], summary["failed"], summary["short"]) == (6, 0, 0)
     assert [r.tokens for r in report.results] == [8] * 6
     assert [len(r.itl_s) for r in report.results] == [7] * 6  # one chunk per token
+    # The gaps apart: each request's first (prefill's token to the decode loop's first), then the rest.
+    assert (summary["itl_first_ms"]["n"], summary["itl_later_ms"]["n"]) == (6, 36)
+    firsts = [r.itl_s[0] for r in report.results]
+    assert summary["itl_first_ms"]["mean"] == pytest.approx(1000 * sum(firsts) / len(firsts))
     assert summary["completion_tokens"] == 48
     assert summary["prompt_tokens_mean"] > 0
     if processes == 1:
@@ -121,6 +125,8 @@ async def test_engine_metrics_say_where_the_workers_engine_thread_went(stack: St
     # clocks read at its start and end, the CPU's a microsecond later).
     assert all(0 < row["cpu_ms"] <= row["run_ms"] + 0.01 for row in summary["calls"] if row["call"] == "prefill_one")
     assert summary["step_interval_ms"] > 0 and 1 <= summary["step_rows"] <= 2
+    longer = summary["steps_longer"]
+    assert set(longer) == {"0.025", "0.05"} and 0 <= longer["0.05"] <= longer["0.025"] <= 1
     # This process's event loop served the stack; the whole process used at
     # least what it did (the process's counter moves in 10 ms ticks).
     assert summary["thread_cores"]["MainThread"] > 0

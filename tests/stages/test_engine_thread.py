@@ -400,3 +400,79 @@ async def test_a_calls_work_on_the_gpu_is_timed_by_its_span_there(engine_device:
     thread.close()
     # 40 products of 4096² (5.5 TFLOP) take milliseconds on any GPU; their launches microseconds.
     assert gpu_spent() - before > 0.001
+
+
+class HeldFence:
+    """A call's work on a "device" that finishes when the test says so
+    (``done``: shared by every call's fence, or the fence's own)."""
+
+    def __init__(self, done: threading.Event | None = None) -> None:
+        self.done = done if done is not None else threading.Event()
+
+    def query(self) -> bool:
+        return self.done.is_set()
+
+
+@pytest.mark.parametrize(
+    ("ahead", "decoding", "run_at_once"), [(1, True, 1), (2, True, 2), (1, False, 3), (0, True, 3)]
+)
+async def test_while_sequences_decode_other_calls_wait_for_the_device_to_finish_the_earlier_ones(
+    ahead: int, decoding: bool, run_at_once: int
+) -> None:
+    device_done = threading.Event()
+    thread = EngineThread(0.0, others_ahead=ahead, fence=lambda: HeldFence(device_done))
+    thread.decoding = lambda: decoding
+    order: list[str] = []
+    calls = [asyncio.ensure_future(thread.call(order.append, f"prefill {name}")) for name in "abc"]
+    await eventually(lambda: len(order) == run_at_once, within=5.0)
+    await asyncio.sleep(0.05)
+    assert len(order) == run_at_once  # the rest held back while the device has the earlier ones' work
+    # A step is not held back: it goes ahead of the waiting calls.
+    await thread.call(order.append, "step", urgent=True)
+    assert order[run_at_once] == "step" or run_at_once == 3
+    device_done.set()
+    await asyncio.gather(*calls)
+    assert [o for o in order if o != "step"] == ["prefill a", "prefill b", "prefill c"]
+    thread.close()
+
+
+async def test_a_call_held_back_goes_once_the_sequences_stop_decoding() -> None:
+    thread = EngineThread(0.0, others_ahead=1, fence=HeldFence)
+    running = True
+    thread.decoding = lambda: running
+    order: list[str] = []
+    await thread.call(order.append, "prefill a")
+    waiting = asyncio.ensure_future(thread.call(order.append, "prefill b"))
+    await asyncio.sleep(0.05)
+    assert order == ["prefill a"]
+    running = False
+    await asyncio.wait_for(waiting, 5)
+    assert order == ["prefill a", "prefill b"]
+    thread.close()
+
+
+async def test_on_a_gpu_a_call_held_back_starts_after_the_earlier_ones_work_is_done(engine_device: str) -> None:
+    if engine_device == "cpu":
+        pytest.skip("CUDA events mark a call's work done on a GPU")
+    import torch
+
+    thread = EngineThread(0.0, others_ahead=1)
+    thread.decoding = lambda: True
+    launched: list[Any] = []
+
+    def matmuls() -> None:
+        a = torch.randn(4096, 4096, device=engine_device)
+        for _ in range(200):
+            a = a @ a / 64
+        event = torch.cuda.Event()
+        event.record()
+        launched.append(event)
+
+    def second() -> bool:
+        return bool(launched[0].query())
+
+    first = asyncio.ensure_future(thread.call(matmuls))
+    # Submitted together: the second starts only once the first's products (a second or so of work) are done.
+    assert await thread.call(second)
+    await first
+    thread.close()

@@ -30,6 +30,7 @@ from stages.torch_engine.hop_engine import TorchHopEngine
 from stages.torch_engine.reference import reference_generate
 from stages.torch_engine.settings import DecodeSettings
 from tests.e2e.conftest import gradient, png_data_url
+from tests.polling import eventually
 
 N = 8
 
@@ -125,8 +126,15 @@ async def test_health_fails_once_the_decode_loop_has_died(tiny_model_dir: Path) 
     try:
         await engine.health()
 
-        def broken(token: int) -> bool:  # a callback the loop runs, failing: the loop dies of it
-            raise ZeroDivisionError
+        asked: list[int] = []
+
+        def broken(token: int) -> bool:
+            # Asked first by the hop of prefill's token (whether the sequence
+            # joins the batch at all), then by the loop, failing: the loop dies of it.
+            asked.append(token)
+            if len(asked) > 1:
+                raise ZeroDivisionError
+            return False
 
         ctx = HopContext()
         handle = await engine.prefill(req, [], ctx)
@@ -144,6 +152,34 @@ async def test_health_fails_once_the_decode_loop_has_died(tiny_model_dir: Path) 
     finally:
         await engine.close()
     await engine.health()  # closed on purpose: nothing to report
+
+
+@pytest.mark.parametrize("max_tokens", [1, N])
+async def test_a_sequence_joins_the_batch_before_prefills_token_goes_out_unless_that_token_ends_it(
+    tiny_model_dir: Path, max_tokens: int
+) -> None:
+    engine = TorchHopEngine("encode+prefill+decode", TorchEngine(tiny_model_dir))
+    processor = Processor(load_traits(resolve_model(str(tiny_model_dir), "tiny")))
+    req = processor.process(
+        GenerateRequest("j1", "tiny", [ChatMessage("user", "Hi")], SamplingParams(max_tokens, 0.0, ignore_eos=True))
+    )
+    await engine.start()
+    scheduler = engine.scheduler
+    assert scheduler is not None
+    try:
+        ctx = HopContext()
+        handle = await engine.prefill(req, [], ctx)
+        tokens = engine.decode(handle, req, ctx, lambda _: False)
+        first = await anext(tokens)
+        assert first == handle.seq.output_ids[0]
+        # While the caller still holds the first token, the loop has the sequence (or never gets it).
+        assert scheduler.active == (1 if max_tokens > 1 else 0)
+        rest = [token async for token in tokens]
+        assert len(rest) == max_tokens - 1
+        await engine.abort(handle)
+        await eventually(lambda: scheduler.active == 0 and engine.torch.has_room(), within=5.0)
+    finally:
+        await engine.close()
 
 
 async def split_stages(
