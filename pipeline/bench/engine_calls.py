@@ -42,12 +42,11 @@ def parse(text: str) -> Samples:
     samples: Samples = {}
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
-            if sample.name in (f"{INTERVAL}_bucket", f"{PUBLISHED}_bucket"):
-                # Summed over the ITL's roles (`where`): one worker's, whatever it runs.
-                key = (sample.name, sample.labels["le"])
-                samples[key] = samples.get(key, 0.0) + sample.value
-            elif sample.name == f"{PUBLISHED}_count":
-                samples[(sample.name, "")] = samples.get((sample.name, ""), 0.0) + sample.value
+            if sample.name == f"{INTERVAL}_bucket":
+                samples[(sample.name, sample.labels["le"])] = sample.value
+            elif sample.name in (f"{PUBLISHED}_bucket", f"{PUBLISHED}_count"):
+                # By where the gaps were taken (a worker's role, or the bridge).
+                samples[(sample.name, f"{sample.labels['where']}|{sample.labels.get('le', '')}")] = sample.value
             elif not sample.name.endswith("_bucket"):
                 samples[(sample.name, sample.labels.get("call") or sample.labels.get("thread", ""))] = sample.value
     return samples
@@ -93,9 +92,12 @@ def summarize(before: Samples, after: Samples, wall_s: float) -> dict[str, Any]:
 
     interval = mean(INTERVAL)
 
-    def longer(name: str) -> dict[str, float]:
-        n = delta.get((f"{name}_count", ""), 0.0)
-        return {le: 1 - delta.get((f"{name}_bucket", le), 0.0) / n for le in LONG_STEPS if n > 0}
+    def longer(name: str, where: str = "") -> dict[str, float]:
+        at = f"{where}|" if where else ""
+        n = delta.get((f"{name}_count", at), 0.0)
+        return {le: 1 - delta.get((f"{name}_bucket", at + le), 0.0) / n for le in LONG_STEPS if n > 0}
+
+    wheres = sorted({key.split("|")[0] for name, key in delta if name == f"{PUBLISHED}_count"})
 
     return {
         "calls": rows,
@@ -107,8 +109,8 @@ def summarize(before: Samples, after: Samples, wall_s: float) -> dict[str, Any]:
         "step_rows": mean(ROWS),
         # Of the step intervals, the fraction longer than each of LONG_STEPS (seconds, as text).
         "steps_longer": longer(INTERVAL),
-        # The same of the gaps between a request's chunks as the worker published them.
-        "published_longer": longer(PUBLISHED),
+        # The same of the gaps between a request's chunks as each role published them (the bridge: wrote them).
+        "published_longer": {where: shares for where in wheres if (shares := longer(PUBLISHED, where))},
         "thread_cores": _thread_cores(THREAD_CPU, before, delta, wall_s),
         "process_cores": delta[(PROCESS_CPU, "")] / wall_s if (PROCESS_CPU, "") in delta else None,
         "core_thread_cores": _thread_cores(CORE_THREAD_CPU, before, delta, wall_s),
@@ -128,8 +130,11 @@ def _thread_cores(family: str, before: Samples, delta: Samples, wall_s: float) -
 def format_engine_calls(url: str, summary: dict[str, Any]) -> str:
     gpu = summary.get("gpu_busy")
     on_gpu = f"; its calls' work spanned {gpu:.0%} of it on the GPU" if gpu is not None else ""
-    lines = [f"engine thread of {url}: busy {summary['busy']:.0%} of the load{on_gpu}"]
-    lines.append(f"  {'call':<28}{'runs':>7}{'wait ms':>10}{'run ms':>9}{'on cpu ms':>11}{'gpu ms':>9}{'share':>8}")
+    if not summary["calls"]:  # not a worker's engine (the bridge's /metrics, say)
+        lines = [f"{url}:"]
+    else:
+        lines = [f"engine thread of {url}: busy {summary['busy']:.0%} of the load{on_gpu}"]
+        lines.append(f"  {'call':<28}{'runs':>7}{'wait ms':>10}{'run ms':>9}{'on cpu ms':>11}{'gpu ms':>9}{'share':>8}")
     for r in summary["calls"]:
         gpu_ms = f"{r['gpu_ms']:>9.2f}" if r.get("gpu_ms") is not None else f"{'-':>9}"
         lines.append(
@@ -141,10 +146,14 @@ def format_engine_calls(url: str, summary: dict[str, Any]) -> str:
             f"  decode loop: a step's tokens every {summary['step_interval_ms']:.2f} ms, {summary['step_rows']:.1f} "
             "rows on average"
         )
-    for key, what in (("steps_longer", "steps"), ("published_longer", "a request's chunks as published")):
-        longer = summary.get(key) or {}
-        if longer:
-            each = ", ".join(f"{float(le) * 1e3:g} ms: {share:.1%}" for le, share in longer.items())
+    longer = [("steps", summary.get("steps_longer") or {})]
+    longer += [
+        (f"a request's chunks as {'the bridge wrote' if where == 'bridge' else where + ' published'} them", shares)
+        for where, shares in (summary.get("published_longer") or {}).items()
+    ]
+    for what, shares in longer:
+        if shares:
+            each = ", ".join(f"{float(le) * 1e3:g} ms: {share:.1%}" for le, share in shares.items())
             lines.append(f"  {what} further apart than {each}")
     for whose, threads_key, process_key in (
         ("its", "thread_cores", "process_cores"),

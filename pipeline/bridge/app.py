@@ -373,6 +373,9 @@ class Bridge:
     ) -> web.StreamResponse:
         response: web.StreamResponse | None = None
         first = True
+        # The gaps between a request's chunks as written here: beside the
+        # worker's own (as it published them), where a burst came in between.
+        sent: float | None = None
         async for chunk in chunks:
             if isinstance(chunk, ErrorChunk):
                 if response is None:
@@ -387,6 +390,10 @@ class Bridge:
                 await response.prepare(request)
             await response.write(responses.sse(responses.stream_chunk(rid, model, created, chunk, first=first)))
             first = False
+            now = time.perf_counter()
+            if sent is not None:
+                metrics.ITL.labels("bridge").observe(now - sent)
+            sent = now
             if chunk.finish_reason is not None and include_usage and chunk.usage is not None:
                 await response.write(responses.sse(responses.usage_chunk(rid, model, created, chunk.usage)))
         if response is None:

@@ -35,16 +35,24 @@ def test_without_steps_in_the_load_no_share_is_made_up() -> None:
     assert summary["steps_longer"] == {} and "further apart" not in format_engine_calls("url", summary)
 
 
-def test_the_gaps_between_a_requests_published_chunks_are_counted_over_every_role_of_the_worker() -> None:
+def test_the_gaps_between_a_requests_chunks_are_counted_where_each_was_taken() -> None:
+    """A worker's role as it published them, the bridge as it wrote them:
+    apart, so a burst is placed between the two."""
     registry = CollectorRegistry()
     itl = Histogram(
         "mmpipe_inter_token_latency_seconds", "", ["where"], buckets=(0.01, 0.025, 0.05, 0.1), registry=registry
     )
     before = parse(generate_latest(registry).decode())
     for seconds in (0.005, 0.005, 0.03, 0.06):
-        itl.labels("decode").observe(seconds)
-    for seconds in (0.005, 0.2, 0.005, 0.005):
-        itl.labels("prefill+decode").observe(seconds)
+        itl.labels("encode+prefill+decode").observe(seconds)
+    for seconds in (0.005, 0.2, 0.005, 0.005, 0.005):
+        itl.labels("bridge").observe(seconds)
     summary = summarize(before, parse(generate_latest(registry).decode()), wall_s=1.0)
-    assert summary["published_longer"] == {"0.025": pytest.approx(3 / 8), "0.05": pytest.approx(2 / 8)}
-    assert "chunks as published further apart than 25 ms: 37.5%, 50 ms: 25.0%" in format_engine_calls("u", summary)
+    assert summary["published_longer"] == {
+        "bridge": {"0.025": pytest.approx(1 / 5), "0.05": pytest.approx(1 / 5)},
+        "encode+prefill+decode": {"0.025": pytest.approx(2 / 4), "0.05": pytest.approx(1 / 4)},
+    }
+    text = format_engine_calls("u", summary)
+    assert text.startswith("u:")  # no engine calls here: no engine thread's table
+    assert "chunks as encode+prefill+decode published them further apart than 25 ms: 50.0%, 50 ms: 25.0%" in text
+    assert "chunks as the bridge wrote them further apart than 25 ms: 20.0%, 50 ms: 20.0%" in text
