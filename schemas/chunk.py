@@ -17,6 +17,8 @@ class FinishReason(enum.StrEnum):
 class Usage(msgspec.Struct, omit_defaults=True, forbid_unknown_fields=True):
     prompt_tokens: int
     completion_tokens: int
+    # Of the prompt tokens, those whose KV blocks came from the prefix cache.
+    cached_tokens: int = 0
 
     @property
     def total_tokens(self) -> int:

@@ -55,6 +55,9 @@ class EncodedItem(msgspec.Struct, omit_defaults=True, forbid_unknown_fields=True
     grid_thw: list[int]
     # Qwen2.5-VL video: seconds one temporal grid step spans.
     seconds_per_grid: float = 0.0
+    # The item's content digest (its bytes and how they were read): prefill's
+    # prefix cache keys the blocks showing it by it. Empty: unknown.
+    digest: str = ""
 
 
 class EncodedMedia(msgspec.Struct, omit_defaults=True, forbid_unknown_fields=True):
@@ -76,6 +79,8 @@ class KvHandoff(msgspec.Struct, omit_defaults=True, forbid_unknown_fields=True):
     output_ids: list[int]
     # M-RoPE shift of text positions after media (Qwen-VL); 0 elsewhere.
     rope_delta: int = 0
+    # Prompt tokens the prefill worker found in its prefix cache (for the usage).
+    cached_tokens: int = 0
 
 
 class VllmKv(msgspec.Struct, omit_defaults=True, forbid_unknown_fields=True):

@@ -19,12 +19,15 @@ class ChunkEmitter:
     across the join is still found.
     """
 
-    def __init__(self, engine: Any, req: ProcessedRequest, prompt_len: int, emitted: list[int]) -> None:
+    def __init__(
+        self, engine: Any, req: ProcessedRequest, prompt_len: int, emitted: list[int], cached_tokens: int = 0
+    ) -> None:
         self._eos = engine.eos_token_ids
         self._ignore_eos = req.request.sampling.ignore_eos
         self._max_tokens = req.max_tokens
         self._rid = req.request.request_id
         self._prompt_len = prompt_len
+        self._cached_tokens = cached_tokens
         self._detok = IncrementalDetokenizer(engine.tokenizer)
         self._stops = StopStringMatcher(req.request.sampling.stop)
         for token in emitted:
@@ -55,5 +58,5 @@ class ChunkEmitter:
         return self._chunk(self.index, [], self._stops.feed(self._detok.flush())[0], FinishReason.LENGTH)
 
     def _chunk(self, seq: int, tokens: list[int], text: str, finish: FinishReason | None) -> TokenChunk:
-        usage = Usage(self._prompt_len, seq + len(tokens)) if finish is not None else None
+        usage = Usage(self._prompt_len, seq + len(tokens), self._cached_tokens) if finish is not None else None
         return TokenChunk(request_id=self._rid, seq=seq, token_ids=tokens, text=text, finish_reason=finish, usage=usage)

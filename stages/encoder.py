@@ -13,6 +13,7 @@ tokens; the common case, one item sent again, hits just the same.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import itertools
 import json
 import os
@@ -81,17 +82,20 @@ class MediaEncoder:
             datas = list(
                 await asyncio.gather(*(self.fetcher.fetch(req.media_url(m), max_bytes=self._cap(m)) for m in req.media))
             )
+        # Each item's content digest: what the prefix cache keys the KV blocks
+        # showing it by, and (together) the embedding cache's key.
+        digests = list(await asyncio.gather(*(_digest(m, d) for m, d in zip(req.media, datas, strict=True))))
         if any(m.embeds for m in req.media):
-            return await self._with_precomputed(req, datas, ctx)
-        key = await self._key(req.media, datas) if self.cache is not None else ""
+            return _digested(await self._with_precomputed(req, datas, ctx), digests)
+        key = self._key(digests) if self.cache is not None else ""
         if self.cache is not None and (hit := self.cache.get(key)) is not None:
             ctx.trace["cache_hit"] = 1.0
-            return _unpack(hit, [m.kind for m in req.media])
+            return _digested(_unpack(hit, [m.kind for m in req.media]), digests)
         encoded = await self._encode_media(req.media, datas, ctx)
         if self.cache is not None:
             ctx.trace["cache_hit"] = 0.0
             self._store(key, encoded)
-        return encoded
+        return _digested(encoded, digests)
 
     def _store(self, key: str, encoded: list[MediaEmbedding]) -> None:
         """Keep the embeddings in the cache, off the request's path: the
@@ -192,12 +196,10 @@ class MediaEncoder:
                 out.append(next(encoded))
         return out
 
-    async def _key(self, items: list[MediaItem], datas: list[bytes]) -> str:
-        # Length-prefixed, so two items can never read as one, or the other way round.
-        blob = b"".join(len(d).to_bytes(8, "big") + d for d in datas)
-        # How each item is read: its kind, a video's sampling, an audio's declared format.
-        options = json.dumps([[m.kind.value, m.num_frames, m.fps, m.max_frames, m.format] for m in items])
-        return await _content_key(blob, model=self._model_key, kind="media", options=options)
+    def _key(self, digests: list[str]) -> str:
+        """The embedding cache's key of a request's media: their digests (each
+        of fixed length) in order, and this engine's weights."""
+        return content_key("".join(digests).encode(), model=self._model_key, kind="media")
 
 
 def decode_processes(policy: MediaPolicy, device: torch.device) -> int:
@@ -209,6 +211,17 @@ def decode_processes(policy: MediaPolicy, device: torch.device) -> int:
     if device.type != "cuda":
         return 0
     return min(4, max(1, (os.cpu_count() or 1) // 4))
+
+
+async def _digest(item: MediaItem, data: bytes) -> str:
+    """An item's content: its bytes, and how they are read (its kind, a
+    video's sampling, an audio's declared format, embeddings sent as such)."""
+    options = json.dumps([item.num_frames, item.fps, item.max_frames, item.format, item.embeds])
+    return await _content_key(data, model="", kind=item.kind.value, options=options)
+
+
+def _digested(encoded: list[MediaEmbedding], digests: list[str]) -> list[MediaEmbedding]:
+    return [dataclasses.replace(e, digest=d) for e, d in zip(encoded, digests, strict=True)]
 
 
 async def _content_key(data: bytes, model: str, kind: str, options: str) -> str:

@@ -109,7 +109,7 @@ class HopStage:
         emitted = ctx.emitted
         first = self.engine.first_token(handle)
         if first is not None:
-            emitter = ChunkEmitter(self.engine, req, handle.prompt_len, emitted)
+            emitter = ChunkEmitter(self.engine, req, handle.prompt_len, emitted, handle.cached_tokens)
             chunk = emitter.finish_now() if len(emitted) >= req.max_tokens else emitter.push(first)
             yield chunk
             if chunk.finish_reason is not None:
@@ -119,7 +119,7 @@ class HopStage:
 
     async def _decode(self, req: ProcessedRequest, handle: Any, ctx: HopContext) -> AsyncGenerator[TokenChunk, None]:
         emitted = ctx.emitted
-        emitter = ChunkEmitter(self.engine, req, handle.prompt_len, emitted)
+        emitter = ChunkEmitter(self.engine, req, handle.prompt_len, emitted, handle.cached_tokens)
         if len(emitted) >= req.max_tokens:
             yield emitter.finish_now()
             return

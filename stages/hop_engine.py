@@ -47,6 +47,11 @@ class Prefilled(Protocol):
         tokens: what the usage reports."""
         ...
 
+    @property
+    def cached_tokens(self) -> int:
+        """Of those, the ones whose keys and values came from a prefix cache."""
+        ...
+
 
 H = TypeVar("H", bound=Prefilled)
 
@@ -219,7 +224,8 @@ async def put_media(
     """Embeddings for a later hop: one tensor per item, and what prefill
     needs of each besides."""
     ref = await put_tensors(store, [m.embeddings for m in media], req.request.request_id, ctx)
-    return EncodedMedia(ref, [EncodedItem(m.num_tokens, list(m.grid_thw), m.seconds_per_grid) for m in media])
+    items = [EncodedItem(m.num_tokens, list(m.grid_thw), m.seconds_per_grid, m.digest) for m in media]
+    return EncodedMedia(ref, items)
 
 
 async def receive_embeddings(
@@ -236,7 +242,7 @@ async def receive_embeddings(
     if len(got) != len(items) or len(items) != len(req.media):
         raise InvalidRequest(f"{len(got)} embeddings for {len(items)} encoded and {len(req.media)} media items")
     return [
-        MediaEmbedding(t, tuple(i.grid_thw), m.kind, i.seconds_per_grid)
+        MediaEmbedding(t, tuple(i.grid_thw), m.kind, i.seconds_per_grid, i.digest)
         for t, i, m in zip(got, items, req.media, strict=True)
     ]
 

@@ -48,11 +48,13 @@ def sse(body: dict[str, Any]) -> bytes:
     return b"data: " + _json.encode(body) + b"\n\n"
 
 
-def _usage(usage: Usage) -> dict[str, int]:
+def _usage(usage: Usage) -> dict[str, Any]:
     return {
         "prompt_tokens": usage.prompt_tokens,
         "completion_tokens": usage.completion_tokens,
         "total_tokens": usage.total_tokens,
+        # OpenAI's field, as vLLM fills it: prompt tokens served from the prefix cache.
+        "prompt_tokens_details": {"cached_tokens": usage.cached_tokens},
     }
 
 

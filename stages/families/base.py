@@ -64,6 +64,10 @@ class MediaEmbedding:
     # Qwen2.5-VL video: seconds of video one temporal grid step spans
     # (temporal_patch_size / sampled fps); its temporal positions scale with it.
     seconds_per_grid: float = 0.0
+    # The content digest of the item's bytes (and of how they were read): what
+    # a prompt's KV blocks showing it are cached under. Empty: unknown, so the
+    # blocks from its first on are not cached.
+    digest: str = ""
 
     @property
     def num_tokens(self) -> int:

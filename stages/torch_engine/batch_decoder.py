@@ -226,14 +226,18 @@ class BatchDecoder:
     def _index(self, blocks: list[int]) -> torch.Tensor:
         return torch.tensor(blocks, dtype=torch.long, device=self.device)
 
-    def load(self, blocks: list[int], layers: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    def load(self, blocks: list[int], layers: list[tuple[torch.Tensor, torch.Tensor]], skip: int = 0) -> None:
         """Copy one sequence's cache (per layer [1, kv_heads, length, head_dim])
-        into the first of ``blocks`` it fills."""
+        into the first of ``blocks`` it fills, but for its first ``skip``
+        blocks (a cached prefix's, there already)."""
         length = layers[0][0].shape[2]
-        index = self._index(blocks[: self.blocks_for(length)])
+        index = self._index(blocks[skip : self.blocks_for(length)])
+        if not len(index):
+            return
+        start = skip * self.block_size
         for i, (k, v) in enumerate(layers):
-            self.keys[i].index_copy_(0, index, to_blocks(k[0], self.block_size).to(self.dtype))
-            self.values[i].index_copy_(0, index, to_blocks(v[0], self.block_size).to(self.dtype))
+            self.keys[i].index_copy_(0, index, to_blocks(k[0, :, start:], self.block_size).to(self.dtype))
+            self.values[i].index_copy_(0, index, to_blocks(v[0, :, start:], self.block_size).to(self.dtype))
 
     def read(self, blocks: list[int]) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Copies of ``blocks``, per layer keys and values [len(blocks), kv_heads, block_size, head_dim]."""

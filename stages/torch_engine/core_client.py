@@ -92,6 +92,7 @@ class RemotePrefilled:
     prompt_len: int
     output_ids: list[int] = field(default_factory=list)
     aborted: bool = False
+    cached_tokens: int = 0
 
 
 class ProcessHopEngine:
@@ -271,7 +272,7 @@ class ProcessHopEngine:
             assert isinstance(reply, Prefilled)
             replay_steps(reply.steps)
         ctx.trace.update(reply.trace)
-        return RemotePrefilled(reply.seq, reply.prompt_len, reply.output_ids)
+        return RemotePrefilled(reply.seq, reply.prompt_len, reply.output_ids, cached_tokens=reply.cached_tokens)
 
     def first_token(self, handle: RemotePrefilled) -> int | None:
         return handle.output_ids[-1]

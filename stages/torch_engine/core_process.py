@@ -198,7 +198,15 @@ class EngineCore:
         handle = await self.hop.prefill(msg.req, media, ctx)
         seq = next(self._ids)
         self._seqs[seq] = handle
-        return Prefilled(msg.call, seq, handle.prompt_len, list(handle.seq.output_ids), ctx.trace, ctx.steps or [])
+        return Prefilled(
+            msg.call,
+            seq,
+            handle.prompt_len,
+            list(handle.seq.output_ids),
+            ctx.trace,
+            ctx.steps or [],
+            handle.seq.cached_tokens,
+        )
 
     async def _decode(self, msg: Decode) -> Finished:
         handle = self._seqs.get(msg.seq)

@@ -106,6 +106,7 @@ class Prefilled(msgspec.Struct, tag=True, array_like=True):
     output_ids: list[int]
     trace: dict[str, float]
     steps: list[Step]
+    cached_tokens: int = 0
 
 
 class Tokens(msgspec.Struct, tag=True, array_like=True):

@@ -20,7 +20,7 @@ import contextlib
 import threading
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -36,6 +36,7 @@ from stages.sampling import SamplingConfig
 from stages.torch_engine import batch_decoder, metrics
 from stages.torch_engine.batch_decoder import BatchDecoder, Launched, from_blocks, to_blocks
 from stages.torch_engine.block_pool import blocks_for
+from stages.torch_engine.prefix_keys import MediaSpan, block_keys
 from stages.torch_engine.sampling import greedy_choice, select_token
 from stages.torch_engine.sequence import KvState, Launch, Sequence
 from stages.torch_engine.settings import DecodeSettings, parse_memory
@@ -89,6 +90,7 @@ class TorchEngine:
         # A KV hand-off travels in blocks of this many tokens.
         self.block_size = decode.block_size
         self.max_num_batched_tokens = decode.max_num_batched_tokens
+        self.prefix_caching = decode.prefix_caching
         self.decoder: BatchDecoder | None = None
         if decode.batched and batch_decoder.supports(self.model):
             max_len = min(decode.max_len, self.max_model_len)
@@ -232,7 +234,9 @@ class TorchEngine:
         ids, positions, delta = self._prepare(prompt_token_ids, media, [])
         with self._lock, torch.inference_mode():
             embeds = self.family.embed_prompt(self.model, ids, media)
-        return Prefilling(len(ids), positions, delta, embeds, sampling)
+        # Cached once its blocks hold it (a later turn reuses it); not looked up yet.
+        keys = self._prefix_keys(prompt_token_ids, ids, media)
+        return Prefilling(len(ids), positions, delta, embeds, sampling, keys=keys)
 
     def prefill_chunk(self, prefilling: Prefilling, defer: bool = False) -> tuple[Sequence, int] | None:
         """The next chunk of ``prefilling`` through the model, over the cache
@@ -251,7 +255,14 @@ class TorchEngine:
         p.done = end
         if end < p.length:
             return None
-        seq = Sequence(prompt_len=p.length, output_ids=[], sampling=p.sampling, rope_delta=p.delta, cache=p.cache)
+        seq = Sequence(
+            prompt_len=p.length,
+            output_ids=[],
+            sampling=p.sampling,
+            rope_delta=p.delta,
+            cache=p.cache,
+            prefix_keys=p.keys,
+        )
         p.cache = p.embeds = None
         return seq, self._select(seq, logits, defer)
 
@@ -390,7 +401,7 @@ class TorchEngine:
                 continue
             # One swapped out comes back as it was; a new one leaves a few blocks to grow into.
             swapped = seq.swapped  # once: the engine's thread may take it meanwhile
-            need = len(swapped[0][0]) if swapped else decoder.blocks_for(seq.length) + self._spare()
+            need = len(swapped[0][0]) if swapped else decoder.blocks_for(seq.length) - len(seq.blocks) + self._spare()
             waiting = waiting or need > free or rows < 1
             if not waiting:
                 free, rows = free - need, rows - 1
@@ -438,11 +449,13 @@ class TorchEngine:
                 return False
             slots.swap_in(seq)
             return True
-        if not self._ever_fits(seq) or not slots.can_take(seq.length):
+        if not self._ever_fits(seq) or not slots.can_take(seq.length, held=seq.blocks):
             return False
+        cached = len(seq.blocks)  # a cached prefix's, there already
         slots.take(seq, seq.length)
-        decoder.load(seq.blocks, [(layer.keys, layer.values) for layer in seq.cache.layers])
+        decoder.load(seq.blocks, [(layer.keys, layer.values) for layer in seq.cache.layers], skip=cached)
         seq.cache = None
+        self._register_prefix(seq)
         return True
 
     # -- hand-off between engines ------------------------------------------
@@ -652,17 +665,111 @@ class TorchEngine:
     ) -> tuple[Sequence, int]:
         fam = self.family
         ids, positions, delta = self._prepare(prompt, media, emitted)
+        keys = self._prefix_keys(prompt, ids, media) if not emitted else []
         with self._lock, torch.inference_mode():
             embeds = fam.embed_prompt(self.model, ids, media)
+            hit = self._cached_prefix(keys, len(ids))
+            if hit:
+                return self._prefill_after(hit, keys, embeds, positions, len(ids), sampling, delta, defer)
             if not emitted:
-                slotted = self._prefill_into_slot(embeds, positions, len(ids), sampling, delta, defer)
+                slotted = self._prefill_into_slot(embeds, positions, len(ids), sampling, delta, defer, keys)
                 if slotted is not None:
                     return slotted
             logits, cache = fam.forward(self.model, positions, None, inputs_embeds=embeds)
-            seq = Sequence(prompt_len=len(ids), output_ids=[], sampling=sampling, rope_delta=delta, cache=cache)
+            seq = Sequence(
+                prompt_len=len(ids), output_ids=[], sampling=sampling, rope_delta=delta, cache=cache, prefix_keys=keys
+            )
             if not emitted:
                 return seq, self._select(seq, logits, defer)
             return seq, self._continue(seq, logits, emitted)
+
+    # -- prefix caching ---------------------------------------------------
+
+    def _prefix_keys(self, prompt: list[int], ids: list[int], media: list[MediaEmbedding]) -> list[int]:
+        """The content keys of the expanded prompt's full blocks, up to the
+        first media item whose content is unknown (no digest: its blocks
+        could not be told from another item's)."""
+        if not self.prefix_caching or self._slots is None:
+            return []
+        spans: list[MediaSpan] = []
+        placeholders = set(self.family.placeholder_ids.values())
+        at, item = 0, 0
+        for token in prompt:
+            if token not in placeholders:
+                at += 1
+                continue
+            m = media[item]
+            if not m.digest:
+                ids = ids[: at - at % self.block_size]
+                break
+            spans.append(MediaSpan(at, m.num_tokens, m.digest))
+            at += m.num_tokens
+            item += 1
+        return block_keys(ids, self.block_size, spans)
+
+    def _cached_prefix(self, keys: list[int], length: int) -> list[int]:
+        """The pool's blocks holding the longest cached run of ``keys``, held
+        for the caller; at least the prompt's last token is left to prefill
+        (its logits give the first token)."""
+        if not keys:
+            return []
+        assert self.decoder is not None
+        pool = self.decoder.pool
+        hit = pool.cached(keys[: (length - 1) // self.block_size])
+        metrics.PREFIX_QUERIES.inc(length)
+        metrics.PREFIX_HITS.inc(len(hit) * self.block_size)
+        pool.share(hit)
+        return hit
+
+    def _prefill_after(
+        self,
+        hit: list[int],
+        keys: list[int],
+        embeds: torch.Tensor,
+        positions: torch.Tensor,
+        length: int,
+        sampling: SamplingConfig,
+        delta: int,
+        defer: bool,
+    ) -> tuple[Sequence, int]:
+        """The prompt past its cached prefix (``hit``'s blocks, held) through
+        the model's modules, attending over the prefix's keys and values read
+        from the pool. The rest's keys and values are the same computation
+        over fewer rows: their last bits may differ from one whole pass's."""
+        from transformers import DynamicCache
+
+        assert self.decoder is not None
+        cached = len(hit) * self.block_size
+        try:
+            past = [(from_blocks(k, cached)[None], from_blocks(v, cached)[None]) for k, v in self.decoder.read(hit)]
+            logits, cache = self.family.forward(
+                self.model,
+                positions[..., cached:],
+                DynamicCache(ddp_cache_data=past),
+                inputs_embeds=embeds[:, cached:],
+            )
+        except BaseException:
+            self.decoder.pool.free(hit)
+            raise
+        seq = Sequence(
+            prompt_len=length,
+            output_ids=[],
+            sampling=sampling,
+            rope_delta=delta,
+            cache=cache,
+            blocks=hit,
+            prefix_keys=keys,
+            cached_tokens=cached,
+        )
+        return seq, self._select(seq, logits, defer)
+
+    def _register_prefix(self, seq: Sequence) -> None:
+        """Its prompt's full blocks are computed: cached under their keys."""
+        if seq.prefix_keys and self.decoder is not None:
+            pool = self.decoder.pool
+            for block, key in zip(seq.blocks, seq.prefix_keys, strict=False):
+                pool.register(block, key)
+        seq.prefix_keys = []
 
     def _prefill_into_slot(
         self,
@@ -672,6 +779,7 @@ class TorchEngine:
         sampling: SamplingConfig,
         delta: int,
         defer: bool = False,
+        keys: list[int] | None = None,
     ) -> tuple[Sequence, int] | None:
         """The graphed prefill straight into the batch decoder's blocks, where
         the prompt fits a graph and the sequence the pool (else None: the
@@ -688,6 +796,9 @@ class TorchEngine:
         except BaseException:
             slots.free(seq)
             raise
+        # Queued on the stream before any later prefill or step that reads them.
+        seq.prefix_keys = keys or []
+        self._register_prefix(seq)
         return seq, self._select(seq, logits, defer)
 
     def _continue(self, seq: Sequence, logits: torch.Tensor, emitted: list[int]) -> int:
@@ -752,6 +863,8 @@ class Prefilling:
     cache: Any = None
     # Positions of the prompt in the cache so far.
     done: int = 0
+    # Content keys of its full blocks (prefix caching).
+    keys: list[int] = field(default_factory=list)
 
 
 def _budget(seq: Sequence) -> int:

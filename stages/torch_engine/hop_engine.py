@@ -59,6 +59,10 @@ class TorchPrefilled:
     def prompt_len(self) -> int:
         return self.seq.prompt_len
 
+    @property
+    def cached_tokens(self) -> int:
+        return self.seq.cached_tokens
+
 
 class TorchHopEngine:
     def __init__(
@@ -210,7 +214,8 @@ class TorchHopEngine:
             ref = await put_tensors(self.tensors, tensors, req.request.request_id, ctx)
         finally:
             await self.abort(handle)  # the store holds a copy now, or it failed
-        return Carried(kv=KvHandoff(ref, state.prompt_len, state.output_ids, state.rope_delta))
+        kv = KvHandoff(ref, state.prompt_len, state.output_ids, state.rope_delta, handle.seq.cached_tokens)
+        return Carried(kv=kv)
 
     async def receive_prefilled(self, req: ProcessedRequest, ctx: HopContext) -> TorchPrefilled:
         if req.kv is None:
@@ -230,6 +235,7 @@ class TorchHopEngine:
         reserved = None if resumes else await self.thread.call_or_release(self._drop_reserved, reserve_kv)
         if reserved is not None and _fits(kv.ref, reserved[1]):
             await self._read_into_slot(reserved[0], kv.ref, reserved[1], ctx)
+            reserved[0].cached_tokens = kv.cached_tokens
             return TorchPrefilled(reserved[0])
         self._drop_reserved(reserved)
         tensors = await get_tensors(self.tensors, kv.ref, self.torch.device, ctx)
@@ -238,6 +244,7 @@ class TorchHopEngine:
             return self.torch.import_kv(tensors, state, sampling(req))
 
         seq = await self.thread.call_or_release(self.torch.release, import_kv)
+        seq.cached_tokens = kv.cached_tokens
         return TorchPrefilled(seq)
 
     def _drop_reserved(self, reserved: tuple[Sequence, list[list[torch.Tensor]]] | None) -> None:

@@ -44,6 +44,11 @@ class Sequence:
     # Its next token, chosen on the device and on its way to the host
     # (``prefill(defer=True)``); ``TorchEngine.settle`` appends it.
     pending: Launched | None = None
+    # Prefix caching: the content keys of its prompt's full blocks, until its
+    # blocks hold them (then registered in the pool), and the prompt tokens
+    # whose blocks came from the cache instead of a prefill.
+    prefix_keys: list[int] = field(default_factory=list)
+    cached_tokens: int = 0
 
     @property
     def length(self) -> int:

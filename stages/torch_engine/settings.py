@@ -35,6 +35,14 @@ class DecodeSettings:
         "(0.5; on CPU of the host's free memory), or bytes (8GiB, 512MiB, 1000000); one sequence of "
         "--decode-max-len tokens at least. Unset: room for --max-batch sequences of --decode-max-len tokens",
     )
+    prefix_caching: bool = setting(
+        True,
+        flag="enable-prefix-caching",
+        help="keep the KV blocks of prompts' full blocks in the pool after their sequences end, keyed by their "
+        "tokens, the media bytes they show and every block before them; a later prompt that starts the same "
+        "reuses them and prefills only the rest (freed cached blocks are taken for new ones least recently used "
+        "first, only when no other block is free)",
+    )
     cuda_graphs: bool = setting(True, help="capture decode steps as CUDA graphs (off: run them eagerly)")
     torch_compile: bool = setting(
         True,

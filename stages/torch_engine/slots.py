@@ -51,12 +51,17 @@ class SlotTable:
     def taken(self) -> int:
         return len(self.rows) + self.promised
 
-    def can_take(self, tokens: int, spare: int = 0) -> bool:
+    def can_take(self, tokens: int, spare: int = 0, held: list[int] | None = None) -> bool:
         """Whether a sequence holding ``tokens`` positions can join now,
-        leaving ``spare`` blocks free."""
+        leaving ``spare`` blocks free (``held``: the blocks it has already,
+        a cached prefix's)."""
         n = self.decoder.blocks_for(tokens)
         decoder = self.decoder
-        return self.taken < decoder.max_slots and n <= decoder.blocks_per_seq and decoder.pool.can_allocate(n + spare)
+        return (
+            self.taken < decoder.max_slots
+            and n <= decoder.blocks_per_seq
+            and decoder.pool.can_allocate(n + spare - len(held or []))
+        )
 
     def take(self, seq: Sequence, tokens: int) -> int:
         """A row for ``seq`` (the next one) and its blocks; sets ``seq.slot``."""
@@ -120,9 +125,10 @@ class SlotTable:
         seq.blocks = []
 
     def _allocate(self, seq: Sequence, tokens: int) -> None:
-        if not self.can_take(tokens):
+        """Blocks for ``tokens`` positions after those ``seq`` holds (a cached prefix's)."""
+        if not self.can_take(tokens, held=seq.blocks):
             raise RuntimeError("no decoder row or KV blocks free")
-        seq.blocks = self.decoder.pool.allocate(self.decoder.blocks_for(tokens))
+        seq.blocks = seq.blocks + self.decoder.pool.allocate(self.decoder.blocks_for(tokens) - len(seq.blocks))
 
     def _place(self, seq: Sequence) -> int:
         if len(self.rows) >= self.decoder.max_slots:

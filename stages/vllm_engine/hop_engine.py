@@ -82,6 +82,8 @@ class VllmPrefilled:
     # The prompt vLLM gets: the processor's ids plus what the client holds.
     prompt_ids: list[int]
     media: list[MediaEmbedding]
+    # vLLM's own prefix cache hits are not read back yet: reported as none.
+    cached_tokens: int = 0
     # When the prefill (or, on a decode hop, the decode) began: prefill_s
     # runs from here to the first token.
     started: float = field(default_factory=time.monotonic)

@@ -1,0 +1,49 @@
+"""Content keys of a prompt's full KV blocks, for prefix caching.
+
+A block's keys and values depend on every token up to its last and on
+what each media placeholder among them shows, so a block's key folds in
+its parent's key, its own token ids and the content digest of each media
+item whose placeholder tokens it covers (with where in the item it
+starts): two prompts share a block only where their tokens and their
+media bytes are equal, never by a URL. A salt (a tenant's, later a LoRA
+adapter's) goes into the first block's key, and so into every key after.
+Only full blocks get a key: a block still filling has no content to share.
+
+Keys are 64-bit unsigned integers (the first eight bytes of a SHA-256),
+the form vLLM's KV events carry block hashes in.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Sequence
+from typing import NamedTuple
+
+import msgspec
+
+
+class MediaSpan(NamedTuple):
+    """A media item's placeholder tokens in the expanded prompt, and its content digest."""
+
+    start: int
+    length: int
+    digest: str
+
+
+def block_keys(
+    token_ids: Sequence[int],
+    block_size: int,
+    media: Sequence[MediaSpan] = (),
+    salt: str | None = None,
+) -> list[int]:
+    """The key of each full block of ``token_ids``, in order."""
+    keys: list[int] = []
+    parent: int | str | None = salt
+    for start in range(0, len(token_ids) - block_size + 1, block_size):
+        end = start + block_size
+        shown = [(m.digest, start - m.start) for m in media if m.start < end and start < m.start + m.length]
+        payload = msgspec.msgpack.encode((parent, list(token_ids[start:end]), shown))
+        key = int.from_bytes(hashlib.sha256(payload).digest()[:8], "little")
+        keys.append(key)
+        parent = key
+    return keys
