@@ -138,6 +138,15 @@ def _bench(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         help="a worker's /metrics (mmpipe up: --health-port, one port a worker): where its engine thread's time "
         "went over the load (repeatable)",
     )
+    bench.add_argument(
+        "--workload",
+        choices=("single", "multiturn"),
+        default="single",
+        help="single: independent requests; multiturn: --users conversations of --turns turns, each sent with "
+        "the whole conversation once the answer before it is in (prefix caching's workload)",
+    )
+    bench.add_argument("--users", type=int, default=4, help="with --workload multiturn: conversations at once")
+    bench.add_argument("--turns", type=int, default=3, help="with --workload multiturn: turns a conversation")
     bench.add_argument("--compare-modes", action="store_true", help="start `mmpipe up` per mode, same load on each")
     bench.add_argument("--modes", default="epd,e-pd,e-p-d,ep-d", help="with --compare-modes")
     bench.add_argument("--transport", choices=("auto", "nixl", "nats"), default="nixl", help="with --compare-modes")

@@ -53,6 +53,10 @@ def main(args: argparse.Namespace) -> int:
         from pipeline.bench.transport import main as transport_main
 
         return transport_main(args)
+    if getattr(args, "workload", "single") == "multiturn":
+        from pipeline.bench.multiturn import main as multiturn_main
+
+        return multiturn_main(args)
     if args.compare_modes:
         from pipeline.bench.modes import main as modes_main
 

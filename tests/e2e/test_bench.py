@@ -221,3 +221,20 @@ def test_bench_encode_batches_requests_into_one_call(tiny_model_dir: Path) -> No
     assert result["mmpipe_calls_per_batch"] == 1.0  # three requests, one tower call
     assert result["mmpipe_one_ms"] > 0 and result["mmpipe_batch_ms"] > 0 and result["hf_batch_ms"] > 0
     assert "per-image" in format_result(result)
+
+
+@pytest.mark.e2e
+async def test_the_multiturn_workload_reports_each_turns_prefix_hits(stack: Stack) -> None:
+    from pipeline.bench.multiturn import format_summary
+    from pipeline.bench.multiturn import run as run_multiturn
+
+    spec = LoadSpec(url=f"{stack.base_url}/v1", max_tokens=4, image_size=(64, 48), filler_words=120)
+    summary = await run_multiturn(spec, users=2, turns=3)
+    assert (summary["completed"], summary["failed"], summary["warmup_error"]) == (6, 0, None)
+    first, second, third = summary["per_turn"]
+    # Each turn resends the conversation so far: longer prompts, and the earlier turns' blocks found.
+    assert first["prompt_tokens_mean"] < second["prompt_tokens_mean"] < third["prompt_tokens_mean"]
+    assert first["cached_tokens_mean"] == 0
+    assert second["cached_tokens_mean"] >= 120 and third["cached_tokens_mean"] >= second["cached_tokens_mean"]
+    assert 0.5 < summary["hit_rate_after_first"] <= 1
+    assert "hit rate" in format_summary(summary)
