@@ -20,6 +20,7 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+import msgspec
 import structlog
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
@@ -36,6 +37,8 @@ log = structlog.get_logger(__name__)
 READY_PATH = "/health/ready"
 LIVE_PATH = "/health/live"
 METRICS_PATH = "/metrics"
+# POST: the worker forgets its prefix cache (the bridge's /v1/cache/reset asks every worker at once).
+CACHE_RESET_PATH = "/cache/reset"
 
 
 @dataclass(frozen=True)
@@ -120,7 +123,15 @@ class WorkerHealth:
         app.router.add_get(READY_PATH, self._ready)
         app.router.add_get(LIVE_PATH, self._live)
         app.router.add_get(METRICS_PATH, self._metrics)
+        app.router.add_post(CACHE_RESET_PATH, self._reset_cache)
         return app
+
+    async def _reset_cache(self, request: web.Request) -> web.Response:
+        worker = self.worker
+        if worker is None or not worker.ready.is_set():
+            return web.json_response({"status": "starting"}, status=503)
+        cleared = await worker.reset_prefix_cache()
+        return web.json_response(msgspec.structs.asdict(cleared), status=500 if cleared.error else 200)
 
     async def _ready(self, request: web.Request) -> web.Response:
         ok, body = await self.readiness()

@@ -75,6 +75,11 @@ class Subjects:
     def all_spans(self) -> str:
         return f"{self.prefix}.spans.>"
 
+    @property
+    def cache_reset(self) -> str:
+        """Every worker of the namespace: forget your prefix cache (request, one reply each)."""
+        return f"{self.prefix}.cache.reset"
+
     def ping(self, role: str) -> str:
         return f"{self.prefix}.ping.{role_token(role)}"
 

@@ -31,7 +31,7 @@ from pipeline.subjects import check_token
 from pipeline.transport.base import TensorGone, TensorTransport
 from schemas.chunk import ReplyChunk, TokenChunk
 from schemas.codec import CONTENT_TYPE, MSGPACK, Decoder, encode
-from schemas.control import Restart, WorkerInfo
+from schemas.control import CacheCleared, Restart, WorkerInfo
 from schemas.errors import (
     DeadlineExceeded,
     InternalError,
@@ -152,6 +152,7 @@ class Worker:
         await self.stage.start()
         await self.cancels.listen(self.nc, self.subjects, also=self._release_held)
         ping = await self.nc.subscribe(self.subjects.ping(self.role), cb=self._on_ping)
+        resets = await self.nc.subscribe(self.subjects.cache_reset, cb=self._on_cache_reset)
         psub = await self.js.pull_subscribe_bind(self.subjects.durable(self.role), self.subjects.stream(self.role))
         log.info("worker_started", role=self.role, worker_id=self.worker_id, max_inflight=self.max_inflight)
         self.ready.set()
@@ -160,6 +161,7 @@ class Worker:
         finally:
             await self._drain()
             await ping.unsubscribe()
+            await resets.unsubscribe()
             await psub.unsubscribe()
             await self.cancels.close()
             await self.stage.close()
@@ -274,6 +276,23 @@ class Worker:
             max_inflight=self.max_inflight,
         )
         await msg.respond(encode(info))
+
+    async def reset_prefix_cache(self) -> CacheCleared:
+        """Forget the stage's cached prefixes (``POST /v1/cache/reset`` on the
+        bridge, or this worker's health port)."""
+        reset = getattr(self.stage, "reset_prefix_cache", None)
+        try:
+            blocks = await reset() if reset is not None else None
+        except Exception as exc:
+            metrics.ERRORS.labels(self.role, "cache_reset_failed").inc()
+            log.error("cache_reset_failed", role=self.role, error=repr(exc))
+            return CacheCleared(self.role, self.worker_id, error=repr(exc))
+        if blocks is None:
+            return CacheCleared(self.role, self.worker_id, supported=False)
+        return CacheCleared(self.role, self.worker_id, blocks=blocks)
+
+    async def _on_cache_reset(self, msg: Msg) -> None:
+        await msg.respond(encode(await self.reset_prefix_cache()))
 
     # -- one message ---------------------------------------------------------
 

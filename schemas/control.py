@@ -35,6 +35,19 @@ class WorkerInfo(msgspec.Struct, omit_defaults=True, forbid_unknown_fields=True)
     max_inflight: int = 0
 
 
+class CacheCleared(msgspec.Struct, omit_defaults=True, forbid_unknown_fields=True):
+    """A worker's answer on ``mmpipe.<ns>.cache.reset``: its prefix cache
+    forgotten (``blocks`` were cached), or not held (``supported`` False:
+    its role or engine keeps none)."""
+
+    role: str
+    worker_id: str
+    supported: bool = True
+    blocks: int = 0
+    # Set where the engine failed to forget it.
+    error: str = ""
+
+
 class Restart(msgspec.Struct, omit_defaults=True, forbid_unknown_fields=True):
     """A hop's request, to the bridge holding a request as it arrived, to
     queue it again from its first hop as ``attempt`` (what an earlier hop

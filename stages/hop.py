@@ -73,6 +73,12 @@ class HopStage:
     def has_room(self) -> bool:
         return self.engine.has_room()
 
+    async def reset_prefix_cache(self) -> int | None:
+        """Forget the engine's cached prefixes: blocks forgotten, or None
+        where the engine keeps none it can forget."""
+        reset = getattr(self.engine, "reset_prefix_cache", None)
+        return None if reset is None else await reset()
+
     async def close(self) -> None:
         await self.engine.close()
 

@@ -32,7 +32,7 @@ from pipeline.replies import CHUNK_DECODER, ExactlyOnceRelay, stored_chunks
 from pipeline.streams import ensure_streams, is_stream_full
 from schemas.chunk import ErrorChunk, ReplyChunk, TokenChunk
 from schemas.codec import CONTENT_TYPE, MSGPACK, Decoder, encode
-from schemas.control import Cancel, Restart, WorkerInfo
+from schemas.control import CacheCleared, Cancel, Restart, WorkerInfo
 from schemas.errors import (
     Cancelled,
     DeadlineExceeded,
@@ -55,6 +55,10 @@ if TYPE_CHECKING:
 log = structlog.get_logger(__name__)
 
 _WORKER_INFO: Decoder[WorkerInfo] = Decoder(WorkerInfo)
+_CACHE_CLEARED: Decoder[CacheCleared] = Decoder(CacheCleared)
+# POST /v1/cache/reset: how long to wait for the workers' answers, and for more after one.
+_CACHE_RESET_WAIT_S = 5.0
+_CACHE_RESET_QUIET_S = 0.5
 _RESTART: Decoder[Restart] = Decoder(Restart)
 
 # Every chat completion's answer names its request id (the one on the NATS
@@ -108,6 +112,7 @@ class Bridge:
         app.router.add_get("/v1/models", self.models)
         app.router.add_get("/health", self.health)
         app.router.add_get("/metrics", self.metrics)
+        app.router.add_post("/v1/cache/reset", self.reset_cache)
         app.on_startup.append(self._on_startup)
         return app
 
@@ -169,6 +174,39 @@ class Bridge:
             info = await self.worker(PROCESSOR)
             names = info.models if info else []
         return web.json_response(responses.model_list(names))
+
+    async def reset_cache(self, request: web.Request) -> web.Response:
+        """Every worker forgets its prefix cache: each one's answer, as it
+        comes within a short wait (an admin's call, behind the API key)."""
+        self._authorize(request)
+        inbox = self.nc.new_inbox()
+        sub = await self.nc.subscribe(inbox)
+        answers: list[CacheCleared] = []
+        try:
+            await self.nc.publish(self.subjects.cache_reset, b"", reply=inbox)
+            loop = asyncio.get_running_loop()
+            deadline = loop.time() + _CACHE_RESET_WAIT_S
+            while (left := deadline - loop.time()) > 0:
+                # After the first answer, a pause this long means the rest have answered.
+                wait = min(left, _CACHE_RESET_QUIET_S) if answers else left
+                try:
+                    msg = await sub.next_msg(timeout=wait)
+                except (NatsTimeoutError, TimeoutError):
+                    break
+                answers.append(_CACHE_CLEARED.decode(msg.data))
+        finally:
+            await sub.unsubscribe()
+        if not answers:
+            raise NoWorkers("no worker answered the cache reset")
+        failed = [a for a in answers if a.error]
+        for answer in failed:
+            metrics.ERRORS.labels("bridge", "cache_reset_failed").inc()
+            log.error("cache_reset_failed", worker_id=answer.worker_id, role=answer.role, error=answer.error)
+        body = {
+            "blocks": sum(a.blocks for a in answers),
+            "workers": [msgspec.structs.asdict(a) for a in sorted(answers, key=lambda a: (a.role, a.worker_id))],
+        }
+        return web.json_response(body, status=500 if failed else 200)
 
     def _authorize(self, request: web.Request) -> None:
         key = self.settings.api_key

@@ -42,6 +42,7 @@ from stages.torch_engine import core_process
 from stages.torch_engine.core_wire import (
     Abort,
     Broken,
+    CacheReset,
     Cancel,
     Decode,
     DropMedia,
@@ -53,6 +54,7 @@ from stages.torch_engine.core_wire import (
     Prefill,
     Prefilled,
     Ready,
+    ResetCache,
     Room,
     Scrape,
     Scraped,
@@ -219,6 +221,11 @@ class ProcessHopEngine:
         assert isinstance(reply, Scraped)
         return reply.text
 
+    async def reset_prefix_cache(self) -> int | None:
+        reply = await self._call(ResetCache(next(self._ids)))
+        assert isinstance(reply, CacheReset)
+        return reply.blocks
+
     # -- the hop's steps -------------------------------------------------------------
 
     async def encode(self, req: ProcessedRequest, ctx: HopContext) -> list[MediaEmbedding]:
@@ -383,7 +390,7 @@ class ProcessHopEngine:
                 queue.put_nowait(error)
             elif (reply := self._replies.pop(msg.call, None)) is not None and not reply.done():
                 reply.set_exception(error)
-        elif isinstance(msg, Encoded | Prefilled | Scraped):
+        elif isinstance(msg, Encoded | Prefilled | Scraped | CacheReset):
             reply = self._replies.pop(msg.call, None)
             if reply is not None and not reply.done():
                 reply.set_result(msg)

@@ -35,6 +35,7 @@ from stages.families import MediaEmbedding
 from stages.torch_engine.core_wire import (
     Abort,
     Broken,
+    CacheReset,
     Cancel,
     Decode,
     DropMedia,
@@ -47,6 +48,7 @@ from stages.torch_engine.core_wire import (
     Prefill,
     Prefilled,
     Ready,
+    ResetCache,
     Room,
     Scrape,
     Scraped,
@@ -163,6 +165,11 @@ class EngineCore:
 
             self._count()
             self._send(Scraped(msg.call, generate_latest()))
+        elif isinstance(msg, ResetCache):
+            self._start(msg.call, self._reset_cache(msg.call))
+
+    async def _reset_cache(self, call: int) -> FromCore:
+        return CacheReset(call, await self.hop.reset_prefix_cache())
 
     def _start(self, call: int, work: Coroutine[Any, Any, FromCore | None]) -> None:
         task = asyncio.create_task(self._answer(call, work))

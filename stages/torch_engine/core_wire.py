@@ -62,7 +62,11 @@ class Scrape(msgspec.Struct, tag=True, array_like=True):
     call: int
 
 
-ToCore = Encode | Prefill | Decode | Cancel | Abort | DropMedia | Scrape
+class ResetCache(msgspec.Struct, tag=True, array_like=True):
+    call: int
+
+
+ToCore = Encode | Prefill | Decode | Cancel | Abort | DropMedia | Scrape | ResetCache
 
 # -- core → worker -------------------------------------------------------------
 
@@ -146,7 +150,13 @@ class Scraped(msgspec.Struct, tag=True, array_like=True):
     text: bytes
 
 
-FromCore = Ready | StartFailed | Encoded | Prefilled | Tokens | Finished | Failed | Room | Broken | Scraped
+class CacheReset(msgspec.Struct, tag=True, array_like=True):
+    call: int
+    # None: the core's engine holds no KV pool.
+    blocks: int | None
+
+
+FromCore = Ready | StartFailed | Encoded | Prefilled | Tokens | Finished | Failed | Room | Broken | Scraped | CacheReset
 
 # Frames past this are a bug, not a request (a ProcessedRequest with inline media stays far below).
 MAX_FRAME = 1 << 30

@@ -763,6 +763,17 @@ class TorchEngine:
         )
         return seq, self._select(seq, logits, defer)
 
+    def reset_prefix_cache(self) -> int | None:
+        """Forget every cached prefix (running sequences keep their blocks);
+        returns how many blocks were cached (None: this engine holds no KV
+        pool, so no prefix cache)."""
+        if self.decoder is None:
+            return None
+        with self._lock:
+            cleared = self.decoder.pool.reset()
+        log.info("prefix_cache_reset", blocks=cleared)
+        return cleared
+
     def _register_prefix(self, seq: Sequence) -> None:
         """Its prompt's full blocks are computed: cached under their keys."""
         if seq.prefix_keys and self.decoder is not None:

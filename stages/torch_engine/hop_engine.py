@@ -126,6 +126,10 @@ class TorchHopEngine:
             return False
         return self.torch.has_room()
 
+    async def reset_prefix_cache(self) -> int | None:
+        """Forget the cached prefixes: blocks cached, now forgotten (None: no pool)."""
+        return await self.thread.call(self.torch.reset_prefix_cache)
+
     async def health(self) -> None:
         """Raises once the decode loop has stopped other than by ``close()``:
         the worker would take requests whose streams never get a token. (The

@@ -9,10 +9,15 @@ from __future__ import annotations
 
 from typing import Any
 
+import aiohttp
+import openai
 import pytest
 
+from pipeline.bridge.app import BridgeSettings
+from pipeline.config import PipelineConfig
 from schemas.routes import MODES
-from tests.e2e.conftest import ask, client, gradient, png_data_url
+from stages.models import ModelSpec
+from tests.e2e.conftest import Stack, ask, client, gradient, png_data_url, start_stack
 from tests.e2e.test_modes import make_stack  # noqa: F401  (a fixture)
 
 N = 6
@@ -66,3 +71,58 @@ async def test_a_second_turn_reuses_the_first_turns_blocks_and_says_so(
         assert (cached >= 4 * BLOCK) if caches else cached == 0
         assert cached % BLOCK == 0
         assert await ask(c, content, stream=True, n=N) == (expected, N)
+
+
+@pytest.mark.e2e
+async def test_the_bridges_cache_reset_makes_every_worker_forget_its_prefixes(
+    pipeline_config: PipelineConfig, model_spec: ModelSpec
+) -> None:
+    """Behind the API key; each worker answers (one with no cache says so);
+    the next same request prefills its whole prompt again."""
+    config = PipelineConfig(nats_url=pipeline_config.nats_url, namespace=pipeline_config.namespace, mode="e-pd")
+    stack, stop = await start_stack(config, model_spec, bridge_settings=BridgeSettings(port=0, api_key="k"))
+    content = "Tell me about the sea and the mountains and the long way between them. " * 6
+    try:
+        keyed = openai.AsyncOpenAI(base_url=f"{stack.base_url}/v1", api_key="k", max_retries=0)
+        async with keyed as c:
+            await _cached(c, content, stream=False)
+            assert await _cached(c, content, stream=False) >= 4 * BLOCK
+            async with aiohttp.ClientSession() as http:
+                url = f"{stack.base_url}/v1/cache/reset"
+                async with http.post(url) as denied:
+                    assert denied.status == 401
+                async with http.post(url, headers={"Authorization": "Bearer k"}) as reset:
+                    assert reset.status == 200
+                    body = await reset.json()
+            answers = {a["role"]: a for a in body["workers"]}
+            assert set(answers) == {"processor", "encode", "prefill+decode"}
+            assert answers["prefill+decode"]["supported"] is True and answers["prefill+decode"]["blocks"] >= 4
+            # The encode worker holds no KV pool, a processor no engine: neither has a cache to forget.
+            assert answers["encode"]["supported"] is False and answers["processor"]["supported"] is False
+            assert body["blocks"] == answers["prefill+decode"]["blocks"]
+            assert await _cached(c, content, stream=False) == 0
+    finally:
+        await stop()
+
+
+@pytest.mark.e2e
+async def test_a_workers_health_port_resets_its_own_cache(stack: Stack) -> None:
+    from pipeline.health import WorkerHealth
+
+    [worker] = [w for w in stack.workers if w.role != "processor"]
+    health = WorkerHealth()
+    health.worker = worker
+    port = await health.serve(0)
+    content = "Tell me about the sea and the mountains and the long way between them. " * 6
+    try:
+        async with client(stack) as c:
+            await _cached(c, content, stream=False)
+            assert await _cached(c, content, stream=False) > 0
+            async with aiohttp.ClientSession() as http:
+                async with http.post(f"http://127.0.0.1:{port}/cache/reset") as reset:
+                    assert reset.status == 200
+                    body = await reset.json()
+            assert body["role"] == worker.role and body["blocks"] >= 4
+            assert await _cached(c, content, stream=False) == 0
+    finally:
+        await health.close()

@@ -218,3 +218,17 @@ def test_vllm_with_an_engine_process_is_refused(tiny_model_dir: Path) -> None:
     settings = WorkerSettings(model=str(tiny_model_dir), device="cpu", engine="vllm", engine_process=True)
     with pytest.raises(SystemExit, match="built-in engine"):
         build_stage(EPD, PipelineConfig(), settings)
+
+
+async def test_the_core_reuses_a_cached_prefix_says_so_and_forgets_it_when_asked(
+    stage: HopStage, processor: Processor
+) -> None:
+    text = "Tell me about the sea and the mountains and the long way between them. " * 6
+    first = await run(stage, processor.process(request("p1", 4, text=text)))
+    again = await run(stage, processor.process(request("p2", 4, text=text)))
+    assert first[-1].usage is not None and first[-1].usage.cached_tokens == 0
+    assert again[-1].usage is not None and again[-1].usage.cached_tokens >= 64
+    assert tokens(again) == tokens(first)
+    assert await stage.reset_prefix_cache() >= 4
+    third = await run(stage, processor.process(request("p3", 4, text=text)))
+    assert third[-1].usage is not None and third[-1].usage.cached_tokens == 0
