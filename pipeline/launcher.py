@@ -20,6 +20,7 @@ import structlog
 
 from pipeline.auth import NatsAuth
 from pipeline.bridge.processing import BridgeProcessing
+from pipeline.kv_events import KvEventsSettings, offset_endpoint
 from pipeline.nats_server import NatsServer, NatsServerConfig
 from pipeline.serve import WorkerSettings
 from pipeline.settings import BridgeProcess, UpProcess, WorkerProcess, handed_env
@@ -122,6 +123,12 @@ def up(settings: UpProcess, external_nats: bool) -> int:
     # Resolved (and a built-in built) once here, not by every child at once.
     spec = resolve_model(worker.model, worker.served_model_name)
     counts = parse_worker_counts(settings.up.workers, mode)
+    try:
+        # Each worker's KV events ports, checked before anything starts.
+        for index in range(sum(n for role, n in counts.items() if holds_kv(role))):
+            kv_events_of("decode", worker.kv_events, index)
+    except ValueError as exc:
+        raise SystemExit(f"mmpipe up: {exc}") from None
     server: NatsServer | None = None
     nats_url = settings.common.pipeline.nats_url
     if not external_nats:
@@ -186,15 +193,32 @@ def plan(settings: UpProcess, nats_url: str, counts: dict[str, int], data_dir: P
     env = dict(os.environ)
     out: list[Child] = []
     health_port = settings.worker.health.port
+    kv_holders = 0
     for role in ROLES:
         for _ in range(counts.get(role, 0)):
             worker = role_settings(role, settings.worker, settings.up, data_dir, health_port)
+            worker = dataclasses.replace(worker, kv_events=kv_events_of(role, worker.kv_events, kv_holders))
+            kv_holders += holds_kv(role)
             handed = handed_env("worker", WorkerProcess(common, worker))
             out.append(Child(role, ["worker", role], {**env, **handed}, health_port))
             health_port += 1 if health_port else 0
     bridge = BridgeProcess(common, settings.bridge, bridge_processing(settings.worker, counts))
     out.append(Child("bridge", ["bridge"], {**env, **handed_env("bridge", bridge)}))
     return out
+
+
+def holds_kv(role: str) -> bool:
+    """Whether a role's workers hold KV cache (and so may publish KV events)."""
+    return "prefill" in role or "decode" in role
+
+
+def kv_events_of(role: str, events: KvEventsSettings, index: int) -> KvEventsSettings:
+    """``mmpipe up``'s KV events endpoints for the ``index``-th worker that
+    holds KV: the given ports offset by ``index``; none for the others."""
+    if not events.endpoint or not holds_kv(role):
+        return KvEventsSettings(topic=events.topic)
+    replay = offset_endpoint(events.replay_endpoint, index) if events.replay_endpoint else ""
+    return dataclasses.replace(events, endpoint=offset_endpoint(events.endpoint, index), replay_endpoint=replay)
 
 
 def bridge_processing(worker: WorkerSettings, counts: dict[str, int]) -> BridgeProcessing:

@@ -23,6 +23,7 @@ from pipeline.config import PipelineConfig
 from pipeline.connection import connect, shutdown
 from pipeline.gc_heap import freeze_startup_heap
 from pipeline.health import HealthSettings, WorkerHealth
+from pipeline.kv_events import KvEventsSettings
 from pipeline.metrics import show_engine_core
 from pipeline.transport.base import TensorTransport, TransportSettings
 from pipeline.worker import Worker
@@ -92,6 +93,7 @@ class WorkerSettings:
     )
     tensor_settings: TransportSettings = section(TransportSettings, "tensor hand-offs (workers that hand off)")
     health: HealthSettings = section(HealthSettings, "health and metrics endpoints (probes and Prometheus)")
+    kv_events: KvEventsSettings = section(KvEventsSettings, "KV cache events (workers that hold a KV pool)")
     engine_process: bool = setting(
         False,
         help="run the built-in engine (model, KV cache, decode loop, media decoding, encoder) in a process of its "
@@ -226,7 +228,7 @@ def build_torch_hop_engine(
         torch.set_num_threads(threads)
     engine = TorchEngine(Path(spec.path), device=device, decode=decode)
     cache = EmbeddingCache(settings.embedding_cache_bytes, name=role) if role.startswith("encode") else None
-    return TorchHopEngine(
+    hop = TorchHopEngine(
         role,
         engine,
         tensors,
@@ -238,6 +240,18 @@ def build_torch_hop_engine(
         gpu_call_spans=decode.gpu_call_spans,
         calls_ahead_of_step=decode.calls_ahead_of_step,
     )
+    events = settings.kv_events
+    if events.endpoint and engine.decoder is not None and engine.prefix_caching:
+        from pipeline.kv_events import KvEventPublisher
+        from schemas.kv_events import MEDIUM_CPU, MEDIUM_GPU
+        from stages.torch_engine.kv_event_log import KvEventLog
+
+        pool = engine.decoder.pool
+        pool.log = KvEventLog(engine.block_size, MEDIUM_GPU if engine.device.type == "cuda" else MEDIUM_CPU)
+        publisher = KvEventPublisher(pool.log, events.endpoint, events.replay_endpoint, events.topic)
+        hop.closers.append(publisher.close)
+        hop.kv_events_endpoint = events.endpoint
+    return hop
 
 
 def engine_core_hop_engine(role: str, settings: WorkerSettings, spec: ModelSpec, log_level: str) -> TorchHopEngine:
@@ -260,11 +274,21 @@ def _vllm_stage(role: str, settings: WorkerSettings, spec: ModelSpec, tensors: T
         require_vllm()
         from stages.vllm_engine.stage import build_vllm_stage
 
-        return build_vllm_stage(
+        engine_args = settings.engine_args()
+        events = settings.kv_events
+        if events.endpoint and "kv_events_config" not in engine_args:  # --vllm-arg wins
+            engine_args["kv_events_config"] = {
+                "enable_kv_cache_events": True,
+                "publisher": "zmq",
+                "endpoint": events.endpoint,
+                "replay_endpoint": events.replay_endpoint or None,
+                "topic": events.topic,
+            }
+        stage = build_vllm_stage(
             role,
             Path(spec.path),
             spec.served_name,
-            settings.engine_args(),
+            engine_args,
             tensors,
             device=resolve_device(settings.device),
             media_policy=settings.media,
@@ -275,6 +299,9 @@ def _vllm_stage(role: str, settings: WorkerSettings, spec: ModelSpec, tensors: T
             ec_path=settings.vllm_ec_path,
             storage_ttl_s=settings.vllm_storage_ttl_s,
         )
+        if events.endpoint:
+            stage.engine.kv_events_endpoint = events.endpoint  # type: ignore[attr-defined]
+        return stage
     except (VllmUnavailable, ValueError) as exc:
         raise SystemExit(f"mmpipe: {exc}") from None
 

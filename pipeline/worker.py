@@ -274,6 +274,7 @@ class Worker:
             models=self.stage.models,
             inflight=len(self._tasks),
             max_inflight=self.max_inflight,
+            kv_events_endpoint=getattr(getattr(self.stage, "engine", None), "kv_events_endpoint", ""),
         )
         await msg.respond(encode(info))
 

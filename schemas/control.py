@@ -33,6 +33,8 @@ class WorkerInfo(msgspec.Struct, omit_defaults=True, forbid_unknown_fields=True)
     models: list[str] = []
     inflight: int = 0
     max_inflight: int = 0
+    # Where its KV cache events are published (ZMQ), if anywhere.
+    kv_events_endpoint: str = ""
 
 
 class CacheCleared(msgspec.Struct, omit_defaults=True, forbid_unknown_fields=True):

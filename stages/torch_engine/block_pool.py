@@ -24,6 +24,10 @@ its tails).
 from __future__ import annotations
 
 import collections
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from stages.torch_engine.kv_event_log import KvEventLog
 
 NULL_BLOCK = 0
 
@@ -48,6 +52,8 @@ class BlockPool:
         self._idle: collections.OrderedDict[int, None] = collections.OrderedDict()
         # Cached blocks taken for new content since start (vLLM's evictions).
         self.evicted = 0
+        # Where what the cache forgets is told (KV events); the engine tells what it caches.
+        self.log: KvEventLog | None = None
 
     @property
     def num_free(self) -> int:
@@ -71,16 +77,20 @@ class BlockPool:
         least recently used idle cached ones, whose content is forgotten."""
         if n > self.num_free:
             raise RuntimeError(f"{n} KV blocks asked for, {self.num_free} free")
-        out = []
+        out, forgotten = [], []
         for _ in range(n):
             if self._free:
                 block = self._free.popleft()
             else:
                 block, _ = self._idle.popitem(last=False)
-                del self._block_of[self._key_of.pop(block)]
+                key = self._key_of.pop(block)
+                del self._block_of[key]
+                forgotten.append(key)
                 self.evicted += 1
             self._holders[block] = 1
             out.append(block)
+        if forgotten and self.log is not None:
+            self.log.removed(forgotten)
         return out
 
     def free(self, blocks: list[int]) -> None:
@@ -141,4 +151,6 @@ class BlockPool:
         self._idle.clear()
         self._key_of.clear()
         self._block_of.clear()
+        if self.log is not None:
+            self.log.cleared()
         return n

@@ -236,7 +236,7 @@ class TorchEngine:
             embeds = self.family.embed_prompt(self.model, ids, media)
         # Cached once its blocks hold it (a later turn reuses it); not looked up yet.
         keys = self._prefix_keys(prompt_token_ids, ids, media)
-        return Prefilling(len(ids), positions, delta, embeds, sampling, keys=keys)
+        return Prefilling(len(ids), positions, delta, embeds, sampling, keys=keys, ids=ids)
 
     def prefill_chunk(self, prefilling: Prefilling, defer: bool = False) -> tuple[Sequence, int] | None:
         """The next chunk of ``prefilling`` through the model, over the cache
@@ -262,6 +262,7 @@ class TorchEngine:
             rope_delta=p.delta,
             cache=p.cache,
             prefix_keys=p.keys,
+            prefix_ids=p.ids,
         )
         p.cache = p.embeds = None
         return seq, self._select(seq, logits, defer)
@@ -670,14 +671,20 @@ class TorchEngine:
             embeds = fam.embed_prompt(self.model, ids, media)
             hit = self._cached_prefix(keys, len(ids))
             if hit:
-                return self._prefill_after(hit, keys, embeds, positions, len(ids), sampling, delta, defer)
+                return self._prefill_after(hit, keys, ids, embeds, positions, sampling, delta, defer)
             if not emitted:
-                slotted = self._prefill_into_slot(embeds, positions, len(ids), sampling, delta, defer, keys)
+                slotted = self._prefill_into_slot(embeds, positions, len(ids), sampling, delta, defer, keys, ids)
                 if slotted is not None:
                     return slotted
             logits, cache = fam.forward(self.model, positions, None, inputs_embeds=embeds)
             seq = Sequence(
-                prompt_len=len(ids), output_ids=[], sampling=sampling, rope_delta=delta, cache=cache, prefix_keys=keys
+                prompt_len=len(ids),
+                output_ids=[],
+                sampling=sampling,
+                rope_delta=delta,
+                cache=cache,
+                prefix_keys=keys,
+                prefix_ids=ids,
             )
             if not emitted:
                 return seq, self._select(seq, logits, defer)
@@ -725,9 +732,9 @@ class TorchEngine:
         self,
         hit: list[int],
         keys: list[int],
+        ids: list[int],
         embeds: torch.Tensor,
         positions: torch.Tensor,
-        length: int,
         sampling: SamplingConfig,
         delta: int,
         defer: bool,
@@ -752,13 +759,14 @@ class TorchEngine:
             self.decoder.pool.free(hit)
             raise
         seq = Sequence(
-            prompt_len=length,
+            prompt_len=len(ids),
             output_ids=[],
             sampling=sampling,
             rope_delta=delta,
             cache=cache,
             blocks=hit,
             prefix_keys=keys,
+            prefix_ids=ids,
             cached_tokens=cached,
         )
         return seq, self._select(seq, logits, defer)
@@ -775,12 +783,17 @@ class TorchEngine:
         return cleared
 
     def _register_prefix(self, seq: Sequence) -> None:
-        """Its prompt's full blocks are computed: cached under their keys."""
+        """Its prompt's full blocks are computed: cached under their keys
+        (and each run of blocks newly cached told as one BlockStored)."""
         if seq.prefix_keys and self.decoder is not None:
-            pool = self.decoder.pool
-            for block, key in zip(seq.blocks, seq.prefix_keys, strict=False):
-                pool.register(block, key)
-        seq.prefix_keys = []
+            pool, keys = self.decoder.pool, seq.prefix_keys
+            new = [i for i, (block, key) in enumerate(zip(seq.blocks, keys, strict=False)) if pool.register(block, key)]
+            if pool.log is not None:
+                size = self.block_size
+                for first, last in _runs(new):
+                    parent = keys[first - 1] if first else None
+                    pool.log.stored(keys[first : last + 1], parent, seq.prefix_ids[first * size : (last + 1) * size])
+        seq.prefix_keys, seq.prefix_ids = [], []
 
     def _prefill_into_slot(
         self,
@@ -791,6 +804,7 @@ class TorchEngine:
         delta: int,
         defer: bool = False,
         keys: list[int] | None = None,
+        ids: list[int] | None = None,
     ) -> tuple[Sequence, int] | None:
         """The graphed prefill straight into the batch decoder's blocks, where
         the prompt fits a graph and the sequence the pool (else None: the
@@ -808,7 +822,7 @@ class TorchEngine:
             slots.free(seq)
             raise
         # Queued on the stream before any later prefill or step that reads them.
-        seq.prefix_keys = keys or []
+        seq.prefix_keys, seq.prefix_ids = keys or [], ids or []
         self._register_prefix(seq)
         return seq, self._select(seq, logits, defer)
 
@@ -874,8 +888,20 @@ class Prefilling:
     cache: Any = None
     # Positions of the prompt in the cache so far.
     done: int = 0
-    # Content keys of its full blocks (prefix caching).
+    # Content keys of its full blocks (prefix caching), and the ids they cover.
     keys: list[int] = field(default_factory=list)
+    ids: list[int] = field(default_factory=list)
+
+
+def _runs(indices: list[int]) -> list[tuple[int, int]]:
+    """Runs of consecutive ``indices`` (ascending), as (first, last) pairs."""
+    runs: list[tuple[int, int]] = []
+    for i in indices:
+        if runs and runs[-1][1] == i - 1:
+            runs[-1] = (runs[-1][0], i)
+        else:
+            runs.append((i, i))
+    return runs
 
 
 def _budget(seq: Sequence) -> int:

@@ -102,6 +102,9 @@ class TorchHopEngine:
         self.scheduler = DecodeScheduler(engine, self.thread, max_batch=max_batch) if "decode" in steps else None
         # New prompts waiting together share one forward (--prefill-batch); a
         # result whose request was cancelled meanwhile frees its cache.
+        # Run at close (a KV events publisher's), and where this engine's KV events go ("": nowhere).
+        self.closers: list[Callable[[], None]] = []
+        self.kv_events_endpoint = ""
         self.prefills: CallBatcher[PrefillJob, tuple[Sequence, int]] = CallBatcher(
             "prefill", engine.prefill_together, self.thread, prefill_batch, orphan=lambda out: engine.release(out[0])
         )
@@ -118,6 +121,8 @@ class TorchHopEngine:
         if self.encoder is not None:
             self.encoder.close()
         self.thread.close()
+        for close in self.closers:
+            close()
 
     def has_room(self) -> bool:
         """Whether to take another request: the KV pool has blocks to spare

@@ -48,6 +48,8 @@ class Sequence:
     # blocks hold them (then registered in the pool), and the prompt tokens
     # whose blocks came from the cache instead of a prefill.
     prefix_keys: list[int] = field(default_factory=list)
+    # The expanded prompt's ids those keys cover (and more), for the KV events.
+    prefix_ids: list[int] = field(default_factory=list)
     cached_tokens: int = 0
 
     @property

@@ -15,7 +15,7 @@ import pytest
 
 from pipeline.bridge.processing import BridgeProcessing
 from pipeline.cli import main, parser
-from pipeline.launcher import plan
+from pipeline.launcher import holds_kv, plan
 from pipeline.serve import WorkerSettings
 from pipeline.settings import KINDS, BridgeProcess, Leaf, SettingError, UpProcess, handed_env, leaves, load_kind
 from pipeline.settings.load import SETTINGS_ENV
@@ -193,6 +193,9 @@ def test_up_hands_every_setting_to_the_children_that_use_it(tmp_path: Path) -> N
                 continue  # one each, below
             elif leaf.flag in ("engine", "vllm-kv-port", "vllm-ec-path", "vllm-kv-path"):
                 continue  # per role, tested in test_engine_settings
+            elif leaf.flag in ("kv-events-endpoint", "kv-events-replay-endpoint"):
+                # Only workers that hold KV publish (ports per worker: tests/pipeline/test_kv_events.py).
+                want = want if holds_kv(child.role) else ""
             assert (child.role, leaf.flag, got) == (child.role, leaf.flag, want)
     # The health ports count up from --health-port, one a worker, in start order.
     first = up.worker.health.port

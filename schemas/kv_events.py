@@ -1,0 +1,58 @@
+"""KV cache events on the wire, as vLLM publishes them
+(``vllm.distributed.kv_events``), so that its example subscriber, NVIDIA
+Dynamo's ZMQ relay and llm-d's KV indexer can consume mmpipe's.
+
+A batch is a msgpack array ``[ts, events, data_parallel_rank]``; each event
+an array whose first element names its type (a tagged, array-like msgspec
+Struct). Fields vLLM added later sit at the end with defaults, so they are
+left out when unset and older decoders read the rest. Block hashes are the
+prefix cache's 64-bit block keys.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+
+MEDIUM_GPU = "GPU"
+MEDIUM_CPU = "CPU"
+
+
+class EventBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    ts: float
+    events: list[Any]
+    data_parallel_rank: int | None = None
+
+
+class KVCacheEvent(msgspec.Struct, array_like=True, omit_defaults=True, gc=False, tag=True):
+    """Base of the KV cache events."""
+
+
+class BlockStored(KVCacheEvent):
+    """Full blocks now cached, in order: each block's key chains from the one
+    before it (``parent_block_hash``: the key before the first; None at a
+    prompt's start)."""
+
+    block_hashes: list[int]
+    parent_block_hash: int | None
+    token_ids: list[int]
+    block_size: int
+    lora_id: int | None
+    medium: str | None
+    lora_name: str | None = None
+
+
+class BlockRemoved(KVCacheEvent):
+    """Blocks whose content is no longer cached (taken for new content)."""
+
+    block_hashes: list[int]
+    medium: str | None
+
+
+class AllBlocksCleared(KVCacheEvent):
+    """Every cached block forgotten (a cache reset)."""
+
+
+class KVEventBatch(EventBatch):
+    events: list[BlockStored | BlockRemoved | AllBlocksCleared]
