@@ -1,12 +1,13 @@
 """KV cache events on the wire, as vLLM publishes them
-(``vllm.distributed.kv_events``), so that its example subscriber, NVIDIA
-Dynamo's ZMQ relay and llm-d's KV indexer can consume mmpipe's.
+(``vllm.distributed.kv_events`` of the vLLM mmpipe runs, 0.32), so that its
+example subscriber, NVIDIA Dynamo's ZMQ relay and llm-d's KV indexer can
+consume mmpipe's beside vLLM workers' own.
 
 A batch is a msgpack array ``[ts, events, data_parallel_rank]``; each event
-an array whose first element names its type (a tagged, array-like msgspec
-Struct). Fields vLLM added later sit at the end with defaults, so they are
-left out when unset and older decoders read the rest. Block hashes are the
-prefix cache's 64-bit block keys.
+a map tagged with its type (``{"type": "BlockStored", ...}``; vLLM before
+0.1x sent events as arrays too). Fields with defaults are left out when
+unset. Block hashes are the prefix cache's 64-bit block keys (vLLM's
+``ExternalBlockHash`` as integers).
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ class EventBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
     data_parallel_rank: int | None = None
 
 
-class KVCacheEvent(msgspec.Struct, array_like=True, omit_defaults=True, gc=False, tag=True):
+class KVCacheEvent(msgspec.Struct, omit_defaults=True, gc=False, tag=True):
     """Base of the KV cache events."""
 
 
@@ -40,7 +41,7 @@ class BlockStored(KVCacheEvent):
     block_size: int
     lora_id: int | None
     medium: str | None
-    lora_name: str | None = None
+    lora_name: str | None
 
 
 class BlockRemoved(KVCacheEvent):

@@ -30,7 +30,7 @@ class KvEventLog:
         self.pending = threading.Event()
 
     def stored(self, keys: list[int], parent: int | None, token_ids: list[int]) -> None:
-        self._add(BlockStored(keys, parent, token_ids, self.block_size, None, self.medium))
+        self._add(BlockStored(keys, parent, token_ids, self.block_size, None, self.medium, None))
 
     def removed(self, keys: list[int]) -> None:
         self._add(BlockRemoved(keys, self.medium))

@@ -1,7 +1,8 @@
 """KV events (pipeline/kv_events.py): what the built-in engine's prefix
 cache does, published on a real ZMQ socket in vLLM's wire format and read
 back with Structs written from vLLM's published types
-(vllm.distributed.kv_events, array-like): blocks cached with their keys,
+(vllm.distributed.kv_events of vLLM 0.32: an array-like batch of tagged
+map events, the optional fields of later versions left out): blocks cached with their keys,
 parents and tokens, blocks taken for new content, the cache cleared; the
 batches numbered, and the missed ones replayed on request."""
 
@@ -38,7 +39,7 @@ class EventBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
     data_parallel_rank: int | None = None
 
 
-class KVCacheEvent(msgspec.Struct, array_like=True, omit_defaults=True, gc=False, tag=True):
+class KVCacheEvent(msgspec.Struct, omit_defaults=True, gc=False, tag=True):
     pass
 
 
@@ -50,11 +51,21 @@ class BlockStored(KVCacheEvent):
     lora_id: int | None
     medium: str | None
     lora_name: str | None
+    extra_keys: list[tuple[Any, ...] | None] | None = None
+    group_idx: int | None = None
+    kv_cache_spec_kind: str | None = None
+    kv_cache_spec_sliding_window: int | None = None
+    locality: str | None = None
+    ownership: str | None = None
+    session_id: str | None = None
 
 
 class BlockRemoved(KVCacheEvent):
     block_hashes: list[bytes | int]
     medium: str | None
+    group_idx: int | None = None
+    locality: str | None = None
+    ownership: str | None = None
 
 
 class AllBlocksCleared(KVCacheEvent):

@@ -382,3 +382,71 @@ async def test_metrics_show_where_the_prompt_came_from(stack: VllmStack, referen
         assert last["local_compute"] <= 32, delta
     else:
         assert last["external_kv_transfer"] == 0 and last["local_compute"] == total, delta
+
+
+@pytest.mark.e2e
+async def test_vllms_own_kv_events_publisher_is_configured_by_mmpipes_flag(
+    tmp_path: Path, mmpipe_home: Path, vllm_model_dir: Path
+) -> None:
+    """``--kv-events-endpoint`` on an ``--engine vllm`` worker: vLLM itself
+    publishes its KV events there, and mmpipe's own Structs for vLLM's wire
+    format (schemas/kv_events.py) read them."""
+    import msgspec
+    import zmq
+
+    from schemas.kv_events import BlockStored, KVEventBatch
+
+    port = _free_port()
+    ctx = zmq.Context.instance()
+    sub = ctx.socket(zmq.SUB)
+    sub.setsockopt(zmq.SUBSCRIBE, b"")
+    sub.connect(f"tcp://127.0.0.1:{port}")
+    try:
+        with vllm_up(
+            tmp_path, mmpipe_home, "epd", vllm_model_dir, ENGINE_ARGS, "--kv-events-endpoint", f"tcp://*:{port}"
+        ) as stack:
+            long_text = "Tell me about the sea and the mountains and the long way between them. " * 8
+            await _ask(stack, long_text, stream=False, n=4)
+            deadline = time.monotonic() + 30
+            stored: list[BlockStored] = []
+            while not stored:
+                assert time.monotonic() < deadline, "no BlockStored from vLLM"
+                if sub.poll(200):
+                    _, _, payload = sub.recv_multipart()
+                    batch = msgspec.msgpack.decode(payload, type=KVEventBatch)
+                    stored += [e for e in batch.events if isinstance(e, BlockStored)]
+            assert stored[0].block_size == ENGINE_ARGS["block_size"] and stored[0].token_ids
+        assert_clean_exit(stack)
+    finally:
+        sub.close(linger=0)
+
+
+def test_mmpipes_kv_events_read_with_vllms_own_types() -> None:
+    """What a built-in engine's worker publishes decodes with vLLM's
+    ``KVEventBatch`` itself, as a router written for vLLM reads it."""
+    import msgspec
+    from vllm.distributed import kv_events as vllm_events
+
+    from schemas.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
+
+    ours = KVEventBatch(
+        12.5,
+        [
+            BlockStored([2**63 + 5, 7], None, list(range(32)), 16, None, "CPU", None),
+            BlockRemoved([7], "CPU"),
+            AllBlocksCleared(),
+        ],
+        0,
+    )
+    theirs = msgspec.msgpack.decode(msgspec.msgpack.encode(ours), type=vllm_events.KVEventBatch)
+    stored, removed, cleared = theirs.events
+    assert isinstance(stored, vllm_events.BlockStored) and stored.block_hashes == [2**63 + 5, 7]
+    assert (stored.parent_block_hash, stored.token_ids, stored.block_size, stored.medium) == (
+        None,
+        list(range(32)),
+        16,
+        "CPU",
+    )
+    assert isinstance(removed, vllm_events.BlockRemoved) and removed.block_hashes == [7]
+    assert isinstance(cleared, vllm_events.AllBlocksCleared)
+    assert (theirs.ts, theirs.data_parallel_rank) == (12.5, 0)
