@@ -474,7 +474,9 @@ class TorchEngine:
         if seq.pending is not None:
             raise ValueError("export of a sequence whose prefill token is not settled")
         tensors: list[torch.Tensor] = []
-        if seq.blocks:
+        # Its cache, until the decoder takes it, is the whole prompt's (its
+        # blocks then are only a cached prefix's).
+        if seq.blocks and seq.cache is None:
             assert self.decoder is not None
             with self._lock:
                 layers = self.decoder.read(seq.blocks[: blocks_for(seq.length - 1, self.block_size)])

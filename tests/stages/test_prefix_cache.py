@@ -118,3 +118,19 @@ def test_with_prefix_caching_off_nothing_is_looked_up(tiny_model_dir: Path, cach
     _, cached = _run(engine, prompt, [])
     assert (cached > 0) is caching
     assert (_hits()[0] > queries) is caching
+
+
+def test_a_sequence_with_a_cached_prefix_hands_its_whole_cache_to_another_engine(
+    tiny_model_dir: Path, engine_device: str
+) -> None:
+    engine = engine_on(engine_device, tiny_model_dir, DecodeSettings(slots=2, max_len=256))
+    other = engine_on(engine_device, tiny_model_dir, DecodeSettings(slots=2, max_len=256))
+    prompt = chat_prompt(engine, [{"type": "text", "text": "Tell me about the sea " * 10}])
+    _run(engine, prompt, [])
+    [(seq, first)] = engine.prefill([prompt], [[]], [greedy(N)])
+    assert seq.cached_tokens > 0
+    tensors, state = engine.export_kv(seq)
+    engine.release(seq)
+    assert state.prompt_len == len(prompt) and tensors[0].shape[0] == -(-len(prompt) // BLOCK)
+    moved = other.import_kv(tensors, state, greedy(N))
+    assert decode(other, moved, first, N) == reference_generate(tiny_model_dir, prompt, [], N)
