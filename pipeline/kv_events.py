@@ -61,15 +61,14 @@ def binds(endpoint: str) -> bool:
 
 
 def offset_endpoint(endpoint: str, offset: int) -> str:
-    """``tcp://host:P`` as ``tcp://host:P+offset`` (one port per worker of an ``mmpipe up``)."""
-    if not offset:
-        return endpoint
+    """``tcp://host:P`` as ``tcp://host:P+offset`` (one port per worker of an
+    ``mmpipe up``); raises where ``endpoint`` is none ZMQ takes."""
     if endpoint.startswith("tcp://"):
         base, _, port = endpoint.rpartition(":")
         if port.isdigit():
-            return f"{base}:{int(port) + offset}"
-    if endpoint.startswith(("ipc://", "inproc://")):
-        return f"{endpoint}_{offset}"
+            return f"{base}:{int(port) + offset}" if offset else endpoint
+    elif endpoint.startswith(("ipc://", "inproc://")):
+        return f"{endpoint}_{offset}" if offset else endpoint
     raise ValueError(f"KV events endpoint {endpoint!r}: tcp://HOST:PORT, ipc://PATH or inproc://NAME")
 
 

@@ -124,9 +124,8 @@ def up(settings: UpProcess, external_nats: bool) -> int:
     spec = resolve_model(worker.model, worker.served_model_name)
     counts = parse_worker_counts(settings.up.workers, mode)
     try:
-        # Each worker's KV events ports, checked before anything starts.
-        for index in range(sum(n for role, n in counts.items() if holds_kv(role))):
-            kv_events_of("decode", worker.kv_events, index)
+        # The KV events endpoints, checked before anything starts (the last worker's port the highest).
+        kv_events_of("decode", worker.kv_events, max(0, sum(n for r, n in counts.items() if holds_kv(r)) - 1))
     except ValueError as exc:
         raise SystemExit(f"mmpipe up: {exc}") from None
     server: NatsServer | None = None

@@ -720,12 +720,14 @@ class TorchEngine:
         """The pool's blocks holding the longest cached run of ``keys``, held
         for the caller; at least the prompt's last token is left to prefill
         (its logits give the first token)."""
+        if not self.prefix_caching or self.decoder is None:
+            return []
+        # Every prompt counts as looked up, as vLLM counts them (one shorter than a block has no key).
+        metrics.PREFIX_QUERIES.inc(length)
         if not keys:
             return []
-        assert self.decoder is not None
         pool = self.decoder.pool
         hit = pool.cached(keys[: (length - 1) // self.block_size])
-        metrics.PREFIX_QUERIES.inc(length)
         metrics.PREFIX_HITS.inc(len(hit) * self.block_size)
         pool.share(hit)
         return hit

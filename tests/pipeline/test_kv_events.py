@@ -197,8 +197,9 @@ def test_endpoints_bind_or_connect_as_vllms_and_up_gives_each_kv_worker_its_own_
     assert kv_events_of("prefill+decode", given, 1) == KvEventsSettings("tcp://*:5558", "tcp://*:6558", "t")
     assert kv_events_of("encode", given, 1).endpoint == ""
     assert kv_events_of("decode", KvEventsSettings(), 3) == KvEventsSettings()
-    with pytest.raises(ValueError, match="tcp://HOST:PORT"):
-        offset_endpoint("udp://x:1", 1)
+    for wrong in ("udp://x:1", "tcp://x:port", "x:5557"):
+        with pytest.raises(ValueError, match="tcp://HOST:PORT"):
+            offset_endpoint(wrong, 0)
 
 
 async def test_a_worker_that_holds_kv_publishes_and_names_its_endpoint_in_its_ping(

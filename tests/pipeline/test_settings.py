@@ -23,7 +23,14 @@ from pipeline.settings.reference import render
 from schemas.routes import MODES
 
 # Values a check at load time needs valid (the rest take any value of their type).
-_VALID = {"workers": "encode=2", "modalities": "image,audio", "trace-sample": 0.25}
+_VALID = {
+    "workers": "encode=2",
+    "modalities": "image,audio",
+    "trace-sample": 0.25,
+    # mmpipe up offsets them per worker: endpoints ZMQ takes.
+    "kv-events-endpoint": "tcp://*:5557",
+    "kv-events-replay-endpoint": "tcp://*:6557",
+}
 
 
 def _value(leaf: Leaf) -> Any:
