@@ -168,6 +168,20 @@ def _describe(exc: BaseException) -> str:
     return text[:200]
 
 
+async def open_stream(client: openai.AsyncOpenAI, spec: LoadSpec, messages: Any) -> Any:
+    """A greedy streamed chat completion of exactly ``spec.max_tokens``
+    tokens (``min_tokens`` too), its usage in the last chunk."""
+    return await client.chat.completions.create(
+        model=spec.model,
+        messages=messages,
+        max_tokens=spec.max_tokens,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
+        extra_body={"min_tokens": spec.max_tokens},
+    )
+
+
 async def one_request(client: openai.AsyncOpenAI, spec: LoadSpec, image_urls: list[str]) -> RequestResult:
     """One streamed chat completion, timed from before the call to the end of the stream."""
     content: list[dict[str, Any]] = [{"type": "image_url", "image_url": {"url": url}} for url in image_urls]
@@ -181,15 +195,7 @@ async def one_request(client: openai.AsyncOpenAI, spec: LoadSpec, image_urls: li
     finish: str | None = None
     t0 = time.perf_counter()
     try:
-        stream = await client.chat.completions.create(
-            model=spec.model,
-            messages=messages,
-            max_tokens=spec.max_tokens,
-            temperature=0,
-            stream=True,
-            stream_options={"include_usage": True},
-            extra_body={"min_tokens": spec.max_tokens},
-        )
+        stream = await open_stream(client, spec, messages)
         async for chunk in stream:
             now = time.perf_counter()
             if chunk.choices:

@@ -25,6 +25,7 @@ from pipeline.bench.load import (
     PROMPT,
     LoadSpec,
     import_openai,
+    open_stream,
     percentile,
     spec_from_args,
     synthetic_images,
@@ -55,15 +56,7 @@ async def _converse(client: Any, spec: LoadSpec, user: int, image_url: str, turn
         text: list[str] = []
         usage: Any = None
         try:
-            stream = await client.chat.completions.create(
-                model=spec.model,
-                messages=messages,
-                max_tokens=spec.max_tokens,
-                temperature=0,
-                stream=True,
-                stream_options={"include_usage": True},
-                extra_body={"min_tokens": spec.max_tokens},
-            )
+            stream = await open_stream(client, spec, messages)
             async for chunk in stream:
                 if chunk.choices:
                     first = first or time.perf_counter()
