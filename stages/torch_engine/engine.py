@@ -672,21 +672,33 @@ class TorchEngine:
         with self._lock, torch.inference_mode():
             embeds = fam.embed_prompt(self.model, ids, media)
             hit = self._cached_prefix(keys, len(ids))
-            if hit:
-                return self._prefill_after(hit, keys, ids, embeds, positions, sampling, delta, defer)
-            if not emitted:
+            if not hit and not emitted:
                 slotted = self._prefill_into_slot(embeds, positions, len(ids), sampling, delta, defer, keys, ids)
                 if slotted is not None:
                     return slotted
-            logits, cache = fam.forward(self.model, positions, None, inputs_embeds=embeds)
+            # Past a cached prefix (``hit``'s blocks, held), the rest through the
+            # model's modules, attending over the prefix's keys and values read
+            # from the pool: the same computation over fewer rows, whose last
+            # bits may differ from one whole pass's.
+            cached = len(hit) * self.block_size
+            try:
+                logits, cache = fam.forward(
+                    self.model, positions[..., cached:], self._past(hit), inputs_embeds=embeds[:, cached:]
+                )
+            except BaseException:
+                if hit and self.decoder is not None:
+                    self.decoder.pool.free(hit)
+                raise
             seq = Sequence(
                 prompt_len=len(ids),
                 output_ids=[],
                 sampling=sampling,
                 rope_delta=delta,
                 cache=cache,
+                blocks=hit,
                 prefix_keys=keys,
                 prefix_ids=ids,
+                cached_tokens=cached,
             )
             if not emitted:
                 return seq, self._select(seq, logits, defer)
@@ -732,48 +744,19 @@ class TorchEngine:
         pool.share(hit)
         return hit
 
-    def _prefill_after(
-        self,
-        hit: list[int],
-        keys: list[int],
-        ids: list[int],
-        embeds: torch.Tensor,
-        positions: torch.Tensor,
-        sampling: SamplingConfig,
-        delta: int,
-        defer: bool,
-    ) -> tuple[Sequence, int]:
-        """The prompt past its cached prefix (``hit``'s blocks, held) through
-        the model's modules, attending over the prefix's keys and values read
-        from the pool. The rest's keys and values are the same computation
-        over fewer rows: their last bits may differ from one whole pass's."""
+    def _past(self, hit: list[int]) -> Any:
+        """A cache holding ``hit``'s blocks' keys and values (None: no blocks)."""
+        if not hit:
+            return None
         from transformers import DynamicCache
 
         assert self.decoder is not None
         cached = len(hit) * self.block_size
-        try:
-            past = [(from_blocks(k, cached)[None], from_blocks(v, cached)[None]) for k, v in self.decoder.read(hit)]
-            logits, cache = self.family.forward(
-                self.model,
-                positions[..., cached:],
-                DynamicCache(ddp_cache_data=past),
-                inputs_embeds=embeds[:, cached:],
-            )
-        except BaseException:
-            self.decoder.pool.free(hit)
-            raise
-        seq = Sequence(
-            prompt_len=len(ids),
-            output_ids=[],
-            sampling=sampling,
-            rope_delta=delta,
-            cache=cache,
-            blocks=hit,
-            prefix_keys=keys,
-            prefix_ids=ids,
-            cached_tokens=cached,
+        return DynamicCache(
+            ddp_cache_data=[
+                (from_blocks(k, cached)[None], from_blocks(v, cached)[None]) for k, v in self.decoder.read(hit)
+            ]
         )
-        return seq, self._select(seq, logits, defer)
 
     def reset_prefix_cache(self) -> int | None:
         """Forget every cached prefix (running sequences keep their blocks);
