@@ -61,6 +61,54 @@ class Placement:
         return bool(self.cluster or self.tags)
 
 
+ROUTERS = ("round-robin", "kv")
+
+
+@dataclass(frozen=True)
+class RouterSettings:
+    """Where a hop that prefills is sent (pipeline/router/)."""
+
+    mode: str = setting(
+        "round-robin",
+        flag="router",
+        choices=ROUTERS,
+        help="kv: send a hop that prefills to the worker whose prefix cache holds most of its prompt, weighed "
+        "against its load (workers relay their KV events on NATS); round-robin: the shared queue, whichever "
+        "worker is free takes it",
+    )
+    overlap_weight: float = setting(
+        1.0,
+        flag="kv-overlap-score-weight",
+        help="--router kv: a worker's cost is this times the prompt blocks it would prefill, plus the KV blocks "
+        "its running requests hold (NVIDIA Dynamo's cost); higher favours cache hits over spreading load",
+    )
+    routed_wait_s: float = setting(
+        2.0,
+        flag="routed-wait",
+        help="--router kv: a hop sent to one worker that has not started it in S seconds goes back to the shared "
+        "queue (the worker is busy or stopping)",
+    )
+    worker_silent_s: float = setting(
+        3.0,
+        flag="router-worker-silent",
+        help="--router kv: a worker not heard from (its load, every half second) for S seconds is taken for gone: "
+        "nothing more is sent to it, and what waits for it goes back to the shared queue",
+    )
+    # A worker's own consumer outlives the worker by this much of no pulls.
+    orphan_after_s: float = 5.0
+
+    def __post_init__(self) -> None:
+        for name in ("routed_wait_s", "worker_silent_s"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name.removesuffix('_s').replace('_', '-')} must be positive")
+        if self.overlap_weight < 0:
+            raise ValueError("kv-overlap-score-weight must be at least 0")
+
+    @property
+    def kv(self) -> bool:
+        return self.mode == "kv"
+
+
 @dataclass(frozen=True)
 class PipelineConfig:
     # One URL, or several comma separated (the nodes of a cluster): the
@@ -94,6 +142,7 @@ class PipelineConfig:
     )
     # Empty: an existing stream keeps its placement.
     placement: Placement = section(Placement, "where JetStream places the streams")
+    router: RouterSettings = section(RouterSettings, "cache-aware routing")
 
     def __post_init__(self) -> None:
         if self.replicas is not None and self.replicas < 1:

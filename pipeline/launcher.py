@@ -25,7 +25,7 @@ from pipeline.nats_server import NatsServer, NatsServerConfig
 from pipeline.serve import WorkerSettings
 from pipeline.settings import BridgeProcess, UpProcess, WorkerProcess, handed_env
 from pipeline.settings.kinds import NatsServerSettings, UpSettings
-from schemas.routes import MODES, PROCESSOR, ROLES
+from schemas.routes import MODES, PROCESSOR, ROLES, holds_kv
 from stages.vllm_engine.args import VLLM_ROLES
 
 log = structlog.get_logger(__name__)
@@ -204,11 +204,6 @@ def plan(settings: UpProcess, nats_url: str, counts: dict[str, int], data_dir: P
     bridge = BridgeProcess(common, settings.bridge, bridge_processing(settings.worker, counts))
     out.append(Child("bridge", ["bridge"], {**env, **handed_env("bridge", bridge)}))
     return out
-
-
-def holds_kv(role: str) -> bool:
-    """Whether a role's workers hold KV cache (and so may publish KV events)."""
-    return "prefill" in role or "decode" in role
 
 
 def kv_events_of(role: str, events: KvEventsSettings, index: int) -> KvEventsSettings:

@@ -8,6 +8,8 @@ import dataclasses
 import functools
 import logging
 import signal
+import tempfile
+import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,7 +30,7 @@ from pipeline.metrics import show_engine_core
 from pipeline.transport.base import TensorTransport, TransportSettings
 from pipeline.worker import Worker
 from schemas.processed import MediaKind
-from schemas.routes import HOP_ROLES, PROCESSOR, moves_tensors
+from schemas.routes import HOP_ROLES, PROCESSOR, holds_kv, moves_tensors
 from schemas.settings import section, setting
 from stages.contract import Stage, TensorStore
 from stages.media import EmbeddingCache, MediaPolicy
@@ -341,7 +343,17 @@ async def run_worker(role: str, config: PipelineConfig, settings: WorkerSettings
         await health.close()
 
 
+def relayed_events(role: str, config: PipelineConfig, settings: WorkerSettings) -> WorkerSettings:
+    """With --router kv, a worker that holds KV and was given no KV events
+    endpoint publishes on one of its own, for the worker to relay on NATS."""
+    if not config.router.kv or not holds_kv(role) or settings.kv_events.endpoint:
+        return settings
+    endpoint = f"ipc://{tempfile.gettempdir()}/mmpipe-kv-events-{uuid.uuid4().hex[:12]}"
+    return dataclasses.replace(settings, kv_events=dataclasses.replace(settings.kv_events, endpoint=endpoint))
+
+
 async def _serve_role(role: str, config: PipelineConfig, settings: WorkerSettings, health: WorkerHealth) -> None:
+    settings = relayed_events(role, config, settings)
     nc, js = await connect(config.nats_url, name=f"mmpipe-{role}")
     tracing.attach_nats(nc, config.subjects.spans(role))
     tensors: TensorTransport | None = None
@@ -362,6 +374,7 @@ async def _serve_role(role: str, config: PipelineConfig, settings: WorkerSetting
             max_inflight=settings.inflight,
             drain_grace_s=settings.drain_grace_s,
             tensors=tensors,
+            kv_events_endpoint=settings.kv_events.endpoint if holds_kv(role) else "",
         )
         health.worker = worker
         _on_signals(worker.stop)

@@ -78,10 +78,10 @@ class ProvisioningConflict(RuntimeError):
     matches). Not retryable: an operator must delete or migrate it."""
 
 
-def _work_queue(name: str, subject: str, limits: StreamLimits) -> StreamConfig:
+def _work_queue(name: str, subjects: list[str], limits: StreamLimits) -> StreamConfig:
     return StreamConfig(
         name=name,
-        subjects=[subject],
+        subjects=subjects,
         retention=RetentionPolicy.WORK_QUEUE,
         storage=StorageType.FILE,
         max_msgs=limits.max_msgs,
@@ -106,8 +106,12 @@ def stream_configs(config: PipelineConfig) -> list[StreamConfig]:
     """Every stream of the namespace. ``num_replicas`` / ``placement`` are
     None where the config leaves them to what exists (see PipelineConfig)."""
     s = config.subjects
-    streams = [_work_queue(s.stream(PROCESSOR), s.requests, config.request_queue_limits)]
-    streams += [_work_queue(s.stream(role), s.work(role), config.hop_limits) for role in HOP_ROLES]
+    streams = [_work_queue(s.stream(PROCESSOR), [s.requests], config.request_queue_limits)]
+    # A hop's queue holds the shared subject every worker of the role takes
+    # from, and one subject per worker that a cache-aware router sends to.
+    streams += [
+        _work_queue(s.stream(role), [s.work(role), s.all_routed(role)], config.hop_limits) for role in HOP_ROLES
+    ]
     streams.append(
         StreamConfig(
             name=s.reply_stream,
@@ -212,6 +216,24 @@ def consumer_config(config: PipelineConfig, role: str) -> ConsumerConfig:
         ack_wait=c.ack_wait_s,
         max_deliver=c.max_deliver,
         max_ack_pending=c.max_ack_pending,
+    )
+
+
+def routed_consumer_config(config: PipelineConfig, role: str, worker_id: str) -> ConsumerConfig:
+    """A worker's own consumer of what a router sent it. It outlives the
+    worker by ``orphan_after_s`` of no pulls: the subject is then free for
+    a rescuer to move what is left back to the shared queue."""
+    s = config.subjects
+    c = config.consumer_for(role)
+    return ConsumerConfig(
+        durable_name=s.routed_durable(role, worker_id),
+        filter_subject=s.routed(role, worker_id),
+        ack_policy=AckPolicy.EXPLICIT,
+        deliver_policy=DeliverPolicy.ALL,
+        ack_wait=c.ack_wait_s,
+        max_deliver=c.max_deliver,
+        max_ack_pending=c.max_ack_pending,
+        inactive_threshold=config.router.orphan_after_s,
     )
 
 

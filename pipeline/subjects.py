@@ -80,6 +80,32 @@ class Subjects:
         """Every worker of the namespace: forget your prefix cache (request, one reply each)."""
         return f"{self.prefix}.cache.reset"
 
+    def routed(self, role: str, worker_id: str) -> str:
+        """One worker's own subject in its role's work queue: a hop a router
+        sends to the worker that holds its prefix."""
+        return f"{self.work(role)}.{check_token(worker_id, 'worker id')}"
+
+    def all_routed(self, role: str) -> str:
+        return f"{self.work(role)}.*"
+
+    def routed_durable(self, role: str, worker_id: str) -> str:
+        return f"mmpipe-{role_token(role)}-{check_token(worker_id, 'worker id')}"
+
+    def kv_events(self, worker_id: str) -> str:
+        """A worker's KV events relayed from its ZMQ publisher (vLLM's msgpack batches)."""
+        return f"{self.prefix}.kv_events.{check_token(worker_id, 'worker id')}"
+
+    @property
+    def all_kv_events(self) -> str:
+        return f"{self.prefix}.kv_events.*"
+
+    def load(self, worker_id: str) -> str:
+        return f"{self.prefix}.load.{check_token(worker_id, 'worker id')}"
+
+    @property
+    def all_loads(self) -> str:
+        return f"{self.prefix}.load.*"
+
     def ping(self, role: str) -> str:
         return f"{self.prefix}.ping.{role_token(role)}"
 

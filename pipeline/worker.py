@@ -25,13 +25,23 @@ from pipeline.cancel import CancelRegistry
 from pipeline.config import PipelineConfig
 from pipeline.outcomes import Ack, Nak, Outcome, Reject, outcome_for
 from pipeline.replies import ReplyPublisher
+from pipeline.router.relay import KvEventRelay
+from pipeline.router.requeue import requeue
+from pipeline.router.router import KvRouter
 from pipeline.settle import Settler
-from pipeline.streams import ensure_consumer, ensure_streams, is_not_now, is_stream_full
-from pipeline.subjects import check_token
+from pipeline.streams import (
+    ensure_consumer,
+    ensure_streams,
+    is_not_now,
+    is_stream_full,
+    retrying,
+    routed_consumer_config,
+)
+from pipeline.subjects import check_token, role_token
 from pipeline.transport.base import TensorGone, TensorTransport
 from schemas.chunk import ReplyChunk, TokenChunk
 from schemas.codec import CONTENT_TYPE, MSGPACK, Decoder, encode
-from schemas.control import CacheCleared, Restart, WorkerInfo
+from schemas.control import CacheCleared, Restart, WorkerInfo, WorkerLoad
 from schemas.errors import (
     DeadlineExceeded,
     InternalError,
@@ -42,6 +52,7 @@ from schemas.errors import (
 )
 from schemas.processed import ProcessedRequest
 from schemas.request import GenerateRequest
+from schemas.routes import HOP_ROLES
 from schemas.tensors import TensorRef
 from stages.contract import HopContext, Stage
 
@@ -49,6 +60,8 @@ log = structlog.get_logger(__name__)
 
 # NATS counts a message's headers against max_payload too.
 _HEADER_ROOM = 1024
+# How often a hop worker publishes its load (a router's liveness signal too).
+LOAD_EVERY_S = 0.5
 
 
 def _raise_if_cancelled() -> None:
@@ -115,6 +128,7 @@ class Worker:
         worker_id: str | None = None,
         drain_grace_s: float = 30.0,
         tensors: TensorTransport | None = None,
+        kv_events_endpoint: str = "",
     ) -> None:
         self.nc = nc
         self.js = js
@@ -124,9 +138,12 @@ class Worker:
         self.consumer = config.consumer_for(self.role)
         self.subjects = config.subjects
         self.max_inflight = max_inflight
-        self.worker_id = worker_id or f"{self.role}-{uuid.uuid4().hex[:8]}"
+        self.worker_id = check_token(worker_id or f"{role_token(self.role)}-{uuid.uuid4().hex[:8]}", "worker id")
         self.drain_grace_s = drain_grace_s
         self.tensors = tensors
+        # Where the engine publishes its KV events when the stage does not say
+        # (its engine in a process of its own, or vLLM's): relayed on NATS.
+        self.kv_events_endpoint = kv_events_endpoint
         self.replies = ReplyPublisher(nc, js, self.subjects)
         self.settler = Settler(js, self.replies, self.subjects, self.role)
         self.cancels = CancelRegistry()
@@ -135,6 +152,12 @@ class Worker:
         self._slot_free = asyncio.Event()
         self._stopping = asyncio.Event()
         self._draining: set[asyncio.Task[None]] = set()
+        # Hops a router sent to this worker that wait for a free slot.
+        self._waiting: list[Msg] = []
+        self._routed: Any = None
+        self._announced: asyncio.Task[None] | None = None
+        # Where this process sends the hops it forwards (--router kv), if it routes.
+        self.router = KvRouter(nc, js, config) if config.router.kv else None
         self.ready = asyncio.Event()
         # Messages taken from the queue, whatever their outcome.
         self.handled = 0
@@ -154,12 +177,27 @@ class Worker:
         ping = await self.nc.subscribe(self.subjects.ping(self.role), cb=self._on_ping)
         resets = await self.nc.subscribe(self.subjects.cache_reset, cb=self._on_cache_reset)
         psub = await self.js.pull_subscribe_bind(self.subjects.durable(self.role), self.subjects.stream(self.role))
+        background = []
+        relay = self._relay()
+        if self.role in HOP_ROLES:
+            self._routed = await self._routed_subscription()
+            background = [asyncio.create_task(self._routed_loop()), asyncio.create_task(self._report_load())]
+        if self.router is not None:
+            await self.router.start()
         log.info("worker_started", role=self.role, worker_id=self.worker_id, max_inflight=self.max_inflight)
         self.ready.set()
         try:
             await self._fetch_loop(psub)
         finally:
+            for task in background:
+                task.cancel()
+            await asyncio.gather(*background, return_exceptions=True)
             await self._drain()
+            await self._give_back_routed()
+            if relay is not None:
+                await relay.close()
+            if self.router is not None:
+                await self.router.close()
             await ping.unsubscribe()
             await resets.unsubscribe()
             await psub.unsubscribe()
@@ -175,6 +213,10 @@ class Worker:
     def stop(self) -> None:
         self._stopping.set()
         self._slot_free.set()
+        if self.role in HOP_ROLES:
+            # Routers hear it at once, not when the worker falls silent.
+            with contextlib.suppress(RuntimeError):  # no loop: nobody routes to it yet
+                self._announced = asyncio.get_running_loop().create_task(self._publish_load(draining=True))
 
     @property
     def stopping(self) -> bool:
@@ -220,16 +262,125 @@ class Worker:
                 await self._give_back(msgs)
                 break
             for msg in msgs:
-                task = asyncio.create_task(self._handle(msg))
-                self._tasks.add(task)
-                task.add_done_callback(self._task_done)
-                metrics.INFLIGHT.labels(self.role).set(len(self._tasks))
+                self._start(msg)
+
+    def _start(self, msg: Msg) -> None:
+        task = asyncio.create_task(self._handle(msg))
+        self._tasks.add(task)
+        task.add_done_callback(self._task_done)
+        metrics.INFLIGHT.labels(self.role).set(len(self._tasks))
 
     def _task_done(self, task: asyncio.Task[None]) -> None:
         self._progressed()
         self._tasks.discard(task)
+        # What was sent to this worker, for its cache, goes before the shared queue.
+        if self._waiting and not self._stopping.is_set() and self._has_slot():
+            self._start(self._waiting.pop(0))
         metrics.INFLIGHT.labels(self.role).set(len(self._tasks))
         self._slot_free.set()
+
+    def _has_slot(self) -> bool:
+        return (
+            len(self._tasks) < self.max_inflight
+            and self.stage.has_room()
+            and (self.tensors is None or self.tensors.has_room())
+        )
+
+    # -- hops a router sent to this worker -----------------------------------
+
+    async def _routed_subscription(self) -> Any:
+        cfg = routed_consumer_config(self.config, self.role, self.worker_id)
+        stream = self.subjects.stream(self.role)
+        await retrying(cfg.durable_name or "", lambda: self.js.add_consumer(stream, cfg), 60.0)
+        return await self.js.pull_subscribe_bind(cfg.durable_name, stream)
+
+    async def _routed_loop(self) -> None:
+        """Take what a router sent here: start it in a free slot, or hold it
+        (at most a slot's worth) until one frees; what waits longer than
+        ``routed_wait_s`` since it was sent goes back to the shared queue."""
+        while not self._stopping.is_set():
+            await self._requeue_waited()
+            if len(self._waiting) >= self.max_inflight:
+                await asyncio.sleep(0.05)
+                continue
+            try:
+                msgs = await self._routed.fetch(1, timeout=0.25)
+            except (TimeoutError, NatsTimeoutError):
+                continue
+            except Exception as exc:  # the connection is down; nats-py reconnects
+                log.warning("routed_fetch_failed", role=self.role, error=repr(exc))
+                await asyncio.sleep(0.5)
+                continue
+            for msg in msgs:
+                if self._has_slot() and not self._stopping.is_set():
+                    self._start(msg)
+                else:
+                    self._waiting.append(msg)
+
+    async def _requeue_waited(self) -> None:
+        limit = self.config.router.routed_wait_s
+        now = time.time()
+        for msg in list(self._waiting):
+            sent = msg.metadata.timestamp
+            if sent is not None and now - sent.timestamp() < limit:
+                continue
+            try:
+                await requeue(self.js, self.subjects, self.role, msg, "waited")
+            except Exception as exc:  # still held: the next turn tries again
+                log.warning("routed_requeue_failed", role=self.role, error=repr(exc))
+                continue
+            self._waiting.remove(msg)
+
+    async def _give_back_routed(self) -> None:
+        """Stopping: what waits here and what is still queued for this
+        worker alone goes back to the shared queue, then its consumer goes."""
+        if self._routed is None:
+            return
+        try:
+            while True:
+                for msg in list(self._waiting):
+                    await requeue(self.js, self.subjects, self.role, msg, "drained")
+                    self._waiting.remove(msg)
+                try:
+                    self._waiting = list(await self._routed.fetch(64, timeout=0.2))
+                except (TimeoutError, NatsTimeoutError):
+                    break
+            await self._routed.unsubscribe()
+            await self.js.delete_consumer(
+                self.subjects.stream(self.role), self.subjects.routed_durable(self.role, self.worker_id)
+            )
+        except Exception as exc:  # a router's rescuer moves what is left once the consumer expires
+            log.warning("routed_give_back_failed", role=self.role, error=repr(exc), waiting=len(self._waiting))
+
+    async def _report_load(self) -> None:
+        while True:
+            await self._publish_load()
+            await asyncio.sleep(LOAD_EVERY_S)
+
+    async def _publish_load(self, draining: bool = False) -> None:
+        usage = getattr(self.stage, "kv_usage", None)
+        active, total = usage() if usage is not None else (0, 0)
+        load = WorkerLoad(
+            self.role,
+            self.worker_id,
+            inflight=len(self._tasks),
+            max_inflight=self.max_inflight,
+            waiting=len(self._waiting),
+            active_blocks=active,
+            total_blocks=total,
+            draining=draining or self._stopping.is_set(),
+        )
+        try:
+            await self.nc.publish(self.subjects.load(self.worker_id), encode(load))
+        except Exception as exc:  # reconnecting: the next report may get through
+            log.warning("load_report_failed", role=self.role, error=repr(exc))
+
+    def _relay(self) -> KvEventRelay | None:
+        endpoint = getattr(getattr(self.stage, "engine", None), "kv_events_endpoint", "") or self.kv_events_endpoint
+        if not endpoint:
+            return None
+        relay = KvEventRelay(self.nc, endpoint, self.subjects.kv_events(self.worker_id))
+        return relay if relay.start() else None
 
     async def _give_back(self, msgs: list[Msg]) -> None:
         for msg in msgs:
@@ -492,7 +643,7 @@ class Worker:
             raise
 
     async def _forward(self, out: ProcessedRequest) -> None:
-        subject = self.subjects.work(out.hop)
+        subject = self.router.subject_for(out) if self.router is not None else self.subjects.work(out.hop)
         headers = {
             CONTENT_TYPE: MSGPACK,
             # A retried publish of this hop is dropped by the stream; a new

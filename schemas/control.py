@@ -57,3 +57,22 @@ class Restart(msgspec.Struct, omit_defaults=True, forbid_unknown_fields=True):
 
     request_id: str
     attempt: int
+
+
+class WorkerLoad(msgspec.Struct, omit_defaults=True, forbid_unknown_fields=False):
+    """What a hop worker publishes every half second on
+    ``mmpipe.<ns>.load.<worker_id>``: how busy it is, for a cache-aware
+    router to weigh a cache hit against (NVIDIA Dynamo's active blocks).
+    Its absence for a while says the worker is gone."""
+
+    role: str
+    worker_id: str
+    inflight: int = 0
+    max_inflight: int = 0
+    # Routed messages taken but not yet started (waiting for a free slot).
+    waiting: int = 0
+    # KV blocks its running sequences hold, of its pool's; 0 of 0: unknown.
+    active_blocks: int = 0
+    total_blocks: int = 0
+    # Stopping: it takes nothing more, routed or not.
+    draining: bool = False

@@ -30,6 +30,11 @@ def moves_tensors(role: str) -> bool:
     return role in HOP_ROLES and not (steps[0] == "encode" and steps[-1] == "decode")
 
 
+def holds_kv(role: str) -> bool:
+    """Whether a role's workers hold KV cache (and so may publish KV events)."""
+    return "prefill" in role or "decode" in role
+
+
 def route_for(mode: str, has_media: bool) -> list[str]:
     """Hops for a request; text-only requests skip a hop that only encodes."""
     try:

@@ -34,6 +34,7 @@ from stages.media import (
     decode_audio,
     decode_image,
     decode_video,
+    item_digest,
     parse_embeddings,
 )
 from stages.media.decode_pool import DecodePool
@@ -216,8 +217,9 @@ def decode_processes(policy: MediaPolicy, device: torch.device) -> int:
 async def _digest(item: MediaItem, data: bytes) -> str:
     """An item's content: its bytes, and how they are read (its kind, a
     video's sampling, an audio's declared format, embeddings sent as such)."""
-    options = json.dumps([item.num_frames, item.fps, item.max_frames, item.format, item.embeds])
-    return await _content_key(data, model="", kind=item.kind.value, options=options)
+    if len(data) > _THREAD_HASH_BYTES:
+        return await asyncio.to_thread(item_digest, item, data)
+    return item_digest(item, data)
 
 
 def _digested(encoded: list[MediaEmbedding], digests: list[str]) -> list[MediaEmbedding]:

@@ -73,6 +73,11 @@ class HopStage:
     def has_room(self) -> bool:
         return self.engine.has_room()
 
+    def kv_usage(self) -> tuple[int, int]:
+        """KV blocks running sequences hold, of the pool's (0, 0: not known)."""
+        usage = getattr(self.engine, "kv_usage", None)
+        return usage() if usage is not None else (0, 0)
+
     async def reset_prefix_cache(self) -> int | None:
         """Forget the engine's cached prefixes: blocks forgotten, or None
         where the engine keeps none it can forget."""

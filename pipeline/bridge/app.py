@@ -29,6 +29,7 @@ from pipeline.bridge import processing, responses
 from pipeline.bridge.openai_types import REQUEST_DECODER, to_generate_request
 from pipeline.config import PipelineConfig
 from pipeline.replies import CHUNK_DECODER, ExactlyOnceRelay, stored_chunks
+from pipeline.router.router import KvRouter
 from pipeline.streams import ensure_streams, is_stream_full
 from schemas.chunk import ErrorChunk, ReplyChunk, TokenChunk
 from schemas.codec import CONTENT_TYPE, MSGPACK, Decoder, encode
@@ -103,6 +104,8 @@ class Bridge:
         # (pipeline/bridge/processing.py); None: processor workers do it.
         self.processor = processor
         self._workers: dict[str, tuple[float, WorkerInfo | None]] = {}
+        # A bridge that processes requests places their first hop (--router kv).
+        self.router = KvRouter(nc, js, config) if config.router.kv and processor is not None else None
 
     # -- app -----------------------------------------------------------------
 
@@ -114,10 +117,17 @@ class Bridge:
         app.router.add_get("/metrics", self.metrics)
         app.router.add_post("/v1/cache/reset", self.reset_cache)
         app.on_startup.append(self._on_startup)
+        app.on_cleanup.append(self._on_cleanup)
         return app
 
     async def _on_startup(self, app: web.Application) -> None:
         await ensure_streams(self.js, self.config)
+        if self.router is not None:
+            await self.router.start()
+
+    async def _on_cleanup(self, app: web.Application) -> None:
+        if self.router is not None:
+            await self.router.close()
 
     @web.middleware
     async def _errors(self, request: web.Request, handler: Any) -> web.StreamResponse:
@@ -246,7 +256,7 @@ class Bridge:
                 # restart comes back here.
                 processed = msgspec.structs.replace(processed, bridge_restarts=True)
                 # The id the first hop's message would have had from a processor worker.
-                queued = (self.subjects.work(processed.hop), f"{rid}:0:0", self._encode_request(processed))
+                queued = (self._first_hop(processed), f"{rid}:0:0", self._encode_request(processed))
                 first = processed.hop
             else:
                 queued = (self.subjects.requests, f"{rid}:0:request", self._encode_request(gen))
@@ -293,7 +303,7 @@ class Bridge:
             try:
                 ask = _RESTART.decode(msg.data)
                 again = msgspec.structs.replace(processed, attempt=ask.attempt)
-                await self._submit(self.subjects.work(again.hop), f"{rid}:{ask.attempt}:0", encode(again))
+                await self._submit(self._first_hop(again), f"{rid}:{ask.attempt}:0", encode(again))
             except (msgspec.DecodeError, msgspec.ValidationError, MmpipeError) as exc:
                 metrics.ERRORS.labels("bridge", "restart_failed").inc()
                 log.warning("restart_failed", request_id=rid, error=repr(exc))
@@ -302,6 +312,11 @@ class Bridge:
             await msg.respond(b"")
 
         return restart
+
+    def _first_hop(self, processed: ProcessedRequest) -> str:
+        if self.router is not None:
+            return self.router.subject_for(processed)
+        return self.subjects.work(processed.hop)
 
     def _encode_request(self, message: GenerateRequest | ProcessedRequest) -> bytes:
         """The request as it goes on NATS, or the client's error: a number

@@ -23,10 +23,12 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import json
 from typing import TYPE_CHECKING, Final
 
 from prometheus_client import Counter, Gauge
 
+from schemas.processed import MediaItem
 from stages.media.lru import ByteLRU
 
 if TYPE_CHECKING:
@@ -68,6 +70,15 @@ def content_key(data: bytes, *, model: str, kind: str, options: str = "") -> str
     h.update(len(data).to_bytes(8, "little"))
     h.update(data)
     return h.hexdigest()
+
+
+def item_digest(item: MediaItem, data: bytes) -> str:
+    """A media item's content digest: its bytes, and how they are read
+    (its kind, a video's sampling, an audio's declared format, embeddings
+    sent as such). The prefix cache keys the KV blocks showing the item by
+    it, and a cache-aware router the prompts it routes."""
+    options = json.dumps([item.num_frames, item.fps, item.max_frames, item.format, item.embeds])
+    return content_key(data, model="", kind=item.kind.value, options=options)
 
 
 @dataclasses.dataclass(frozen=True, eq=False)

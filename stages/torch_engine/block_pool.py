@@ -13,7 +13,7 @@ is then one run of bytes, not one per block.
 
 Prefix caching (vLLM v1's automatic prefix caching): a full block whose
 keys and values are computed can be ``register``-ed under its content key
-(``stages.torch_engine.prefix_keys``: its tokens, the media they show and
+(``stages.prefix_keys``: its tokens, the media they show and
 the blocks before it). Several sequences may hold such a block at once
 (``share``); once none does, it stays cached but idle, and is only taken
 for new content when no never-cached block is left, least recently used

@@ -32,11 +32,11 @@ from schemas.processed import MediaKind
 from stages.device_copy import tensor_on, to_device
 from stages.families import Grid, Media, MediaEmbedding, family_for_architecture
 from stages.families.tower_graphs import TowerGraphs
+from stages.prefix_keys import MediaSpan, block_keys
 from stages.sampling import SamplingConfig
 from stages.torch_engine import batch_decoder, metrics
 from stages.torch_engine.batch_decoder import BatchDecoder, Launched, from_blocks, to_blocks
 from stages.torch_engine.block_pool import blocks_for
-from stages.torch_engine.prefix_keys import MediaSpan, block_keys
 from stages.torch_engine.sampling import greedy_choice, select_token
 from stages.torch_engine.sequence import KvState, Launch, Sequence
 from stages.torch_engine.settings import DecodeSettings, parse_memory

@@ -131,6 +131,14 @@ class TorchHopEngine:
             return False
         return self.torch.has_room()
 
+    def kv_usage(self) -> tuple[int, int]:
+        """KV blocks running sequences hold, of the pool's (0, 0: no pool)."""
+        decoder = self.torch.decoder
+        if decoder is None:
+            return 0, 0
+        pool = decoder.pool
+        return pool.capacity - pool.num_free, pool.capacity
+
     async def reset_prefix_cache(self) -> int | None:
         """Forget the cached prefixes: blocks cached, now forgotten (None: no pool)."""
         return await self.thread.call(self.torch.reset_prefix_cache)

@@ -23,7 +23,7 @@ from pipeline.bridge.app import Bridge, BridgeSettings
 from pipeline.config import PipelineConfig
 from pipeline.connection import connect
 from pipeline.replies import stored_chunks
-from pipeline.serve import WorkerSettings, build_stage
+from pipeline.serve import WorkerSettings, build_stage, relayed_events
 from pipeline.subjects import Subjects
 from pipeline.transport import TransportSettings, open_transport
 from pipeline.worker import Worker
@@ -61,6 +61,7 @@ class Stack:
     nc: Any = None
     # add_worker(role, budget_bytes=...) -> Worker: one more worker, started.
     add_worker: Any = None
+    bridge: Any = None
     # Each worker's run() task, in the order of ``workers``: done means it died.
     tasks: list[asyncio.Task[None]] = field(default_factory=list)
 
@@ -103,8 +104,12 @@ async def start_stack(
             budget = TransportSettings(budget_bytes=budget_bytes, replicas=config.replicas or 1)
             tensors = await open_transport(transport, nc, js, config.namespace, budget, role, "cpu")
             transports.append(tensors)
-        stage = build_stage(role, config, settings, spec, tensors=tensors)
-        worker = Worker(nc, js, config, stage, max_inflight=8, tensors=tensors)
+        # --router kv: a worker that holds KV publishes its events (relayed on NATS).
+        role_settings = relayed_events(role, config, settings)
+        stage = build_stage(role, config, role_settings, spec, tensors=tensors)
+        worker = Worker(
+            nc, js, config, stage, max_inflight=8, tensors=tensors, kv_events_endpoint=role_settings.kv_events.endpoint
+        )
         stack.workers.append(worker)
         task = asyncio.create_task(worker.run())
         tasks.append(task)
@@ -143,6 +148,7 @@ async def start_stack(
         stack.nc = nc
         processor = build_stage(PROCESSOR, config, settings, spec) if bridge_processes else None
         bridge = Bridge(nc, js, config, bridge_settings or BridgeSettings(port=0), processor)  # type: ignore[arg-type]
+        stack.bridge = bridge
         runner = web.AppRunner(bridge.app(), handler_cancellation=True, access_log=None)
         runners.append(runner)
         await runner.setup()

@@ -1,10 +1,10 @@
-"""Content keys of a prompt's KV blocks (stages/torch_engine/prefix_keys.py):
+"""Content keys of a prompt's KV blocks (stages/prefix_keys.py):
 equal only where the tokens before and in a block and the media they show
 are equal."""
 
 from __future__ import annotations
 
-from stages.torch_engine.prefix_keys import MediaSpan, block_keys
+from stages.prefix_keys import MediaSpan, block_keys
 
 IMAGE = 151655  # a placeholder id: the same for every image
 

@@ -47,3 +47,32 @@ def block_keys(
         keys.append(key)
         parent = key
     return keys
+
+
+class PromptMedia(NamedTuple):
+    """A media item of an unexpanded prompt: the index of its one placeholder
+    token, how many tokens it expands to (None: not known) and its digest
+    (empty: not known)."""
+
+    placeholder_index: int
+    num_tokens: int | None
+    digest: str
+
+
+def prompt_block_keys(prompt: Sequence[int], media: Sequence[PromptMedia], block_size: int) -> list[int]:
+    """The keys an engine gives the full blocks of ``prompt`` once each
+    media placeholder is expanded (repeated ``num_tokens`` times, as the
+    families expand them), up to the first item whose token count or
+    content is not known: its blocks could not be told from another's."""
+    ids: list[int] = []
+    spans: list[MediaSpan] = []
+    at = 0
+    for m in sorted(media, key=lambda m: m.placeholder_index):
+        ids.extend(prompt[at : m.placeholder_index])
+        if m.num_tokens is None or not m.digest:
+            return block_keys(ids[: len(ids) - len(ids) % block_size], block_size, spans)
+        spans.append(MediaSpan(len(ids), m.num_tokens, m.digest))
+        ids.extend([prompt[m.placeholder_index]] * m.num_tokens)
+        at = m.placeholder_index + 1
+    ids.extend(prompt[at:])
+    return block_keys(ids, block_size, spans)

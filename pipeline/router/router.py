@@ -1,0 +1,300 @@
+"""The KV router: sends a hop that prefills to the worker whose prefix
+cache holds most of its prompt, weighed against that worker's load, as
+NVIDIA Dynamo's KV router does; else to the shared queue.
+
+It hears every worker's KV events (relayed on ``mmpipe.<ns>.kv_events.*``)
+and load (``mmpipe.<ns>.load.*``). A worker's cost for a request is
+``overlap_weight * blocks it would prefill + KV blocks it is busy with``
+(what it reported, plus what was sent to it since); the cheapest wins if
+it holds any of the prompt, otherwise nobody is better placed than
+whoever is free, and the hop goes to the shared queue. A worker at its
+in-flight cap, draining, or not heard from for ``worker_silent_s`` is not
+sent to.
+
+Nothing sent is lost: a worker gives back what it does not start within
+``routed_wait_s`` and what it holds when it stops (pipeline/worker.py);
+for a worker that is gone, the rescuer here moves what waits on its
+subject back to the shared queue, once the worker's own consumer is
+gone (JetStream lets one consumer at a time filter a subject of a work
+queue, which makes the move exclusive).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from dataclasses import dataclass
+from typing import Any, Final
+
+import msgspec
+import structlog
+from nats.aio.client import Client
+from nats.aio.msg import Msg
+from nats.errors import TimeoutError as NatsTimeoutError
+from nats.js import JetStreamContext
+from nats.js.api import AckPolicy, ConsumerConfig
+from nats.js.errors import APIError, NotFoundError
+from prometheus_client import Counter
+
+from pipeline.config import PipelineConfig
+from pipeline.router.index import PrefixIndex
+from pipeline.router.requeue import requeue
+from schemas.control import WorkerLoad
+from schemas.errors import MmpipeError
+from schemas.kv_events import KVEventBatch
+from schemas.processed import ProcessedRequest
+from stages.media import item_digest, parse_data_url
+from stages.prefix_keys import PromptMedia, prompt_block_keys
+
+log = structlog.get_logger(__name__)
+
+DECISIONS: Final = Counter(
+    "mmpipe_router_decisions_total",
+    "Hops the KV router placed: on one worker (its prefix cached there) or on the shared queue",
+    ["role", "to"],
+)
+ROUTED_HIT_BLOCKS: Final = Counter(
+    "mmpipe_router_overlap_blocks_total", "Prompt blocks the chosen workers held, as the router saw them", ["role"]
+)
+
+# JetStream: a work queue's consumers may not filter the same subject.
+_FILTER_TAKEN = 10100
+# Media bytes the router reads from a data: URL to digest them.
+_MAX_INLINE_BYTES = 256 << 20
+_RESCUE_EVERY_S = 1.0
+
+
+def routable(role: str) -> bool:
+    """Hops worth sending to a worker with the prompt's prefix: those that prefill."""
+    return "prefill" in role.split("+")
+
+
+@dataclass
+class _Worker:
+    load: WorkerLoad
+    seen: float
+    # Blocks of the requests sent to it since its last report.
+    sent_blocks: int = 0
+
+    @property
+    def busy(self) -> int:
+        return self.load.inflight + self.load.waiting
+
+
+class KvRouter:
+    def __init__(self, nc: Client, js: JetStreamContext, config: PipelineConfig) -> None:
+        self.nc = nc
+        self.js = js
+        self.config = config
+        self.settings = config.router
+        self.subjects = config.subjects
+        self.index = PrefixIndex()
+        self.workers: dict[str, _Worker] = {}
+        self._subs: list[Any] = []
+        self._rescuer: asyncio.Task[None] | None = None
+        self._decoder = msgspec.msgpack.Decoder(KVEventBatch)
+        self._load_decoder = msgspec.msgpack.Decoder(WorkerLoad)
+
+    async def start(self) -> None:
+        self._subs = [
+            await self.nc.subscribe(self.subjects.all_kv_events, cb=self._on_events),
+            await self.nc.subscribe(self.subjects.all_loads, cb=self._on_load),
+        ]
+        self._rescuer = asyncio.create_task(self._rescue_loop())
+        log.info("kv_router_started", overlap_weight=self.settings.overlap_weight)
+
+    async def close(self) -> None:
+        if self._rescuer is not None:
+            self._rescuer.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._rescuer
+        for sub in self._subs:
+            with contextlib.suppress(Exception):
+                await sub.unsubscribe()
+
+    # -- what the workers say ---------------------------------------------
+
+    async def _on_events(self, msg: Msg) -> None:
+        worker = msg.subject.rsplit(".", 1)[-1]
+        try:
+            batch = self._decoder.decode(msg.data)
+        except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+            log.warning("kv_events_undecodable", worker_id=worker, error=repr(exc))
+            return
+        self.index.apply(worker, batch.events)
+
+    async def _on_load(self, msg: Msg) -> None:
+        try:
+            load = self._load_decoder.decode(msg.data)
+        except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+            log.warning("worker_load_undecodable", subject=msg.subject, error=repr(exc))
+            return
+        self.workers[load.worker_id] = _Worker(load, time.monotonic())
+
+    def alive(self, worker_id: str) -> bool:
+        w = self.workers.get(worker_id)
+        return w is not None and time.monotonic() - w.seen < self.settings.worker_silent_s
+
+    # -- where a hop goes ---------------------------------------------------
+
+    def subject_for(self, out: ProcessedRequest) -> str:
+        """The subject ``out`` is published to: a worker's own, or its hop's shared one."""
+        role = out.hop
+        worker = self.choose(out) if routable(role) else None
+        DECISIONS.labels(role, "worker" if worker else "shared").inc()
+        if worker is None:
+            return self.subjects.work(role)
+        return self.subjects.routed(role, worker)
+
+    def choose(self, out: ProcessedRequest) -> str | None:
+        role = out.hop
+        now = time.monotonic()
+        candidates = {
+            wid: w
+            for wid, w in self.workers.items()
+            if w.load.role == role
+            and now - w.seen < self.settings.worker_silent_s
+            and not w.load.draining
+            and w.busy < w.load.max_inflight
+            and wid in self.index.block_sizes
+        }
+        if not candidates:
+            return None
+        block_size = self.index.block_sizes[next(iter(candidates))]
+        keys = self.prompt_keys(out, block_size)
+        overlaps = self.index.overlaps(keys)
+        if not overlaps:
+            return None
+        blocks = max(1, -(-_prompt_length(out, keys, block_size) // block_size))
+
+        def cost(item: tuple[str, _Worker]) -> float:
+            wid, w = item
+            new = blocks - overlaps.get(wid, 0)
+            active = w.load.active_blocks if w.load.total_blocks else w.busy * blocks
+            return self.settings.overlap_weight * new + active + w.sent_blocks
+
+        wid, best = min(candidates.items(), key=cost)
+        if not overlaps.get(wid):
+            return None
+        best.sent_blocks += blocks
+        ROUTED_HIT_BLOCKS.labels(role).inc(overlaps[wid])
+        return wid
+
+    def prompt_keys(self, out: ProcessedRequest, block_size: int) -> list[int]:
+        """The engine's keys of ``out``'s prompt blocks, as far as the router
+        can know them: each media item's digest from its inline bytes (or
+        from its encoding), its token count from the encoding or, tried in
+        turn, from the lengths the index has seen."""
+        prompt = out.prompt_token_ids
+        for m in out.media:
+            self.index.placeholders.add(prompt[m.placeholder_index])
+        encoded = out.encoded.items if out.encoded is not None else None
+        media: list[PromptMedia] = []
+        for i, m in enumerate(out.media):
+            if encoded is not None:
+                media.append(PromptMedia(m.placeholder_index, encoded[i].num_tokens, encoded[i].digest))
+            else:
+                media.append(PromptMedia(m.placeholder_index, None, _inline_digest(out, i)))
+        best = prompt_block_keys(prompt, media, block_size)
+        # Each unknown token count in turn: the seen length that matches the longest cached run.
+        for i, pm in enumerate(media):
+            if pm.num_tokens is not None or not pm.digest:
+                continue
+            tried: list[tuple[int, list[int], int]] = []
+            for n in self.index.lengths(prompt[pm.placeholder_index]):
+                media[i] = pm._replace(num_tokens=n)
+                keys = prompt_block_keys(prompt, media, block_size)
+                tried.append((max(self.index.overlaps(keys).values(), default=0), keys, n))
+            if not tried:
+                break
+            held, keys, n = max(tried, key=lambda t: t[0])
+            if held <= len(best):
+                media[i] = pm
+                break
+            media[i] = pm._replace(num_tokens=n)
+            best = keys
+        return best
+
+    # -- what waits for a worker that is gone -------------------------------
+
+    async def _rescue_loop(self) -> None:
+        while True:
+            await asyncio.sleep(_RESCUE_EVERY_S)
+            try:
+                await self.rescue()
+            except Exception as exc:  # the next round tries again
+                log.warning("routed_rescue_failed", error=repr(exc))
+
+    async def rescue(self) -> int:
+        """Move what waits on the subjects of workers gone silent back to
+        their shared queues; how many messages moved."""
+        moved = 0
+        for role in {w.load.role for w in self.workers.values()}:
+            stream = self.subjects.stream(role)
+            try:
+                info = await self.js.stream_info(stream, subjects_filter=self.subjects.all_routed(role))
+            except NotFoundError:
+                continue
+            for subject, count in (info.state.subjects or {}).items():
+                worker = subject.rsplit(".", 1)[-1]
+                if count and not self.alive(worker):
+                    moved += await self._rescue(role, worker)
+        return moved
+
+    async def _rescue(self, role: str, worker: str) -> int:
+        stream = self.subjects.stream(role)
+        name = f"rescue-{self.subjects.routed_durable(role, worker)}"
+        cfg = ConsumerConfig(
+            durable_name=name,
+            filter_subject=self.subjects.routed(role, worker),
+            ack_policy=AckPolicy.EXPLICIT,
+            ack_wait=30.0,
+            inactive_threshold=30.0,
+        )
+        try:
+            await self.js.add_consumer(stream, cfg)
+        except APIError as exc:
+            if exc.err_code != _FILTER_TAKEN:
+                raise
+            # Its own consumer outlives a dead worker by orphan_after_s; one
+            # silent this long is gone: free the subject now.
+            with contextlib.suppress(NotFoundError):
+                await self.js.delete_consumer(stream, self.subjects.routed_durable(role, worker))
+            log.warning("routed_consumer_removed", role=role, worker_id=worker)
+            return 0
+        moved = 0
+        sub = await self.js.pull_subscribe_bind(name, stream)
+        try:
+            while True:
+                try:
+                    msgs = await sub.fetch(64, timeout=0.2)
+                except (TimeoutError, NatsTimeoutError):
+                    break
+                for msg in msgs:
+                    await requeue(self.js, self.subjects, role, msg, "rescued")
+                    moved += 1
+        finally:
+            with contextlib.suppress(Exception):
+                await sub.unsubscribe()
+            with contextlib.suppress(Exception):
+                await self.js.delete_consumer(stream, name)
+        if moved:
+            log.warning("routed_hops_rescued", role=role, worker_id=worker, moved=moved)
+        return moved
+
+
+def _inline_digest(out: ProcessedRequest, index: int) -> str:
+    """The digest of an item whose bytes are in the request (a data: URL,
+    inline audio); empty for one behind a URL, which only its encoder reads."""
+    item = out.media[index]
+    if not item.part or out.media_dropped:
+        return ""
+    try:
+        return item_digest(item, parse_data_url(out.media_url(item), _MAX_INLINE_BYTES).data)
+    except (MmpipeError, ValueError):
+        return ""
+
+
+def _prompt_length(out: ProcessedRequest, keys: list[int], block_size: int) -> int:
+    return max(len(out.prompt_token_ids), len(keys) * block_size)
