@@ -307,9 +307,13 @@ class Worker:
                 msgs = await self._routed.fetch(1, timeout=0.25)
             except (TimeoutError, NatsTimeoutError):
                 continue
-            except Exception as exc:  # the connection is down; nats-py reconnects
+            except Exception as exc:
+                # The connection is down (nats-py reconnects), or a router took
+                # this worker for gone and removed its consumer: make it again.
                 log.warning("routed_fetch_failed", role=self.role, error=repr(exc))
                 await asyncio.sleep(0.5)
+                with contextlib.suppress(Exception):
+                    self._routed = await self._routed_subscription()
                 continue
             for msg in msgs:
                 if self._has_slot() and not self._stopping.is_set():

@@ -52,10 +52,10 @@ class Processes:
         self.procs.append(proc)
         return proc
 
-    def worker(self, role: str, nats_url: str, mode: str, model_dir: Path) -> Proc:
+    def worker(self, role: str, nats_url: str, mode: str, model_dir: Path, *more: str) -> Proc:
         return self.start(
             "worker", role, "--mode", mode, "--nats-url", nats_url, "--model", str(model_dir),
-            "--served-model-name", "tiny-qwen2-vl", "--transport", "nixl",
+            "--served-model-name", "tiny-qwen2-vl", "--transport", "nixl", *more,
         )  # fmt: skip
 
     def stop_all(self) -> None:

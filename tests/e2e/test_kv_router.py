@@ -6,16 +6,26 @@ that does not take it goes back to the shared queue."""
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
+from pathlib import Path
 from typing import Any
 
 import pytest
 
 from pipeline.config import PipelineConfig, RouterSettings
+from pipeline.connection import connect
+from pipeline.replies import CHUNK_DECODER
 from pipeline.router.router import DECISIONS
+from pipeline.streams import ensure_streams
+from pipeline.subjects import Subjects
+from schemas.chunk import TokenChunk
+from schemas.codec import encode
+from schemas.request import ChatMessage, GenerateRequest, ImagePart, ImageURL, SamplingParams, TextPart
 from stages.models import ModelSpec
 from tests.e2e.conftest import client, gradient, png_data_url, start_stack
-from tests.polling import eventually
+from tests.e2e.processes import Processes
+from tests.polling import eventually, eventually_true
 
 N = 4
 CONVERSATIONS = 6
@@ -82,3 +92,82 @@ async def test_each_later_turn_goes_to_the_worker_that_holds_its_prefix(
         assert placed() - before >= CONVERSATIONS
     finally:
         await stop()
+
+
+@pytest.mark.e2e
+async def test_a_hop_sent_to_a_worker_killed_before_it_took_it_goes_back_to_the_shared_queue(
+    pipeline_config: PipelineConfig, tmp_path: Path, mmpipe_home: Path, tiny_model_dir: Path, reference: Any
+) -> None:
+    """SIGKILL, as the chaos suite kills: the router sent a turn to the
+    worker holding its prefix, which died before taking it; once the
+    worker is silent the router's rescuer moves the hop back to the shared
+    queue, and another worker answers with generate()'s tokens."""
+    config = dataclasses.replace(pipeline_config, namespace="default", router=RouterSettings(mode="kv"))
+    subjects = config.subjects
+    role = "encode+prefill+decode"
+    procs = Processes(tmp_path, mmpipe_home)
+    nc, js = await connect(config.nats_url, "test-client")
+    try:
+        await ensure_streams(js, config)
+        relayed: list[str] = []
+
+        async def heard(msg: Any) -> None:
+            relayed.append(msg.subject)
+
+        await nc.subscribe(subjects.all_kv_events, cb=heard)
+        processor = procs.worker("processor", config.nats_url, "epd", tiny_model_dir, "--router", "kv")
+        holder = procs.worker(role, config.nats_url, "epd", tiny_model_dir, "--router", "kv")
+        for proc in (processor, holder):
+            await asyncio.to_thread(proc.wait_for, "worker_started")
+        image = gradient(64, 48, 3)
+        history = "We talked about the sea and the mountains for a long while. " * 4
+        content = [TextPart(history), ImagePart(ImageURL(png_data_url(image))), TextPart("What is in the picture?")]
+        first = await _generate(nc, js, subjects, "turn-1", content)
+        # Its KV events reached NATS: the router knows the holder has the prompt.
+        await eventually(lambda: bool(relayed), within=10)
+        holder.kill()
+        sub = await nc.subscribe(subjects.reply("turn-2"))
+        await js.publish(subjects.requests, encode(_request("turn-2", content)))
+
+        async def routed_to_the_dead() -> bool:
+            info = await js.stream_info(subjects.stream(role), subjects_filter=subjects.all_routed(role))
+            return sum((info.state.subjects or {}).values()) == 1
+
+        await eventually_true(routed_to_the_dead, within=10, what="the turn waits on the killed worker's subject")
+        procs.worker(role, config.nats_url, "epd", tiny_model_dir, "--router", "kv")
+        second = await _tokens(sub)
+        parts = [
+            {"type": "text", "text": history},
+            {"type": "image_url", "image_url": {"url": ""}},
+            {"type": "text", "text": "What is in the picture?"},
+        ]
+        assert first == second == reference(parts, [image], N)[0]
+        assert "routed_hops_rescued" in processor.text()
+    finally:
+        await nc.close()
+        await asyncio.to_thread(procs.stop_all)
+
+
+def _request(rid: str, content: list[Any]) -> GenerateRequest:
+    return GenerateRequest(
+        rid,
+        "tiny-qwen2-vl",
+        [ChatMessage("user", content)],
+        SamplingParams(max_tokens=N, min_tokens=N, temperature=0.0),
+    )
+
+
+async def _generate(nc: Any, js: Any, subjects: Subjects, rid: str, content: list[Any]) -> list[int]:
+    sub = await nc.subscribe(subjects.reply(rid))
+    await js.publish(subjects.requests, encode(_request(rid, content)))
+    return await _tokens(sub)
+
+
+async def _tokens(sub: Any) -> list[int]:
+    tokens: list[int] = []
+    while True:
+        chunk = CHUNK_DECODER.decode((await sub.next_msg(timeout=120)).data)
+        assert isinstance(chunk, TokenChunk), chunk
+        tokens += chunk.token_ids
+        if chunk.finish_reason is not None:
+            return tokens
