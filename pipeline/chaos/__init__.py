@@ -14,6 +14,7 @@ import tempfile
 from pathlib import Path
 
 from pipeline.chaos.figures import Figures, table
+from pipeline.config import ROUTERS
 
 
 async def _run_all(stack: object, spec: object, reference: object, names: list[str]) -> list[Figures]:
@@ -34,11 +35,13 @@ def main(args: argparse.Namespace) -> int:
 
     names = list(SCENARIOS) if args.scenario == "all" else [args.scenario]
     spec = ChaosSpec(concurrency=args.concurrency, requests=args.requests, max_tokens=args.max_tokens)
-    options = StackOptions(mode=args.mode, model=args.model, transport=args.transport, ack_wait_s=args.ack_wait)
+    options = StackOptions(
+        mode=args.mode, model=args.model, transport=args.transport, ack_wait_s=args.ack_wait, router=args.router
+    )
     with tempfile.TemporaryDirectory(prefix="mmpipe-chaos-") as tmp:
         with ChaosStack(args.data_dir or Path(tmp), options) as stack:
             print(
-                f"mmpipe chaos: mode={options.mode} workers: {options.per_role} per role, "
+                f"mmpipe chaos: mode={options.mode} router={options.router} workers: {options.per_role} per role, "
                 f"concurrency {spec.concurrency}, {spec.requests} requests, {spec.max_tokens} tokens",
                 flush=True,
             )
@@ -52,6 +55,7 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     chaos = sub.add_parser("chaos", help="kill workers, restart NATS, overload: a stack of its own, figures printed")
     chaos.add_argument("--scenario", choices=("crash", "nats-restart", "overload", "all"), default="all")
     chaos.add_argument("--mode", default="e-p-d")
+    chaos.add_argument("--router", choices=ROUTERS, default="round-robin", help="where hops that prefill go")
     chaos.add_argument("--model", default="tiny-qwen2-vl")
     chaos.add_argument("--transport", choices=("nixl", "nats"), default="nixl")
     chaos.add_argument("--concurrency", type=int, default=16)

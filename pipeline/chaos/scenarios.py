@@ -223,9 +223,8 @@ async def crash(run: Run) -> Figures:
 
     async def killer() -> None:
         try:
-            for role in ("encode", "prefill", "decode", PROCESSOR):
-                if role not in stack.roles:
-                    continue
+            # Each hop's role in route order, then the processor.
+            for role in [*(r for r in stack.roles if r != PROCESSOR), PROCESSOR]:
                 await _mid_stream(live)
                 victim, inflight = await _busiest(stack, role)
                 if "decode" in role:  # what it preempted goes with it

@@ -50,6 +50,8 @@ class StackOptions:
     # decoder takes (--decode-max-len) no more than it holds. None: the defaults.
     kv_cache_memory: str | None = None
     decode_max_len: int | None = None
+    # --router kv: hops that prefill go to the worker holding their prefix (and back when it dies).
+    router: str = "round-robin"
 
 
 @dataclass
@@ -100,7 +102,7 @@ class ChaosStack:
         log = self.data_dir / f"{self._count:02d}-{role}.log"
         o = self.options
         common = ["--nats-url", self.nats_url, "--namespace", o.namespace, "--mode", o.mode]
-        common += ["--log-level", o.log_level, "--ack-wait", str(o.ack_wait_s)]
+        common += ["--log-level", o.log_level, "--ack-wait", str(o.ack_wait_s), "--router", o.router]
         with open(log, "wb") as out:
             popen = subprocess.Popen(
                 [sys.executable, "-m", "pipeline.cli", *args, *common],
@@ -248,8 +250,9 @@ def _http_ok(url: str) -> bool:
         return False
 
 
-def metric(member: Member, name: str) -> float:
-    """Sum of a metric's samples on a worker's /metrics (0 when unreachable)."""
+def metric(member: Member, name: str, labels: dict[str, str] | None = None) -> float:
+    """Sum of a metric's samples on a worker's /metrics (those with
+    ``labels``, where given; 0 when unreachable)."""
     try:
         with urllib.request.urlopen(f"http://127.0.0.1:{member.health_port}/metrics", timeout=2) as response:
             text = response.read().decode()
@@ -259,5 +262,5 @@ def metric(member: Member, name: str) -> float:
         sample.value
         for family in text_string_to_metric_families(text)
         for sample in family.samples
-        if sample.name == name
+        if sample.name == name and (labels or {}).items() <= sample.labels.items()
     )

@@ -29,7 +29,7 @@ import pytest
 from pipeline.chaos.figures import Figures, table
 from pipeline.chaos.reference import Reference
 from pipeline.chaos.scenarios import ChaosSpec, Run, crash, nats_restart, overload
-from pipeline.chaos.stack import ChaosStack, StackOptions
+from pipeline.chaos.stack import ChaosStack, StackOptions, metric
 
 pytestmark = [pytest.mark.e2e, pytest.mark.chaos]
 
@@ -81,6 +81,23 @@ async def test_crash_of_each_role_loses_nothing(
     # swapped out (counted on every decode worker that ran, the killed one too).
     print("KV pool preemptions:", figures.preemptions)
     assert figures.preemptions > 0, figures.notes
+
+
+@pytest.mark.timeout(300)
+async def test_crash_of_each_role_with_the_kv_router_loses_nothing(tmp_path: Path) -> None:
+    """--router kv: a hop that prefills goes to one worker's own subject;
+    that worker killed, what waited for it comes back to the shared queue."""
+    options = StackOptions(mode="e-pd", router="kv", kv_cache_memory="96KiB", decode_max_len=176)
+    with ChaosStack(tmp_path, options) as stack:
+        async with Run(stack, SPEC, Reference(stack.model_path), {}) as run:
+            figures = await crash(run)
+        _check(figures)
+        kills = [n.split()[1] for n in figures.notes if n.startswith("SIGKILL")]
+        assert kills == ["encode", "prefill+decode", "processor"], figures.notes
+        # The encode workers route the prefill+decode hop: some went to the worker holding their prefix.
+        routed = sum(metric(m, "mmpipe_router_decisions_total", {"to": "worker"}) for m in stack.workers("encode"))
+        print("hops routed by cache:", routed)
+        assert routed > 0
 
 
 @pytest.mark.timeout(180)
