@@ -147,8 +147,22 @@ def _bench(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     )
     bench.add_argument("--users", type=int, default=4, help="with --workload multiturn: conversations at once")
     bench.add_argument("--turns", type=int, default=3, help="with --workload multiturn: turns a conversation")
+    bench.add_argument(
+        "--router",
+        default="",
+        help="with --workload multiturn: start `mmpipe up --router R` for each (comma separated: kv,round-robin) and "
+        "run the same conversations on each (the mode: the first of --modes; more flags: --up-arg)",
+    )
+    bench.add_argument(
+        "--router-workers",
+        default="",
+        help="with --router: the stacks' --workers (e.g. encode+prefill+decode=4); a stack of one worker per role "
+        "runs first, the hit rate to keep",
+    )
     bench.add_argument("--compare-modes", action="store_true", help="start `mmpipe up` per mode, same load on each")
-    bench.add_argument("--modes", default="epd,e-pd,e-p-d,ep-d", help="with --compare-modes")
+    bench.add_argument(
+        "--modes", default="epd,e-pd,e-p-d,ep-d", help="with --compare-modes; with --router, its first is the mode"
+    )
     bench.add_argument("--transport", choices=("auto", "nixl", "nats"), default="nixl", help="with --compare-modes")
     bench.add_argument(
         "--concurrencies", default="", help="with --compare-modes: comma-separated levels, each a run (e.g. 1,8,32)"

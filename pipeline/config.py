@@ -80,7 +80,7 @@ class RouterSettings:
         1.0,
         flag="kv-overlap-score-weight",
         help="--router kv: a worker's cost is this times the prompt blocks it would prefill, plus the KV blocks "
-        "its running requests hold (NVIDIA Dynamo's cost); higher favours cache hits over spreading load",
+        "it would then hold (NVIDIA Dynamo's cost); higher favours cache hits over spreading load",
     )
     routed_wait_s: float = setting(
         2.0,

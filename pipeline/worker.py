@@ -60,8 +60,10 @@ log = structlog.get_logger(__name__)
 
 # NATS counts a message's headers against max_payload too.
 _HEADER_ROOM = 1024
-# How often a hop worker publishes its load (a router's liveness signal too).
+# How often a hop worker publishes its load (a router's liveness signal too),
+# and at most how often when it changes (a request started or ended).
 LOAD_EVERY_S = 0.5
+LOAD_AT_MOST_EVERY_S = 0.02
 
 
 def _raise_if_cancelled() -> None:
@@ -156,6 +158,7 @@ class Worker:
         self._waiting: list[Msg] = []
         self._routed: Any = None
         self._announced: asyncio.Task[None] | None = None
+        self._load_changed = asyncio.Event()
         # Where this process sends the hops it forwards (--router kv), if it routes.
         self.router = KvRouter(nc, js, config) if config.router.kv else None
         self.ready = asyncio.Event()
@@ -266,6 +269,7 @@ class Worker:
 
     def _start(self, msg: Msg) -> None:
         task = asyncio.create_task(self._handle(msg))
+        self._load_changed.set()
         self._tasks.add(task)
         task.add_done_callback(self._task_done)
         metrics.INFLIGHT.labels(self.role).set(len(self._tasks))
@@ -273,6 +277,7 @@ class Worker:
     def _task_done(self, task: asyncio.Task[None]) -> None:
         self._progressed()
         self._tasks.discard(task)
+        self._load_changed.set()
         # What was sent to this worker, for its cache, goes before the shared queue.
         if self._waiting and not self._stopping.is_set() and self._has_slot():
             self._start(self._waiting.pop(0))
@@ -357,9 +362,16 @@ class Worker:
             log.warning("routed_give_back_failed", role=self.role, error=repr(exc), waiting=len(self._waiting))
 
     async def _report_load(self) -> None:
+        """Every half second, and soon after a request starts or ends: a
+        router that weighs a cache hit against this worker's load must not
+        count a request that just finished (a conversation's next turn
+        comes right after it)."""
         while True:
+            self._load_changed.clear()
             await self._publish_load()
-            await asyncio.sleep(LOAD_EVERY_S)
+            await asyncio.sleep(LOAD_AT_MOST_EVERY_S)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._load_changed.wait(), LOAD_EVERY_S - LOAD_AT_MOST_EVERY_S)
 
     async def _publish_load(self, draining: bool = False) -> None:
         usage = getattr(self.stage, "kv_usage", None)

@@ -9,6 +9,12 @@ that caches prefixes prefills only what is new. Reported per turn: TTFT,
 the prompt's tokens and how many the server says it served from its cache
 (``usage.prompt_tokens_details.cached_tokens``), and the hit rate (cached
 over prompt tokens); and requests/s over the whole run.
+
+``--router kv,round-robin`` starts ``mmpipe up --router R`` for each (with
+``--router-workers`` as its ``--workers``, and ``--up-arg`` flags), one
+after the other, and drives the same conversations at each; with
+``--router-workers``, a stack of one worker per role goes first: the hit
+rate that spreading the users over several workers should keep.
 """
 
 from __future__ import annotations
@@ -17,8 +23,11 @@ import argparse
 import asyncio
 import dataclasses
 import json
+import sys
+import tempfile
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from pipeline.bench.load import (
@@ -30,6 +39,7 @@ from pipeline.bench.load import (
     spec_from_args,
     synthetic_images,
 )
+from pipeline.config import ROUTERS
 
 
 @dataclass
@@ -117,6 +127,7 @@ def summarize(
         )
     later = [t for t in ok if t.turn > 1]
     later_prompt = sum(t.prompt_tokens for t in later)
+    later_ttfts = [t.ttft_s for t in later]
     return {
         "users": users,
         "turns": turns,
@@ -131,6 +142,7 @@ def summarize(
         "per_turn": per_turn,
         # Of every turn after the first: prompt tokens the server served from its cache.
         "hit_rate_after_first": sum(t.cached_tokens for t in later) / later_prompt if later_prompt else None,
+        "ttft_ms_p50_after_first": percentile(later_ttfts, 50) * 1e3 if later_ttfts else None,
     }
 
 
@@ -162,11 +174,73 @@ def format_summary(s: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+ONE_WORKER = "one worker"
+
+
+def compare_routers(args: argparse.Namespace, routers: list[str]) -> list[dict[str, Any]]:
+    """The same conversations on ``mmpipe up`` with each router (and first,
+    with ``--router-workers``, on one worker per role)."""
+    from pipeline.bench import run_async
+    from pipeline.bench.modes import mmpipe_up
+
+    spec = spec_from_args(args)
+    mode = args.modes.split(",")[0] if args.modes else "epd"
+    runs = [(ONE_WORKER, ())] if args.router_workers else []
+    runs += [
+        (r, ("--router", r, *(("--workers", args.router_workers) if args.router_workers else ()))) for r in routers
+    ]
+    rows = []
+    for label, flags in runs:
+        print(f"{label}: starting mmpipe up ...", file=sys.stderr, flush=True)
+        with tempfile.TemporaryDirectory(prefix="mmpipe-bench-router-") as tmp:
+            extra = (*flags, *args.up_arg)
+            with mmpipe_up(mode, spec.model, args.transport, Path(tmp), spec.api_key, extra=extra) as url:
+                on = dataclasses.replace(spec, url=url, model=Path(spec.model).name)
+                rows.append({"router": label, **run_async(run(on, args.users, args.turns))})
+    return rows
+
+
+def format_routers(rows: list[dict[str, Any]]) -> str:
+    def num(v: float | None, fmt: str) -> str:
+        return "-" if v is None else format(v, fmt)
+
+    one = next((r for r in rows if r["router"] == ONE_WORKER), None)
+    rr = next((r for r in rows if r["router"] == "round-robin"), None)
+    lines = []
+    for r in rows:
+        lines += [f"== {r['router']}", format_summary(r), ""]
+    lines.append(
+        f"{'router':<14}{'req/s':>8}{'hit rate':>10}{'x one worker':>14}{'TTFT p50 turn>=2':>18}{'x round-robin':>15}"
+    )
+    for r in rows:
+        hit, ttft = r["hit_rate_after_first"], r["ttft_ms_p50_after_first"]
+        hit_x = hit / one["hit_rate_after_first"] if one and hit is not None and one["hit_rate_after_first"] else None
+        base = rr["ttft_ms_p50_after_first"] if rr else None
+        ttft_x = ttft / base if ttft is not None and base else None
+        lines.append(
+            f"{r['router']:<14}{num(r['requests_per_s'], '.2f'):>8}{num(hit, '.2f'):>10}{num(hit_x, '.2f'):>14}"
+            f"{num(ttft, '.1f'):>18}{num(ttft_x, '.2f'):>15}"
+        )
+    return "\n".join(lines)
+
+
 def main(args: argparse.Namespace) -> int:
     from pipeline.bench import run_async
 
     if args.users < 1 or args.turns < 1:
         raise SystemExit("mmpipe bench: --users and --turns must be at least 1")
+    routers = [r.strip() for r in (args.router or "").split(",") if r.strip()]
+    if routers:
+        unknown = [r for r in routers if r not in ROUTERS]
+        if unknown:
+            raise SystemExit(f"mmpipe bench: --router {', '.join(unknown)}: routers are {', '.join(ROUTERS)}")
+        try:
+            rows = compare_routers(args, routers)
+        except RuntimeError as exc:  # a stack did not start: the message says why
+            print(f"mmpipe bench: {exc}", file=sys.stderr, flush=True)
+            return 1
+        print(json.dumps(rows, indent=2) if args.json else format_routers(rows), flush=True)
+        return 1 if any(r["failed"] for r in rows) else 0
     summary = run_async(run(spec_from_args(args), args.users, args.turns))
     print(json.dumps(summary, indent=2) if args.json else format_summary(summary), flush=True)
     return 1 if summary["failed"] else 0

@@ -4,10 +4,11 @@ NVIDIA Dynamo's KV router does; else to the shared queue.
 
 It hears every worker's KV events (relayed on ``mmpipe.<ns>.kv_events.*``)
 and load (``mmpipe.<ns>.load.*``). A worker's cost for a request is
-``overlap_weight * blocks it would prefill + KV blocks it is busy with``
-(what it reported, plus what was sent to it since); the cheapest wins if
-it holds any of the prompt, otherwise nobody is better placed than
-whoever is free, and the hop goes to the shared queue. A worker at its
+``overlap_weight * blocks it would prefill + KV blocks it would then hold``
+(what it reported, what was sent to it since, and what this prefill adds); the cheapest wins
+(where one holds some of the prompt, a worker that holds none may be
+cheapest for its load: it gets the hop). A prompt cached nowhere goes to
+the shared queue, where whichever worker is free first takes it. A worker at its
 in-flight cap, draining, or not heard from for ``worker_silent_s`` is not
 sent to.
 
@@ -23,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import random
 import time
 from dataclasses import dataclass
 from typing import Any, Final
@@ -149,6 +151,9 @@ class KvRouter:
 
     def choose(self, out: ProcessedRequest) -> str | None:
         role = out.hop
+        # Known before this prompt's blocks are stored: its media's runs are learned from them.
+        for m in out.media:
+            self.index.placeholders.add(out.prompt_token_ids[m.placeholder_index])
         now = time.monotonic()
         candidates = {
             wid: w
@@ -157,28 +162,38 @@ class KvRouter:
             and now - w.seen < self.settings.worker_silent_s
             and not w.load.draining
             and w.busy < w.load.max_inflight
-            and wid in self.index.block_sizes
         }
-        if not candidates:
-            return None
-        block_size = self.index.block_sizes[next(iter(candidates))]
-        keys = self.prompt_keys(out, block_size)
+        sizes = [self.index.block_sizes[wid] for wid in candidates if wid in self.index.block_sizes]
+        if not sizes:
+            return None  # no worker of the role tells what it caches
+        keys = self.prompt_keys(out, sizes[0])
         overlaps = self.index.overlaps(keys)
-        if not overlaps:
-            return None
-        blocks = max(1, -(-_prompt_length(out, keys, block_size) // block_size))
+        if not any(overlaps.get(wid) for wid in candidates):
+            log.debug("kv_cached_nowhere", request_id=out.request.request_id, keys=len(keys), workers=len(candidates))
+            return None  # cached nowhere: whichever worker is free first takes it
+        blocks = max(1, -(-_prompt_length(out, keys, sizes[0]) // sizes[0]))
 
-        def cost(item: tuple[str, _Worker]) -> float:
+        def cost(item: tuple[str, _Worker]) -> tuple[float, float]:
             wid, w = item
             new = blocks - overlaps.get(wid, 0)
             active = w.load.active_blocks if w.load.total_blocks else w.busy * blocks
-            return self.settings.overlap_weight * new + active + w.sent_blocks
+            # Its blocks once it runs there: what it prefills adds to them,
+            # what it finds cached is (as a running turn's prefix) already in.
+            potential = active + w.sent_blocks + new
+            # Ties broken at random: equal workers share the load.
+            return self.settings.overlap_weight * new + potential, random.random()
 
         wid, best = min(candidates.items(), key=cost)
-        if not overlaps.get(wid):
-            return None
+        log.debug(
+            "kv_routed",
+            request_id=out.request.request_id,
+            worker_id=wid,
+            blocks=blocks,
+            overlaps={w: overlaps.get(w, 0) for w in candidates},
+            costs={w: round(cost((w, c))[0]) for w, c in candidates.items()},
+        )
         best.sent_blocks += blocks
-        ROUTED_HIT_BLOCKS.labels(role).inc(overlaps[wid])
+        ROUTED_HIT_BLOCKS.labels(role).inc(overlaps.get(wid, 0))
         return wid
 
     def prompt_keys(self, out: ProcessedRequest, block_size: int) -> list[int]:
@@ -187,8 +202,6 @@ class KvRouter:
         from its encoding), its token count from the encoding or, tried in
         turn, from the lengths the index has seen."""
         prompt = out.prompt_token_ids
-        for m in out.media:
-            self.index.placeholders.add(prompt[m.placeholder_index])
         encoded = out.encoded.items if out.encoded is not None else None
         media: list[PromptMedia] = []
         for i, m in enumerate(out.media):

@@ -69,6 +69,8 @@ def test_the_routers_keys_for_a_prompt_are_the_engines_once_the_media_length_is_
     image = b"\x89PNG not really, but bytes all the same"
     out = _request(image)
     keys, ids = _engine_keys(out, image, 5)
+    # The router sees a prompt before its blocks are stored: its placeholder is known by then.
+    assert router.choose(out) is None
     # Before any blocks are seen, only those before the image: the media's length is unknown.
     assert router.prompt_keys(out, B) == block_keys(out.prompt_token_ids[:0], B)
     router.index.apply("w", [_stored(keys, ids[: len(keys) * B])])
