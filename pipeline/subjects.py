@@ -99,6 +99,14 @@ class Subjects:
     def all_kv_events(self) -> str:
         return f"{self.prefix}.kv_events.*"
 
+    def embeddings(self, worker_id: str) -> str:
+        """Which media's embeddings an encoding worker holds (EmbeddingsHeld)."""
+        return f"{self.prefix}.embeddings.{check_token(worker_id, 'worker id')}"
+
+    @property
+    def all_embeddings(self) -> str:
+        return f"{self.prefix}.embeddings.*"
+
     def load(self, worker_id: str) -> str:
         return f"{self.prefix}.load.{check_token(worker_id, 'worker id')}"
 

@@ -41,7 +41,7 @@ from pipeline.subjects import check_token, role_token
 from pipeline.transport.base import TensorGone, TensorTransport
 from schemas.chunk import ReplyChunk, TokenChunk
 from schemas.codec import CONTENT_TYPE, MSGPACK, Decoder, encode
-from schemas.control import CacheCleared, Restart, WorkerInfo, WorkerLoad
+from schemas.control import CacheCleared, EmbeddingsHeld, Restart, WorkerInfo, WorkerLoad
 from schemas.errors import (
     DeadlineExceeded,
     InternalError,
@@ -159,6 +159,8 @@ class Worker:
         self._routed: Any = None
         self._announced: asyncio.Task[None] | None = None
         self._load_changed = asyncio.Event()
+        # Media sets whose embeddings this worker took in / let go since it last told.
+        self._embeddings = EmbeddingsHeld()
         # Where this process sends the hops it forwards (--router kv), if it routes.
         self.router = KvRouter(nc, js, config) if config.router.kv else None
         self.ready = asyncio.Event()
@@ -183,6 +185,7 @@ class Worker:
         background = []
         relay = self._relay()
         if self.role in HOP_ROLES:
+            self._tell_embeddings()
             self._routed = await self._routed_subscription()
             background = [asyncio.create_task(self._routed_loop()), asyncio.create_task(self._report_load())]
         if self.router is not None:
@@ -368,6 +371,7 @@ class Worker:
         comes right after it)."""
         while True:
             self._load_changed.clear()
+            await self._publish_embeddings()
             await self._publish_load()
             await asyncio.sleep(LOAD_AT_MOST_EVERY_S)
             with contextlib.suppress(TimeoutError):
@@ -390,6 +394,24 @@ class Worker:
             await self.nc.publish(self.subjects.load(self.worker_id), encode(load))
         except Exception as exc:  # reconnecting: the next report may get through
             log.warning("load_report_failed", role=self.role, error=repr(exc))
+
+    def _tell_embeddings(self) -> None:
+        encoder = getattr(getattr(self.stage, "engine", None), "encoder", None)
+        if encoder is not None and getattr(encoder, "cache", None) is not None:
+            encoder.on_cached = self._embeddings_changed
+
+    def _embeddings_changed(self, media: str, stored: bool) -> None:
+        (self._embeddings.stored if stored else self._embeddings.removed).append(media)
+        self._load_changed.set()
+
+    async def _publish_embeddings(self) -> None:
+        held, self._embeddings = self._embeddings, EmbeddingsHeld()
+        if not (held.stored or held.removed):
+            return
+        try:
+            await self.nc.publish(self.subjects.embeddings(self.worker_id), encode(held))
+        except Exception as exc:  # reconnecting: a router then misses it, and routes by luck
+            log.warning("embeddings_report_failed", role=self.role, error=repr(exc))
 
     def _relay(self) -> KvEventRelay | None:
         endpoint = getattr(getattr(self.stage, "engine", None), "kv_events_endpoint", "") or self.kv_events_endpoint

@@ -76,3 +76,13 @@ class WorkerLoad(msgspec.Struct, omit_defaults=True, forbid_unknown_fields=False
     total_blocks: int = 0
     # Stopping: it takes nothing more, routed or not.
     draining: bool = False
+
+
+class EmbeddingsHeld(msgspec.Struct, omit_defaults=True, forbid_unknown_fields=False):
+    """What an encoding worker's embedding cache took in and let go, on
+    ``mmpipe.<ns>.embeddings.<worker_id>``: each a request's media by
+    content (``stages.media.media_set_key``), for a router to send the
+    same media to the worker that holds their embeddings."""
+
+    stored: list[str] = []
+    removed: list[str] = []

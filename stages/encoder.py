@@ -17,6 +17,7 @@ import dataclasses
 import itertools
 import json
 import os
+from collections.abc import Callable
 
 import structlog
 import torch
@@ -35,6 +36,7 @@ from stages.media import (
     decode_image,
     decode_video,
     item_digest,
+    media_set_key,
     parse_embeddings,
 )
 from stages.media.decode_pool import DecodePool
@@ -73,6 +75,12 @@ class MediaEncoder:
         self._storing: set[asyncio.Future[CachedEmbedding]] = set()
         # What else changes the embeddings of the same bytes: the weights and their dtype.
         self._model_key = f"{engine.model_dir.resolve()}:{engine.dtype}"
+        # Told which media sets' embeddings are held (True) or no longer
+        # (False), by media_set_key: routers send the same media here again.
+        self.on_cached: Callable[[str, bool], None] | None = None
+        self._set_keys: dict[str, str] = {}
+        if cache is not None:
+            cache.listener = self._cached
 
     async def encode(self, req: ProcessedRequest, ctx: HopContext) -> list[MediaEmbedding]:
         if not req.media:
@@ -95,6 +103,7 @@ class MediaEncoder:
         encoded = await self._encode_media(req.media, datas, ctx)
         if self.cache is not None:
             ctx.trace["cache_hit"] = 0.0
+            self._set_keys[key] = media_set_key(digests)
             self._store(key, encoded)
         return _digested(encoded, digests)
 
@@ -201,6 +210,11 @@ class MediaEncoder:
         """The embedding cache's key of a request's media: their digests (each
         of fixed length) in order, and this engine's weights."""
         return content_key("".join(digests).encode(), model=self._model_key, kind="media")
+
+    def _cached(self, key: str, stored: bool) -> None:
+        set_key = self._set_keys.get(key) if stored else self._set_keys.pop(key, None)
+        if set_key is not None and self.on_cached is not None:
+            self.on_cached(set_key, stored)
 
 
 def decode_processes(policy: MediaPolicy, device: torch.device) -> int:

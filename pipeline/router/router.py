@@ -42,11 +42,11 @@ from prometheus_client import Counter
 from pipeline.config import PipelineConfig
 from pipeline.router.index import PrefixIndex
 from pipeline.router.requeue import requeue
-from schemas.control import WorkerLoad
+from schemas.control import EmbeddingsHeld, WorkerLoad
 from schemas.errors import MmpipeError
 from schemas.kv_events import KVEventBatch
 from schemas.processed import ProcessedRequest
-from stages.media import item_digest, parse_data_url
+from stages.media import item_digest, media_set_key, parse_data_url
 from stages.prefix_keys import PromptMedia, prompt_block_keys
 
 log = structlog.get_logger(__name__)
@@ -65,6 +65,11 @@ _FILTER_TAKEN = 10100
 # Media bytes the router reads from a data: URL to digest them.
 _MAX_INLINE_BYTES = 256 << 20
 _RESCUE_EVERY_S = 1.0
+
+
+ENCODE = "encode"
+# A worker silent this many times worker_silent_s is forgotten (what it held, its load).
+_FORGET_AFTER = 20
 
 
 def routable(role: str) -> bool:
@@ -93,15 +98,21 @@ class KvRouter:
         self.subjects = config.subjects
         self.index = PrefixIndex()
         self.workers: dict[str, _Worker] = {}
+        # Every role a worker was heard of: their queues are where hops may wait for the gone.
+        self.roles: set[str] = set()
         self._subs: list[Any] = []
         self._rescuer: asyncio.Task[None] | None = None
+        # Media sets (media_set_key) -> the encoding workers holding their embeddings.
+        self.embeddings: dict[str, set[str]] = {}
         self._decoder = msgspec.msgpack.Decoder(KVEventBatch)
         self._load_decoder = msgspec.msgpack.Decoder(WorkerLoad)
+        self._held_decoder = msgspec.msgpack.Decoder(EmbeddingsHeld)
 
     async def start(self) -> None:
         self._subs = [
             await self.nc.subscribe(self.subjects.all_kv_events, cb=self._on_events),
             await self.nc.subscribe(self.subjects.all_loads, cb=self._on_load),
+            await self.nc.subscribe(self.subjects.all_embeddings, cb=self._on_embeddings),
         ]
         self._rescuer = asyncio.create_task(self._rescue_loop())
         log.info("kv_router_started", overlap_weight=self.settings.overlap_weight)
@@ -126,6 +137,31 @@ class KvRouter:
             return
         self.index.apply(worker, batch.events)
 
+    async def _on_embeddings(self, msg: Msg) -> None:
+        worker = msg.subject.rsplit(".", 1)[-1]
+        try:
+            held = self._held_decoder.decode(msg.data)
+        except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+            log.warning("embeddings_undecodable", worker_id=worker, error=repr(exc))
+            return
+        for media in held.stored:
+            self.embeddings.setdefault(media, set()).add(worker)
+        for media in held.removed:
+            holders = self.embeddings.get(media)
+            if holders is not None:
+                holders.discard(worker)
+                if not holders:
+                    del self.embeddings[media]
+
+    def forget(self, worker: str) -> None:
+        """A worker long gone: nothing it held is there any more."""
+        self.workers.pop(worker, None)
+        self.index.forget(worker)
+        for media in [m for m, holders in self.embeddings.items() if worker in holders]:
+            self.embeddings[media].discard(worker)
+            if not self.embeddings[media]:
+                del self.embeddings[media]
+
     async def _on_load(self, msg: Msg) -> None:
         try:
             load = self._load_decoder.decode(msg.data)
@@ -133,6 +169,7 @@ class KvRouter:
             log.warning("worker_load_undecodable", subject=msg.subject, error=repr(exc))
             return
         self.workers[load.worker_id] = _Worker(load, time.monotonic())
+        self.roles.add(load.role)
 
     def alive(self, worker_id: str) -> bool:
         w = self.workers.get(worker_id)
@@ -143,19 +180,19 @@ class KvRouter:
     def subject_for(self, out: ProcessedRequest) -> str:
         """The subject ``out`` is published to: a worker's own, or its hop's shared one."""
         role = out.hop
-        worker = self.choose(out) if routable(role) else None
+        if role == ENCODE:
+            worker = self.choose_encoder(out)
+        else:
+            worker = self.choose(out) if routable(role) else None
         DECISIONS.labels(role, "worker" if worker else "shared").inc()
         if worker is None:
             return self.subjects.work(role)
         return self.subjects.routed(role, worker)
 
-    def choose(self, out: ProcessedRequest) -> str | None:
-        role = out.hop
-        # Known before this prompt's blocks are stored: its media's runs are learned from them.
-        for m in out.media:
-            self.index.placeholders.add(out.prompt_token_ids[m.placeholder_index])
+    def _takers(self, role: str) -> dict[str, _Worker]:
+        """The workers of ``role`` a hop may be sent to: heard from, not stopping, a slot free."""
         now = time.monotonic()
-        candidates = {
+        return {
             wid: w
             for wid, w in self.workers.items()
             if w.load.role == role
@@ -163,6 +200,27 @@ class KvRouter:
             and not w.load.draining
             and w.busy < w.load.max_inflight
         }
+
+    def choose_encoder(self, out: ProcessedRequest) -> str | None:
+        """The least busy encode worker that holds the embeddings of ``out``'s
+        media (all of them inline: a URL's bytes are its encoder's to read)."""
+        digests = [_inline_digest(out, i) for i in range(len(out.media))]
+        if not digests or not all(digests):
+            return None
+        holders = self.embeddings.get(media_set_key(digests), set())
+        takers = [(w, c) for w, c in self._takers(out.hop).items() if w in holders]
+        if not takers:
+            return None
+        wid, best = min(takers, key=lambda t: (t[1].busy + t[1].sent_blocks, random.random()))
+        best.sent_blocks += 1
+        return wid
+
+    def choose(self, out: ProcessedRequest) -> str | None:
+        role = out.hop
+        # Known before this prompt's blocks are stored: its media's runs are learned from them.
+        for m in out.media:
+            self.index.placeholders.add(out.prompt_token_ids[m.placeholder_index])
+        candidates = self._takers(role)
         sizes = [self.index.block_sizes[wid] for wid in candidates if wid in self.index.block_sizes]
         if not sizes:
             return None  # no worker of the role tells what it caches
@@ -243,7 +301,10 @@ class KvRouter:
         """Move what waits on the subjects of workers gone silent back to
         their shared queues; how many messages moved."""
         moved = 0
-        for role in {w.load.role for w in self.workers.values()}:
+        now = time.monotonic()
+        for wid in [w for w, s in self.workers.items() if now - s.seen > _FORGET_AFTER * self.settings.worker_silent_s]:
+            self.forget(wid)
+        for role in sorted(self.roles):
             stream = self.subjects.stream(role)
             try:
                 info = await self.js.stream_info(stream, subjects_filter=self.subjects.all_routed(role))

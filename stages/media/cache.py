@@ -24,6 +24,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Final
 
 from prometheus_client import Counter, Gauge
@@ -79,6 +80,13 @@ def item_digest(item: MediaItem, data: bytes) -> str:
     it, and a cache-aware router the prompts it routes."""
     options = json.dumps([item.num_frames, item.fps, item.max_frames, item.format, item.embeds])
     return content_key(data, model="", kind=item.kind.value, options=options)
+
+
+def media_set_key(digests: list[str]) -> str:
+    """A request's media, in order, by content alone (no model): what an
+    encoding worker tells it holds the embeddings of, and what a router
+    looks up to send the same media to it again."""
+    return content_key("".join(digests).encode(), model="", kind="media")
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -161,6 +169,8 @@ class EmbeddingCache:
         # labels() alone exports a series (at 0): a disabled cache makes none but its misses.
         # An enabled one makes them all now, so dashboards see an empty cache, not no cache.
         self._series = _Series.of(name) if capacity_bytes > 0 else None
+        # Told of each key stored (True) and evicted (False): a worker relays it to routers.
+        self.listener: Callable[[str, bool], None] | None = None
         self._update_gauges()
 
     @property
@@ -207,6 +217,8 @@ class EmbeddingCache:
             series.refused.inc()
             return False
         self._update_gauges()
+        if self.listener is not None:
+            self.listener(key, True)
         return True
 
     def stats(self) -> dict[str, int]:
@@ -221,6 +233,8 @@ class EmbeddingCache:
         }
 
     def _evicted(self, key: str, value: CachedEmbedding) -> None:
+        if self.listener is not None:
+            self.listener(key, False)
         self._evictions += 1
         if self._series is not None:
             self._series.evictions.inc()

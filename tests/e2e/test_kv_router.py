@@ -55,19 +55,22 @@ async def test_each_later_turn_goes_to_the_worker_that_holds_its_prefix(
     pipeline_config: PipelineConfig, model_spec: ModelSpec, mode: str
 ) -> None:
     """Two workers that prefill; the router is the bridge (epd) or the
-    encode worker (e-pd), which knows the media's token counts exactly."""
+    encode worker (e-pd), which knows the media's token counts exactly. In
+    e-pd two encode workers too: the bridge sends a turn's media to the
+    one that holds their embeddings."""
     config = dataclasses.replace(pipeline_config, mode=mode, router=RouterSettings(mode="kv"))
     prefill_role = "encode+prefill+decode" if mode == "epd" else "prefill+decode"
-    stack, stop = await start_stack(config, model_spec, counts={prefill_role: 2}, bridge_processes=True)
+    counts = {prefill_role: 2} if mode == "epd" else {"encode": 2, prefill_role: 2}
+    stack, stop = await start_stack(config, model_spec, counts=counts, bridge_processes=True)
     try:
         holders = [w for w in stack.workers if w.role == prefill_role]
         router = stack.bridge.router if mode == "epd" else next(w for w in stack.workers if w.role == "encode").router
         await eventually(lambda: all(router.alive(w.worker_id) for w in holders), within=10)
 
-        def placed() -> float:
-            return DECISIONS.labels(prefill_role, "worker")._value.get()
+        def placed(role: str = prefill_role) -> float:
+            return DECISIONS.labels(role, "worker")._value.get()
 
-        before = placed()
+        before, encodes_before = placed(), placed("encode")
         async with client(stack) as c:
             firsts = []
             for seed in range(CONVERSATIONS):
@@ -90,6 +93,8 @@ async def test_each_later_turn_goes_to_the_worker_that_holds_its_prefix(
                 assert cached >= prompt - 16 - 1, (cached, prompt, prompt2)
         # Placed by the router, each of them: not a shared queue's luck.
         assert placed() - before >= CONVERSATIONS
+        if mode == "e-pd":
+            assert placed("encode") - encodes_before >= CONVERSATIONS
     finally:
         await stop()
 

@@ -220,3 +220,15 @@ def test_importing_stages_media_does_not_import_torch() -> None:
     # The bridge imports stages.media for the policy; the cache must not drag torch in with it.
     code = "import sys, stages.media; assert 'torch' not in sys.modules, 'torch imported'"
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
+
+
+def test_a_listener_hears_each_key_stored_and_evicted() -> None:
+    """What an encoding worker relays to routers: held, then let go to make room."""
+    cache = EmbeddingCache(capacity_bytes=2 * 64 * 4, name="listened")
+    heard: list[tuple[str, bool]] = []
+    cache.listener = lambda key, stored: heard.append((key, stored))
+    for key in ("a", "b", "c"):
+        assert cache.put(key, CachedEmbedding(torch.zeros(64), (1, 8, 8)))
+    assert heard == [("a", True), ("b", True), ("a", False), ("c", True)]
+    assert not cache.put("huge", CachedEmbedding(torch.zeros(1024), (1, 32, 32)))
+    assert heard[-1] == ("c", True)
