@@ -413,8 +413,11 @@ class Worker:
         except Exception as exc:  # reconnecting: a router then misses it, and routes by luck
             log.warning("embeddings_report_failed", role=self.role, error=repr(exc))
 
+    def _kv_events_endpoint(self) -> str:
+        return getattr(getattr(self.stage, "engine", None), "kv_events_endpoint", "") or self.kv_events_endpoint
+
     def _relay(self) -> KvEventRelay | None:
-        endpoint = getattr(getattr(self.stage, "engine", None), "kv_events_endpoint", "") or self.kv_events_endpoint
+        endpoint = self._kv_events_endpoint()
         if not endpoint:
             return None
         relay = KvEventRelay(self.nc, endpoint, self.subjects.kv_events(self.worker_id))
@@ -463,7 +466,7 @@ class Worker:
             models=self.stage.models,
             inflight=len(self._tasks),
             max_inflight=self.max_inflight,
-            kv_events_endpoint=getattr(getattr(self.stage, "engine", None), "kv_events_endpoint", ""),
+            kv_events_endpoint=self._kv_events_endpoint(),
         )
         await msg.respond(encode(info))
 
