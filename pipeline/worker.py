@@ -52,7 +52,7 @@ from schemas.errors import (
 )
 from schemas.processed import ProcessedRequest
 from schemas.request import GenerateRequest
-from schemas.routes import HOP_ROLES
+from schemas.routes import HOP_ROLES, PROCESSOR
 from schemas.tensors import TensorRef
 from stages.contract import HopContext, Stage
 
@@ -60,6 +60,8 @@ log = structlog.get_logger(__name__)
 
 # NATS counts a message's headers against max_payload too.
 _HEADER_ROOM = 1024
+# The roles that forward a hop a router places (the processor the first, encode the next).
+_ROUTING_ROLES = (PROCESSOR, "encode")
 # How often a hop worker publishes its load (a router's liveness signal too),
 # and at most how often when it changes (a request started or ended).
 LOAD_EVERY_S = 0.5
@@ -161,8 +163,9 @@ class Worker:
         self._load_changed = asyncio.Event()
         # Media sets whose embeddings this worker took in / let go since it last told.
         self._embeddings = EmbeddingsHeld()
-        # Where this process sends the hops it forwards (--router kv), if it routes.
-        self.router = KvRouter(nc, js, config) if config.router.kv else None
+        # Where this process sends the hops it forwards (--router kv): the
+        # processor sends the first, an encode worker the one that prefills.
+        self.router = KvRouter(nc, js, config) if config.router.kv and self.role in _ROUTING_ROLES else None
         self.ready = asyncio.Event()
         # Messages taken from the queue, whatever their outcome.
         self.handled = 0

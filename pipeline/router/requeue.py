@@ -29,10 +29,13 @@ async def requeue(js: JetStreamContext, subjects: Subjects, role: str, msg: Msg,
     """Publish ``msg`` to ``role``'s shared subject, then ack it where it
     was. A crash between the two leaves both: the copy's message id (the
     original's stream sequence) makes a second requeue of it a duplicate
-    the stream drops. A worker that may have started it (``rescued``) may
-    have streamed tokens: the copy says so, and its taker reads them first."""
+    the stream drops. A hop a worker may have started (a gone worker's, or
+    one delivered before) may have streamed tokens: the copy says so, and
+    its taker reads them first."""
     data = msg.data
-    if why == "rescued":
+    # Delivered before (a drained worker's unfinished hop, handed back to
+    # its own consumer), or a gone worker's: it may have streamed tokens.
+    if why == "rescued" or (msg.metadata.num_delivered or 1) > 1:
         out = msgspec.msgpack.decode(data, type=ProcessedRequest)
         data = encode(msgspec.structs.replace(out, redelivered=True))
     original = (msg.headers or {}).get("Nats-Msg-Id", "")
