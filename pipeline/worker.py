@@ -25,23 +25,17 @@ from pipeline.cancel import CancelRegistry
 from pipeline.config import PipelineConfig
 from pipeline.outcomes import Ack, Nak, Outcome, Reject, outcome_for
 from pipeline.replies import ReplyPublisher
+from pipeline.router.inbox import RoutedInbox
 from pipeline.router.relay import KvEventRelay
-from pipeline.router.requeue import requeue
+from pipeline.router.reports import WorkerReports
 from pipeline.router.router import KvRouter
 from pipeline.settle import Settler
-from pipeline.streams import (
-    ensure_consumer,
-    ensure_streams,
-    is_not_now,
-    is_stream_full,
-    retrying,
-    routed_consumer_config,
-)
+from pipeline.streams import ensure_consumer, ensure_streams, is_not_now, is_stream_full
 from pipeline.subjects import check_token, role_token
 from pipeline.transport.base import TensorGone, TensorTransport
 from schemas.chunk import ReplyChunk, TokenChunk
 from schemas.codec import CONTENT_TYPE, MSGPACK, Decoder, encode
-from schemas.control import CacheCleared, EmbeddingsHeld, Restart, WorkerInfo, WorkerLoad
+from schemas.control import CacheCleared, Restart, WorkerInfo, WorkerLoad
 from schemas.errors import (
     DeadlineExceeded,
     InternalError,
@@ -62,10 +56,6 @@ log = structlog.get_logger(__name__)
 _HEADER_ROOM = 1024
 # The roles that forward a hop a router places (the processor the first, encode the next).
 _ROUTING_ROLES = (PROCESSOR, "encode")
-# How often a hop worker publishes its load (a router's liveness signal too),
-# and at most how often when it changes (a request started or ended).
-LOAD_EVERY_S = 0.5
-LOAD_AT_MOST_EVERY_S = 0.02
 
 
 def _raise_if_cancelled() -> None:
@@ -156,13 +146,15 @@ class Worker:
         self._slot_free = asyncio.Event()
         self._stopping = asyncio.Event()
         self._draining: set[asyncio.Task[None]] = set()
-        # Hops a router sent to this worker that wait for a free slot.
-        self._waiting: list[Msg] = []
-        self._routed: Any = None
+        # --router kv: what a router sent this hop worker, and what it tells routers.
+        routed = config.router.kv and self.role in HOP_ROLES
+        self.inbox = (
+            RoutedInbox(js, config, self.role, self.worker_id, max_inflight, self._has_slot, self._start)
+            if routed
+            else None
+        )
+        self.reports = WorkerReports(nc, self.subjects, self.worker_id, self._load) if routed else None
         self._announced: asyncio.Task[None] | None = None
-        self._load_changed = asyncio.Event()
-        # Media sets whose embeddings this worker took in / let go since it last told.
-        self._embeddings = EmbeddingsHeld()
         # Where this process sends the hops it forwards (--router kv): the
         # processor sends the first, an encode worker the one that prefills.
         self.router = KvRouter(nc, js, config) if config.router.kv and self.role in _ROUTING_ROLES else None
@@ -187,10 +179,10 @@ class Worker:
         psub = await self.js.pull_subscribe_bind(self.subjects.durable(self.role), self.subjects.stream(self.role))
         background = []
         relay = self._relay()
-        if self.role in HOP_ROLES:
-            self._tell_embeddings()
-            self._routed = await self._routed_subscription()
-            background = [asyncio.create_task(self._routed_loop()), asyncio.create_task(self._report_load())]
+        if self.inbox is not None and self.reports is not None:
+            self._tell_embeddings(self.reports)
+            await self.inbox.open()
+            background = [asyncio.create_task(self.inbox.run(self._stopping)), asyncio.create_task(self.reports.run())]
         if self.router is not None:
             await self.router.start()
         log.info("worker_started", role=self.role, worker_id=self.worker_id, max_inflight=self.max_inflight)
@@ -202,7 +194,8 @@ class Worker:
                 task.cancel()
             await asyncio.gather(*background, return_exceptions=True)
             await self._drain()
-            await self._give_back_routed()
+            if self.inbox is not None:
+                await self.inbox.give_back()
             if relay is not None:
                 await relay.close()
             if self.router is not None:
@@ -222,10 +215,10 @@ class Worker:
     def stop(self) -> None:
         self._stopping.set()
         self._slot_free.set()
-        if self.role in HOP_ROLES:
+        if self.reports is not None:
             # Routers hear it at once, not when the worker falls silent.
             with contextlib.suppress(RuntimeError):  # no loop: nobody routes to it yet
-                self._announced = asyncio.get_running_loop().create_task(self._publish_load(draining=True))
+                self._announced = asyncio.get_running_loop().create_task(self.reports.publish_load(draining=True))
 
     @property
     def stopping(self) -> bool:
@@ -275,7 +268,8 @@ class Worker:
 
     def _start(self, msg: Msg) -> None:
         task = asyncio.create_task(self._handle(msg))
-        self._load_changed.set()
+        if self.reports is not None:
+            self.reports.changed()
         self._tasks.add(task)
         task.add_done_callback(self._task_done)
         metrics.INFLIGHT.labels(self.role).set(len(self._tasks))
@@ -283,10 +277,11 @@ class Worker:
     def _task_done(self, task: asyncio.Task[None]) -> None:
         self._progressed()
         self._tasks.discard(task)
-        self._load_changed.set()
+        if self.reports is not None:
+            self.reports.changed()
         # What was sent to this worker, for its cache, goes before the shared queue.
-        if self._waiting and not self._stopping.is_set() and self._has_slot():
-            self._start(self._waiting.pop(0))
+        if self.inbox is not None and not self._stopping.is_set() and (msg := self.inbox.next_waiting()):
+            self._start(msg)
         metrics.INFLIGHT.labels(self.role).set(len(self._tasks))
         self._slot_free.set()
 
@@ -297,124 +292,26 @@ class Worker:
             and (self.tensors is None or self.tensors.has_room())
         )
 
-    # -- hops a router sent to this worker -----------------------------------
+    # -- --router kv: the worker's own subject, what it tells routers ------------
 
-    async def _routed_subscription(self) -> Any:
-        cfg = routed_consumer_config(self.config, self.role, self.worker_id)
-        stream = self.subjects.stream(self.role)
-        await retrying(cfg.durable_name or "", lambda: self.js.add_consumer(stream, cfg), 60.0)
-        return await self.js.pull_subscribe_bind(cfg.durable_name, stream)
-
-    async def _routed_loop(self) -> None:
-        """Take what a router sent here: start it in a free slot, or hold it
-        (at most a slot's worth) until one frees; what waits longer than
-        ``routed_wait_s`` since it was sent goes back to the shared queue."""
-        while not self._stopping.is_set():
-            await self._requeue_waited()
-            if len(self._waiting) >= self.max_inflight:
-                await asyncio.sleep(0.05)
-                continue
-            try:
-                msgs = await self._routed.fetch(1, timeout=0.25)
-            except (TimeoutError, NatsTimeoutError):
-                continue
-            except Exception as exc:
-                # The connection is down (nats-py reconnects), or a router took
-                # this worker for gone and removed its consumer: make it again.
-                log.warning("routed_fetch_failed", role=self.role, error=repr(exc))
-                await asyncio.sleep(0.5)
-                with contextlib.suppress(Exception):
-                    self._routed = await self._routed_subscription()
-                continue
-            for msg in msgs:
-                if self._has_slot() and not self._stopping.is_set():
-                    self._start(msg)
-                else:
-                    self._waiting.append(msg)
-
-    async def _requeue_waited(self) -> None:
-        limit = self.config.router.routed_wait_s
-        now = time.time()
-        for msg in list(self._waiting):
-            sent = msg.metadata.timestamp
-            if sent is not None and now - sent.timestamp() < limit:
-                continue
-            try:
-                await requeue(self.js, self.subjects, self.role, msg, "waited")
-            except Exception as exc:  # still held: the next turn tries again
-                log.warning("routed_requeue_failed", role=self.role, error=repr(exc))
-                continue
-            self._waiting.remove(msg)
-
-    async def _give_back_routed(self) -> None:
-        """Stopping: what waits here and what is still queued for this
-        worker alone goes back to the shared queue, then its consumer goes."""
-        if self._routed is None:
-            return
-        try:
-            while True:
-                for msg in list(self._waiting):
-                    await requeue(self.js, self.subjects, self.role, msg, "drained")
-                    self._waiting.remove(msg)
-                try:
-                    self._waiting = list(await self._routed.fetch(64, timeout=0.2))
-                except (TimeoutError, NatsTimeoutError):
-                    break
-            await self._routed.unsubscribe()
-            await self.js.delete_consumer(
-                self.subjects.stream(self.role), self.subjects.routed_durable(self.role, self.worker_id)
-            )
-        except Exception as exc:  # a router's rescuer moves what is left once the consumer expires
-            log.warning("routed_give_back_failed", role=self.role, error=repr(exc), waiting=len(self._waiting))
-
-    async def _report_load(self) -> None:
-        """Every half second, and soon after a request starts or ends: a
-        router that weighs a cache hit against this worker's load must not
-        count a request that just finished (a conversation's next turn
-        comes right after it)."""
-        while True:
-            self._load_changed.clear()
-            await self._publish_embeddings()
-            await self._publish_load()
-            await asyncio.sleep(LOAD_AT_MOST_EVERY_S)
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._load_changed.wait(), LOAD_EVERY_S - LOAD_AT_MOST_EVERY_S)
-
-    async def _publish_load(self, draining: bool = False) -> None:
+    def _load(self, draining: bool = False) -> WorkerLoad:
         usage = getattr(self.stage, "kv_usage", None)
         active, total = usage() if usage is not None else (0, 0)
-        load = WorkerLoad(
+        return WorkerLoad(
             self.role,
             self.worker_id,
             inflight=len(self._tasks),
             max_inflight=self.max_inflight,
-            waiting=len(self._waiting),
+            waiting=len(self.inbox.waiting) if self.inbox is not None else 0,
             active_blocks=active,
             total_blocks=total,
             draining=draining or self._stopping.is_set(),
         )
-        try:
-            await self.nc.publish(self.subjects.load(self.worker_id), encode(load))
-        except Exception as exc:  # reconnecting: the next report may get through
-            log.warning("load_report_failed", role=self.role, error=repr(exc))
 
-    def _tell_embeddings(self) -> None:
+    def _tell_embeddings(self, reports: WorkerReports) -> None:
         encoder = getattr(getattr(self.stage, "engine", None), "encoder", None)
         if encoder is not None and getattr(encoder, "cache", None) is not None:
-            encoder.on_cached = self._embeddings_changed
-
-    def _embeddings_changed(self, media: str, stored: bool) -> None:
-        (self._embeddings.stored if stored else self._embeddings.removed).append(media)
-        self._load_changed.set()
-
-    async def _publish_embeddings(self) -> None:
-        held, self._embeddings = self._embeddings, EmbeddingsHeld()
-        if not (held.stored or held.removed):
-            return
-        try:
-            await self.nc.publish(self.subjects.embeddings(self.worker_id), encode(held))
-        except Exception as exc:  # reconnecting: a router then misses it, and routes by luck
-            log.warning("embeddings_report_failed", role=self.role, error=repr(exc))
+            encoder.on_cached = reports.embeddings_changed
 
     def _kv_events_endpoint(self) -> str:
         return getattr(getattr(self.stage, "engine", None), "kv_events_endpoint", "") or self.kv_events_endpoint
