@@ -17,14 +17,17 @@ import dataclasses
 import itertools
 import json
 import os
-from collections.abc import Callable
+from collections import OrderedDict
+from collections.abc import Awaitable, Callable
+from typing import Final, NamedTuple
 
 import structlog
 import torch
+from prometheus_client import Counter
 
 from schemas.processed import MediaItem, MediaKind, ProcessedRequest
 from stages.contract import HopContext
-from stages.families.base import Decoded, Media, MediaEmbedding
+from stages.families.base import Decoded, Grid, Media, MediaEmbedding
 from stages.media import (
     CachedEmbedding,
     EmbeddingCache,
@@ -51,6 +54,14 @@ log = structlog.get_logger(__name__)
 # (about a thread hop's cost), hash off the event loop. A 448×448 PNG hashed on
 # the loop, twice, was 17% of a worker loop's CPU under 64 clients (H100 host).
 _THREAD_HASH_BYTES = 64 << 10
+
+# Layouts remembered (a few dozen bytes each): far more media than a KV pool holds.
+_LAYOUTS = 8192
+
+SKIPPED: Final = Counter(
+    "mmpipe_encoder_skipped_items_total",
+    "Media items not encoded: their tokens were in the prefix the prompt found cached",
+)
 
 
 class MediaEncoder:
@@ -81,8 +92,19 @@ class MediaEncoder:
         self._set_keys: dict[str, str] = {}
         if cache is not None:
             cache.listener = self._cached
+        # Set where this role prefills too, with prefix caching: whether the
+        # prefix a request's prompt finds cached holds all of these media
+        # (their digests and sizes); then the tower is not run for them.
+        self.prefix_probe: Callable[[ProcessedRequest, list[MediaEmbedding]], Awaitable[bool]] | None = None
+        # Each digest's layout, from its last encoding here: what a stand-in needs.
+        self._layouts: OrderedDict[str, _Layout] = OrderedDict()
 
-    async def encode(self, req: ProcessedRequest, ctx: HopContext) -> list[MediaEmbedding]:
+    async def encode(self, req: ProcessedRequest, ctx: HopContext, reuse_prefix: bool = True) -> list[MediaEmbedding]:
+        """The request's media as embeddings. With ``reuse_prefix`` and every
+        item's tokens in the prefix its prompt finds cached, stand-ins
+        (``encoded=False``) instead: as vLLM skips the encoder for media its
+        prefix cache covers. Only all or none: generate() encodes a request's
+        items in one call, and one alone can round differently."""
         if not req.media:
             return []
         for item in req.media:
@@ -96,16 +118,44 @@ class MediaEncoder:
         digests = list(await asyncio.gather(*(_digest(m, d) for m, d in zip(req.media, datas, strict=True))))
         if any(m.embeds for m in req.media):
             return _digested(await self._with_precomputed(req, datas, ctx), digests)
+        if reuse_prefix and (stand_ins := await self._prefix_covers(req, digests)) is not None:
+            ctx.trace["encode_skipped"] = float(len(stand_ins))
+            SKIPPED.inc(len(stand_ins))
+            return stand_ins
         key = self._key(digests) if self.cache is not None else ""
         if self.cache is not None and (hit := self.cache.get(key)) is not None:
             ctx.trace["cache_hit"] = 1.0
-            return _digested(_unpack(hit, [m.kind for m in req.media]), digests)
+            return self._remember(_digested(_unpack(hit, [m.kind for m in req.media]), digests))
         encoded = await self._encode_media(req.media, datas, ctx)
         if self.cache is not None:
             ctx.trace["cache_hit"] = 0.0
             self._set_keys[key] = media_set_key(digests)
             self._store(key, encoded)
-        return _digested(encoded, digests)
+        return self._remember(_digested(encoded, digests))
+
+    async def _prefix_covers(self, req: ProcessedRequest, digests: list[str]) -> list[MediaEmbedding] | None:
+        """Stand-ins for the request's media where the cached prefix holds them all."""
+        if self.prefix_probe is None or any(d not in self._layouts for d in digests):
+            return None
+        engine = self.engine
+        hidden = engine.family.hidden_size
+        stand_ins = []
+        for digest in digests:
+            layout = self._layouts[digest]
+            zeros = torch.zeros(layout.num_tokens, hidden, dtype=engine.dtype, device=engine.device)
+            stand_ins.append(
+                MediaEmbedding(zeros, layout.grid_thw, layout.kind, layout.seconds_per_grid, digest, encoded=False)
+            )
+        return stand_ins if await self.prefix_probe(req, stand_ins) else None
+
+    def _remember(self, encoded: list[MediaEmbedding]) -> list[MediaEmbedding]:
+        if self.prefix_probe is not None:
+            for e in encoded:
+                self._layouts[e.digest] = _Layout(e.num_tokens, e.grid_thw, e.kind, e.seconds_per_grid)
+                self._layouts.move_to_end(e.digest)
+            while len(self._layouts) > _LAYOUTS:
+                self._layouts.popitem(last=False)
+        return encoded
 
     def _store(self, key: str, encoded: list[MediaEmbedding]) -> None:
         """Keep the embeddings in the cache, off the request's path: the
@@ -215,6 +265,13 @@ class MediaEncoder:
         set_key = self._set_keys.get(key) if stored else self._set_keys.pop(key, None)
         if set_key is not None and self.on_cached is not None:
             self.on_cached(set_key, stored)
+
+
+class _Layout(NamedTuple):
+    num_tokens: int
+    grid_thw: Grid
+    kind: MediaKind
+    seconds_per_grid: float
 
 
 def decode_processes(policy: MediaPolicy, device: torch.device) -> int:

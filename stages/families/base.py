@@ -68,6 +68,11 @@ class MediaEmbedding:
     # a prompt's KV blocks showing it are cached under. Empty: unknown, so the
     # blocks from its first on are not cached.
     digest: str = ""
+    # False: the encoder did not run. The item's tokens were in the prefix
+    # cache when its prompt was looked up, so prefill reads their keys and
+    # values from there; ``embeddings`` are zeros of the right shape that no
+    # forward reads (prefill raises MediaNotEncoded where the blocks went).
+    encoded: bool = True
 
     @property
     def num_tokens(self) -> int:

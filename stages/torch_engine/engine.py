@@ -231,6 +231,8 @@ class TorchEngine:
         instead of waiting for the whole prompt (``--max-num-batched-tokens``).
         Holds no KV blocks until its last chunk: its cache is the model's own
         until the sequence joins the batch decoder."""
+        if any(not m.encoded for m in media):
+            raise MediaNotEncoded("a chunked prefill looks up no cached prefix: each medium needs encoding")
         ids, positions, delta = self._prepare(prompt_token_ids, media, [])
         with self._lock, torch.inference_mode():
             embeds = self.family.embed_prompt(self.model, ids, media)
@@ -619,6 +621,8 @@ class TorchEngine:
             return self.prefill([prompt], [media], [sampling])
         from stages.torch_engine.prefill_together import padded_forward, padded_groups
 
+        if any(not m.encoded for _, media, _ in jobs for m in media):
+            raise MediaNotEncoded("prompts prefilled together look up no cached prefix: each medium needs encoding")
         prepared = [self._prepare(prompt, media, []) for prompt, media, _ in jobs]
         out: list[tuple[Sequence, int] | None] = [None] * len(jobs)
         with self._lock, torch.inference_mode():
@@ -669,9 +673,14 @@ class TorchEngine:
         fam = self.family
         ids, positions, delta = self._prepare(prompt, media, emitted)
         keys = self._prefix_keys(prompt, ids, media) if not emitted else []
+        needed = self._not_encoded_end(prompt, media)
         with self._lock, torch.inference_mode():
             embeds = fam.embed_prompt(self.model, ids, media)
             hit = self._cached_prefix(keys, len(ids))
+            if len(hit) * self.block_size < needed:
+                if hit and self.decoder is not None:
+                    self.decoder.pool.free(hit)
+                raise MediaNotEncoded(f"the cached prefix no longer holds the first {needed} tokens")
             if not hit and not emitted:
                 slotted = self._prefill_into_slot(embeds, positions, len(ids), sampling, delta, defer, keys, ids)
                 if slotted is not None:
@@ -705,6 +714,26 @@ class TorchEngine:
             return seq, self._continue(seq, logits, emitted)
 
     # -- prefix caching ---------------------------------------------------
+
+    def prefix_covers(self, prompt: list[int], media: list[MediaEmbedding]) -> bool:
+        """Whether the prefix the prompt finds cached now holds every media
+        item's tokens (``media``: their digests and sizes, not yet encoded),
+        so prefill would compute none of them. Holds nothing: the blocks can
+        go before the prefill, which then raises ``MediaNotEncoded``."""
+        if not media or not self.prefix_caching or self.decoder is None:
+            return False
+        ids, _, _ = self._prepare(prompt, media, [])
+        keys = self._prefix_keys(prompt, ids, media)
+        cached = len(self.decoder.pool.cached(keys[: (len(ids) - 1) // self.block_size])) * self.block_size
+        return cached >= _media_end(prompt, media, set(self.family.placeholder_ids.values()))
+
+    def _not_encoded_end(self, prompt: list[int], media: list[MediaEmbedding]) -> int:
+        """Where the last item the encoder skipped ends in the expanded
+        prompt (0: none skipped): the cached prefix must reach that far."""
+        last = max((i for i, m in enumerate(media) if not m.encoded), default=-1)
+        if last < 0:
+            return 0
+        return _media_end(prompt, media[: last + 1], set(self.family.placeholder_ids.values()))
 
     def _prefix_keys(self, prompt: list[int], ids: list[int], media: list[MediaEmbedding]) -> list[int]:
         """The content keys of the expanded prompt's full blocks, up to the
@@ -861,6 +890,25 @@ class TorchEngine:
         token = select_token(logits.float(), seq.sampling, seq.num_generated, self._eos_tensor)
         seq.output_ids.append(token)
         return token
+
+
+class MediaNotEncoded(Exception):
+    """A prompt whose media the encoder skipped (their tokens were cached)
+    finds them cached no longer: encode them and prefill again."""
+
+
+def _media_end(prompt: list[int], media: list[MediaEmbedding], placeholders: set[int]) -> int:
+    """Where the expanded prompt's ``len(media)``-th media item ends."""
+    at = item = 0
+    for token in prompt:
+        if item == len(media):
+            break
+        if token in placeholders:
+            at += media[item].num_tokens
+            item += 1
+        else:
+            at += 1
+    return at
 
 
 @dataclass(eq=False)

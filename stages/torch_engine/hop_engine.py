@@ -40,7 +40,7 @@ from stages.hop_engine import (
 from stages.media import EmbeddingCache, MediaFetcher, MediaPolicy
 from stages.sampling import SamplingConfig
 from stages.torch_engine.call_batcher import CallBatcher
-from stages.torch_engine.engine import TorchEngine
+from stages.torch_engine.engine import MediaNotEncoded, TorchEngine
 from stages.torch_engine.scheduler import DecodeScheduler, EngineThread
 from stages.torch_engine.sequence import KvState, Sequence
 
@@ -99,6 +99,8 @@ class TorchHopEngine:
             if self.fetcher is not None
             else None
         )
+        if self.encoder is not None and "prefill" in steps and engine.prefix_caching:
+            self.encoder.prefix_probe = self._prefix_covers
         self.scheduler = DecodeScheduler(engine, self.thread, max_batch=max_batch) if "decode" in steps else None
         # New prompts waiting together share one forward (--prefill-batch); a
         # result whose request was cancelled meanwhile frees its cache.
@@ -156,7 +158,12 @@ class TorchHopEngine:
         assert self.encoder is not None, f"role {self.role} does not encode"
         return await self.encoder.encode(req, ctx)
 
+    async def _prefix_covers(self, req: ProcessedRequest, media: list[MediaEmbedding]) -> bool:
+        return await self.thread.call(self.torch.prefix_covers, req.prompt_token_ids, media)
+
     async def send_media(self, media: list[MediaEmbedding], req: ProcessedRequest, ctx: HopContext) -> Carried:
+        # Stand-ins come only where this role prefills too.
+        assert all(m.encoded for m in media), "media the encoder skipped cannot leave the role"
         if not media:  # nothing to encode: prefill needs nothing from here
             return Carried()
         return Carried(encoded=await put_media(self.tensors, media, req, ctx))
@@ -171,20 +178,34 @@ class TorchHopEngine:
         # Placeholders expanded: each media item's one id becomes its tokens.
         expanded = len(req.prompt_token_ids) + sum(m.num_tokens - 1 for m in media)
         with ctx.timed("prefill", tokens=len(req.prompt_token_ids)):
+            if not all(m.encoded for m in media):
+                # Only a lone prefill looks the prefix up (not chunks, not a batch).
+                try:
+                    return TorchPrefilled(await self._prefill_alone(req, media, ctx))
+                except MediaNotEncoded:
+                    # Its blocks went between the encoder's look and now.
+                    assert self.encoder is not None
+                    ctx.trace["encode_skipped"] = 0.0
+                    media = await self.encoder.encode(req, ctx, reuse_prefix=False)
             if not ctx.emitted and engine.chunked(expanded):
                 seq = await self._prefill_in_chunks(req, media, ctx)
             elif self.prefills.max_items > 1 and not ctx.emitted:
                 seq, _ = await self.prefills.submit((req.prompt_token_ids, media, sampling(req)))
             else:
-
-                def prefill_one() -> tuple[Sequence, int]:
-                    job = [req.prompt_token_ids], [media], [sampling(req)], [ctx.emitted]
-                    return engine.prefill(*job, defer=True)[0]
-
-                seq, _ = await self.thread.call_or_release(lambda out: engine.release(out[0]), prefill_one)
-                if seq.pending is not None:
-                    await self._settle(seq)
+                seq = await self._prefill_alone(req, media, ctx)
         return TorchPrefilled(seq)
+
+    async def _prefill_alone(self, req: ProcessedRequest, media: list[MediaEmbedding], ctx: HopContext) -> Sequence:
+        engine = self.torch
+
+        def prefill_one() -> tuple[Sequence, int]:
+            job = [req.prompt_token_ids], [media], [sampling(req)], [ctx.emitted]
+            return engine.prefill(*job, defer=True)[0]
+
+        seq, _ = await self.thread.call_or_release(lambda out: engine.release(out[0]), prefill_one)
+        if seq.pending is not None:
+            await self._settle(seq)
+        return seq
 
     async def _prefill_in_chunks(self, req: ProcessedRequest, media: list[MediaEmbedding], ctx: HopContext) -> Sequence:
         """A long prompt in chunks of ``--max-num-batched-tokens``, one engine
