@@ -31,18 +31,56 @@ from stages.vllm_engine.args import VLLM_ROLES
 log = structlog.get_logger(__name__)
 
 
-def parse_worker_counts(spec: str, mode: str) -> dict[str, int]:
-    """``encode=2,prefill+decode=3`` over the mode's defaults of one each;
-    no processor worker unless asked for (the bridge processes requests)."""
-    counts = {PROCESSOR: 0, **{role: 1 for role in MODES[mode]}}
+@dataclass(frozen=True)
+class RolePlan:
+    """How many workers of a role ``mmpipe up`` starts, and on which devices
+    (each worker on one, in turn; none listed: ``--device`` for all)."""
+
+    count: int
+    devices: tuple[str, ...] = ()
+
+    def device_of(self, index: int) -> str | None:
+        return self.devices[index % len(self.devices)] if self.devices else None
+
+
+def parse_workers(spec: str, mode: str) -> dict[str, RolePlan]:
+    """``encode=1@cuda:0,prefill=1@cuda:1,decode=2@cuda:2,cuda:3`` over the
+    mode's defaults of one each, no processor worker unless asked for (the
+    bridge processes requests). After ``@`` the devices the role's workers
+    take in turn; a bare device after them continues the list."""
+    plans = {PROCESSOR: RolePlan(0), **{role: RolePlan(1) for role in MODES[mode]}}
+    last = ""
     for item in filter(None, (s.strip() for s in spec.split(","))):
-        role, _, n = item.partition("=")
-        if role not in counts:
-            raise SystemExit(f"--workers: {role!r} is not a role of mode {mode}; its roles: {', '.join(counts)}")
+        if "=" not in item and last and plans[last].devices:
+            plans[last] = RolePlan(plans[last].count, (*plans[last].devices, _device(item)))
+            continue
+        role, _, rest = item.partition("=")
+        n, _, devices = rest.partition("@")
+        if role not in plans:
+            raise SystemExit(f"--workers: {role!r} is not a role of mode {mode}; its roles: {', '.join(plans)}")
         if not n.isdigit() or int(n) < 1:
             raise SystemExit(f"--workers: {item!r} needs a count of at least 1")
-        counts[role] = int(n)
-    return counts
+        if "@" in rest and not devices:
+            raise SystemExit(f"--workers: {item!r} names no device after '@'")
+        plans[role] = RolePlan(int(n), (_device(devices),) if devices else ())
+        last = role
+    return plans
+
+
+def _placed(role: str, plan: RolePlan) -> str:
+    return f"{role}×{plan.count}" + (f"@{'|'.join(plan.devices)}" if plan.devices else "")
+
+
+def parse_worker_counts(spec: str, mode: str) -> dict[str, int]:
+    return {role: plan.count for role, plan in parse_workers(spec, mode).items()}
+
+
+def _device(name: str) -> str:
+    kind, _, index = name.partition(":")
+    cards = index.split("+") if index else []
+    if kind not in ("cpu", "cuda") or not all(c.isdigit() for c in cards) or (kind == "cpu" and index):
+        raise SystemExit(f"--workers: {name!r} is not a device (cpu, cuda, cuda:N, or cuda:N+M+... for vLLM)")
+    return name
 
 
 def check_mode(engine: str, mode: str, vllm_encoder: bool = False) -> None:
@@ -122,7 +160,8 @@ def up(settings: UpProcess, external_nats: bool) -> int:
     stop = _Stop()
     # Resolved (and a built-in built) once here, not by every child at once.
     spec = resolve_model(worker.model, worker.served_model_name)
-    counts = parse_worker_counts(settings.up.workers, mode)
+    plans = parse_workers(settings.up.workers, mode)
+    counts = {role: p.count for role, p in plans.items()}
     try:
         # The KV events endpoints, checked before anything starts (the last worker's port the highest).
         kv_events_of("decode", worker.kv_events, max(0, sum(n for r, n in counts.items() if holds_kv(r)) - 1))
@@ -143,7 +182,7 @@ def up(settings: UpProcess, external_nats: bool) -> int:
     children: list[subprocess.Popen[bytes]] = []
     bridge = settings.bridge
     try:
-        for planned in plan(spec_settings, nats_url, counts, data_dir):
+        for planned in plan(spec_settings, nats_url, plans, data_dir):
             if planned.health_port:
                 url = f"http://127.0.0.1:{planned.health_port}/health/ready"
                 log.info("worker_health_port", role=planned.role, url=url)
@@ -154,7 +193,7 @@ def up(settings: UpProcess, external_nats: bool) -> int:
                 return 0
             print("mmpipe failed to start; see the log above", file=sys.stderr, flush=True)
             return 1
-        workers = ", ".join(f"{role}×{n}" for role, n in counts.items() if n)
+        workers = ", ".join(_placed(role, p) for role, p in plans.items() if p.count)
         if not counts.get(PROCESSOR):
             workers += " (requests processed in the bridge)"
         print(
@@ -183,10 +222,10 @@ class Child:
     health_port: int = 0
 
 
-def plan(settings: UpProcess, nats_url: str, counts: dict[str, int], data_dir: Path) -> list[Child]:
+def plan(settings: UpProcess, nats_url: str, plans: dict[str, RolePlan], data_dir: Path) -> list[Child]:
     """The processes ``mmpipe up`` starts, in order: every worker of
-    ``counts`` (each with its role's settings) and the bridge, all on
-    ``nats_url``."""
+    ``plans`` (each with its role's settings, on its device) and the
+    bridge, all on ``nats_url``."""
     pipeline = dataclasses.replace(settings.common.pipeline, nats_url=nats_url)
     common = dataclasses.replace(settings.common, pipeline=pipeline)
     env = dict(os.environ)
@@ -194,16 +233,39 @@ def plan(settings: UpProcess, nats_url: str, counts: dict[str, int], data_dir: P
     health_port = settings.worker.health.port
     kv_holders = 0
     for role in ROLES:
-        for _ in range(counts.get(role, 0)):
+        role_plan = plans.get(role, RolePlan(0))
+        for i in range(role_plan.count):
             worker = role_settings(role, settings.worker, settings.up, data_dir, health_port)
             worker = dataclasses.replace(worker, kv_events=kv_events_of(role, worker.kv_events, kv_holders))
+            worker, placed = placed_on(worker, role_plan.device_of(i))
             kv_holders += holds_kv(role)
             handed = handed_env("worker", WorkerProcess(common, worker))
-            out.append(Child(role, ["worker", role], {**env, **handed}, health_port))
+            out.append(Child(role, ["worker", role], {**env, **handed, **placed}, health_port))
             health_port += 1 if health_port else 0
+    counts = {role: p.count for role, p in plans.items()}
     bridge = BridgeProcess(common, settings.bridge, bridge_processing(settings.worker, counts))
     out.append(Child("bridge", ["bridge"], {**env, **handed_env("bridge", bridge)}))
     return out
+
+
+def placed_on(worker: WorkerSettings, device: str | None) -> tuple[WorkerSettings, dict[str, str]]:
+    """A worker on ``device`` (None: where ``--device`` says), and what its
+    environment needs for it. The built-in engine takes ``cuda:N`` as it is
+    (every card stays visible, so CUDA IPC reaches its peers' memory); vLLM
+    takes the first card it sees, so it sees only its own."""
+    if device is None:
+        return worker, {}
+    cards = device.partition(":")[2].split("+")
+    if worker.engine == "vllm" and device.startswith("cuda"):
+        args = dict(worker.vllm_args)
+        if len(cards) > 1:
+            # One worker over several cards: vLLM splits the model over them.
+            args.setdefault("tensor_parallel_size", len(cards))
+        visible = {"CUDA_VISIBLE_DEVICES": ",".join(cards) if cards != [""] else "0"}
+        return dataclasses.replace(worker, device="cuda", vllm_args=args), visible
+    if len(cards) > 1:
+        raise SystemExit(f"--workers: {device}: the built-in engine runs a worker on one card (vLLM splits one)")
+    return dataclasses.replace(worker, device=device), {}
 
 
 def kv_events_of(role: str, events: KvEventsSettings, index: int) -> KvEventsSettings:

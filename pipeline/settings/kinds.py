@@ -60,7 +60,11 @@ class UpSettings:
     data_dir: str = setting(".mmpipe", help="the embedded nats-server's store (and vLLM's connector folders)")
     nats_port: int = setting(0, help="port of the embedded nats-server (0: any free one)")
     workers: str = setting(
-        "", help="workers per role over the mode's one each, e.g. encode=2,prefill+decode=3", metavar="ROLE=N,..."
+        "",
+        help="workers per role over the mode's one each, e.g. encode=2,prefill+decode=3; after @ the devices a "
+        "role's workers take in turn, e.g. encode=1@cuda:0,prefill=1@cuda:1,decode=2@cuda:2,cuda:3 (unset: --device); "
+        "cuda:N+M: one vLLM worker over both cards (tensor parallel)",
+        metavar="ROLE=N[@DEVICE,...],...",
     )
     vllm_encoder: bool = setting(
         False,

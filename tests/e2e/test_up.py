@@ -55,8 +55,8 @@ def test_up_serves_every_mode_as_processes_and_stops_cleanly(
     port = _free_port()
     procs = Processes(tmp_path, mmpipe_home)
     hops = MODES[mode]
-    # Two workers of the last role: scaling out is starting more of them.
-    workers = f"{hops[-1]}=2" + (f",processor={processors}" if processors else "")
+    # Two workers of the last role, placed: scaling out is starting more of them.
+    workers = f"{hops[-1]}=2@cpu" + (f",processor={processors}" if processors else "")
     up = procs.start(
         "up", "--mode", mode, "--port", str(port), "--data-dir", str(tmp_path / "data"),
         "--workers", workers, "--transport", "nixl",
@@ -65,6 +65,7 @@ def test_up_serves_every_mode_as_processes_and_stops_cleanly(
         up.wait_for("mmpipe ready")
         ready = next(line for line in up.text().splitlines() if "mmpipe ready" in line)
         assert ("processed in the bridge" in ready) == (not processors), ready
+        assert f"{hops[-1]}×2@cpu" in ready, ready
         children = psutil.Process(up.popen.pid).children(recursive=True)
         started = sorted(" ".join(c.cmdline()[3:5]) for c in children if "pipeline.cli" in c.cmdline())
         assert started == sorted(

@@ -15,7 +15,7 @@ import pytest
 
 from pipeline.bridge.processing import BridgeProcessing
 from pipeline.cli import main, parser
-from pipeline.launcher import holds_kv, plan
+from pipeline.launcher import RolePlan, holds_kv, plan
 from pipeline.serve import WorkerSettings
 from pipeline.settings import KINDS, BridgeProcess, Leaf, SettingError, UpProcess, handed_env, leaves, load_kind
 from pipeline.settings.load import SETTINGS_ENV
@@ -172,12 +172,12 @@ def test_up_hands_every_setting_to_the_children_that_use_it(tmp_path: Path) -> N
     # The one mmpipe up resolves: an embedded server, the model's folder, ports of its own.
     up = dataclasses.replace(up, worker=dataclasses.replace(up.worker, model="/models/m", served_model_name="m"))
     mode = up.common.pipeline.mode
-    counts = {"processor": 1, **{role: 1 for role in MODES[mode]}, "encode": 2}
+    counts = {"processor": RolePlan(1), **{role: RolePlan(1) for role in MODES[mode]}, "encode": RolePlan(2)}
     children = plan(up, "nats://embedded:4222", counts, tmp_path)
     assert sorted(c.role for c in children) == sorted(["processor", "encode", "encode", *MODES[mode][1:], "bridge"])
     # With processor workers the bridge queues raw requests for them; without, it processes them itself.
     assert _bridge(children).processing == BridgeProcessing()
-    alone = _bridge(plan(up, "nats://embedded:4222", {**counts, "processor": 0}, tmp_path)).processing
+    alone = _bridge(plan(up, "nats://embedded:4222", {**counts, "processor": RolePlan(0)}, tmp_path)).processing
     assert (alone.model, alone.served_model_name, alone.modalities, alone.limits) == (
         "/models/m",
         "m",

@@ -1,0 +1,87 @@
+"""``mmpipe up --workers ROLE=N@DEVICE,...``: which device each worker of
+a role gets, and how it reaches the worker (its settings, or for vLLM the
+cards it sees)."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import pytest
+
+from pipeline.cli import parser
+from pipeline.launcher import RolePlan, parse_workers, plan
+from pipeline.settings import UpProcess, load_kind
+
+
+def test_each_roles_workers_take_its_devices_in_turn() -> None:
+    plans = parse_workers("encode=1@cuda:0,prefill=1@cuda:1,decode=3@cuda:2,cuda:3", "e-p-d")
+    assert parse_workers("prefill+decode=1@cuda:0+1", "e-pd")["prefill+decode"].devices == ("cuda:0+1",)
+    assert plans == {
+        "processor": RolePlan(0),
+        "encode": RolePlan(1, ("cuda:0",)),
+        "prefill": RolePlan(1, ("cuda:1",)),
+        "decode": RolePlan(3, ("cuda:2", "cuda:3")),
+    }
+    assert [plans["decode"].device_of(i) for i in range(3)] == ["cuda:2", "cuda:3", "cuda:2"]
+    # Unplaced roles keep --device; counts alone as before.
+    assert parse_workers("prefill+decode=2", "e-pd")["prefill+decode"] == RolePlan(2)
+    assert parse_workers("", "e-pd")["encode"].device_of(0) is None
+
+
+@pytest.mark.parametrize(
+    ("spec", "says"),
+    [
+        ("decode=2@gpu0", "'gpu0' is not a device"),
+        ("decode=2@cuda:x", "'cuda:x' is not a device"),
+        ("decode=2@cpu:0", "'cpu:0' is not a device"),
+        ("decode=2@", "names no device"),
+        ("cuda:1,decode=1", "'cuda:1' is not a role"),
+        ("decode=1,cuda:1", "'cuda:1' is not a role"),
+        ("decode=0@cuda:0", "a count of at least 1"),
+    ],
+)
+def test_a_bad_placement_is_refused_with_what_is_wrong(spec: str, says: str) -> None:
+    with pytest.raises(SystemExit, match=says):
+        parse_workers(spec, "e-p-d")
+
+
+Placed = tuple[str, str, str | None, int | None]
+
+
+def _children(engine: str, tmp_path: Path, placed: str = "2@cuda:2,cuda:3") -> list[Placed]:
+    argv = ["up", "--mode", "e-pd", "--engine", engine, "--workers", f"encode=1@cuda:1,prefill+decode={placed}"]
+    up: UpProcess = load_kind("up", parser().parse_args(argv), {}).settings
+    up = dataclasses.replace(up, worker=dataclasses.replace(up.worker, model="/models/m", served_model_name="m"))
+    out = []
+    for child in plan(up, "nats://embedded:4222", parse_workers(up.up.workers, "e-pd"), tmp_path):
+        if child.role == "bridge":
+            continue
+        args = parser().parse_args(child.argv)
+        settings = load_kind(args.command, args, child.env).settings
+        tp = settings.worker.vllm_args.get("tensor_parallel_size")
+        out.append((child.role, settings.worker.device, child.env.get("CUDA_VISIBLE_DEVICES"), tp))
+    return out
+
+
+def test_a_built_in_worker_gets_its_device_and_sees_every_card(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    assert _children("torch", tmp_path) == [
+        ("encode", "cuda:1", None, None),
+        ("prefill+decode", "cuda:2", None, None),
+        ("prefill+decode", "cuda:3", None, None),
+    ]
+    with pytest.raises(SystemExit, match="runs a worker on one card"):
+        _children("torch", tmp_path, "1@cuda:2+3")
+
+
+def test_a_vllm_worker_sees_only_its_own_card(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    # The encode worker runs the built-in encoder (no --vllm-encoder): it keeps every card in sight.
+    assert _children("vllm", tmp_path) == [
+        ("encode", "cuda:1", None, None),
+        ("prefill+decode", "cuda", "2", None),
+        ("prefill+decode", "cuda", "3", None),
+    ]
+    # One worker over two cards: vLLM's tensor parallelism over them.
+    assert _children("vllm", tmp_path, "1@cuda:2+3")[1:] == [("prefill+decode", "cuda", "2,3", 2)]
