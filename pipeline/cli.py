@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import importlib.metadata
 import os
 import sys
@@ -18,6 +19,7 @@ from pipeline.bench.encode import add_arguments as add_encode_arguments
 from pipeline.bench.kernels import add_arguments as add_kernels_arguments
 from pipeline.bench.scale import add_arguments as add_scale_arguments
 from pipeline.config import DEFAULT_NATS_URL, PipelineConfig
+from pipeline.discovery import RECORD, recorded_nats_url
 from pipeline.settings import (
     BridgeProcess,
     CommonSettings,
@@ -71,6 +73,12 @@ def parser() -> argparse.ArgumentParser:
     send.add_argument("--max-tokens", type=int, default=32, help="tokens to generate at most")
     send.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
     send.add_argument("--json", action="store_true", help="send JSON instead of msgpack")
+    send.add_argument(
+        "--data-dir",
+        default=os.environ.get("MMPIPE_DATA_DIR", ".mmpipe"),
+        help="without --nats-url: the NATS server the `mmpipe up` of this data dir recorded ($MMPIPE_DATA_DIR)",
+    )
+    send.add_argument("--connect-timeout", type=float, default=5.0, help="seconds to wait for a NATS server to answer")
     send.add_argument("prompt")
 
     model = sub.add_parser("model", help="built-in models")
@@ -294,9 +302,18 @@ def _main(args: argparse.Namespace) -> int:
     elif args.command == "send":
         from pipeline.send import send
 
-        common: CommonSettings = load(CommonSettings, "send", args).settings
+        loaded_common = load(CommonSettings, "send", args)
+        common: CommonSettings = loaded_common.settings
         _set_up(common.auth, common.log.level)
-        return _run_send(send, args, common.pipeline)
+        pipeline_config, source = common.pipeline, "--nats-url"
+        if "pipeline__nats_url" not in loaded_common.given:
+            recorded = recorded_nats_url(Path(args.data_dir))
+            if recorded is not None:
+                pipeline_config = dataclasses.replace(pipeline_config, nats_url=recorded)
+                source = f"recorded in {Path(args.data_dir) / RECORD} by mmpipe up"
+            else:
+                source = f"the default; no mmpipe up recorded one in {args.data_dir}"
+        return _run_send(send, args, pipeline_config, source)
     elif args.command == "model":
         from stages.models import build_builtin, builtin_path
 
@@ -343,11 +360,11 @@ def _set_up(auth: NatsAuth, log_level: str) -> None:
     mm_logging.configure(log_level)
 
 
-def _run_send(send: object, args: argparse.Namespace, config: PipelineConfig) -> int:
+def _run_send(send: object, args: argparse.Namespace, config: PipelineConfig, source: str) -> int:
     result: list[int] = []
 
     async def go() -> None:
-        result.append(await send(args, config))  # type: ignore[operator]
+        result.append(await send(args, config, source))  # type: ignore[operator]
 
     _run(go())
     return result[0]

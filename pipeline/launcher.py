@@ -20,6 +20,7 @@ import structlog
 
 from pipeline.auth import NatsAuth
 from pipeline.bridge.processing import BridgeProcessing
+from pipeline.discovery import forget_nats_url, record_nats_url
 from pipeline.kv_events import KvEventsSettings, offset_endpoint
 from pipeline.nats_server import NatsServer, NatsServerConfig
 from pipeline.serve import WorkerSettings
@@ -176,6 +177,8 @@ def up(settings: UpProcess, external_nats: bool) -> int:
             NatsServerConfig(data_dir=data_dir / "nats", port=settings.up.nats_port, auth=NatsAuth.from_env())
         )
         nats_url = server.start()
+    # Where `mmpipe send` (run in the same folder, or given --data-dir) finds this deployment.
+    record_nats_url(data_dir, nats_url)
     spec_settings = dataclasses.replace(
         settings, worker=dataclasses.replace(worker, model=str(spec.path), served_model_name=spec.served_name)
     )
@@ -195,7 +198,7 @@ def up(settings: UpProcess, external_nats: bool) -> int:
             return 1
         workers = ", ".join(_placed(role, p) for role, p in plans.items() if p.count)
         if not counts.get(PROCESSOR):
-            workers += " (requests processed in the bridge)"
+            workers += ", processor×1 for NATS callers (requests processed in the bridge)"
         print(
             f"mmpipe ready: {base}/v1  mode={mode} model={spec.served_name} nats={nats_url} workers: {workers}",
             flush=True,
@@ -209,6 +212,7 @@ def up(settings: UpProcess, external_nats: bool) -> int:
         return 0
     finally:
         _stop_all(children, grace_s=worker.drain_grace_s + 10)
+        forget_nats_url(data_dir, nats_url)
         if server is not None:
             server.stop()
 
@@ -234,6 +238,11 @@ def plan(settings: UpProcess, nats_url: str, plans: dict[str, RolePlan], data_di
     kv_holders = 0
     for role in ROLES:
         role_plan = plans.get(role, RolePlan(0))
+        if role == PROCESSOR and not role_plan.count:
+            # The bridge processes the requests it takes over HTTP; one
+            # processor worker takes those NATS callers queue (`mmpipe send`),
+            # which would otherwise wait for ever.
+            role_plan = RolePlan(1)
         for i in range(role_plan.count):
             worker = role_settings(role, settings.worker, settings.up, data_dir, health_port)
             worker = dataclasses.replace(worker, kv_events=kv_events_of(role, worker.kv_events, kv_holders))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import asyncio
 import sys
 import time
 import uuid
@@ -15,7 +16,7 @@ from schemas.codec import CONTENT_TYPE, JSON, MSGPACK, encode
 from schemas.request import ChatMessage, ContentPart, GenerateRequest, ImagePart, ImageURL, SamplingParams, TextPart
 
 
-async def send(args: argparse.Namespace, config: PipelineConfig) -> int:
+async def send(args: argparse.Namespace, config: PipelineConfig, source: str = "--nats-url") -> int:
     subjects = config.subjects
     rid = f"send-{uuid.uuid4().hex}"
     parts: list[ContentPart] = [ImagePart(ImageURL(url)) for url in args.image]
@@ -29,7 +30,16 @@ async def send(args: argparse.Namespace, config: PipelineConfig) -> int:
         deadline=time.time() + 300,
     )
     content_type = JSON if args.json else MSGPACK
-    nc, js = await connect(config.nats_url, name="mmpipe-send")
+    try:
+        nc, js = await asyncio.wait_for(connect(config.nats_url, name="mmpipe-send"), args.connect_timeout)
+    except TimeoutError:
+        print(
+            f"mmpipe send: no NATS server answered at {config.nats_url} ({source}) within "
+            f"{args.connect_timeout:g} s: start `mmpipe up` (it records its server in its --data-dir) or pass "
+            "--nats-url",
+            file=sys.stderr,
+        )
+        return 2
     try:
         sub = await nc.subscribe(subjects.reply(rid))
         await js.publish(

@@ -7,6 +7,8 @@ from __future__ import annotations
 import re
 import signal
 import socket
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -16,6 +18,7 @@ import psutil
 import pytest
 
 from pipeline.connection import connect, shutdown
+from pipeline.discovery import record_nats_url
 from pipeline.subjects import Subjects
 from schemas.control import WorkerInfo
 from schemas.routes import MODES
@@ -70,7 +73,8 @@ def test_up_serves_every_mode_as_processes_and_stops_cleanly(
         started = sorted(" ".join(c.cmdline()[3:5]) for c in children if "pipeline.cli" in c.cmdline())
         assert started == sorted(
             # Their settings ride in the environment, not on the command line.
-            [*["worker processor"] * processors, *(f"worker {h}" for h in hops), f"worker {hops[-1]}", "bridge"]
+            # One processor worker at least: for NATS callers where the bridge processes its own requests.
+            [*["worker processor"] * max(processors, 1), *(f"worker {h}" for h in hops), f"worker {hops[-1]}", "bridge"]
         )
         assert any("nats-server" in c.name() for c in children)
 
@@ -86,12 +90,42 @@ def test_up_serves_every_mode_as_processes_and_stops_cleanly(
             assert _ask(client, single, stream=True) == reference(single, [one], N)[1]
             assert _ask(client, pair, stream=False) == reference(pair, [one, two], N)[1]
             assert _ask(client, "Say something.", stream=True) == reference("Say something.", [], N)[1]
+        if mode == "epd":
+            # `mmpipe send` beside it, with no flags but the data dir: it finds the server `up` recorded.
+            sent = subprocess.run(
+                [sys.executable, "-m", "pipeline.cli", "send", "--data-dir", str(tmp_path / "data"),
+                 "--max-tokens", str(N), "--model", "tiny-qwen2-vl", "Say something."],
+                capture_output=True, text=True, timeout=120, env=procs.env,
+            )  # fmt: skip
+            assert sent.returncode == 0, sent.stderr[-3000:]
+            text, finish = sent.stdout.split("\n[finish=")
+            # No min_tokens on `send`: it may stop at EOS, where generate() was held past it.
+            assert reference("Say something.", [], N)[1].startswith(text) and finish.startswith(("length", "stop"))
     finally:
         code = up.stop(signal.SIGINT)
         procs.stop_all()
     assert code == 0, up.text()[-3000:]
     assert all(not c.is_running() or c.status() == psutil.STATUS_ZOMBIE for c in children)
     assert "Traceback" not in up.text()
+    assert not (tmp_path / "data" / "nats.url").exists()  # its server is gone: no record of it left
+
+
+def test_send_with_no_server_fails_in_seconds_saying_where_it_looked(tmp_path: Path) -> None:
+    dead = f"nats://127.0.0.1:{_free_port()}"
+    sent = subprocess.run(
+        [sys.executable, "-m", "pipeline.cli", "send", "--nats-url", dead, "--connect-timeout", "1", "hello"],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert sent.returncode == 2, sent.stderr[-3000:]
+    assert f"no NATS server answered at {dead} (--nats-url) within 1 s" in sent.stderr
+    # Without --nats-url: what an `mmpipe up` recorded in the data dir (one that died without cleaning up here).
+    record_nats_url(tmp_path, dead)
+    sent = subprocess.run(
+        [sys.executable, "-m", "pipeline.cli", "send", "--data-dir", str(tmp_path), "--connect-timeout", "1", "hi"],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert sent.returncode == 2, sent.stderr[-3000:]
+    assert f"{dead} (recorded in {tmp_path / 'nats.url'} by mmpipe up)" in sent.stderr
 
 
 async def _max_inflight(ready_line: str, role: str) -> int:

@@ -55,8 +55,8 @@ def _children(engine: str, tmp_path: Path, placed: str = "2@cuda:2,cuda:3") -> l
     up = dataclasses.replace(up, worker=dataclasses.replace(up.worker, model="/models/m", served_model_name="m"))
     out = []
     for child in plan(up, "nats://embedded:4222", parse_workers(up.up.workers, "e-pd"), tmp_path):
-        if child.role == "bridge":
-            continue
+        if child.role in ("bridge", "processor"):
+            continue  # on the CPU wherever they run
         args = parser().parse_args(child.argv)
         settings = load_kind(args.command, args, child.env).settings
         tp = settings.worker.vllm_args.get("tensor_parallel_size")
