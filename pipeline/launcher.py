@@ -7,6 +7,7 @@ import dataclasses
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -187,8 +188,10 @@ def up(settings: UpProcess, external_nats: bool) -> int:
     try:
         for planned in plan(spec_settings, nats_url, plans, data_dir):
             if planned.health_port:
-                url = f"http://127.0.0.1:{planned.health_port}/health/ready"
-                log.info("worker_health_port", role=planned.role, url=url)
+                base = f"http://127.0.0.1:{planned.health_port}"
+                log.info(
+                    "worker_health_port", role=planned.role, ready=f"{base}/health/ready", metrics=f"{base}/metrics"
+                )
             children.append(subprocess.Popen([sys.executable, "-m", "pipeline.cli", *planned.argv], env=planned.env))
         base = f"http://{bridge.host}:{bridge.port}"
         if not _wait_ready(f"{base}/health", children, stop, timeout_s=300):
@@ -249,7 +252,7 @@ def plan(settings: UpProcess, nats_url: str, plans: dict[str, RolePlan], data_di
             worker, placed = placed_on(worker, role_plan.device_of(i))
             kv_holders += holds_kv(role)
             handed = handed_env("worker", WorkerProcess(common, worker))
-            out.append(Child(role, ["worker", role], {**env, **handed, **placed}, health_port))
+            out.append(Child(role, ["worker", role], {**env, **handed, **placed}, worker.health.port))
             health_port += 1 if health_port else 0
     counts = {role: p.count for role, p in plans.items()}
     bridge = BridgeProcess(common, settings.bridge, bridge_processing(settings.worker, counts))
@@ -308,6 +311,9 @@ def role_settings(
     prefill and decode workers, a free NixlConnector port each, its own
     health port."""
     vllm = worker.engine == "vllm"
+    # Unset, each worker still gets a port of its own: its /metrics and
+    # health are there to read (logged as worker_health_port at start).
+    health_port = health_port or _free_port(worker.health.host)
     engine = "vllm" if vllm and (role in VLLM_ROLES or (role == "encode" and up.vllm_encoder)) else "torch"
     kv = dataclasses.replace(worker.vllm_kv, port=0, path=worker.vllm_kv.path or str(_kv_folder(data_dir)))
     ec_path = (worker.vllm_ec_path or str(data_dir / "vllm-ec")) if vllm and up.vllm_encoder else ""
@@ -318,6 +324,12 @@ def role_settings(
         vllm_ec_path=ec_path if engine == "vllm" or role in VLLM_ROLES else "",
         health=dataclasses.replace(worker.health, port=health_port),
     )
+
+
+def _free_port(host: str) -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
 
 
 def _kv_folder(data_dir: Path) -> Path:

@@ -4,11 +4,13 @@ gets exactly generate()'s tokens; then Ctrl-C stops all of it."""
 
 from __future__ import annotations
 
+import json
 import re
 import signal
 import socket
 import subprocess
 import sys
+import urllib.request
 from pathlib import Path
 from typing import Any
 
@@ -91,6 +93,12 @@ def test_up_serves_every_mode_as_processes_and_stops_cleanly(
             assert _ask(client, pair, stream=False) == reference(pair, [one, two], N)[1]
             assert _ask(client, "Say something.", stream=True) == reference("Say something.", [], N)[1]
         if mode == "epd":
+            # Every worker's /metrics is up with no flag: each got a port of its own, logged at start.
+            logged = [json.loads(line) for line in up.text().splitlines() if '"worker_health_port"' in line]
+            assert sorted(e["role"] for e in logged) == ["encode+prefill+decode"] * 2 + ["processor"]
+            for event in logged:
+                with urllib.request.urlopen(event["metrics"], timeout=10) as r:
+                    assert b"mmpipe_" in r.read()
             # `mmpipe send` beside it, with no flags but the data dir: it finds the server `up` recorded.
             sent = subprocess.run(
                 [sys.executable, "-m", "pipeline.cli", "send", "--data-dir", str(tmp_path / "data"),

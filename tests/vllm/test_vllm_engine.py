@@ -128,7 +128,7 @@ def vllm_up(
         for line in up.text().splitlines():
             if '"worker_health_port"' in line:
                 event = json.loads(line[line.index("{") :])
-                stack.metrics[event["role"]] = event["url"].replace("/health/ready", "/metrics")
+                stack.metrics[event["role"]] = event["metrics"]
         yield stack
     finally:
         stack.code = up.stop(signal.SIGINT, timeout_s=90)
