@@ -42,6 +42,7 @@ import torch
 import torch.nn.functional as F
 
 from stages import cuda_graph
+from stages.progress import counted
 from stages.torch_engine.block_pool import NULL_BLOCK, BlockPool, blocks_for
 from stages.torch_engine.decode_attention import gather_blocks, length_mask
 from stages.torch_engine.fused_decode import FusedKernels, FusedLayer, can_fuse, default_attention, fuse_layer
@@ -348,7 +349,7 @@ class BatchDecoder:
             return []
         sizes = sorted({_bucket(n, self.max_slots) for n in range(1, self.max_slots + 1)})
         with torch.inference_mode():
-            for bucket in sizes:
+            for bucket in counted("decode graphs", sizes, len(sizes)):
                 self._graph(bucket, 0)
         return sizes
 

@@ -33,6 +33,7 @@ from stages.device_copy import tensor_on, to_device
 from stages.families import Grid, Media, MediaEmbedding, family_for_architecture
 from stages.families.tower_graphs import TowerGraphs
 from stages.prefix_keys import MediaSpan, block_keys
+from stages.progress import Step, on_terminal
 from stages.sampling import SamplingConfig
 from stages.torch_engine import batch_decoder, metrics
 from stages.torch_engine.batch_decoder import BatchDecoder, Launched, from_blocks, to_blocks
@@ -69,9 +70,13 @@ class TorchEngine:
         if not architectures:
             raise ValueError(f"{self.model_dir}/config.json names no architectures")
         self.family = family_for_architecture(architectures[0])(self.model_dir, config)
-        with _quiet_progress_bars():
+        loading = Step("model_load", path=str(self.model_dir), device=str(self.device), dtype=str(self.dtype))
+        # transformers' own bar on a terminal; not in a log.
+        with contextlib.nullcontext() if on_terminal() else _quiet_progress_bars():
             model: Any = self.family.model_class.from_pretrained(str(self.model_dir), dtype=self.dtype)
         self.model = model.to(self.device).eval()
+        weights = sum(p.numel() * p.element_size() for p in self.model.parameters())
+        loading.done(architecture=architectures[0], gib=round(weights / 2**30, 3))
         self.family.on_loaded(self.model, self.device, self.dtype)
         decode = decode or DecodeSettings()
         if self.device.type == "cuda":
@@ -121,6 +126,9 @@ class TorchEngine:
         self._slots = SlotTable(self.decoder) if self.decoder is not None else None
         if self.decoder is not None:
             started = time.monotonic()
+            capturing = self.device.type == "cuda" and decode.cuda_graphs
+            if capturing:
+                log.info("cuda_graphs_capturing", compile=decode.torch_compile, max_batch=decode.slots)
             sizes = self.decoder.capture() if decode.decodes else []
             lengths = self._slot_prefill.capture() if self._slot_prefill is not None else []
             if sizes or lengths:

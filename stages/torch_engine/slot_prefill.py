@@ -36,6 +36,7 @@ import torch.nn.functional as F
 from stages import compiled as compiled_options
 from stages import cuda_graph
 from stages.device_copy import to_device
+from stages.progress import counted
 from stages.torch_engine.batch_decoder import BatchDecoder
 from stages.torch_engine.fused_decode import FusedLayer, after_attention, rms_norm, rope
 
@@ -125,7 +126,7 @@ class SlotPrefill:
             return []
         with torch.inference_mode():
             self._table.zero_()
-            for bucket in reversed(self.buckets):
+            for bucket in counted("prefill graphs", list(reversed(self.buckets)), len(self.buckets)):
                 self._graph(bucket)
         return list(self.buckets)
 

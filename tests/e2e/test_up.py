@@ -93,8 +93,14 @@ def test_up_serves_every_mode_as_processes_and_stops_cleanly(
             assert _ask(client, pair, stream=False) == reference(pair, [one, two], N)[1]
             assert _ask(client, "Say something.", stream=True) == reference("Say something.", [], N)[1]
         if mode == "epd":
+            events = [json.loads(line) for line in up.text().splitlines() if line.startswith("{")]
+            # What each model worker did before it was ready, with its figures.
+            loaded = [e for e in events if e["event"] == "model_load_done"]
+            pools = [e for e in events if e["event"] == "kv_cache_allocated"]
+            assert len(loaded) == len(pools) == 2 and all(e["gib"] > 0 for e in loaded + pools)
+            assert all(e["tokens"] > 0 for e in pools)
             # Every worker's /metrics is up with no flag: each got a port of its own, logged at start.
-            logged = [json.loads(line) for line in up.text().splitlines() if '"worker_health_port"' in line]
+            logged = [e for e in events if e["event"] == "worker_health_port"]
             assert sorted(e["role"] for e in logged) == ["encode+prefill+decode"] * 2 + ["processor"]
             for event in logged:
                 with urllib.request.urlopen(event["metrics"], timeout=10) as r:
