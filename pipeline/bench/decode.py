@@ -3,8 +3,8 @@
 
 For each preset (real-size shapes, random bf16 weights) and batch size: a
 prompt of ``--context`` tokens per row; ``generate()`` with 1 and with
-``--new-tokens`` new tokens (a step = the difference / (new tokens - 1), as
-the baseline in shared/bench/hf_baseline.py measures it); then the same
+``--new-tokens`` new tokens (a step = the difference / (new tokens - 1): what one more token
+costs, the prompt's forward taken out); then the same
 prompts prefilled once and decoded by the batch decoder (CUDA graphs, or
 eager with ``--no-cuda-graphs``), timed over the same number of steps. A
 step must read every weight of the language model and every row's KV cache:
