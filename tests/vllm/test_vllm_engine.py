@@ -40,22 +40,19 @@ from schemas.chunk import TokenChunk
 from schemas.codec import CONTENT_TYPE, MSGPACK, encode
 from schemas.request import ChatMessage, GenerateRequest, ImagePart, ImageURL, SamplingParams, TextPart
 from schemas.routes import MODES
+from stages.vllm_engine.args import CPU_DEFAULTS
 from tests.e2e.conftest import finished_reply, gradient, make_reference, png_data_url
 from tests.e2e.processes import Proc, Processes
 from tests.vllm.references import video_request
 
 N = 12
 MODEL = "tiny-qwen2-vl-vllm"
+# Over what mmpipe gives vLLM on a CPU by itself (float32, eager, no
+# multimodal profiling, blocks of 32: stages/vllm_engine/args.py): room for
+# the tests' several images a prompt. Videos come as video_embeds (mmpipe's
+# encoder).
 ENGINE_ARGS = {
-    "dtype": "float32",  # bf16 would not give generate()'s float32 tokens
-    "enforce_eager": True,  # no torch.compile: a start in seconds, not a minute
-    "skip_mm_profiling": True,
-    # Videos come as video_embeds (mmpipe's encoder): the limits size vLLM's profiling only.
     "limit_mm_per_prompt": {"image": {"count": 4, "width": 224, "height": 224}, "video": {"count": 1}},
-    # Small blocks (CPU attention takes multiples of 32; its default is 128):
-    # ExampleConnector hands over whole blocks only, and these test prompts
-    # are tens of tokens.
-    "block_size": 32,
 }
 # The KV connector of each disaggregated mode under test.
 CONNECTORS = {"e-p-d": "example", "ep-d": "nixl"}
@@ -102,20 +99,22 @@ def vllm_up(
     mmpipe_home: Path,
     mode: str,
     model_dir: Path,
-    engine_args: dict[str, Any],
+    engine_args: dict[str, Any] | None,
     *flags: str,
     served: str = MODEL,
     modalities: str = "image,video",
 ) -> Iterator[VllmStack]:
     """``mmpipe up --engine vllm`` of ``mode`` until the block ends (SIGINT;
-    its exit code in ``code``)."""
-    args_file = tmp / "engine-args.json"
-    args_file.write_text(json.dumps(engine_args))
+    its exit code in ``code``); ``engine_args`` None: none given at all."""
+    given: list[str] = []
+    if engine_args is not None:
+        args_file = tmp / "engine-args.json"
+        args_file.write_text(json.dumps(engine_args))
+        given = ["--vllm-args-file", str(args_file), "--vllm-arg", "max_model_len=2048"]
     port = _free_port()
     procs = Processes(tmp, mmpipe_home)
     up = procs.start(
-        "up", "--mode", mode, "--engine", "vllm", "--vllm-args-file", str(args_file),
-        "--vllm-arg", "max_model_len=2048", "--model", str(model_dir), "--served-model-name", served,
+        "up", "--mode", mode, "--engine", "vllm", *given, "--model", str(model_dir), "--served-model-name", served,
         "--port", str(port), "--data-dir", str(tmp / "data"), "--transport", "nats", "--log-level", "INFO",
         "--health-port", str(_free_port_run(6)), "--modalities", modalities, *flags,
     )  # fmt: skip
@@ -221,6 +220,19 @@ def image_request(rid: str, image: Any, tokens: int, **extra: Any) -> GenerateRe
         sampling=SamplingParams(max_tokens=tokens, temperature=0, min_tokens=tokens),
         **extra,
     )
+
+
+@pytest.mark.e2e
+async def test_up_with_no_engine_args_serves_an_image_as_generate(
+    tmp_path: Path, mmpipe_home: Path, vllm_model_dir: Path, reference: Any
+) -> None:
+    """The README's command as written: no engine arguments. On this CPU
+    host vLLM used to profile a dummy video and die."""
+    one = _image(2)
+    tokens, text = reference(_image_content(one), [one], N)
+    with vllm_up(tmp_path, mmpipe_home, "e-pd", vllm_model_dir, None, modalities="image") as stack:
+        assert await _ask(stack, _image_content(one), stream=True) == (text, tokens)
+    assert_clean_exit(stack)
 
 
 @pytest.mark.e2e
@@ -415,7 +427,7 @@ async def test_vllms_own_kv_events_publisher_is_configured_by_mmpipes_flag(
                     _, _, payload = sub.recv_multipart()
                     batch = msgspec.msgpack.decode(payload, type=KVEventBatch)
                     stored += [e for e in batch.events if isinstance(e, BlockStored)]
-            assert stored[0].block_size == ENGINE_ARGS["block_size"] and stored[0].token_ids
+            assert stored[0].block_size == CPU_DEFAULTS["block_size"] and stored[0].token_ids
         assert_clean_exit(stack)
     finally:
         sub.close(linger=0)
