@@ -320,7 +320,10 @@ class Worker:
         endpoint = self._kv_events_endpoint()
         if not endpoint:
             return None
-        relay = KvEventRelay(self.nc, endpoint, self.subjects.kv_events(self.worker_id))
+        # An engine whose block hashes are not mmpipe's keys (vLLM's) rewrites its batches.
+        keys = getattr(getattr(self.stage, "engine", None), "block_keys", None)
+        rewrite = keys.rewrite if keys is not None else None
+        relay = KvEventRelay(self.nc, endpoint, self.subjects.kv_events(self.worker_id), rewrite=rewrite)
         return relay if relay.start() else None
 
     async def _give_back(self, msgs: list[Msg]) -> None:

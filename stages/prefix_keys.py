@@ -42,11 +42,17 @@ def block_keys(
     for start in range(0, len(token_ids) - block_size + 1, block_size):
         end = start + block_size
         shown = [(m.digest, start - m.start) for m in media if m.start < end and start < m.start + m.length]
-        payload = msgspec.msgpack.encode((parent, list(token_ids[start:end]), shown))
-        key = int.from_bytes(hashlib.sha256(payload).digest()[:8], "little")
+        key = block_key(parent, token_ids[start:end], shown)
         keys.append(key)
         parent = key
     return keys
+
+
+def block_key(parent: int | str | None, tokens: Sequence[int], shown: Sequence[tuple[str, int]] = ()) -> int:
+    """One block's key: its parent's key (or the salt, or None), its tokens,
+    and (digest, offset in the item) of each media item it shows."""
+    payload = msgspec.msgpack.encode((parent, list(tokens), list(shown)))
+    return int.from_bytes(hashlib.sha256(payload).digest()[:8], "little")
 
 
 class PromptMedia(NamedTuple):
@@ -64,15 +70,25 @@ def prompt_block_keys(prompt: Sequence[int], media: Sequence[PromptMedia], block
     media placeholder is expanded (repeated ``num_tokens`` times, as the
     families expand them), up to the first item whose token count or
     content is not known: its blocks could not be told from another's."""
+    ids, spans, whole = expand(prompt, media)
+    if not whole:
+        ids = ids[: len(ids) - len(ids) % block_size]
+    return block_keys(ids, block_size, spans)
+
+
+def expand(prompt: Sequence[int], media: Sequence[PromptMedia]) -> tuple[list[int], list[MediaSpan], bool]:
+    """The prompt's ids with each placeholder expanded and the media's
+    spans in them, up to the first item whose token count or content is not
+    known (then False: what follows is cut off)."""
     ids: list[int] = []
     spans: list[MediaSpan] = []
     at = 0
     for m in sorted(media, key=lambda m: m.placeholder_index):
         ids.extend(prompt[at : m.placeholder_index])
         if m.num_tokens is None or not m.digest:
-            return block_keys(ids[: len(ids) - len(ids) % block_size], block_size, spans)
+            return ids, spans, False
         spans.append(MediaSpan(len(ids), m.num_tokens, m.digest))
         ids.extend([prompt[m.placeholder_index]] * m.num_tokens)
         at = m.placeholder_index + 1
     ids.extend(prompt[at:])
-    return block_keys(ids, block_size, spans)
+    return ids, spans, True

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+from collections.abc import Callable
 from typing import Any
 
 import structlog
@@ -29,11 +30,20 @@ def subscribe_endpoint(endpoint: str) -> str | None:
 
 
 class KvEventRelay:
-    def __init__(self, nc: Client, endpoint: str, subject: str, topic: str = "") -> None:
+    def __init__(
+        self,
+        nc: Client,
+        endpoint: str,
+        subject: str,
+        topic: str = "",
+        rewrite: Callable[[bytes], bytes | None] | None = None,
+    ) -> None:
         self.nc = nc
         self.endpoint = endpoint
         self.subject = subject
         self.topic = topic
+        # A batch as the router reads it (vLLM's hashes as mmpipe's keys); None from it: nothing to relay.
+        self.rewrite = rewrite
         self.relayed = 0
         self._task: asyncio.Task[None] | None = None
         self._socket: Any = None
@@ -68,7 +78,14 @@ class KvEventRelay:
             if len(frames) != 3:
                 log.warning("kv_events_bad_frames", frames=len(frames))
                 continue
-            _, seq, payload = frames
+            _, seq, raw = frames
+            try:
+                payload = raw if self.rewrite is None else self.rewrite(raw)
+            except Exception as exc:  # one batch unread: the router knows less, nothing breaks
+                log.warning("kv_events_rewrite_failed", error=repr(exc))
+                continue
+            if payload is None:
+                continue
             try:
                 await self.nc.publish(self.subject, payload, headers={"Mmpipe-Seq": str(int.from_bytes(seq, "big"))})
                 self.relayed += 1

@@ -60,7 +60,9 @@ from stages.encoder import MediaEncoder
 from stages.families import MediaEmbedding
 from stages.hop_engine import Carried, check_context, prompt_len, put_media, receive_embeddings, sampling
 from stages.media import MediaFetcher
+from stages.prefix_keys import PromptMedia
 from stages.vllm_engine.args import KV_PRODUCER_ROLES, VLLM_ROLES
+from stages.vllm_engine.block_keys import VllmBlockKeys
 from stages.vllm_engine.engine import VllmEngine
 from stages.vllm_engine.media import RemoteEmbedding, remote_media
 
@@ -118,6 +120,8 @@ class VllmHopEngine:
         # The encoder-cache folder a vLLM encode hop writes (--vllm-ec-path):
         # set where this engine is that connector's consumer.
         self.ec_path = ec_path
+        # vLLM's block hashes rewritten as mmpipe's keys in the KV events a worker relays.
+        self.block_keys = VllmBlockKeys()
 
     @property
     def tokenizer(self) -> Any:
@@ -177,6 +181,10 @@ class VllmHopEngine:
         connector keeps for it."""
         rid = req.request.request_id
         handle = VllmPrefilled(rid, prompt_len(req, media), [*req.prompt_token_ids, *ctx.emitted], media)
+        items = zip(req.media, media, strict=True)
+        self.block_keys.learn(
+            handle.prompt_ids, [PromptMedia(m.placeholder_index, e.num_tokens, e.digest) for m, e in items]
+        )
         if self.role not in KV_PRODUCER_ROLES:
             return handle
         vllm_id = _vllm_id(rid)

@@ -433,6 +433,58 @@ async def test_vllms_own_kv_events_publisher_is_configured_by_mmpipes_flag(
         sub.close(linger=0)
 
 
+@pytest.mark.e2e
+async def test_the_kv_router_finds_a_prompt_vllm_cached(
+    tmp_path: Path, mmpipe_home: Path, vllm_model_dir: Path
+) -> None:
+    """``--router kv`` over a vLLM worker: its worker relays vLLM's KV
+    events with mmpipe's keys (vLLM's own hashes never match them), so a
+    router finds where a later turn's prefix is cached, image included."""
+    from pipeline.config import PipelineConfig, RouterSettings
+    from pipeline.router.router import KvRouter
+    from stages.models import resolve_model
+    from stages.models.traits import load_traits
+    from stages.processor import Processor
+    from tests.polling import eventually
+
+    image = _image(3)
+    history = "We talked about the sea and the mountains for a long while, and then about rivers. " * 5
+    content = [TextPart(history), ImagePart(ImageURL(png_data_url(image))), TextPart("What is in the picture?")]
+    with vllm_up(tmp_path, mmpipe_home, "epd", vllm_model_dir, ENGINE_ARGS, "--router", "kv") as stack:
+        config = PipelineConfig(nats_url=stack.nats_url, mode="epd", router=RouterSettings(mode="kv"))
+        nc, js = await connect(stack.nats_url, name="test-router")
+        router = KvRouter(nc, js, config)
+        await router.start()
+        try:
+            processor = Processor(load_traits(resolve_model(str(vllm_model_dir), MODEL)), mode="epd")
+            request = GenerateRequest(
+                "turn-1", MODEL, [ChatMessage("user", content)], SamplingParams(4, 0.0, min_tokens=4)
+            )
+            # Routed as the processor routes it: the router knows the image's
+            # placeholder from then on, and learns its length from the stored blocks.
+            router.choose(processor.process(request))
+            await _ask(stack, [_part(p) for p in content], stream=False, n=4)
+            await eventually(lambda: router.index.blocks_of(next(iter(router.workers), "")) > 0, within=30)
+            [worker] = [w for w in router.workers if router.alive(w)]
+            later = processor.process(
+                GenerateRequest("turn-2", MODEL, [ChatMessage("user", content)], SamplingParams(4, 0.0))
+            )
+            keys = router.prompt_keys(later, router.index.block_sizes[worker])
+            # Every full block of the prompt, the image's too, found on the worker that ran it.
+            assert router.index.overlaps(keys) == {worker: len(keys)} and len(keys) >= 4
+            assert router.choose(later) == worker
+        finally:
+            await router.close()
+            await nc.close()
+    assert_clean_exit(stack)
+
+
+def _part(part: Any) -> dict[str, Any]:
+    if isinstance(part, TextPart):
+        return {"type": "text", "text": part.text}
+    return {"type": "image_url", "image_url": {"url": part.image_url.url}}
+
+
 def test_mmpipes_kv_events_read_with_vllms_own_types() -> None:
     """What a built-in engine's worker publishes decodes with vLLM's
     ``KVEventBatch`` itself, as a router written for vLLM reads it."""
