@@ -114,6 +114,8 @@ class Bridge:
         app.router.add_post("/v1/chat/completions", self.chat_completions)
         app.router.add_get("/v1/models", self.models)
         app.router.add_get("/health", self.health)
+        app.router.add_get("/health/ready", self.ready)
+        app.router.add_get("/health/live", self.live)
         app.router.add_get("/metrics", self.metrics)
         app.router.add_post("/v1/cache/reset", self.reset_cache)
         app.on_startup.append(self._on_startup)
@@ -172,6 +174,17 @@ class Bridge:
         ready = self.nc.is_connected and all(live.values())
         body = {"status": "ready" if ready else "unavailable", "nats": self.nc.is_connected, "roles": live}
         return web.json_response(body, status=200 if ready else 503)
+
+    async def ready(self, request: web.Request) -> web.Response:
+        """Whether this bridge can take requests: connected to NATS. Not
+        whether workers run (``/health`` says that): a bridge without them
+        answers 503 ``no_workers`` itself, where a load balancer that took
+        every bridge out of its pool would refuse the connection."""
+        ready = self.nc.is_connected
+        return web.json_response({"status": "ready" if ready else "unavailable"}, status=200 if ready else 503)
+
+    async def live(self, request: web.Request) -> web.Response:
+        return web.json_response({"status": "live"})
 
     async def metrics(self, request: web.Request) -> web.Response:
         return web.Response(body=generate_latest(), headers={"Content-Type": CONTENT_TYPE_LATEST})

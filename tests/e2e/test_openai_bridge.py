@@ -180,9 +180,21 @@ async def test_models_health_and_metrics(stack: Stack) -> None:
             f"{stack.base_url}/v1/chat/completions", json={"model": "tiny-qwen2-vl", "messages": [], "bogus": 1}
         ) as r:
             assert r.status == 400 and "bogus" in (await r.json())["error"]["message"]
-    # With no worker of the route alive, health says so.
+    # With no worker of the route alive, health says so; the bridge stays
+    # ready (in a load balancer's pool) and answers an OpenAI-style 503 itself.
     for worker in stack.workers:
         worker.stop()
     await asyncio.sleep(1.5)
-    async with aiohttp.ClientSession() as http, http.get(f"{stack.base_url}/health") as r:
-        assert r.status == 503
+    async with aiohttp.ClientSession() as http:
+        async with http.get(f"{stack.base_url}/health") as r:
+            assert r.status == 503
+        for path in ("/health/ready", "/health/live"):
+            async with http.get(f"{stack.base_url}{path}") as r:
+                assert r.status == 200, path
+    async with client(stack) as c:
+        with pytest.raises(openai.APIStatusError) as refused:
+            await c.chat.completions.create(
+                model="tiny-qwen2-vl", messages=[{"role": "user", "content": "Hello?"}], max_tokens=2
+            )
+    assert refused.value.status_code == 503
+    assert refused.value.body["code"] == "no_workers"  # type: ignore[index]
