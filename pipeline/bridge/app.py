@@ -28,6 +28,7 @@ from pipeline import metrics, tracing
 from pipeline.bridge import processing, responses
 from pipeline.bridge.openai_types import REQUEST_DECODER, to_generate_request
 from pipeline.config import PipelineConfig
+from pipeline.health import LIVE_PATH, READY_PATH
 from pipeline.replies import CHUNK_DECODER, ExactlyOnceRelay, stored_chunks
 from pipeline.router.router import KvRouter
 from pipeline.streams import ensure_streams, is_stream_full
@@ -114,8 +115,8 @@ class Bridge:
         app.router.add_post("/v1/chat/completions", self.chat_completions)
         app.router.add_get("/v1/models", self.models)
         app.router.add_get("/health", self.health)
-        app.router.add_get("/health/ready", self.ready)
-        app.router.add_get("/health/live", self.live)
+        app.router.add_get(READY_PATH, self.ready)
+        app.router.add_get(LIVE_PATH, self.live)
         app.router.add_get("/metrics", self.metrics)
         app.router.add_post("/v1/cache/reset", self.reset_cache)
         app.on_startup.append(self._on_startup)

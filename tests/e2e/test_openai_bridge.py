@@ -15,6 +15,7 @@ from PIL import Image
 
 from pipeline import metrics
 from pipeline.config import PipelineConfig
+from pipeline.health import LIVE_PATH, READY_PATH
 from schemas.codec import Decoder
 from schemas.control import DeadLetter
 from stages.models import ModelSpec
@@ -188,7 +189,7 @@ async def test_models_health_and_metrics(stack: Stack) -> None:
     async with aiohttp.ClientSession() as http:
         async with http.get(f"{stack.base_url}/health") as r:
             assert r.status == 503
-        for path in ("/health/ready", "/health/live"):
+        for path in (READY_PATH, LIVE_PATH):
             async with http.get(f"{stack.base_url}{path}") as r:
                 assert r.status == 200, path
     async with client(stack) as c:
