@@ -194,7 +194,7 @@ def test_up_with_the_engine_in_its_own_process_serves_and_stops_cleanly(
         worker = next(
             c
             for c in psutil.Process(up.popen.pid).children(recursive=True)
-            if "pipeline.cli" in c.cmdline() and "worker" in c.cmdline()
+            if "pipeline.cli" in c.cmdline() and "encode+prefill+decode" in c.cmdline()
         )
         cores = [c for c in worker.children() if any("spawn_main" in part for part in c.cmdline())]
         assert len(cores) == 1, [c.cmdline() for c in worker.children()]

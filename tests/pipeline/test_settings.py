@@ -275,6 +275,8 @@ ROOT = Path(__file__).resolve().parents[2]
 # Flags of other tools that the documents quote (pip, kubectl, helm), and
 # the family `--nats-*` named as one.
 _OTHER_TOOLS = {"--no-deps", "--create-namespace", "--from-literal", "--install", "--nats-"}
+# docker's and docker compose's, in the container and Compose documents.
+_OTHER_TOOLS |= {"--target", "--shm-size", "--gpus", "--rm", "--build-arg", "--scale"}
 
 
 def _flags(argument_parser: Any) -> set[str]:
