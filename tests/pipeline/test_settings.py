@@ -277,6 +277,7 @@ ROOT = Path(__file__).resolve().parents[2]
 _OTHER_TOOLS = {"--no-deps", "--create-namespace", "--from-literal", "--install", "--nats-"}
 # docker's and docker compose's, in the container and Compose documents.
 _OTHER_TOOLS |= {"--target", "--shm-size", "--gpus", "--rm", "--build-arg", "--scale"}
+_OTHER_TOOLS |= {"--local-dir"}  # huggingface-cli download's
 
 
 def _flags(argument_parser: Any) -> set[str]:
