@@ -404,8 +404,9 @@ def test_install_script_builds_a_working_venv_from_the_wheel(tmp_path: Path) -> 
 
     help_text = outside(venv / "bin" / "mmpipe", "--help")
     assert {"up", "worker", "bridge", "nats"} <= set(re.findall(r"\b[a-z]+\b", help_text))
+    # pipeline.chaos.stack: `mmpipe chaos` runs from the plain install (it reads its workers' memory with psutil).
     probe = (
-        "import json, pipeline, torch; from pipeline.nats_server import find_binary; "
+        "import json, pipeline, pipeline.chaos.stack, torch; from pipeline.nats_server import find_binary; "
         "print(json.dumps([pipeline.__file__, torch.__version__, str(find_binary())]))"
     )
     package, torch_version, nats_server = json.loads(outside(venv / "bin" / "python", "-c", probe))
