@@ -137,9 +137,9 @@ def test_engine_vllm_without_vllm_fails_at_start_naming_what_to_install(
     monkeypatch.setattr(importlib.util, "find_spec", find_spec)
     spec = resolve_model(str(tiny_model_dir), "tiny-qwen2-vl")
     settings = WorkerSettings(engine="vllm")
-    with pytest.raises(SystemExit, match=r"pip install 'mmpipe\[vllm\]'.*deploy/install-vllm.sh"):
+    with pytest.raises(SystemExit, match=r"pip install -e '\.\[vllm\]'.*deploy/install-vllm.sh"):
         build_stage("prefill+decode", PipelineConfig(), settings, spec)
-    with pytest.raises(SystemExit, match=r"pip install 'mmpipe\[vllm\]'"):
+    with pytest.raises(SystemExit, match=r"pip install -e '\.\[vllm\]'"):
         build_stage("decode", PipelineConfig(), settings, spec)
 
 
