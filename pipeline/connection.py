@@ -116,7 +116,14 @@ async def connect(url: str, name: str, auth: NatsAuth | None = None) -> tuple[Cl
         )
     )
     waits: set[asyncio.Future[Any]] = {connecting, refused}
-    await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+    try:
+        await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+    except asyncio.CancelledError:
+        # A caller that stopped waiting (a timeout) wants no client trying on behind it.
+        connecting.cancel()
+        with contextlib.suppress(BaseException):
+            await connecting
+        raise
     if not connecting.done():
         connecting.cancel()
         with contextlib.suppress(BaseException):

@@ -40,3 +40,20 @@ async def test_a_publish_with_no_stream_gives_up(nats_server: NatsServer, namesp
         assert time.monotonic() - started >= PUBLISH_RETRIES * PUBLISH_RETRY_WAIT_S
     finally:
         await nc.close()
+
+
+async def test_a_connect_given_up_on_stops_trying() -> None:
+    """`mmpipe send` gives up after --connect-timeout: nothing may go on
+    trying to connect behind it."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        dead = f"nats://127.0.0.1:{s.getsockname()[1]}"
+    before = asyncio.all_tasks()
+    with pytest.raises(TimeoutError):
+        await asyncio.wait_for(connect(dead, name="test-given-up"), 0.5)
+    deadline = time.monotonic() + 5
+    while asyncio.all_tasks() - before:
+        assert time.monotonic() < deadline, [t.get_coro() for t in asyncio.all_tasks() - before]
+        await asyncio.sleep(0.05)
