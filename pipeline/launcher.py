@@ -73,10 +73,6 @@ def _placed(role: str, plan: RolePlan) -> str:
     return f"{role}×{plan.count}" + (f"@{'|'.join(plan.devices)}" if plan.devices else "")
 
 
-def parse_worker_counts(spec: str, mode: str) -> dict[str, int]:
-    return {role: plan.count for role, plan in parse_workers(spec, mode).items()}
-
-
 def _device(name: str) -> str:
     kind, _, index = name.partition(":")
     cards = index.split("+") if index else []
@@ -178,14 +174,14 @@ def up(settings: UpProcess, external_nats: bool) -> int:
             NatsServerConfig(data_dir=data_dir / "nats", port=settings.up.nats_port, auth=NatsAuth.from_env())
         )
         nats_url = server.start()
-    # Where `mmpipe send` (run in the same folder, or given --data-dir) finds this deployment.
-    record_nats_url(data_dir, nats_url)
     spec_settings = dataclasses.replace(
         settings, worker=dataclasses.replace(worker, model=str(spec.path), served_model_name=spec.served_name)
     )
     children: list[subprocess.Popen[bytes]] = []
     bridge = settings.bridge
     try:
+        # Where `mmpipe send` (run in the same folder, or given --data-dir) finds this deployment.
+        record_nats_url(data_dir, nats_url)
         for planned in plan(spec_settings, nats_url, plans, data_dir):
             if planned.health_port:
                 base = f"http://127.0.0.1:{planned.health_port}"
