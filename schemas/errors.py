@@ -21,6 +21,8 @@ class ErrorCode(enum.StrEnum):
     TOO_LARGE = "too_large"
     CONTEXT_LENGTH_EXCEEDED = "context_length_exceeded"
     MODEL_NOT_FOUND = "model_not_found"
+    NOT_FOUND = "not_found"
+    METHOD_NOT_ALLOWED = "method_not_allowed"
     UNAUTHORIZED = "unauthorized"
     OVERLOADED = "overloaded"
     CANCELLED = "cancelled"
@@ -89,6 +91,20 @@ class ContextLengthExceeded(MmpipeError):
 
     code = ErrorCode.CONTEXT_LENGTH_EXCEEDED
     http_status = 400
+
+
+class RouteNotFound(MmpipeError):
+    """An HTTP path the bridge does not serve. Not retryable."""
+
+    code = ErrorCode.NOT_FOUND
+    http_status = 404
+
+
+class MethodNotAllowed(MmpipeError):
+    """A path the bridge serves, asked with a method it does not take. Not retryable."""
+
+    code = ErrorCode.METHOD_NOT_ALLOWED
+    http_status = 405
 
 
 class ModelNotFound(MmpipeError):

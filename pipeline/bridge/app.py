@@ -39,10 +39,12 @@ from schemas.errors import (
     Cancelled,
     DeadlineExceeded,
     InvalidRequest,
+    MethodNotAllowed,
     MmpipeError,
     ModelNotFound,
     NoWorkers,
     Overloaded,
+    RouteNotFound,
     TooLarge,
     Unauthorized,
 )
@@ -114,6 +116,7 @@ class Bridge:
         app = web.Application(client_max_size=self.settings.max_body_bytes, middlewares=[self._errors])
         app.router.add_post("/v1/chat/completions", self.chat_completions)
         app.router.add_get("/v1/models", self.models)
+        app.router.add_get("/v1/models/{model}", self.model)
         app.router.add_get("/health", self.health)
         app.router.add_get(READY_PATH, self.ready)
         app.router.add_get(LIVE_PATH, self.live)
@@ -141,6 +144,14 @@ class Bridge:
             response = responses.error(exc, self.settings.retry_after_s)
         except web.HTTPRequestEntityTooLarge:
             response = responses.error(TooLarge("request body too large"), self.settings.retry_after_s)
+        except web.HTTPNotFound:
+            # The router's own 404 is plain text: an OpenAI client gets an error object it can read.
+            response = responses.error(RouteNotFound(f"no route {request.path}"), self.settings.retry_after_s)
+        except web.HTTPMethodNotAllowed as exc:
+            allowed = ", ".join(sorted(exc.allowed_methods))
+            refused = MethodNotAllowed(f"{request.path} takes {allowed}, not {request.method}")
+            response = responses.error(refused, self.settings.retry_after_s)
+            response.headers["Allow"] = allowed
         rid = request.get(_REQUEST_ID)
         if rid is not None and not response.prepared:
             # As OpenAI does: a client (the official one reads it into
@@ -150,7 +161,10 @@ class Bridge:
             # How long the bridge took to answer (a 429 must come at once; a
             # client's own clock adds its network and its event loop).
             response.headers["Server-Timing"] = f"bridge;dur={(time.monotonic() - started) * 1000:.1f}"
-        metrics.HTTP_REQUESTS.labels(request.path, str(response.status)).inc()
+        # By route, not by path: any path a client makes up would be a series of its own.
+        resource = request.match_info.route.resource
+        route = resource.canonical if resource is not None else "unmatched"
+        metrics.HTTP_REQUESTS.labels(route, str(response.status)).inc()
         return response
 
     # -- workers -------------------------------------------------------------
@@ -192,12 +206,22 @@ class Bridge:
 
     async def models(self, request: web.Request) -> web.Response:
         self._authorize(request)
+        return web.json_response(responses.model_list(await self._served()))
+
+    async def _served(self) -> list[str]:
         if self.processor is not None:
-            names = self.processor.models
-        else:
-            info = await self.worker(PROCESSOR)
-            names = info.models if info else []
-        return web.json_response(responses.model_list(names))
+            return self.processor.models
+        info = await self.worker(PROCESSOR)
+        return info.models if info else []
+
+    async def model(self, request: web.Request) -> web.Response:
+        """One served model, as ``/v1/models`` lists it; 404 ``model_not_found`` for another."""
+        self._authorize(request)
+        name = request.match_info["model"]
+        listed = [m for m in responses.model_list(await self._served())["data"] if m["id"] == name]
+        if not listed:
+            raise ModelNotFound(f"model {name!r} is not served")
+        return web.json_response(listed[0])
 
     async def reset_cache(self, request: web.Request) -> web.Response:
         """Every worker forgets its prefix cache: each one's answer, as it

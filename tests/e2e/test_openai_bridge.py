@@ -165,6 +165,34 @@ async def test_client_disconnect_cancels_generation(stack: Stack) -> None:
 
 
 @pytest.mark.e2e
+async def test_a_model_by_name_and_errors_for_routes_and_methods_it_does_not_serve(stack: Stack) -> None:
+    async with client(stack) as c:
+        model = await c.models.retrieve("tiny-qwen2-vl")
+        assert (model.id, model.object) == ("tiny-qwen2-vl", "model")
+        with pytest.raises(openai.NotFoundError) as missing:
+            await c.models.retrieve("gpt-4o")
+        assert missing.value.body["code"] == "model_not_found"  # type: ignore[index]
+    async with aiohttp.ClientSession() as http:
+        # OpenAI error objects, not aiohttp's plain text, so a client can read them.
+        async with http.post(f"{stack.base_url}/v1/embeddings", json={"input": "x"}) as r:
+            body = await r.json()
+            assert (
+                r.status == 404
+                and body["error"]["code"] == "not_found"
+                and "/v1/embeddings" in body["error"]["message"]
+            )
+        async with http.get(f"{stack.base_url}/v1/chat/completions") as r:
+            body = await r.json()
+            assert r.status == 405 and body["error"]["code"] == "method_not_allowed"
+            assert r.headers["Allow"] == "POST"
+        async with http.get(f"{stack.base_url}/metrics") as r:
+            scraped = await r.text()
+    # Counted by route: a made-up path is no series of its own.
+    assert 'path="unmatched",status="404"' in scraped and "/v1/embeddings" not in scraped
+    assert 'path="/v1/models/{model}",status="404"' in scraped
+
+
+@pytest.mark.e2e
 async def test_models_health_and_metrics(stack: Stack) -> None:
     async with client(stack) as c:
         models = await c.models.list()
