@@ -95,6 +95,9 @@ class GenerateRequest(msgspec.Struct, omit_defaults=True, forbid_unknown_fields=
     model: str
     messages: list[ChatMessage]
     sampling: SamplingParams = msgspec.field(default_factory=SamplingParams)
+    # A completion's prompt (/v1/completions): text or token ids, taken as
+    # they are, no chat template; ``messages`` is then empty.
+    prompt: str | list[int] | None = None
     stream: bool = True
     # None: chunks go to mmpipe.<ns>.reply.<request_id>, captured by the reply
     # stream (exactly-once relay). A caller's own subject gets core-NATS delivery.

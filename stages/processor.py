@@ -111,9 +111,13 @@ class Processor:
     def process(self, request: GenerateRequest) -> ProcessedRequest:
         if request.model != self.model.served_name:
             raise ModelNotFound(f"model {request.model!r} is not served here; served: {self.model.served_name}")
-        template_messages, media = self._template_messages(request.messages)
-        self._check_counts(media)
-        prompt_ids = self._tokenize(template_messages)
+        media: list[MediaItem] = []
+        if request.prompt is not None:
+            prompt_ids = self._prompt_ids(request)
+        else:
+            template_messages, media = self._template_messages(request.messages)
+            self._check_counts(media)
+            prompt_ids = self._tokenize(template_messages)
         kind_of = {token: kind for kind, token in self.model.placeholders.items()}
         placeholders = [i for i, t in enumerate(prompt_ids) if t in kind_of]
         if [kind_of[prompt_ids[i]] for i in placeholders] != [m.kind for m in media]:
@@ -209,6 +213,24 @@ class Processor:
             count = sum(m.kind is kind for m in media)
             if count > cap:
                 raise TooLarge(f"{count} {kind.value} items in one request; the limit is {cap}")
+
+    def _prompt_ids(self, request: GenerateRequest) -> list[int]:
+        """A completion's prompt as it is: its text tokenized as vLLM's
+        completions do (the tokenizer's special tokens added), or its ids."""
+        prompt = request.prompt
+        if request.messages:
+            raise InvalidRequest("a request has messages or a prompt, not both")
+        if isinstance(prompt, str):
+            ids = [int(t) for t in self.model.tokenizer(prompt, add_special_tokens=True)["input_ids"]]
+        else:
+            assert prompt is not None
+            vocab = len(self.model.tokenizer)
+            if bad := [t for t in prompt if not 0 <= t < vocab]:
+                raise InvalidRequest(f"prompt token ids outside the vocabulary (size {vocab}): {bad[:5]}")
+            ids = list(prompt)
+        if not ids:
+            raise InvalidRequest("the prompt is empty")
+        return ids
 
     def _tokenize(self, messages: list[dict[str, Any]]) -> list[int]:
         text = self.model.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)

@@ -9,7 +9,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import msgspec
 import structlog
@@ -26,7 +26,12 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from pipeline import metrics, tracing
 from pipeline.bridge import processing, responses
-from pipeline.bridge.openai_types import REQUEST_DECODER, to_generate_request
+from pipeline.bridge.openai_types import (
+    COMPLETION_DECODER,
+    REQUEST_DECODER,
+    completion_to_generate_request,
+    to_generate_request,
+)
 from pipeline.config import PipelineConfig
 from pipeline.health import LIVE_PATH, READY_PATH
 from pipeline.replies import CHUNK_DECODER, ExactlyOnceRelay, stored_chunks
@@ -57,6 +62,8 @@ if TYPE_CHECKING:
     from stages.processor import Processor
 
 log = structlog.get_logger(__name__)
+
+T = TypeVar("T")
 
 _WORKER_INFO: Decoder[WorkerInfo] = Decoder(WorkerInfo)
 _CACHE_CLEARED: Decoder[CacheCleared] = Decoder(CacheCleared)
@@ -115,6 +122,7 @@ class Bridge:
     def app(self) -> web.Application:
         app = web.Application(client_max_size=self.settings.max_body_bytes, middlewares=[self._errors])
         app.router.add_post("/v1/chat/completions", self.chat_completions)
+        app.router.add_post("/v1/completions", self.completions)
         app.router.add_get("/v1/models", self.models)
         app.router.add_get("/v1/models/{model}", self.model)
         app.router.add_get("/health", self.health)
@@ -276,19 +284,41 @@ class Bridge:
 
     async def _chat_completions(self, request: web.Request, rid: str) -> web.StreamResponse:
         body_bytes = await request.read()
-        try:
-            body = REQUEST_DECODER.decode(body_bytes)
-        except (msgspec.ValidationError, msgspec.DecodeError, UnicodeDecodeError) as exc:
-            # UnicodeDecodeError: a string that is not UTF-8, which msgspec reports as such.
-            raise InvalidRequest(f"invalid request body: {exc}") from None
+        body = _decoded(REQUEST_DECODER, body_bytes)
         now = time.time()
         gen = to_generate_request(body, rid, created=now, deadline=now + self.settings.request_timeout_s)
-        include_usage = bool(body.stream_options and body.stream_options.include_usage)
+        reply = responses.Reply(include_usage=bool(body.stream_options and body.stream_options.include_usage))
+        return await self._serve(request, rid, gen, len(body_bytes), reply)
+
+    # -- completions -----------------------------------------------------------
+
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        """``/v1/completions``: a prompt as it is, no chat template, the same
+        route and reply stream as chat."""
+        self._authorize(request)
+        rid = f"cmpl-{uuid.uuid4().hex}"
+        request[_REQUEST_ID] = rid
+        with tracing.tracer().start_as_current_span("bridge", kind=SpanKind.SERVER, attributes={"request_id": rid}):
+            body_bytes = await request.read()
+            body = _decoded(COMPLETION_DECODER, body_bytes)
+            now = time.time()
+            gen = completion_to_generate_request(body, rid, created=now, deadline=now + self.settings.request_timeout_s)
+            reply = responses.Reply(
+                chat=False,
+                include_usage=bool(body.stream_options and body.stream_options.include_usage),
+                echo=gen.prompt if body.echo and isinstance(gen.prompt, str) else "",
+            )
+            return await self._serve(request, rid, gen, len(body_bytes), reply)
+
+    async def _serve(
+        self, request: web.Request, rid: str, gen: GenerateRequest, body_bytes: int, reply: responses.Reply
+    ) -> web.StreamResponse:
+        now = gen.created
         structlog.contextvars.bind_contextvars(request_id=rid)
         try:
             restarts: Subscription | None = None
             if self.processor is not None:
-                processed = await processing.process(self.processor, gen, len(body_bytes))
+                processed = await processing.process(self.processor, gen, body_bytes)
                 # This bridge holds the request while its client waits: hops
                 # past the media's encoding drop the inline bytes, and a
                 # restart comes back here.
@@ -311,8 +341,8 @@ class Bridge:
                 await self._submit(*queued)
                 chunks = self._chunks(sub, rid, gen.deadline)
                 if gen.stream:
-                    return await self._stream(request, rid, gen.model, int(now), chunks, include_usage)
-                return await self._complete(rid, gen.model, int(now), chunks)
+                    return await self._stream(request, rid, gen.model, int(now), chunks, reply)
+                return await self._complete(rid, gen.model, int(now), chunks, reply)
             except asyncio.CancelledError:
                 # The client went away: stop the work wherever it is.
                 await self._cancel(rid)
@@ -442,7 +472,9 @@ class Bridge:
             if accepted is not None:
                 yield accepted
 
-    async def _complete(self, rid: str, model: str, created: int, chunks: AsyncIterator[ReplyChunk]) -> web.Response:
+    async def _complete(
+        self, rid: str, model: str, created: int, chunks: AsyncIterator[ReplyChunk], reply: responses.Reply
+    ) -> web.Response:
         text: list[str] = []
         last: TokenChunk | None = None
         async for chunk in chunks:
@@ -451,7 +483,7 @@ class Bridge:
             text.append(chunk.text)
             last = chunk
         assert last is not None
-        return web.json_response(responses.completion(rid, model, created, "".join(text), last))
+        return web.json_response(responses.completion(rid, model, created, "".join(text), last, reply))
 
     async def _stream(
         self,
@@ -460,7 +492,7 @@ class Bridge:
         model: str,
         created: int,
         chunks: AsyncIterator[ReplyChunk],
-        include_usage: bool,
+        reply: responses.Reply,
     ) -> web.StreamResponse:
         response: web.StreamResponse | None = None
         first = True
@@ -479,16 +511,24 @@ class Bridge:
                     headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache", REQUEST_ID_HEADER: rid}
                 )
                 await response.prepare(request)
-            await response.write(responses.sse(responses.stream_chunk(rid, model, created, chunk, first=first)))
+            await response.write(responses.sse(responses.stream_chunk(rid, model, created, chunk, first, reply)))
             first = False
             now = time.perf_counter()
             if sent is not None:
                 metrics.ITL.labels("bridge").observe(now - sent)
             sent = now
-            if chunk.finish_reason is not None and include_usage and chunk.usage is not None:
-                await response.write(responses.sse(responses.usage_chunk(rid, model, created, chunk.usage)))
+            if chunk.finish_reason is not None and reply.include_usage and chunk.usage is not None:
+                await response.write(responses.sse(responses.usage_chunk(rid, model, created, chunk.usage, reply)))
         if response is None:
             raise Cancelled("the request ended without output")
         await response.write(b"data: [DONE]\n\n")
         await response.write_eof()
         return response
+
+
+def _decoded(decoder: msgspec.json.Decoder[T], body: bytes) -> T:
+    try:
+        return decoder.decode(body)
+    except (msgspec.ValidationError, msgspec.DecodeError, UnicodeDecodeError) as exc:
+        # UnicodeDecodeError: a string that is not UTF-8, which msgspec reports as such.
+        raise InvalidRequest(f"invalid request body: {exc}") from None

@@ -53,6 +53,75 @@ class ChatCompletionRequest(msgspec.Struct, forbid_unknown_fields=True):
 
 REQUEST_DECODER = msgspec.json.Decoder(ChatCompletionRequest)
 
+
+class CompletionRequest(msgspec.Struct, forbid_unknown_fields=True):
+    """``/v1/completions``: a prompt taken as it is (no chat template). Unknown
+    fields are refused, as for chat."""
+
+    model: str
+    # Text, token ids, or a list of one of either (msgspec takes one list type in a union: checked below).
+    prompt: str | list[Any]
+    # OpenAI's default for completions (chat's is the model's room).
+    max_tokens: int | None = 16
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    echo: bool = False
+    n: int = 1
+    best_of: int | None = None
+    min_tokens: int = 0
+    ignore_eos: bool = False
+    user: str | None = None
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    logprobs: int | None = None
+    suffix: str | None = None
+
+
+COMPLETION_DECODER = msgspec.json.Decoder(CompletionRequest)
+
+
+def completion_to_generate_request(
+    body: CompletionRequest, request_id: str, created: float, deadline: float
+) -> GenerateRequest:
+    if body.n != 1 or body.best_of not in (None, 1):
+        raise InvalidRequest("n and best_of must be 1")
+    if body.logprobs is not None:
+        raise InvalidRequest("logprobs are not supported")
+    if body.frequency_penalty or body.presence_penalty:
+        raise InvalidRequest("frequency_penalty and presence_penalty are not supported")
+    if body.suffix:
+        raise InvalidRequest("suffix is not supported")
+    prompt = _one_prompt(body.prompt)
+    if body.echo and not isinstance(prompt, str):
+        raise InvalidRequest("echo takes a text prompt, not token ids")
+    stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
+    sampling = SamplingParams(
+        max_tokens=body.max_tokens,
+        temperature=1.0 if body.temperature is None else body.temperature,
+        top_p=1.0 if body.top_p is None else body.top_p,
+        top_k=body.top_k or 0,
+        seed=body.seed,
+        stop=stop,
+        min_tokens=body.min_tokens,
+        ignore_eos=body.ignore_eos,
+    )
+    return GenerateRequest(
+        request_id=request_id,
+        model=body.model,
+        messages=[],
+        prompt=prompt,
+        sampling=sampling,
+        stream=body.stream,
+        deadline=deadline,
+        created=created,
+    )
+
+
 _MEDIA_PART_TYPES = ("image_embeds", "video_url", "audio_url", "input_audio")
 
 
@@ -128,6 +197,23 @@ def to_generate_request(
         deadline=deadline,
         created=created,
     )
+
+
+def _one_prompt(prompt: str | list[Any]) -> str | list[int]:
+    """The request's prompt: text or token ids, alone or as a list of one."""
+    if isinstance(prompt, str) or _token_ids(prompt):
+        return prompt
+    if not all(isinstance(p, str) or (isinstance(p, list) and _token_ids(p)) for p in prompt):
+        raise InvalidRequest("prompt: a string, a list of token ids, or a list of either")
+    if len(prompt) != 1:
+        raise InvalidRequest(f"one prompt a request; this one has {len(prompt)}")
+    only: str | list[int] = prompt[0]
+    return only
+
+
+def _token_ids(items: list[Any]) -> bool:
+    # bool is an int to Python, not a token id.
+    return all(isinstance(t, int) and not isinstance(t, bool) for t in items)
 
 
 FinishReasonName = Literal["stop", "length"]

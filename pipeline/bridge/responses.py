@@ -58,24 +58,37 @@ def _usage(usage: Usage) -> dict[str, Any]:
     }
 
 
-def stream_chunk(rid: str, model: str, created: int, chunk: TokenChunk, first: bool) -> dict[str, Any]:
-    delta: dict[str, Any] = {"content": chunk.text}
-    if first:
-        delta["role"] = "assistant"
+class Reply(msgspec.Struct, frozen=True):
+    """How a request's answer is written: a chat completion's or a text
+    completion's (/v1/completions) objects; the usage chunk at the end of a
+    stream; a text completion's echoed prompt before its text."""
+
+    chat: bool = True
+    include_usage: bool = False
+    echo: str = ""
+
+    @property
+    def chunk_object(self) -> str:
+        return "chat.completion.chunk" if self.chat else "text_completion"
+
+
+def stream_chunk(rid: str, model: str, created: int, chunk: TokenChunk, first: bool, reply: Reply) -> dict[str, Any]:
     finish = chunk.finish_reason.value if chunk.finish_reason else None
-    return {
-        "id": rid,
-        "object": "chat.completion.chunk",
-        "created": created,
-        "model": model,
-        "choices": [{"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}],
-    }
+    if reply.chat:
+        delta: dict[str, Any] = {"content": chunk.text}
+        if first:
+            delta["role"] = "assistant"
+        choice: dict[str, Any] = {"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}
+    else:
+        text = reply.echo + chunk.text if first else chunk.text
+        choice = {"index": 0, "text": text, "finish_reason": finish, "logprobs": None}
+    return {"id": rid, "object": reply.chunk_object, "created": created, "model": model, "choices": [choice]}
 
 
-def usage_chunk(rid: str, model: str, created: int, usage: Usage) -> dict[str, Any]:
+def usage_chunk(rid: str, model: str, created: int, usage: Usage, reply: Reply) -> dict[str, Any]:
     return {
         "id": rid,
-        "object": "chat.completion.chunk",
+        "object": reply.chunk_object,
         "created": created,
         "model": model,
         "choices": [],
@@ -83,20 +96,18 @@ def usage_chunk(rid: str, model: str, created: int, usage: Usage) -> dict[str, A
     }
 
 
-def completion(rid: str, model: str, created: int, text: str, last: TokenChunk) -> dict[str, Any]:
+def completion(rid: str, model: str, created: int, text: str, last: TokenChunk, reply: Reply) -> dict[str, Any]:
+    finish = last.finish_reason.value if last.finish_reason else None
+    if reply.chat:
+        choice: dict[str, Any] = {"index": 0, "message": {"role": "assistant", "content": text}}
+    else:
+        choice = {"index": 0, "text": reply.echo + text}
     return {
         "id": rid,
-        "object": "chat.completion",
+        "object": "chat.completion" if reply.chat else "text_completion",
         "created": created,
         "model": model,
-        "choices": [
-            {
-                "index": 0,
-                "message": {"role": "assistant", "content": text},
-                "finish_reason": last.finish_reason.value if last.finish_reason else None,
-                "logprobs": None,
-            }
-        ],
+        "choices": [{**choice, "finish_reason": finish, "logprobs": None}],
         "usage": _usage(last.usage) if last.usage else None,
     }
 

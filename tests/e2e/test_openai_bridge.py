@@ -227,3 +227,44 @@ async def test_models_health_and_metrics(stack: Stack) -> None:
             )
     assert refused.value.status_code == 503
     assert refused.value.body["code"] == "no_workers"  # type: ignore[index]
+
+
+@pytest.mark.e2e
+async def test_completions_take_a_prompt_as_it_is_with_generates_tokens(stack: Stack) -> None:
+    """``/v1/completions`` through the official client: the prompt's own
+    tokens (no chat template), as text or ids, streamed or not, echoed on
+    request; exactly generate()'s tokens."""
+    from transformers import AutoTokenizer
+
+    from stages.torch_engine.reference import reference_generate
+
+    model_dir = stack.spec.path
+    tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
+    prompt = "The sea and the mountains are"
+    ids = tokenizer(prompt)["input_ids"]
+    text = tokenizer.decode(reference_generate(model_dir, ids, [], N, min_new_tokens=N), skip_special_tokens=True)
+    kw: dict[str, Any] = {"model": "tiny-qwen2-vl", "max_tokens": N, "temperature": 0, "extra_body": {"min_tokens": N}}
+    async with client(stack) as c:
+        done = await c.completions.create(prompt=prompt, **kw)
+        assert (done.object, done.choices[0].text, done.choices[0].finish_reason) == ("text_completion", text, "length")
+        assert done.usage is not None and (done.usage.prompt_tokens, done.usage.completion_tokens) == (len(ids), N)
+        pieces, usage = [], None
+        async for chunk in await c.completions.create(
+            prompt=prompt, stream=True, stream_options={"include_usage": True}, **kw
+        ):
+            pieces += [choice.text for choice in chunk.choices]
+            usage = chunk.usage or usage
+        assert "".join(pieces) == text and usage is not None and usage.completion_tokens == N
+        # The same prompt as token ids, and as a list of one.
+        assert (await c.completions.create(prompt=ids, **kw)).choices[0].text == text
+        assert (await c.completions.create(prompt=[prompt], **kw)).choices[0].text == text
+        assert (await c.completions.create(prompt=prompt, echo=True, **kw)).choices[0].text == prompt + text
+        for bad, says in [
+            ({"prompt": [prompt, prompt]}, "one prompt a request"),
+            ({"prompt": prompt, "logprobs": 2}, "logprobs"),
+            ({"prompt": [10**9]}, "outside the vocabulary"),
+            ({"prompt": ids, "echo": True}, "echo takes a text prompt"),
+        ]:
+            with pytest.raises(openai.BadRequestError) as refused:
+                await c.completions.create(**{**kw, **bad})
+            assert refused.value.body["code"] == "invalid_request" and says in refused.value.body["message"]  # type: ignore[index]

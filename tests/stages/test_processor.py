@@ -138,3 +138,22 @@ def test_media_items_carry_kind_and_options(tiny_model_dir: Path) -> None:
     assert [out.prompt_token_ids[m.placeholder_index] for m in out.media] == ids[:2][::-1]
     with pytest.raises(TooLarge, match="3 video items"):
         Processor(pretend, modalities=frozenset(MediaKind)).process(req(VIDEO, VIDEO, VIDEO))
+
+
+def test_a_completions_prompt_is_taken_as_it_is(processor: Processor) -> None:
+    tokenizer = processor.model.tokenizer
+    text = "The sea and the mountains are"
+    ids = [int(t) for t in tokenizer(text)["input_ids"]]
+    by_text = processor.process(GenerateRequest("p1", "tiny", [], prompt=text))
+    # No chat template: the text's own tokens (what the template would add is not there).
+    assert by_text.prompt_token_ids == ids and by_text.media == [] and by_text.route == ["encode+prefill+decode"]
+    assert processor.process(GenerateRequest("p2", "tiny", [], prompt=ids)).prompt_token_ids == ids
+    image_pad = processor.model.placeholders[MediaKind.IMAGE]
+    for bad, says in [
+        (GenerateRequest("p3", "tiny", [ChatMessage("user", "hi")], prompt=text), "messages or a prompt"),
+        (GenerateRequest("p4", "tiny", [], prompt=[len(tokenizer) + 5]), "outside the vocabulary"),
+        (GenerateRequest("p5", "tiny", [], prompt=""), "empty"),
+        (GenerateRequest("p6", "tiny", [], prompt=[*ids, image_pad]), "media placeholder tokens"),
+    ]:
+        with pytest.raises(InvalidRequest, match=says):
+            processor.process(bad)
