@@ -74,6 +74,8 @@ MediaPart = ImagePart | ImageEmbedsPart | VideoPart | AudioPart | InputAudioPart
 class ChatMessage(msgspec.Struct, omit_defaults=True, forbid_unknown_fields=True):
     role: str
     content: str | list[ContentPart] = ""
+    # The participant's name: handed to the chat template, as vLLM does (most templates ignore it).
+    name: str | None = None
 
 
 class SamplingParams(msgspec.Struct, omit_defaults=True, forbid_unknown_fields=True):

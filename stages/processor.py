@@ -153,8 +153,9 @@ class Processor:
         for i, message in enumerate(messages):
             if message.role not in _ROLES:
                 raise InvalidRequest(f"messages[{i}].role {message.role!r} is not one of {', '.join(_ROLES)}")
+            named = {"name": message.name} if message.name is not None else {}
             if isinstance(message.content, str):
-                out.append({"role": message.role, "content": message.content})
+                out.append({"role": message.role, "content": message.content, **named})
                 continue
             parts: list[dict[str, Any]] = []
             for j, part in enumerate(message.content):
@@ -169,7 +170,7 @@ class Processor:
                 # (or "audio", ...) key: give both.
                 parts.append({"type": item.kind.value, item.kind.value: ""})
                 media.append(item)
-            out.append({"role": message.role, "content": parts})
+            out.append({"role": message.role, "content": parts, **named})
         return out, media
 
     def _media_item(self, part: MediaPart, where: str, index: list[int]) -> MediaItem:

@@ -288,7 +288,7 @@ class Bridge:
         now = time.time()
         gen = to_generate_request(body, rid, created=now, deadline=now + self.settings.request_timeout_s)
         reply = responses.Reply(include_usage=bool(body.stream_options and body.stream_options.include_usage))
-        return await self._serve(request, rid, gen, len(body_bytes), reply)
+        return await self._serve(request, rid, gen, len(body_bytes), reply, body.user)
 
     # -- completions -----------------------------------------------------------
 
@@ -308,13 +308,20 @@ class Bridge:
                 include_usage=bool(body.stream_options and body.stream_options.include_usage),
                 echo=gen.prompt if body.echo and isinstance(gen.prompt, str) else "",
             )
-            return await self._serve(request, rid, gen, len(body_bytes), reply)
+            return await self._serve(request, rid, gen, len(body_bytes), reply, body.user)
 
     async def _serve(
-        self, request: web.Request, rid: str, gen: GenerateRequest, body_bytes: int, reply: responses.Reply
+        self,
+        request: web.Request,
+        rid: str,
+        gen: GenerateRequest,
+        body_bytes: int,
+        reply: responses.Reply,
+        user: str | None,
     ) -> web.StreamResponse:
         now = gen.created
-        structlog.contextvars.bind_contextvars(request_id=rid)
+        # OpenAI's end-user id: on every log line of the request, for an operator to follow abuse.
+        structlog.contextvars.bind_contextvars(request_id=rid, **({"user": user} if user else {}))
         try:
             restarts: Subscription | None = None
             if self.processor is not None:
@@ -358,7 +365,7 @@ class Bridge:
                 if restarts is not None:
                     await restarts.unsubscribe()
         finally:
-            structlog.contextvars.unbind_contextvars("request_id")
+            structlog.contextvars.unbind_contextvars("request_id", "user")
 
     def _restarter(self, processed: ProcessedRequest) -> Callable[[Msg], Awaitable[None]]:
         """A hop lost what an earlier hop made and its message no longer

@@ -88,6 +88,8 @@ COMPLETION_DECODER = msgspec.json.Decoder(CompletionRequest)
 def completion_to_generate_request(
     body: CompletionRequest, request_id: str, created: float, deadline: float
 ) -> GenerateRequest:
+    if body.stream_options is not None and body.stream_options.continuous_usage_stats:
+        raise InvalidRequest("stream_options.continuous_usage_stats is not supported (include_usage is)")
     if body.n != 1 or body.best_of not in (None, 1):
         raise InvalidRequest("n and best_of must be 1")
     if body.logprobs is not None:
@@ -155,6 +157,8 @@ def _part(i: int, j: int, raw: dict[str, Any]) -> ContentPart:
 
 
 def _check_unsupported(body: ChatCompletionRequest) -> None:
+    if body.stream_options is not None and body.stream_options.continuous_usage_stats:
+        raise InvalidRequest("stream_options.continuous_usage_stats is not supported (include_usage is)")
     if body.n != 1:
         raise InvalidRequest("n must be 1")
     if body.logprobs or body.top_logprobs:
@@ -174,9 +178,10 @@ def to_generate_request(
     messages: list[ChatMessage] = []
     for i, m in enumerate(body.messages):
         if m.content is None or isinstance(m.content, str):
-            messages.append(ChatMessage(role=m.role, content=m.content or ""))
+            messages.append(ChatMessage(role=m.role, content=m.content or "", name=m.name))
         else:
-            messages.append(ChatMessage(role=m.role, content=[_part(i, j, p) for j, p in enumerate(m.content)]))
+            parts = [_part(i, j, p) for j, p in enumerate(m.content)]
+            messages.append(ChatMessage(role=m.role, content=parts, name=m.name))
     stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
     sampling = SamplingParams(
         max_tokens=body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens,

@@ -157,3 +157,8 @@ def test_a_completions_prompt_is_taken_as_it_is(processor: Processor) -> None:
     ]:
         with pytest.raises(InvalidRequest, match=says):
             processor.process(bad)
+
+
+def test_a_messages_name_goes_to_the_chat_template(processor: Processor) -> None:
+    messages, _ = processor._template_messages([ChatMessage("user", "hi", name="ann"), ChatMessage("user", "yo")])
+    assert messages == [{"role": "user", "content": "hi", "name": "ann"}, {"role": "user", "content": "yo"}]
