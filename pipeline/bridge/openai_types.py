@@ -43,6 +43,9 @@ class ChatCompletionRequest(msgspec.Struct, forbid_unknown_fields=True):
     user: str | None = None
     frequency_penalty: float = 0.0
     presence_penalty: float = 0.0
+    # vLLM's extras, taken at their neutral values (vLLM's own clients send them so).
+    repetition_penalty: float = 1.0
+    min_p: float = 0.0
     logprobs: bool = False
     top_logprobs: int | None = None
     response_format: dict[str, Any] | None = None
@@ -78,6 +81,8 @@ class CompletionRequest(msgspec.Struct, forbid_unknown_fields=True):
     user: str | None = None
     frequency_penalty: float = 0.0
     presence_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    min_p: float = 0.0
     logprobs: int | None = None
     suffix: str | None = None
 
@@ -94,8 +99,7 @@ def completion_to_generate_request(
         raise InvalidRequest("n and best_of must be 1")
     if body.logprobs is not None:
         raise InvalidRequest("logprobs are not supported")
-    if body.frequency_penalty or body.presence_penalty:
-        raise InvalidRequest("frequency_penalty and presence_penalty are not supported")
+    _check_penalties(body)
     if body.suffix:
         raise InvalidRequest("suffix is not supported")
     prompt = _one_prompt(body.prompt)
@@ -156,6 +160,13 @@ def _part(i: int, j: int, raw: dict[str, Any]) -> ContentPart:
     )
 
 
+def _check_penalties(body: ChatCompletionRequest | CompletionRequest) -> None:
+    if body.frequency_penalty or body.presence_penalty:
+        raise InvalidRequest("frequency_penalty and presence_penalty are not supported")
+    if body.repetition_penalty != 1.0 or body.min_p:
+        raise InvalidRequest("repetition_penalty (other than 1) and min_p are not supported")
+
+
 def _check_unsupported(body: ChatCompletionRequest) -> None:
     if body.stream_options is not None and body.stream_options.continuous_usage_stats:
         raise InvalidRequest("stream_options.continuous_usage_stats is not supported (include_usage is)")
@@ -165,8 +176,7 @@ def _check_unsupported(body: ChatCompletionRequest) -> None:
         raise InvalidRequest("logprobs are not supported")
     if body.tools or body.tool_choice not in (None, "none"):
         raise InvalidRequest("tools are not supported")
-    if body.frequency_penalty or body.presence_penalty:
-        raise InvalidRequest("frequency_penalty and presence_penalty are not supported")
+    _check_penalties(body)
     if body.response_format and body.response_format.get("type") not in (None, "text"):
         raise InvalidRequest("only the text response_format is supported")
 

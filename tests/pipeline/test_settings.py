@@ -278,6 +278,9 @@ _OTHER_TOOLS = {"--no-deps", "--create-namespace", "--from-literal", "--install"
 # docker's and docker compose's, in the container and Compose documents.
 _OTHER_TOOLS |= {"--target", "--shm-size", "--gpus", "--rm", "--build-arg", "--scale"}
 _OTHER_TOOLS |= {"--local-dir"}  # huggingface-cli download's
+# vllm bench serve's.
+_OTHER_TOOLS |= {"--backend", "--base-url", "--tokenizer", "--dataset-name", "--num-prompts", "--max-concurrency"}
+_OTHER_TOOLS |= {"--random-input-len", "--random-output-len"}
 
 
 def _flags(argument_parser: Any) -> set[str]:
