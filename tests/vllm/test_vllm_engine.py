@@ -243,6 +243,24 @@ async def test_text_streamed_and_not_equals_generate(stack: VllmStack, reference
 
 
 @pytest.mark.e2e
+async def test_a_completion_equals_generate(stack: VllmStack, vllm_model_dir: Path) -> None:
+    """/v1/completions on vLLM: the prompt's own tokens, no chat template."""
+    from transformers import AutoTokenizer
+
+    from stages.torch_engine.reference import reference_generate
+
+    tokenizer = AutoTokenizer.from_pretrained(str(vllm_model_dir))
+    prompt = "The sea and the mountains are"
+    expected = reference_generate(vllm_model_dir, tokenizer(prompt)["input_ids"], [], N, min_new_tokens=N)
+    async with stack.client() as c:
+        done = await c.completions.create(
+            model=MODEL, prompt=prompt, max_tokens=N, temperature=0, extra_body={"min_tokens": N}
+        )
+    assert done.choices[0].text == tokenizer.decode(expected, skip_special_tokens=True)
+    assert done.usage is not None and done.usage.completion_tokens == N
+
+
+@pytest.mark.e2e
 async def test_image_streamed_and_not_equals_generate(stack: VllmStack, reference: Any) -> None:
     one = _image(1)
     tokens, text = reference(_image_content(one), [one], N)
