@@ -93,35 +93,22 @@ COMPLETION_DECODER = msgspec.json.Decoder(CompletionRequest)
 def completion_to_generate_request(
     body: CompletionRequest, request_id: str, created: float, deadline: float
 ) -> GenerateRequest:
-    if body.stream_options is not None and body.stream_options.continuous_usage_stats:
-        raise InvalidRequest("stream_options.continuous_usage_stats is not supported (include_usage is)")
     if body.n != 1 or body.best_of not in (None, 1):
         raise InvalidRequest("n and best_of must be 1")
     if body.logprobs is not None:
         raise InvalidRequest("logprobs are not supported")
-    _check_penalties(body)
+    _check_common(body)
     if body.suffix:
         raise InvalidRequest("suffix is not supported")
     prompt = _one_prompt(body.prompt)
     if body.echo and not isinstance(prompt, str):
         raise InvalidRequest("echo takes a text prompt, not token ids")
-    stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
-    sampling = SamplingParams(
-        max_tokens=body.max_tokens,
-        temperature=1.0 if body.temperature is None else body.temperature,
-        top_p=1.0 if body.top_p is None else body.top_p,
-        top_k=body.top_k or 0,
-        seed=body.seed,
-        stop=stop,
-        min_tokens=body.min_tokens,
-        ignore_eos=body.ignore_eos,
-    )
     return GenerateRequest(
         request_id=request_id,
         model=body.model,
         messages=[],
         prompt=prompt,
-        sampling=sampling,
+        sampling=_sampling(body, body.max_tokens),
         stream=body.stream,
         deadline=deadline,
         created=created,
@@ -160,7 +147,24 @@ def _part(i: int, j: int, raw: dict[str, Any]) -> ContentPart:
     )
 
 
-def _check_penalties(body: ChatCompletionRequest | CompletionRequest) -> None:
+def _sampling(body: ChatCompletionRequest | CompletionRequest, max_tokens: int | None) -> SamplingParams:
+    """The sampling fields chat and completions share, OpenAI's defaults filled in."""
+    return SamplingParams(
+        max_tokens=max_tokens,
+        temperature=1.0 if body.temperature is None else body.temperature,
+        top_p=1.0 if body.top_p is None else body.top_p,
+        top_k=body.top_k or 0,
+        seed=body.seed,
+        stop=[body.stop] if isinstance(body.stop, str) else list(body.stop or []),
+        min_tokens=body.min_tokens,
+        ignore_eos=body.ignore_eos,
+    )
+
+
+def _check_common(body: ChatCompletionRequest | CompletionRequest) -> None:
+    """What chat and completions refuse alike."""
+    if body.stream_options is not None and body.stream_options.continuous_usage_stats:
+        raise InvalidRequest("stream_options.continuous_usage_stats is not supported (include_usage is)")
     if body.frequency_penalty or body.presence_penalty:
         raise InvalidRequest("frequency_penalty and presence_penalty are not supported")
     if body.repetition_penalty != 1.0 or body.min_p:
@@ -168,15 +172,13 @@ def _check_penalties(body: ChatCompletionRequest | CompletionRequest) -> None:
 
 
 def _check_unsupported(body: ChatCompletionRequest) -> None:
-    if body.stream_options is not None and body.stream_options.continuous_usage_stats:
-        raise InvalidRequest("stream_options.continuous_usage_stats is not supported (include_usage is)")
     if body.n != 1:
         raise InvalidRequest("n must be 1")
     if body.logprobs or body.top_logprobs:
         raise InvalidRequest("logprobs are not supported")
     if body.tools or body.tool_choice not in (None, "none"):
         raise InvalidRequest("tools are not supported")
-    _check_penalties(body)
+    _check_common(body)
     if body.response_format and body.response_format.get("type") not in (None, "text"):
         raise InvalidRequest("only the text response_format is supported")
 
@@ -192,22 +194,12 @@ def to_generate_request(
         else:
             parts = [_part(i, j, p) for j, p in enumerate(m.content)]
             messages.append(ChatMessage(role=m.role, content=parts, name=m.name))
-    stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
-    sampling = SamplingParams(
-        max_tokens=body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens,
-        temperature=1.0 if body.temperature is None else body.temperature,
-        top_p=1.0 if body.top_p is None else body.top_p,
-        top_k=body.top_k or 0,
-        seed=body.seed,
-        stop=stop,
-        min_tokens=body.min_tokens,
-        ignore_eos=body.ignore_eos,
-    )
+    max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     return GenerateRequest(
         request_id=request_id,
         model=body.model,
         messages=messages,
-        sampling=sampling,
+        sampling=_sampling(body, max_tokens),
         stream=body.stream,
         deadline=deadline,
         created=created,
