@@ -259,6 +259,12 @@ def _load_flags(p: argparse.ArgumentParser, after: bool = False) -> None:
         default=0,
         help="client processes sending the load (0: one per 16 streams, up to a quarter of the cores)",
     )
+    add(
+        "--trace-alternate",
+        action="store_true",
+        help="every other request asks to be traced (a sampled W3C traceparent), the rest not: TTFT of each "
+        "apart, tracing's cost on one stack (run it with --trace-nats or --otlp-endpoint)",
+    )
     add("--json", action="store_true", help="print machine-readable results (JSON on stdout)")
     add("--log-level", default="ERROR", help="ERROR: the results alone")
 

@@ -214,6 +214,17 @@ def hop_span(name: str, headers: Mapping[str, str] | None, **attributes: Any) ->
         yield span
 
 
+@contextmanager
+def request_span(name: str, headers: Mapping[str, str], **attributes: Any) -> Iterator[Span]:
+    """A request's first span, as the HTTP server takes it: it continues the
+    client's trace when the client sent a W3C ``traceparent`` (and keeps the
+    client's sampling decision: ``-00`` is not recorded, ``-01`` is)."""
+    with tracer().start_as_current_span(
+        name, context=extracted(headers), kind=SpanKind.SERVER, attributes=attributes
+    ) as span:
+        yield span
+
+
 def past_span(name: str, start_ns: int, end_ns: int, **attributes: Any) -> None:
     """A span for time measured before it could be started (a queue wait)."""
     span = tracer().start_span(name, start_time=start_ns, attributes=attributes)

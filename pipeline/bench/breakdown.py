@@ -43,7 +43,7 @@ def first_token_path(spans: Iterable[SpanRecord]) -> tuple[float, list[Step]] | 
     """TTFT at the bridge (ms) and the steps that make it up, for one trace;
     None when the trace lacks its bridge or first-token span."""
     spans = list(spans)
-    bridge = next((s for s in spans if s.name == "bridge" and not s.parent_id), None)
+    bridge = next(iter(_roots(spans)), None)
     first = next((s for s in spans if s.name == "first_token"), None)
     if bridge is None or first is None:
         return None
@@ -97,6 +97,13 @@ def first_token_path(spans: Iterable[SpanRecord]) -> tuple[float, list[Step]] | 
     return _ms(end - bridge.start_ns), steps
 
 
+def _roots(spans: list[SpanRecord]) -> list[SpanRecord]:
+    """The trace's bridge span: its parent is none, or the client's (a
+    traceparent the request came with), never one of the trace's own."""
+    ids = {s.span_id for s in spans}
+    return [s for s in spans if s.name == "bridge" and s.parent_id not in ids]
+
+
 def _ms(ns: float) -> float:
     return ns / 1e6
 
@@ -106,7 +113,7 @@ def summarize(sink: SpanSink, since_ns: int = 0) -> dict[str, Any]:
     steps of the request at the median TTFT."""
     paths = []
     for spans in sink.traces.values():
-        roots = [s for s in spans if s.name == "bridge" and not s.parent_id]
+        roots = _roots(spans)
         if not roots or roots[0].start_ns < since_ns:
             continue
         path = first_token_path(spans)

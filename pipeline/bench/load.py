@@ -46,6 +46,7 @@ import json
 import math
 import multiprocessing
 import os
+import secrets
 import time
 from collections import Counter
 from collections.abc import Sequence
@@ -79,6 +80,9 @@ class LoadSpec:
     processes: int = 0
     # Words appended to the prompt (long-context loads): " the" each, one token in Qwen's vocabulary.
     filler_words: int = 0
+    # Every other request asks to be traced (a W3C traceparent, sampled), the
+    # rest not to be: tracing's cost within one stack, under one load.
+    trace_alternate: bool = False
 
     def __post_init__(self) -> None:
         for name in ("concurrency", "requests", "max_tokens"):
@@ -102,6 +106,9 @@ class RequestResult:
     prompt_tokens: int = 0
     finish_reason: str | None = None
     error: str | None = None
+    cached_tokens: int = 0
+    # With trace_alternate: whether this request asked to be traced.
+    traced: bool | None = None
 
 
 def parse_image_size(text: str) -> tuple[int, int]:
@@ -125,6 +132,7 @@ def spec_from_args(args: argparse.Namespace, url: str | None = None, model: str 
             api_key=args.api_key,
             processes=args.processes,
             filler_words=args.filler_words,
+            trace_alternate=getattr(args, "trace_alternate", False),
         )
     except ValueError as exc:
         raise SystemExit(f"mmpipe bench: {exc}") from None
@@ -168,10 +176,18 @@ def _describe(exc: BaseException) -> str:
     return text[:200]
 
 
-async def open_stream(client: openai.AsyncOpenAI, spec: LoadSpec, messages: Any) -> Any:
+def traceparent(sampled: bool) -> str:
+    """A W3C trace context for a new trace, asking to be recorded or not."""
+    return f"00-{secrets.token_hex(16)}-{secrets.token_hex(8)}-{'01' if sampled else '00'}"
+
+
+async def open_stream(
+    client: openai.AsyncOpenAI, spec: LoadSpec, messages: Any, headers: dict[str, str] | None = None
+) -> Any:
     """A greedy streamed chat completion of exactly ``spec.max_tokens``
     tokens (``min_tokens`` too), its usage in the last chunk."""
     return await client.chat.completions.create(
+        extra_headers=headers,
         model=spec.model,
         messages=messages,
         max_tokens=spec.max_tokens,
@@ -182,8 +198,11 @@ async def open_stream(client: openai.AsyncOpenAI, spec: LoadSpec, messages: Any)
     )
 
 
-async def one_request(client: openai.AsyncOpenAI, spec: LoadSpec, image_urls: list[str]) -> RequestResult:
-    """One streamed chat completion, timed from before the call to the end of the stream."""
+async def one_request(
+    client: openai.AsyncOpenAI, spec: LoadSpec, image_urls: list[str], traced: bool | None = None
+) -> RequestResult:
+    """One streamed chat completion, timed from before the call to the end of
+    the stream; ``traced``: sent with a traceparent asking for that."""
     content: list[dict[str, Any]] = [{"type": "image_url", "image_url": {"url": url}} for url in image_urls]
     content.append({"type": "text", "text": PROMPT + " the" * spec.filler_words})
     messages: Any = [{"role": "user", "content": content}]
@@ -191,11 +210,12 @@ async def one_request(client: openai.AsyncOpenAI, spec: LoadSpec, image_urls: li
     last = 0.0
     gaps: list[float] = []
     tokens: int | None = None
-    prompt_tokens = 0
+    prompt_tokens = cached = 0
     finish: str | None = None
+    headers = None if traced is None else {"traceparent": traceparent(traced)}
     t0 = time.perf_counter()
     try:
-        stream = await open_stream(client, spec, messages)
+        stream = await open_stream(client, spec, messages, headers)
         async for chunk in stream:
             now = time.perf_counter()
             if chunk.choices:
@@ -208,12 +228,14 @@ async def one_request(client: openai.AsyncOpenAI, spec: LoadSpec, image_urls: li
             if chunk.usage is not None:
                 tokens = chunk.usage.completion_tokens
                 prompt_tokens = chunk.usage.prompt_tokens
+                details = chunk.usage.prompt_tokens_details
+                cached = int(getattr(details, "cached_tokens", 0) or 0)
     except Exception as exc:
-        return RequestResult(ok=False, e2e_s=time.perf_counter() - t0, error=_describe(exc))
+        return RequestResult(ok=False, e2e_s=time.perf_counter() - t0, error=_describe(exc), traced=traced)
     end = time.perf_counter()
     if first is None or tokens is None:
         error = "the stream ended without tokens" if first is None else "the stream ended without a usage chunk"
-        return RequestResult(ok=False, e2e_s=end - t0, error=error)
+        return RequestResult(ok=False, e2e_s=end - t0, error=error, traced=traced)
     return RequestResult(
         ok=True,
         e2e_s=end - t0,
@@ -222,6 +244,8 @@ async def one_request(client: openai.AsyncOpenAI, spec: LoadSpec, image_urls: li
         tokens=tokens,
         prompt_tokens=prompt_tokens,
         finish_reason=finish,
+        cached_tokens=cached,
+        traced=traced,
     )
 
 
@@ -243,6 +267,10 @@ class LoadReport:
         spec = asdict(self.spec)
         spec.pop("api_key")
         spec["image_size"] = "{}x{}".format(*self.spec.image_size)
+        split_by_trace = {}
+        if self.spec.trace_alternate:
+            for label, traced in (("ttft_traced_ms", True), ("ttft_untraced_ms", False)):
+                split_by_trace[label] = _stats([r.ttft_s for r in done if r.traced is traced and r.ttft_s is not None])
         return {
             "config": spec,
             "completed": len(done),
@@ -253,6 +281,10 @@ class LoadReport:
             "tokens_per_s": tokens / wall,
             "completion_tokens": tokens,
             "prompt_tokens_mean": sum(r.prompt_tokens for r in done) / len(done) if done else 0.0,
+            # A prefix cache that already held these prompts (a run before with
+            # the same --seed) measures a lighter load: said, not hidden.
+            "cached_tokens_mean": sum(r.cached_tokens for r in done) / len(done) if done else 0.0,
+            **split_by_trace,
             "ttft_ms": _stats([r.ttft_s for r in done if r.ttft_s is not None]),
             "itl_ms": _stats([gap for r in done for gap in r.itl_s]),
             # The ITL apart: each request's first gap (its first token came from
@@ -367,7 +399,8 @@ async def _run_client(
 
         async def sender() -> None:
             for i in indices:  # shared by every sender: each index is taken once
-                results[i] = await one_request(client, spec, image_sets[i])
+                traced = (i % 2 == 0) if spec.trace_alternate else None
+                results[i] = await one_request(client, spec, image_sets[i], traced)
 
         started_ns = time.time_ns()
         cpu0, t0 = time.process_time(), time.monotonic()
@@ -433,20 +466,27 @@ def format_report(summary: dict[str, Any]) -> str:
         f"requests={c['requests']}  max_tokens={c['max_tokens']}  images={images}  seed={c['seed']}",
         f"completed {summary['completed']}  failed {summary['failed']}  short {summary['short']}  "
         f"in {summary['wall_s']:.2f} s: {summary['requests_per_s']:.2f} req/s, {summary['tokens_per_s']:.1f} tokens/s, "
-        f"prompts of {summary['prompt_tokens_mean']:.0f} tokens on average",
-        "",
-        f"{'':<8}{'p50':>10}{'p90':>10}{'p99':>10}{'mean':>10}",
+        f"prompts of {summary['prompt_tokens_mean']:.0f} tokens on average"
+        f" ({summary.get('cached_tokens_mean', 0.0):.0f} of them cached)",
     ]
-    rows = (
-        ("TTFT ms", "ttft_ms"),
-        ("ITL ms", "itl_ms"),
-        ("  1st", "itl_first_ms"),
-        ("  later", "itl_later_ms"),
-        ("E2E ms", "e2e_ms"),
-    )
+    rows = [
+        (label, key)
+        for label, key in (
+            ("TTFT ms", "ttft_ms"),
+            ("ITL ms", "itl_ms"),
+            ("  1st", "itl_first_ms"),
+            ("  later", "itl_later_ms"),
+            ("E2E ms", "e2e_ms"),
+            ("TTFT ms, traced", "ttft_traced_ms"),
+            ("TTFT ms, not traced", "ttft_untraced_ms"),
+        )
+        if key in summary
+    ]
+    w = max(len(label) for label, _ in rows)
+    lines += ["", f"{'':<{w}}{'p50':>10}{'p90':>10}{'p99':>10}{'mean':>10}"]
     for label, key in rows:
         s = summary[key]
-        lines.append(f"{label:<8}{_ms(s['p50']):>10}{_ms(s['p90']):>10}{_ms(s['p99']):>10}{_ms(s['mean']):>10}")
+        lines.append(f"{label:<{w}}{_ms(s['p50']):>10}{_ms(s['p90']):>10}{_ms(s['p99']):>10}{_ms(s['mean']):>10}")
     cpu = summary.get("client_cpu") or []
     if cpu:
         shares = ", ".join(f"{c:.0%}" for c in cpu)

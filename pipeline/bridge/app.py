@@ -21,7 +21,7 @@ from nats.errors import MaxPayloadError, NoRespondersError
 from nats.errors import TimeoutError as NatsTimeoutError
 from nats.js import JetStreamContext
 from nats.js.errors import APIError, NoStreamResponseError
-from opentelemetry.trace import Span, SpanKind
+from opentelemetry.trace import Span
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from pipeline import metrics, tracing
@@ -278,8 +278,9 @@ class Bridge:
         self._authorize(request)
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         request[_REQUEST_ID] = rid
-        # The request's trace starts here; every hop continues it (traceparent in the NATS headers).
-        with tracing.tracer().start_as_current_span("bridge", kind=SpanKind.SERVER, attributes={"request_id": rid}):
+        # The request's trace starts here (or continues the client's); every
+        # hop continues it (traceparent in the NATS headers).
+        with tracing.request_span("bridge", request.headers, request_id=rid):
             return await self._chat_completions(request, rid)
 
     async def _chat_completions(self, request: web.Request, rid: str) -> web.StreamResponse:
@@ -298,7 +299,7 @@ class Bridge:
         self._authorize(request)
         rid = f"cmpl-{uuid.uuid4().hex}"
         request[_REQUEST_ID] = rid
-        with tracing.tracer().start_as_current_span("bridge", kind=SpanKind.SERVER, attributes={"request_id": rid}):
+        with tracing.request_span("bridge", request.headers, request_id=rid):
             body_bytes = await request.read()
             body = _decoded(COMPLETION_DECODER, body_bytes)
             now = time.time()

@@ -41,6 +41,7 @@ import asyncio
 import time
 import uuid
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Literal
 
 import msgspec
@@ -78,6 +79,9 @@ from schemas.tensors import LeaseReply, LeaseRequest, TensorRef
 log = structlog.get_logger(__name__)
 
 __all__ = ["NAME", "NixlTransport", "agent_bucket", "lease_subject"]
+
+# Copies queued on different streams may land out of order: a few waits at once.
+_LANDING_THREADS = 4
 
 
 class NixlTransport:
@@ -126,6 +130,11 @@ class NixlTransport:
         self._poller: asyncio.Task[None] | None = None
         # Lease requests waiting for their region's copy to land.
         self._landing_waits: set[asyncio.Task[None]] = set()
+        # Threads that sleep in a blocking CUDA event's synchronize until a
+        # put's copy has landed: woken by the driver as it ends (the event
+        # loop's backed-off polling saw it up to 2 ms late, on every split
+        # request's path). Made on the first wait: CPU holders never wait.
+        self._landing_threads: ThreadPoolExecutor | None = None
         self._closed = False
         self._stopped = False
 
@@ -180,6 +189,8 @@ class NixlTransport:
         self._stopped = True
         for task in self._landing_waits:
             task.cancel()
+        if self._landing_threads is not None:
+            self._landing_threads.shutdown(wait=False, cancel_futures=True)
         if self._poller is not None:
             self._poller.cancel()
             await asyncio.wait([self._poller], timeout=5)
@@ -279,17 +290,24 @@ class NixlTransport:
         """A lease asked for before the region's copy landed: granted once it
         has, or refused as ``landing`` (the reader asks again while its get
         may wait) before the reader's request would time out."""
-        give_up = time.monotonic() + (req.wait_s or self.settings.request_timeout_s / 2)
-        pause = 0.0001
-        while held.landing is not None and not held.landing.query():
-            if time.monotonic() >= give_up:
-                reply = LeaseReply(reason="landing")
-                break
-            await asyncio.sleep(pause)
-            pause = min(2 * pause, 0.002)
-        else:
+        wait_s = req.wait_s or self.settings.request_timeout_s / 2
+        if self._landing_threads is None:
+            self._landing_threads = ThreadPoolExecutor(_LANDING_THREADS, thread_name_prefix="nixl-landing")
+        event = held.landing
+        landed = event is None or event.query()
+        if not landed:
+            # A thread left waiting past the timeout ends with the copy, which the GPU finishes regardless.
+            waited = asyncio.get_running_loop().run_in_executor(self._landing_threads, event.synchronize)
+            try:
+                await asyncio.wait_for(asyncio.shield(waited), wait_s)
+                landed = True
+            except TimeoutError:
+                pass
+        if landed:
             held.landing = None
             reply = self._grant(req.key, req.lease or new_lease())
+        else:
+            reply = LeaseReply(reason="landing")
         if msg.reply:
             try:
                 await msg.respond(msgspec.msgpack.encode(reply))

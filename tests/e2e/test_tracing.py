@@ -12,6 +12,7 @@ import asyncio
 import re
 import signal
 import socket
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -109,9 +110,89 @@ async def test_one_request_is_one_trace_across_every_process(
     assert all(s.ms >= 0 for s in steps)
 
 
+@pytest.mark.e2e
+async def test_a_clients_traceparent_is_continued_and_its_sampling_kept(
+    tmp_path: Path, mmpipe_home: Path, tiny_model_dir: Path
+) -> None:
+    procs = Processes(tmp_path, mmpipe_home)
+    port = _free_port()
+    up = procs.start(
+        "up", "--port", str(port), "--trace-nats", "--data-dir", str(tmp_path / "data"),
+        "--model", str(tiny_model_dir),
+    )  # fmt: skip
+    traced, client_span = "4bf92f3577b34da6a3ce929d0e0e4736", "00f067aa0ba902b7"
+    untraced = "0af7651916cd43dd8448eb211c80319c"
+    try:
+        # Asked not to be recorded first: its spans, were they recorded, would
+        # be exported no later than those of the request after it.
+        sink = await _spans_while(
+            up,
+            port,
+            [f"00-{untraced}-b7ad6b7169203331-00", f"00-{traced}-{client_span}-01"],
+            lambda sink: {"bridge", "first_token", "prefill"} <= {s.name for s in sink.traces.get(traced, [])},
+        )
+    finally:
+        code = up.stop(signal.SIGINT)
+        procs.stop_all()
+    assert code == 0, up.text()[-3000:]
+    assert untraced not in sink.traces, sorted({s.name for s in sink.traces[untraced]})
+    spans = sink.traces[traced]
+    bridge = _only(spans, "bridge")
+    assert bridge.parent_id == client_span and bridge.service == "mmpipe-bridge"
+    path = first_token_path(spans)  # the bench still finds the request's path
+    assert path is not None and path[0] > 0
+
+
+async def _spans_while(up: Any, port: int, traceparents: list[str], done: Any) -> SpanSink:
+    """Spans published while one text request per traceparent is answered,
+    one after another, until ``done(sink)``."""
+
+    async def send(c: openai.AsyncOpenAI) -> None:
+        for parent in traceparents:
+            await c.chat.completions.create(
+                model="tiny-qwen2-vl",
+                messages=[{"role": "user", "content": "What?"}],
+                max_tokens=2,
+                temperature=0,
+                extra_headers={"traceparent": parent},
+            )
+
+    return await _collect_spans(up, port, send, done)
+
+
 async def _trace_of_one_request(up: Any, port: int, names: set[str]) -> list[SpanRecord]:
     """The spans of one image request sent to a ready ``mmpipe up
     --trace-nats``, once a trace holds every one of ``names``."""
+
+    async def send(c: openai.AsyncOpenAI) -> None:
+        content: Any = [
+            {"type": "image_url", "image_url": {"url": png_data_url(gradient(64, 48, 1))}},
+            {"type": "text", "text": "What?"},
+        ]
+        chunks = await c.chat.completions.create(
+            model="tiny-qwen2-vl",
+            messages=[{"role": "user", "content": content}],
+            max_tokens=4,
+            temperature=0,
+            stream=True,
+        )
+        async for _ in chunks:
+            pass
+
+    def whole(sink: SpanSink) -> list[SpanRecord] | None:
+        return next((spans for spans in sink.traces.values() if names <= {s.name for s in spans}), None)
+
+    sink = await _collect_spans(up, port, send, whole)
+    spans = whole(sink)
+    assert spans is not None
+    return spans
+
+
+async def _collect_spans(
+    up: Any, port: int, send: Callable[[openai.AsyncOpenAI], Awaitable[None]], done: Callable[[SpanSink], Any]
+) -> SpanSink:
+    """The spans a ready ``mmpipe up --trace-nats`` publishes while ``send``
+    runs its requests, until ``done(sink)``."""
     up.wait_for("mmpipe ready")
     url = re.search(r"nats=(\S+)", up.text())
     assert url
@@ -123,30 +204,11 @@ async def _trace_of_one_request(up: Any, port: int, names: set[str]) -> list[Spa
             sink.take(msg.data)
 
         await nc.subscribe(Subjects("default").all_spans, cb=take)
-        content: Any = [
-            {"type": "image_url", "image_url": {"url": png_data_url(gradient(64, 48, 1))}},
-            {"type": "text", "text": "What?"},
-        ]
         async with openai.AsyncOpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0) as c:
-            chunks = await c.chat.completions.create(
-                model="tiny-qwen2-vl",
-                messages=[{"role": "user", "content": content}],
-                max_tokens=4,
-                temperature=0,
-                stream=True,
-            )
-            async for _ in chunks:
-                pass
-
-        def whole() -> list[SpanRecord] | None:
-            for spans in sink.traces.values():
-                if names <= {s.name for s in spans}:
-                    return spans
-            return None
-
+            await send(c)
         for _ in range(100):  # the processes export in batches every 200 ms
-            if (spans := whole()) is not None:
-                return spans
+            if done(sink):
+                return sink
             await asyncio.sleep(0.1)
         raise AssertionError({t: sorted({s.name for s in v}) for t, v in sink.traces.items()})
     finally:

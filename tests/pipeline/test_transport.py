@@ -8,6 +8,7 @@ import json
 import os
 import signal
 import sys
+import threading
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
@@ -364,13 +365,26 @@ async def test_nixl_read_of_a_known_holder_goes_out_before_its_lease(
 
 class Gate:
     """Stands in for the CUDA event of a copy still queued on the holder's
-    GPU (the CPU has none): ``query()`` is what the holder polls."""
+    GPU (the CPU has none): ``query()`` and a blocking ``synchronize()``, as
+    a torch.cuda.Event has; ``open`` lands the copy."""
 
     def __init__(self) -> None:
-        self.open = False
+        self._landed = threading.Event()
+
+    @property
+    def open(self) -> bool:
+        return self._landed.is_set()
+
+    @open.setter
+    def open(self, value: bool) -> None:
+        assert value, "a copy that landed stays landed"
+        self._landed.set()
 
     def query(self) -> bool:
         return self.open
+
+    def synchronize(self) -> None:
+        self._landed.wait()
 
 
 async def _not_landed(holder: NixlTransport, seed: int) -> tuple[TensorRef, Gate]:
@@ -432,10 +446,11 @@ async def test_nixl_a_copy_that_never_lands_ends_the_get(make_transport: Factory
     holder = await make_transport("nixl", "holder", request_timeout_s=0.2)
     reader = await make_transport("nixl", "reader", request_timeout_s=0.2, get_timeout_s=0.8, lease_s=2.0)
     assert isinstance(holder, NixlTransport) and isinstance(reader, NixlTransport)
-    ref, _ = await _not_landed(holder, 23)
+    ref, gate = await _not_landed(holder, 23)
     with pytest.raises(TensorGone, match="landing"):
         await reader.get(ref)
     assert holder.held_bytes > 0  # still held for a later reader: only this get gave up
+    gate.open = True  # a real copy lands in the end: the holder's waiting threads end with it
 
 
 async def test_nixl_put_on_a_busy_gpu_goes_out_before_its_bytes_land(
