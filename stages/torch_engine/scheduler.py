@@ -88,9 +88,18 @@ class EngineThread:
         self._urgent: collections.deque[_Call] = collections.deque()
         self._normal: collections.deque[_Call] = collections.deque()
         self._ready = threading.Condition()
+        # Whether a call is running on the thread now (read without the lock: a hint).
+        self._calling = False
         self._thread = threading.Thread(target=self._run, name="engine_0", daemon=True)
         self._started = False
         self.closed = False
+
+    @property
+    def quiet(self) -> bool:
+        """No sequence decoding, no call running or queued: nothing here
+        would wait for the GIL that work beside the thread takes (a hint,
+        read without the lock)."""
+        return not self._calling and not self._urgent and not self._normal and not self.decoding()
 
     async def call(self, fn: Callable[..., T], *args: Any, urgent: bool = False) -> T:
         return await asyncio.wrap_future(self._submit(fn, args, urgent))
@@ -148,12 +157,15 @@ class EngineThread:
             name = getattr(call.fn, "__name__", "call")
             started, cpu = time.perf_counter(), time.thread_time()
             marker = self._gpu.begin() if self._gpu is not None else None
+            self._calling = True
             try:
                 result = call.fn(*call.args)
             except BaseException as exc:
                 call.future.set_exception(exc)
             else:
                 call.future.set_result(result)
+            finally:
+                self._calling = False
             if self._gpu is not None and marker is not None:
                 self._gpu.end(name, marker)
             if not urgent and self._others_ahead > 0 and self._fence is not None:

@@ -5,9 +5,11 @@ embeddings unchanged by where its media were decoded."""
 
 from __future__ import annotations
 
+import asyncio
 import multiprocessing
 import os
 import signal
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -75,6 +77,7 @@ def test_unset_means_processes_on_a_gpu_worker_and_threads_on_a_cpu_one() -> Non
 
 async def test_embeddings_do_not_depend_on_where_the_media_were_decoded(tiny_model_dir: Path) -> None:
     thread = EngineThread()
+    thread.decoding = lambda: True  # an engine at work: the pool decodes
     engine = TorchEngine(tiny_model_dir)
     encoders = []
     try:
@@ -88,8 +91,51 @@ async def test_embeddings_do_not_depend_on_where_the_media_were_decoded(tiny_mod
         assert [e.grid_thw for e in there] == [e.grid_thw for e in here]
         for a, b in zip(here, there, strict=True):
             assert torch.equal(a.embeddings, b.embeddings)
+        assert encoders[1].decode_pool._pool is not None  # decoded there, not here
     finally:
         for encoder in encoders:
             encoder.close()
             await encoder.fetcher.close()
+        thread.close()
+
+
+@pytest.mark.parametrize("busy", [False, True])
+async def test_the_pool_decodes_only_while_the_engine_has_work(tiny_model_dir: Path, busy: bool) -> None:
+    """One request at a time the pool's round trip is on the first token's
+    way and there is no engine work to keep the GIL for: a thread decodes."""
+    thread = EngineThread()
+    thread.decoding = lambda: busy
+    policy = MediaPolicy(decode_processes=2, decoded_cache_bytes=0)
+    encoder = MediaEncoder(TorchEngine(tiny_model_dir), thread, MediaFetcher(policy), policy)
+    try:
+        assert thread.quiet is not busy
+        await encoder.encode(_request(_png(9)), HopContext())
+        assert encoder.decode_pool is not None and (encoder.decode_pool._pool is not None) is busy
+    finally:
+        encoder.close()
+        await encoder.fetcher.close()
+        thread.close()
+
+
+async def test_an_engine_thread_is_quiet_only_with_nothing_queued_running_or_decoding() -> None:
+    thread = EngineThread()
+    try:
+        assert thread.quiet
+        started, release = threading.Event(), threading.Event()
+
+        def blocking() -> None:
+            started.set()
+            release.wait(10)
+
+        running = asyncio.ensure_future(thread.call(blocking))
+        assert await asyncio.to_thread(started.wait, 10)
+        queued = asyncio.ensure_future(thread.call(lambda: None))
+        await asyncio.sleep(0)
+        assert not thread.quiet  # one running, one queued
+        release.set()
+        await asyncio.gather(running, queued)
+        assert thread.quiet
+        thread.decoding = lambda: True
+        assert not thread.quiet
+    finally:
         thread.close()
