@@ -79,6 +79,13 @@ async def test_load_generator_against_the_epd_stack(stack: Stack, processes: int
         # A long-context load: each filler word one more prompt token.
         longer = (await run_load(replace(spec, requests=1, concurrency=1, filler_words=50))).summary()
         assert longer["prompt_tokens_mean"] == summary["prompt_tokens_mean"] + 50
+        # The same seed again: its prompts, images and all, are in the prefix cache, and the report says so.
+        again = (await run_load(replace(spec, trace_alternate=True))).summary()
+        assert again["cached_tokens_mean"] > summary["cached_tokens_mean"]
+        assert f"({again['cached_tokens_mean']:.0f} of them cached)" in format_report(again)
+        # Every other request asked to be traced: TTFT for each half.
+        assert (again["ttft_traced_ms"]["n"], again["ttft_untraced_ms"]["n"]) == (3, 3)
+        assert "TTFT ms, not traced" in format_report(again) and "ttft_traced_ms" not in summary
     for key in ("ttft_ms", "itl_ms", "e2e_ms"):
         s = summary[key]
         assert 0 < s["p50"] <= s["p90"] <= s["p99"], (key, s)
