@@ -58,5 +58,8 @@ class ChunkEmitter:
         return self._chunk(self.index, [], self._stops.feed(self._detok.flush())[0], FinishReason.LENGTH)
 
     def _chunk(self, seq: int, tokens: list[int], text: str, finish: FinishReason | None) -> TokenChunk:
-        usage = Usage(self._prompt_len, seq + len(tokens), self._cached_tokens) if finish is not None else None
+        # The first chunk carries the prompt's size too: a relay can then
+        # report usage with every chunk (continuous_usage_stats).
+        counted = finish is not None or seq == 0
+        usage = Usage(self._prompt_len, seq + len(tokens), self._cached_tokens) if counted else None
         return TokenChunk(request_id=self._rid, seq=seq, token_ids=tokens, text=text, finish_reason=finish, usage=usage)

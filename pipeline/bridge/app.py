@@ -29,6 +29,7 @@ from pipeline.bridge import processing, responses
 from pipeline.bridge.openai_types import (
     COMPLETION_DECODER,
     REQUEST_DECODER,
+    StreamOptions,
     completion_to_generate_request,
     to_generate_request,
 )
@@ -37,7 +38,7 @@ from pipeline.health import LIVE_PATH, READY_PATH
 from pipeline.replies import CHUNK_DECODER, ExactlyOnceRelay, stored_chunks
 from pipeline.router.router import KvRouter
 from pipeline.streams import ensure_streams, is_stream_full
-from schemas.chunk import ErrorChunk, ReplyChunk, TokenChunk
+from schemas.chunk import ErrorChunk, ReplyChunk, TokenChunk, Usage
 from schemas.codec import CONTENT_TYPE, MSGPACK, Decoder, encode
 from schemas.control import CacheCleared, Cancel, Restart, WorkerInfo
 from schemas.errors import (
@@ -288,7 +289,8 @@ class Bridge:
         body = _decoded(REQUEST_DECODER, body_bytes)
         now = time.time()
         gen = to_generate_request(body, rid, created=now, deadline=now + self.settings.request_timeout_s)
-        reply = responses.Reply(include_usage=bool(body.stream_options and body.stream_options.include_usage))
+        include, continuous = _usage_options(body.stream_options)
+        reply = responses.Reply(include_usage=include, continuous_usage=continuous)
         return await self._serve(request, rid, gen, len(body_bytes), reply, body.user)
 
     # -- completions -----------------------------------------------------------
@@ -304,9 +306,11 @@ class Bridge:
             body = _decoded(COMPLETION_DECODER, body_bytes)
             now = time.time()
             gen = completion_to_generate_request(body, rid, created=now, deadline=now + self.settings.request_timeout_s)
+            include, continuous = _usage_options(body.stream_options)
             reply = responses.Reply(
                 chat=False,
-                include_usage=bool(body.stream_options and body.stream_options.include_usage),
+                include_usage=include,
+                continuous_usage=continuous,
                 echo=gen.prompt if body.echo and isinstance(gen.prompt, str) else "",
             )
             return await self._serve(request, rid, gen, len(body_bytes), reply, body.user)
@@ -507,6 +511,8 @@ class Bridge:
         # The gaps between a request's chunks as written here: beside the
         # worker's own (as it published them), where a burst came in between.
         sent: float | None = None
+        # The first chunk's usage: the prompt's size, for usage on every chunk.
+        prompt: Usage | None = None
         async for chunk in chunks:
             if isinstance(chunk, ErrorChunk):
                 if response is None:
@@ -519,7 +525,11 @@ class Bridge:
                     headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache", REQUEST_ID_HEADER: rid}
                 )
                 await response.prepare(request)
-            await response.write(responses.sse(responses.stream_chunk(rid, model, created, chunk, first, reply)))
+            if first:
+                prompt = chunk.usage
+            await response.write(
+                responses.sse(responses.stream_chunk(rid, model, created, chunk, first, reply, prompt))
+            )
             first = False
             now = time.perf_counter()
             if sent is not None:
@@ -532,6 +542,13 @@ class Bridge:
         await response.write(b"data: [DONE]\n\n")
         await response.write_eof()
         return response
+
+
+def _usage_options(options: StreamOptions | None) -> tuple[bool, bool]:
+    """A stream's usage: at its end (include_usage), and with every chunk
+    too (vLLM's continuous_usage_stats, which takes include_usage as well)."""
+    include = bool(options and options.include_usage)
+    return include, include and bool(options and options.continuous_usage_stats)
 
 
 def _decoded(decoder: msgspec.json.Decoder[T], body: bytes) -> T:

@@ -163,8 +163,6 @@ def _sampling(body: ChatCompletionRequest | CompletionRequest, max_tokens: int |
 
 def _check_common(body: ChatCompletionRequest | CompletionRequest) -> None:
     """What chat and completions refuse alike."""
-    if body.stream_options is not None and body.stream_options.continuous_usage_stats:
-        raise InvalidRequest("stream_options.continuous_usage_stats is not supported (include_usage is)")
     if body.frequency_penalty or body.presence_penalty:
         raise InvalidRequest("frequency_penalty and presence_penalty are not supported")
     if body.repetition_penalty != 1.0 or body.min_p:

@@ -66,13 +66,19 @@ class Reply(msgspec.Struct, frozen=True):
     chat: bool = True
     include_usage: bool = False
     echo: str = ""
+    # vLLM's stream_options.continuous_usage_stats (with include_usage): usage so far on every chunk.
+    continuous_usage: bool = False
 
     @property
     def chunk_object(self) -> str:
         return "chat.completion.chunk" if self.chat else "text_completion"
 
 
-def stream_chunk(rid: str, model: str, created: int, chunk: TokenChunk, first: bool, reply: Reply) -> dict[str, Any]:
+def stream_chunk(
+    rid: str, model: str, created: int, chunk: TokenChunk, first: bool, reply: Reply, prompt: Usage | None = None
+) -> dict[str, Any]:
+    """One SSE chunk; with ``reply.continuous_usage``, the usage up to it
+    (``prompt``: the request's first chunk's usage, its prompt's size)."""
     finish = chunk.finish_reason.value if chunk.finish_reason else None
     if reply.chat:
         delta: dict[str, Any] = {"content": chunk.text}
@@ -82,7 +88,10 @@ def stream_chunk(rid: str, model: str, created: int, chunk: TokenChunk, first: b
     else:
         text = reply.echo + chunk.text if first else chunk.text
         choice = {"index": 0, "text": text, "finish_reason": finish, "logprobs": None}
-    return {"id": rid, "object": reply.chunk_object, "created": created, "model": model, "choices": [choice]}
+    body = {"id": rid, "object": reply.chunk_object, "created": created, "model": model, "choices": [choice]}
+    if reply.continuous_usage and prompt is not None:
+        body["usage"] = _usage(Usage(prompt.prompt_tokens, chunk.end, prompt.cached_tokens))
+    return body
 
 
 def usage_chunk(rid: str, model: str, created: int, usage: Usage, reply: Reply) -> dict[str, Any]:
