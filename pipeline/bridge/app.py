@@ -4,10 +4,11 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hmac
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -30,12 +31,12 @@ from pipeline.bridge.openai_types import (
     COMPLETION_DECODER,
     REQUEST_DECODER,
     StreamOptions,
-    completion_to_generate_request,
-    to_generate_request,
+    completion_to_generate_requests,
+    to_generate_requests,
 )
 from pipeline.config import PipelineConfig
 from pipeline.health import LIVE_PATH, READY_PATH
-from pipeline.replies import CHUNK_DECODER, ExactlyOnceRelay, stored_chunks
+from pipeline.replies import CHUNK_DECODER, ExactlyOnceRelay, is_final, stored_chunks
 from pipeline.router.router import KvRouter
 from pipeline.streams import ensure_streams, is_stream_full
 from schemas.chunk import ErrorChunk, ReplyChunk, TokenChunk, Usage
@@ -288,10 +289,10 @@ class Bridge:
         body_bytes = await request.read()
         body = _decoded(REQUEST_DECODER, body_bytes)
         now = time.time()
-        gen = to_generate_request(body, rid, created=now, deadline=now + self.settings.request_timeout_s)
+        gens = to_generate_requests(body, rid, created=now, deadline=now + self.settings.request_timeout_s)
         include, continuous = _usage_options(body.stream_options)
-        reply = responses.Reply(include_usage=include, continuous_usage=continuous)
-        return await self._serve(request, rid, gen, len(body_bytes), reply, body.user)
+        reply = responses.Reply(include_usage=include, continuous_usage=continuous, n=body.n)
+        return await self._serve(request, rid, gens, len(body_bytes), reply, body.user)
 
     # -- completions -----------------------------------------------------------
 
@@ -305,72 +306,101 @@ class Bridge:
             body_bytes = await request.read()
             body = _decoded(COMPLETION_DECODER, body_bytes)
             now = time.time()
-            gen = completion_to_generate_request(body, rid, created=now, deadline=now + self.settings.request_timeout_s)
-            include, continuous = _usage_options(body.stream_options)
-            reply = responses.Reply(
-                chat=False,
-                include_usage=include,
-                continuous_usage=continuous,
-                echo=gen.prompt if body.echo and isinstance(gen.prompt, str) else "",
+            gens = completion_to_generate_requests(
+                body, rid, created=now, deadline=now + self.settings.request_timeout_s
             )
-            return await self._serve(request, rid, gen, len(body_bytes), reply, body.user)
+            include, continuous = _usage_options(body.stream_options)
+            echoes = tuple(g.prompt for g in gens[:: body.n] if isinstance(g.prompt, str)) if body.echo else ()
+            reply = responses.Reply(
+                chat=False, include_usage=include, continuous_usage=continuous, echoes=echoes, n=body.n
+            )
+            return await self._serve(request, rid, gens, len(body_bytes), reply, body.user)
 
     async def _serve(
         self,
         request: web.Request,
         rid: str,
-        gen: GenerateRequest,
+        gens: list[GenerateRequest],
         body_bytes: int,
         reply: responses.Reply,
         user: str | None,
     ) -> web.StreamResponse:
-        now = gen.created
+        """A request's choices, one queued request each (one, unless ``n`` or
+        several prompts), answered as one response."""
+        now = gens[0].created
         # OpenAI's end-user id: on every log line of the request, for an operator to follow abuse.
         structlog.contextvars.bind_contextvars(request_id=rid, **({"user": user} if user else {}))
+        subs: list[Subscription] = []
         try:
-            restarts: Subscription | None = None
-            if self.processor is not None:
-                processed = await processing.process(self.processor, gen, body_bytes)
-                # This bridge holds the request while its client waits: hops
-                # past the media's encoding drop the inline bytes, and a
-                # restart comes back here.
-                processed = msgspec.structs.replace(processed, bridge_restarts=True)
-                # The id the first hop's message would have had from a processor worker.
-                queued = (self._first_hop(processed), f"{rid}:0:0", self._encode_request(processed))
-                first = processed.hop
-            else:
-                queued = (self.subjects.requests, f"{rid}:0:request", self._encode_request(gen))
-                first = PROCESSOR
+            # Each choice processed before any is queued: a bad request queues nothing.
+            queued = [await self._queueable(gen, body_bytes) for gen in gens]
+            first = queued[0][1]
             info = await self.worker(first)
             if info is None:
                 raise NoWorkers(f"no {first} worker is running")
-            if gen.model not in info.models:
-                raise ModelNotFound(f"model {gen.model!r} is not served; served: {', '.join(info.models)}")
-            sub = await self.nc.subscribe(self.subjects.reply(rid))
-            if self.processor is not None:
-                restarts = await self.nc.subscribe(self.subjects.restart(rid), cb=self._restarter(processed))
+            if gens[0].model not in info.models:
+                raise ModelNotFound(f"model {gens[0].model!r} is not served; served: {', '.join(info.models)}")
+            streams = []
             try:
-                await self._submit(*queued)
-                chunks = self._chunks(sub, rid, gen.deadline)
-                if gen.stream:
-                    return await self._stream(request, rid, gen.model, int(now), chunks, reply)
-                return await self._complete(rid, gen.model, int(now), chunks, reply)
+                for gen, (submit, _, processed) in zip(gens, queued, strict=True):
+                    sub = await self.nc.subscribe(self.subjects.reply(gen.request_id))
+                    subs.append(sub)
+                    if processed is not None:
+                        subs.append(
+                            await self.nc.subscribe(
+                                self.subjects.restart(gen.request_id), cb=self._restarter(processed)
+                            )
+                        )
+                    await self._submit(*submit)
+                    streams.append(self._chunks(sub, gen.request_id, gen.deadline))
+                finished: set[int] = set()
+                async with contextlib.aclosing(_merged(streams, finished)) as chunks:
+                    if gens[0].stream:
+                        answer = await self._stream(request, rid, gens[0].model, int(now), chunks, reply, len(gens))
+                    else:
+                        answer = await self._complete(rid, gens[0].model, int(now), chunks, reply, len(gens))
+                # A choice that failed ends the answer: the others still at work stop.
+                await self._cancel_all([gen for i, gen in enumerate(gens) if i not in finished])
+                return answer
             except asyncio.CancelledError:
                 # The client went away: stop the work wherever it is.
-                await self._cancel(rid)
+                await self._cancel_all(gens)
                 raise
             except ConnectionResetError:
                 # It went away while we wrote to it: the same, and not an error
                 # of ours (raised on, aiohttp would log a 500's traceback).
-                await self._cancel(rid)
+                await self._cancel_all(gens)
                 log.info("client_gone", request_id=rid)
                 return web.Response(status=499)
-            finally:
-                await sub.unsubscribe()
-                if restarts is not None:
-                    await restarts.unsubscribe()
+            except MmpipeError:
+                # One choice failed (its deadline, say): the others stop too.
+                if len(gens) > 1:
+                    await self._cancel_all(gens)
+                raise
         finally:
+            for sub in subs:
+                await sub.unsubscribe()
             structlog.contextvars.unbind_contextvars("request_id", "user")
+
+    async def _queueable(
+        self, gen: GenerateRequest, body_bytes: int
+    ) -> tuple[tuple[str, str, bytes], str, ProcessedRequest | None]:
+        """What to queue for one choice (subject, message id, data), the role
+        of its first hop, and the request as processed here (if it was)."""
+        rid = gen.request_id
+        if self.processor is None:
+            return (self.subjects.requests, f"{rid}:0:request", self._encode_request(gen)), PROCESSOR, None
+        processed = await processing.process(self.processor, gen, body_bytes)
+        # This bridge holds the request while its client waits: hops past the
+        # media's encoding drop the inline bytes, and a restart comes back here.
+        processed = msgspec.structs.replace(processed, bridge_restarts=True)
+        # The id the first hop's message would have had from a processor worker.
+        submit = (self._first_hop(processed), f"{rid}:0:0", self._encode_request(processed))
+        return submit, processed.hop, processed
+
+    async def _cancel_all(self, gens: list[GenerateRequest]) -> None:
+        for gen in gens:
+            await self._cancel(gen.request_id)
 
     def _restarter(self, processed: ProcessedRequest) -> Callable[[Msg], Awaitable[None]]:
         """A hop lost what an earlier hop made and its message no longer
@@ -485,17 +515,26 @@ class Bridge:
                 yield accepted
 
     async def _complete(
-        self, rid: str, model: str, created: int, chunks: AsyncIterator[ReplyChunk], reply: responses.Reply
+        self,
+        rid: str,
+        model: str,
+        created: int,
+        chunks: AsyncIterator[tuple[int, ReplyChunk]],
+        reply: responses.Reply,
+        choices: int,
     ) -> web.Response:
-        text: list[str] = []
-        last: TokenChunk | None = None
-        async for chunk in chunks:
+        texts: list[list[str]] = [[] for _ in range(choices)]
+        lasts: list[TokenChunk | None] = [None] * choices
+        async for index, chunk in chunks:
             if isinstance(chunk, ErrorChunk):
                 return responses.error_chunk(chunk, self.settings.retry_after_s)
-            text.append(chunk.text)
-            last = chunk
-        assert last is not None
-        return web.json_response(responses.completion(rid, model, created, "".join(text), last, reply))
+            texts[index].append(chunk.text)
+            lasts[index] = chunk
+        answers = []
+        for text, last in zip(texts, lasts, strict=True):
+            assert last is not None
+            answers.append(("".join(text), last))
+        return web.json_response(responses.completion(rid, model, created, answers, reply))
 
     async def _stream(
         self,
@@ -503,17 +542,20 @@ class Bridge:
         rid: str,
         model: str,
         created: int,
-        chunks: AsyncIterator[ReplyChunk],
+        chunks: AsyncIterator[tuple[int, ReplyChunk]],
         reply: responses.Reply,
+        choices: int,
     ) -> web.StreamResponse:
         response: web.StreamResponse | None = None
-        first = True
-        # The gaps between a request's chunks as written here: beside the
-        # worker's own (as it published them), where a burst came in between.
-        sent: float | None = None
-        # The first chunk's usage: the prompt's size, for usage on every chunk.
-        prompt: Usage | None = None
-        async for chunk in chunks:
+        # Per choice: its first chunk's usage (the prompt's size, for usage on
+        # every chunk; None until its first chunk), its final usage, and when
+        # its last chunk was written here: the gaps beside the worker's own (as
+        # it published them), where a burst came in between.
+        prompts: list[Usage | None] = [None] * choices
+        finals: list[Usage | None] = [None] * choices
+        started = [False] * choices
+        sent: list[float | None] = [None] * choices
+        async for index, chunk in chunks:
             if isinstance(chunk, ErrorChunk):
                 if response is None:
                     # Nothing sent yet: the client gets a proper HTTP error.
@@ -525,23 +567,68 @@ class Bridge:
                     headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache", REQUEST_ID_HEADER: rid}
                 )
                 await response.prepare(request)
+            first = not started[index]
             if first:
-                prompt = chunk.usage
-            await response.write(
-                responses.sse(responses.stream_chunk(rid, model, created, chunk, first, reply, prompt))
-            )
-            first = False
+                started[index], prompts[index] = True, chunk.usage
+            body = responses.stream_chunk(rid, model, created, chunk, first, reply, prompts[index], index)
+            await response.write(responses.sse(body))
             now = time.perf_counter()
-            if sent is not None:
-                metrics.ITL.labels("bridge").observe(now - sent)
-            sent = now
-            if chunk.finish_reason is not None and reply.include_usage and chunk.usage is not None:
-                await response.write(responses.sse(responses.usage_chunk(rid, model, created, chunk.usage, reply)))
+            if (last := sent[index]) is not None:
+                metrics.ITL.labels("bridge").observe(now - last)
+            sent[index] = now
+            if chunk.finish_reason is not None:
+                finals[index] = chunk.usage
+        else:
+            usage = responses.total_usage(finals, reply.n)
+            if response is not None and reply.include_usage and usage is not None:
+                await response.write(responses.sse(responses.usage_chunk(rid, model, created, usage, reply)))
         if response is None:
             raise Cancelled("the request ended without output")
         await response.write(b"data: [DONE]\n\n")
         await response.write_eof()
         return response
+
+
+async def _merged(
+    streams: list[AsyncIterator[ReplyChunk]], finished: set[int]
+) -> AsyncGenerator[tuple[int, ReplyChunk], None]:
+    """The choices' chunks as they come, each with its choice's index (into
+    ``finished`` once its last chunk is out); the first failure (a deadline,
+    say) raises here and stops the others."""
+    if len(streams) == 1:
+        async for chunk in streams[0]:
+            if is_final(chunk):
+                finished.add(0)
+            yield 0, chunk
+        return
+    queue: asyncio.Queue[tuple[int, ReplyChunk | Exception | None]] = asyncio.Queue()
+
+    async def pump(index: int, stream: AsyncIterator[ReplyChunk]) -> None:
+        try:
+            async for chunk in stream:
+                await queue.put((index, chunk))
+        except Exception as exc:
+            await queue.put((index, exc))
+        else:
+            await queue.put((index, None))
+
+    pumps = [asyncio.create_task(pump(i, stream)) for i, stream in enumerate(streams)]
+    try:
+        running = len(pumps)
+        while running:
+            index, item = await queue.get()
+            if item is None:
+                running -= 1
+            elif isinstance(item, Exception):
+                raise item
+            else:
+                if is_final(item):
+                    finished.add(index)
+                yield index, item
+    finally:
+        for task in pumps:
+            task.cancel()
+        await asyncio.gather(*pumps, return_exceptions=True)
 
 
 def _usage_options(options: StreamOptions | None) -> tuple[bool, bool]:

@@ -90,29 +90,60 @@ class CompletionRequest(msgspec.Struct, forbid_unknown_fields=True):
 COMPLETION_DECODER = msgspec.json.Decoder(CompletionRequest)
 
 
-def completion_to_generate_request(
+# Choices in one request (prompts × n), as OpenAI's own cap on n.
+MAX_CHOICES = 128
+
+
+def completion_to_generate_requests(
     body: CompletionRequest, request_id: str, created: float, deadline: float
-) -> GenerateRequest:
-    if body.n != 1 or body.best_of not in (None, 1):
-        raise InvalidRequest("n and best_of must be 1")
+) -> list[GenerateRequest]:
+    """One request a choice: each prompt ``n`` times, choice ``i * n + j``
+    the ``j``-th of prompt ``i`` (OpenAI's and vLLM's order)."""
+    if body.best_of not in (None, 1, body.n):
+        raise InvalidRequest("best_of is not supported (other than equal to n)")
     if body.logprobs is not None:
         raise InvalidRequest("logprobs are not supported")
     _check_common(body)
     if body.suffix:
         raise InvalidRequest("suffix is not supported")
-    prompt = _one_prompt(body.prompt)
-    if body.echo and not isinstance(prompt, str):
+    prompts = _prompts(body.prompt)
+    _check_choices(len(prompts) * body.n)
+    if body.echo and not all(isinstance(p, str) for p in prompts):
         raise InvalidRequest("echo takes a text prompt, not token ids")
-    return GenerateRequest(
+    one = GenerateRequest(
         request_id=request_id,
         model=body.model,
         messages=[],
-        prompt=prompt,
         sampling=_sampling(body, body.max_tokens),
         stream=body.stream,
         deadline=deadline,
         created=created,
     )
+    return [
+        choice
+        for i, prompt in enumerate(prompts)
+        for choice in fan_out(msgspec.structs.replace(one, prompt=prompt), body.n, first=i * body.n)
+    ]
+
+
+def fan_out(gen: GenerateRequest, n: int, first: int = 0) -> list[GenerateRequest]:
+    """``n`` requests for ``n`` choices of one prompt: choice 0 of a request
+    keeps its id (a request of one choice is unchanged), choice ``k`` is
+    ``<id>-<k>``; with a seed, choice ``k`` samples with ``seed + k``, as vLLM's
+    parallel sampling does, so the choices differ and each is reproducible."""
+    out = []
+    for k in range(first, first + n):
+        sampling = gen.sampling
+        if sampling.seed is not None and k:
+            sampling = msgspec.structs.replace(sampling, seed=sampling.seed + k)
+        rid = gen.request_id if k == 0 else f"{gen.request_id}-{k}"
+        out.append(msgspec.structs.replace(gen, request_id=rid, sampling=sampling))
+    return out
+
+
+def _check_choices(count: int) -> None:
+    if not 1 <= count <= MAX_CHOICES:
+        raise InvalidRequest(f"n (times the prompts) must be between 1 and {MAX_CHOICES}; it is {count}")
 
 
 _MEDIA_PART_TYPES = ("image_embeds", "video_url", "audio_url", "input_audio")
@@ -170,8 +201,7 @@ def _check_common(body: ChatCompletionRequest | CompletionRequest) -> None:
 
 
 def _check_unsupported(body: ChatCompletionRequest) -> None:
-    if body.n != 1:
-        raise InvalidRequest("n must be 1")
+    _check_choices(body.n)
     if body.logprobs or body.top_logprobs:
         raise InvalidRequest("logprobs are not supported")
     if body.tools or body.tool_choice not in (None, "none"):
@@ -179,6 +209,13 @@ def _check_unsupported(body: ChatCompletionRequest) -> None:
     _check_common(body)
     if body.response_format and body.response_format.get("type") not in (None, "text"):
         raise InvalidRequest("only the text response_format is supported")
+
+
+def to_generate_requests(
+    body: ChatCompletionRequest, request_id: str, created: float, deadline: float
+) -> list[GenerateRequest]:
+    """One request a choice (``n``): see ``fan_out``."""
+    return fan_out(to_generate_request(body, request_id, created, deadline), body.n)
 
 
 def to_generate_request(
@@ -204,16 +241,13 @@ def to_generate_request(
     )
 
 
-def _one_prompt(prompt: str | list[Any]) -> str | list[int]:
-    """The request's prompt: text or token ids, alone or as a list of one."""
-    if isinstance(prompt, str) or _token_ids(prompt):
-        return prompt
-    if not all(isinstance(p, str) or (isinstance(p, list) and _token_ids(p)) for p in prompt):
-        raise InvalidRequest("prompt: a string, a list of token ids, or a list of either")
-    if len(prompt) != 1:
-        raise InvalidRequest(f"one prompt a request; this one has {len(prompt)}")
-    only: str | list[int] = prompt[0]
-    return only
+def _prompts(prompt: str | list[Any]) -> list[str | list[int]]:
+    """The request's prompts: text or token ids, one or a list of either."""
+    if isinstance(prompt, str) or (prompt and _token_ids(prompt)):
+        return [prompt]
+    if not prompt or not all(isinstance(p, str) or (isinstance(p, list) and p and _token_ids(p)) for p in prompt):
+        raise InvalidRequest("prompt: a string, a list of token ids, or a non-empty list of either")
+    return list(prompt)
 
 
 def _token_ids(items: list[Any]) -> bool:

@@ -61,13 +61,20 @@ def _usage(usage: Usage) -> dict[str, Any]:
 class Reply(msgspec.Struct, frozen=True):
     """How a request's answer is written: a chat completion's or a text
     completion's (/v1/completions) objects; the usage chunk at the end of a
-    stream; a text completion's echoed prompt before its text."""
+    stream; a text completion's echoed prompts before their choices' text;
+    ``n`` choices a prompt."""
 
     chat: bool = True
     include_usage: bool = False
-    echo: str = ""
+    # Each prompt's echo (a text completion's ``echo``), by prompt.
+    echoes: tuple[str, ...] = ()
     # vLLM's stream_options.continuous_usage_stats (with include_usage): usage so far on every chunk.
     continuous_usage: bool = False
+    n: int = 1
+
+    def echo(self, index: int) -> str:
+        """What goes before choice ``index``'s text."""
+        return self.echoes[index // self.n] if self.echoes else ""
 
     @property
     def chunk_object(self) -> str:
@@ -75,19 +82,27 @@ class Reply(msgspec.Struct, frozen=True):
 
 
 def stream_chunk(
-    rid: str, model: str, created: int, chunk: TokenChunk, first: bool, reply: Reply, prompt: Usage | None = None
+    rid: str,
+    model: str,
+    created: int,
+    chunk: TokenChunk,
+    first: bool,
+    reply: Reply,
+    prompt: Usage | None = None,
+    index: int = 0,
 ) -> dict[str, Any]:
-    """One SSE chunk; with ``reply.continuous_usage``, the usage up to it
-    (``prompt``: the request's first chunk's usage, its prompt's size)."""
+    """One SSE chunk of choice ``index``; with ``reply.continuous_usage``,
+    that choice's usage up to it (``prompt``: its first chunk's usage, the
+    prompt's size)."""
     finish = chunk.finish_reason.value if chunk.finish_reason else None
     if reply.chat:
         delta: dict[str, Any] = {"content": chunk.text}
         if first:
             delta["role"] = "assistant"
-        choice: dict[str, Any] = {"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}
+        choice: dict[str, Any] = {"index": index, "delta": delta, "finish_reason": finish, "logprobs": None}
     else:
-        text = reply.echo + chunk.text if first else chunk.text
-        choice = {"index": 0, "text": text, "finish_reason": finish, "logprobs": None}
+        text = reply.echo(index) + chunk.text if first else chunk.text
+        choice = {"index": index, "text": text, "finish_reason": finish, "logprobs": None}
     body = {"id": rid, "object": reply.chunk_object, "created": created, "model": model, "choices": [choice]}
     if reply.continuous_usage and prompt is not None:
         body["usage"] = _usage(Usage(prompt.prompt_tokens, chunk.end, prompt.cached_tokens))
@@ -105,20 +120,42 @@ def usage_chunk(rid: str, model: str, created: int, usage: Usage, reply: Reply) 
     }
 
 
-def completion(rid: str, model: str, created: int, text: str, last: TokenChunk, reply: Reply) -> dict[str, Any]:
-    finish = last.finish_reason.value if last.finish_reason else None
-    if reply.chat:
-        choice: dict[str, Any] = {"index": 0, "message": {"role": "assistant", "content": text}}
-    else:
-        choice = {"index": 0, "text": reply.echo + text}
+def completion(
+    rid: str, model: str, created: int, answers: list[tuple[str, TokenChunk]], reply: Reply
+) -> dict[str, Any]:
+    """The whole answer: each choice's text and last chunk, by index."""
+    choices = []
+    for index, (text, last) in enumerate(answers):
+        finish = last.finish_reason.value if last.finish_reason else None
+        if reply.chat:
+            choice: dict[str, Any] = {"index": index, "message": {"role": "assistant", "content": text}}
+        else:
+            choice = {"index": index, "text": reply.echo(index) + text}
+        choices.append({**choice, "finish_reason": finish, "logprobs": None})
+    usage = total_usage([last.usage for _, last in answers], reply.n)
     return {
         "id": rid,
         "object": "chat.completion" if reply.chat else "text_completion",
         "created": created,
         "model": model,
-        "choices": [{**choice, "finish_reason": finish, "logprobs": None}],
-        "usage": _usage(last.usage) if last.usage else None,
+        "choices": choices,
+        "usage": _usage(usage) if usage else None,
     }
+
+
+def total_usage(usages: list[Usage | None], n: int) -> Usage | None:
+    """A request's usage over its choices (each choice's final usage, by
+    index; ``n`` a prompt): each prompt counted once, as vLLM counts it, and
+    every choice's completion tokens."""
+    if not usages or any(u is None for u in usages):
+        return None
+    counted = [u for u in usages if u is not None]
+    prompts = counted[::n]
+    return Usage(
+        prompt_tokens=sum(u.prompt_tokens for u in prompts),
+        completion_tokens=sum(u.completion_tokens for u in counted),
+        cached_tokens=sum(u.cached_tokens for u in prompts),
+    )
 
 
 def model_list(names: list[str]) -> dict[str, Any]:

@@ -270,7 +270,10 @@ async def test_completions_take_a_prompt_as_it_is_with_generates_tokens(stack: S
         assert (await c.completions.create(prompt=[prompt], **kw)).choices[0].text == text
         assert (await c.completions.create(prompt=prompt, echo=True, **kw)).choices[0].text == prompt + text
         for bad, says in [
-            ({"prompt": [prompt, prompt]}, "one prompt a request"),
+            ({"prompt": []}, "non-empty list"),
+            ({"prompt": prompt, "n": 0}, "between 1 and 128"),
+            ({"prompt": [prompt, prompt], "n": 65}, "between 1 and 128; it is 130"),
+            ({"prompt": prompt, "n": 2, "best_of": 3}, "best_of"),
             ({"prompt": prompt, "logprobs": 2}, "logprobs"),
             ({"prompt": [10**9]}, "outside the vocabulary"),
             ({"prompt": ids, "echo": True}, "echo takes a text prompt"),
@@ -286,3 +289,66 @@ async def test_completions_take_a_prompt_as_it_is_with_generates_tokens(stack: S
             messages=messages, stream=True, stream_options={"continuous_usage_stats": True}, **kw
         ):
             assert chunk.usage is None
+
+
+@pytest.mark.e2e
+async def test_several_choices_and_prompts_in_one_request(stack: Stack, reference: Any) -> None:
+    """``n`` choices and a list of prompts, as vLLM's clients send them: one
+    queued request a choice, choice ``i * n + j`` the ``j``-th of prompt
+    ``i``, each exactly generate()'s answer, the usage counting each prompt
+    once; with a seed, choice ``k`` samples as a request of ``seed + k``."""
+    from transformers import AutoTokenizer
+
+    from stages.torch_engine.reference import reference_generate
+
+    model_dir = stack.spec.path
+    tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
+    prompts = ["The sea and the mountains are", "Once upon a time"]
+    ids = [tokenizer(p)["input_ids"] for p in prompts]
+    texts = [
+        tokenizer.decode(reference_generate(model_dir, i, [], N, min_new_tokens=N), skip_special_tokens=True)
+        for i in ids
+    ]
+    assert texts[0] != texts[1]
+    kw: dict[str, Any] = {"model": "tiny-qwen2-vl", "max_tokens": N, "temperature": 0, "extra_body": {"min_tokens": N}}
+    async with client(stack) as c:
+        done = await c.completions.create(prompt=prompts, n=2, **kw)
+        assert [(ch.index, ch.text) for ch in done.choices] == list(enumerate([texts[0]] * 2 + [texts[1]] * 2))
+        assert done.usage is not None
+        assert (done.usage.prompt_tokens, done.usage.completion_tokens) == (len(ids[0]) + len(ids[1]), 4 * N)
+        # Streamed: each choice's pieces under its index, the usage chunk after all of them.
+        pieces: dict[int, str] = {}
+        usage = None
+        async for chunk in await c.completions.create(
+            prompt=[ids[1], prompts[0]], stream=True, stream_options={"include_usage": True}, echo=False, **kw
+        ):
+            for ch in chunk.choices:
+                pieces[ch.index] = pieces.get(ch.index, "") + ch.text
+            usage = chunk.usage or usage
+        assert pieces == {0: texts[1], 1: texts[0]}
+        assert usage is not None and usage.completion_tokens == 2 * N
+        # Echo, per prompt.
+        echoed = await c.completions.create(prompt=prompts, echo=True, **kw)
+        assert [ch.text for ch in echoed.choices] == [p + t for p, t in zip(prompts, texts, strict=True)]
+
+        # Chat: n choices of one conversation, streamed, the role on each choice's first delta.
+        content, expected = "Say something.", reference("Say something.", [])[1]
+        roles: dict[int, str] = {}
+        said: dict[int, str] = {}
+        async for chunk in await c.chat.completions.create(
+            messages=[{"role": "user", "content": content}], n=3, stream=True, **kw
+        ):
+            for ch in chunk.choices:
+                said[ch.index] = said.get(ch.index, "") + (ch.delta.content or "")
+                if ch.delta.role:
+                    roles[ch.index] = ch.delta.role
+        assert said == {0: expected, 1: expected, 2: expected} and roles == dict.fromkeys(range(3), "assistant")
+
+        # Sampled with a seed: choice k is what a request of seed + k gives.
+        sampled: dict[str, Any] = {**kw, "temperature": 1.0, "max_tokens": 12, "extra_body": {"min_tokens": 12}}
+        many = await c.completions.create(prompt=prompts[0], n=3, seed=7, **sampled)
+        alone = [
+            (await c.completions.create(prompt=prompts[0], seed=7 + k, **sampled)).choices[0].text for k in (0, 1, 2)
+        ]
+        assert [ch.text for ch in many.choices] == alone
+        assert len(set(alone)) > 1  # the seeds really differ
