@@ -25,6 +25,24 @@ class Usage(msgspec.Struct, omit_defaults=True, forbid_unknown_fields=True):
         return self.prompt_tokens + self.completion_tokens
 
 
+class TopLogprob(msgspec.Struct, array_like=True, forbid_unknown_fields=True):
+    token_id: int
+    # The token as text alone (what OpenAI's ``token`` field shows).
+    token: str
+    logprob: float
+
+
+class TokenLogprob(msgspec.Struct, array_like=True, forbid_unknown_fields=True):
+    """A generated token's log probability under the model's own output
+    (before temperature, top-k and top-p: vLLM's default, raw logprobs), and
+    the most likely tokens' at that step, best first (as many as asked)."""
+
+    token_id: int
+    token: str
+    logprob: float
+    top: list[TopLogprob] = []
+
+
 class TokenChunk(msgspec.Struct, tag="token", tag_field="kind", omit_defaults=True, forbid_unknown_fields=True):
     request_id: str
     # Index of this chunk's first token among all generated tokens: a relay
@@ -34,6 +52,8 @@ class TokenChunk(msgspec.Struct, tag="token", tag_field="kind", omit_defaults=Tr
     text: str = ""
     finish_reason: FinishReason | None = None
     usage: Usage | None = None
+    # One for each of token_ids, where the request asked for logprobs.
+    logprobs: list[TokenLogprob] | None = None
 
     @property
     def end(self) -> int:

@@ -90,6 +90,8 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, forbid_unknown_fields=T
     stop: list[str] = []
     min_tokens: int = 0
     ignore_eos: bool = False
+    # Each generated token's logprob and this many most likely tokens' (0..20); None: none.
+    logprobs: int | None = None
 
 
 class GenerateRequest(msgspec.Struct, omit_defaults=True, forbid_unknown_fields=True):

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from schemas.chunk import FinishReason, TokenChunk, Usage
+from schemas.chunk import FinishReason, TokenChunk, TokenLogprob, TopLogprob, Usage
 from schemas.processed import ProcessedRequest
 from stages.detokenizer import IncrementalDetokenizer, StopStringMatcher
+from stages.sampling import Logprobs
 
 
 class ChunkEmitter:
@@ -28,6 +29,7 @@ class ChunkEmitter:
         self._rid = req.request.request_id
         self._prompt_len = prompt_len
         self._cached_tokens = cached_tokens
+        self._tokenizer = engine.tokenizer
         self._detok = IncrementalDetokenizer(engine.tokenizer)
         self._stops = StopStringMatcher(req.request.sampling.stop)
         for token in emitted:
@@ -37,7 +39,8 @@ class ChunkEmitter:
     def is_eos(self, token: int) -> bool:
         return token in self._eos and not self._ignore_eos
 
-    def push(self, token: int) -> TokenChunk:
+    def push(self, token: int, logprobs: Logprobs | None = None) -> TokenChunk:
+        """The chunk of the next token (with its ``logprobs``, where asked for)."""
         seq = self.index
         self.index += 1
         finish: FinishReason | None = None
@@ -51,7 +54,18 @@ class ChunkEmitter:
         elif finish is not None:
             more, hit_stop = self._stops.feed(self._detok.flush())
             text += more if hit_stop else more + self._stops.flush()
-        return self._chunk(seq, [token], text, finish)
+        chunk = self._chunk(seq, [token], text, finish)
+        if logprobs is not None:
+            chunk.logprobs = [self._logprob(token, logprobs)]
+        return chunk
+
+    def _logprob(self, token: int, logprobs: Logprobs) -> TokenLogprob:
+        # Each token as text alone, special tokens shown: OpenAI's ``token`` fields.
+        top = [TopLogprob(t, self._text(t), lp) for t, lp in logprobs.top]
+        return TokenLogprob(token, self._text(token), logprobs.logprob, top)
+
+    def _text(self, token: int) -> str:
+        return str(self._tokenizer.decode([token]))
 
     def finish_now(self) -> TokenChunk:
         """The final chunk of a request whose every token was already emitted."""

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from schemas.chunk import TokenChunk
+from schemas.errors import InvalidRequest
 from schemas.processed import ProcessedRequest
 from schemas.request import GenerateRequest
 from schemas.routes import HOP_ROLES
@@ -93,6 +94,8 @@ class HopStage:
         assert isinstance(message, ProcessedRequest)
         req = message
         engine = self.engine
+        if req.request.sampling.logprobs is not None and not engine.supports_logprobs:
+            raise InvalidRequest("logprobs are not available from this engine (--engine vllm, or --engine-process)")
         if self.steps.encode or self.steps.prefill:
             media = await (engine.encode(req, ctx) if self.steps.encode else engine.receive_media(req, ctx))
             if not self.steps.prefill:
@@ -121,7 +124,11 @@ class HopStage:
         first = self.engine.first_token(handle)
         if first is not None:
             emitter = ChunkEmitter(self.engine, req, handle.prompt_len, emitted, handle.cached_tokens)
-            chunk = emitter.finish_now() if len(emitted) >= req.max_tokens else emitter.push(first)
+            chunk = (
+                emitter.finish_now()
+                if len(emitted) >= req.max_tokens
+                else emitter.push(first, self.engine.logprobs(handle, len(emitted)))
+            )
             yield chunk
             if chunk.finish_reason is not None:
                 return
@@ -136,7 +143,7 @@ class HopStage:
             return
         async with contextlib.aclosing(self.engine.decode(handle, req, ctx, emitter.is_eos)) as tokens:
             async for token in tokens:
-                chunk = emitter.push(token)
+                chunk = emitter.push(token, self.engine.logprobs(handle, emitter.index))
                 yield chunk
                 if chunk.finish_reason is not None:
                     return

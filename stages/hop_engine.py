@@ -35,7 +35,7 @@ from schemas.processed import EncodedItem, EncodedMedia, KvHandoff, ProcessedReq
 from schemas.tensors import TensorRef
 from stages.contract import HopContext, TensorStore
 from stages.families import MediaEmbedding
-from stages.sampling import SamplingConfig
+from stages.sampling import Logprobs, SamplingConfig
 
 
 class Prefilled(Protocol):
@@ -124,6 +124,17 @@ class HopEngine(Protocol[H]):
         """The prompt plus what the client already holds (``ctx.emitted``)."""
         ...
 
+    def logprobs(self, handle: H, index: int) -> Logprobs | None:
+        """The logprob of generated token ``index`` and the most likely
+        tokens' at its step (``SamplingConfig.logprobs``); None where none
+        were asked for, or the engine gives none."""
+        ...
+
+    @property
+    def supports_logprobs(self) -> bool:
+        """Whether ``logprobs`` answers: a request asking for them is refused otherwise."""
+        ...
+
     def first_token(self, handle: H) -> int | None:
         """The token the prefill chose (after ``ctx.emitted``), which a hop
         that ends at prefill streams before it hands the sequence on; None
@@ -183,6 +194,7 @@ def sampling(req: ProcessedRequest, resumed: int = 0) -> SamplingConfig:
         min_tokens=max(s.min_tokens - resumed, 0),
         ignore_eos=s.ignore_eos,
         max_tokens=req.max_tokens - resumed,
+        logprobs=s.logprobs,
     )
 
 

@@ -11,6 +11,15 @@ from schemas.errors import InvalidRequest
 
 
 @dataclass(frozen=True)
+class Logprobs:
+    """A chosen token's log probability, and the most likely tokens' (id,
+    logprob) at its step, best first."""
+
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
+
+
+@dataclass(frozen=True)
 class SamplingConfig:
     temperature: float = 0.0  # 0 = greedy
     top_p: float = 1.0
@@ -19,6 +28,8 @@ class SamplingConfig:
     min_tokens: int = 0  # EOS is masked until this many tokens were generated
     ignore_eos: bool = False  # EOS may be sampled but does not stop the sequence
     max_tokens: int = 16
+    # Each chosen token's logprob and this many most likely tokens' (None: none).
+    logprobs: int | None = None
 
     def __post_init__(self) -> None:
         if not self.temperature >= 0.0:
@@ -33,3 +44,9 @@ class SamplingConfig:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def on_device(self) -> bool:
+        """Whether a step may choose the token on the device, never showing
+        the host its logits: greedy, and no logprobs to compute from them."""
+        return self.greedy and self.logprobs is None

@@ -39,7 +39,7 @@ from pipeline.health import LIVE_PATH, READY_PATH
 from pipeline.replies import CHUNK_DECODER, ExactlyOnceRelay, is_final, stored_chunks
 from pipeline.router.router import KvRouter
 from pipeline.streams import ensure_streams, is_stream_full
-from schemas.chunk import ErrorChunk, ReplyChunk, TokenChunk, Usage
+from schemas.chunk import ErrorChunk, ReplyChunk, TokenChunk, TokenLogprob, Usage
 from schemas.codec import CONTENT_TYPE, MSGPACK, Decoder, encode
 from schemas.control import CacheCleared, Cancel, Restart, WorkerInfo
 from schemas.errors import (
@@ -525,15 +525,18 @@ class Bridge:
     ) -> web.Response:
         texts: list[list[str]] = [[] for _ in range(choices)]
         lasts: list[TokenChunk | None] = [None] * choices
+        logprobs: list[list[TokenLogprob] | None] = [None] * choices
         async for index, chunk in chunks:
             if isinstance(chunk, ErrorChunk):
                 return responses.error_chunk(chunk, self.settings.retry_after_s)
             texts[index].append(chunk.text)
             lasts[index] = chunk
+            if chunk.logprobs is not None:
+                logprobs[index] = (logprobs[index] or []) + chunk.logprobs
         answers = []
-        for text, last in zip(texts, lasts, strict=True):
+        for text, last, lps in zip(texts, lasts, logprobs, strict=True):
             assert last is not None
-            answers.append(("".join(text), last))
+            answers.append(responses.Answer("".join(text), last, lps))
         return web.json_response(responses.completion(rid, model, created, answers, reply))
 
     async def _stream(
@@ -555,6 +558,8 @@ class Bridge:
         finals: list[Usage | None] = [None] * choices
         started = [False] * choices
         sent: list[float | None] = [None] * choices
+        # A text completion's place in each choice's text, for its tokens' text_offset.
+        offsets = [len(reply.echo(i)) for i in range(choices)]
         async for index, chunk in chunks:
             if isinstance(chunk, ErrorChunk):
                 if response is None:
@@ -570,7 +575,10 @@ class Bridge:
             first = not started[index]
             if first:
                 started[index], prompts[index] = True, chunk.usage
-            body = responses.stream_chunk(rid, model, created, chunk, first, reply, prompts[index], index)
+            body = responses.stream_chunk(
+                rid, model, created, chunk, first, reply, prompts[index], index, offsets[index]
+            )
+            offsets[index] += sum(len(t.token) for t in chunk.logprobs or [])
             await response.write(responses.sse(body))
             now = time.perf_counter()
             if (last := sent[index]) is not None:

@@ -101,8 +101,8 @@ def completion_to_generate_requests(
     the ``j``-th of prompt ``i`` (OpenAI's and vLLM's order)."""
     if body.best_of not in (None, 1, body.n):
         raise InvalidRequest("best_of is not supported (other than equal to n)")
-    if body.logprobs is not None:
-        raise InvalidRequest("logprobs are not supported")
+    if body.logprobs is not None and body.echo:
+        raise InvalidRequest("logprobs with echo (the prompt's logprobs) are not supported")
     _check_common(body)
     if body.suffix:
         raise InvalidRequest("suffix is not supported")
@@ -114,7 +114,7 @@ def completion_to_generate_requests(
         request_id=request_id,
         model=body.model,
         messages=[],
-        sampling=_sampling(body, body.max_tokens),
+        sampling=_sampling(body, body.max_tokens, _top_logprobs(body.logprobs, "logprobs")),
         stream=body.stream,
         deadline=deadline,
         created=created,
@@ -178,9 +178,22 @@ def _part(i: int, j: int, raw: dict[str, Any]) -> ContentPart:
     )
 
 
-def _sampling(body: ChatCompletionRequest | CompletionRequest, max_tokens: int | None) -> SamplingParams:
+# As vLLM's default --max-logprobs.
+MAX_LOGPROBS = 20
+
+
+def _top_logprobs(top: int | None, name: str) -> int | None:
+    if top is not None and not 0 <= top <= MAX_LOGPROBS:
+        raise InvalidRequest(f"{name} must be between 0 and {MAX_LOGPROBS}; it is {top}")
+    return top
+
+
+def _sampling(
+    body: ChatCompletionRequest | CompletionRequest, max_tokens: int | None, logprobs: int | None
+) -> SamplingParams:
     """The sampling fields chat and completions share, OpenAI's defaults filled in."""
     return SamplingParams(
+        logprobs=logprobs,
         max_tokens=max_tokens,
         temperature=1.0 if body.temperature is None else body.temperature,
         top_p=1.0 if body.top_p is None else body.top_p,
@@ -202,8 +215,8 @@ def _check_common(body: ChatCompletionRequest | CompletionRequest) -> None:
 
 def _check_unsupported(body: ChatCompletionRequest) -> None:
     _check_choices(body.n)
-    if body.logprobs or body.top_logprobs:
-        raise InvalidRequest("logprobs are not supported")
+    if body.top_logprobs is not None and not body.logprobs:
+        raise InvalidRequest("top_logprobs needs logprobs set to true")
     if body.tools or body.tool_choice not in (None, "none"):
         raise InvalidRequest("tools are not supported")
     _check_common(body)
@@ -234,7 +247,9 @@ def to_generate_request(
         request_id=request_id,
         model=body.model,
         messages=messages,
-        sampling=_sampling(body, max_tokens),
+        sampling=_sampling(
+            body, max_tokens, _top_logprobs(body.top_logprobs or 0, "top_logprobs") if body.logprobs else None
+        ),
         stream=body.stream,
         deadline=deadline,
         created=created,

@@ -7,7 +7,7 @@ from typing import Any
 import msgspec
 from aiohttp import web
 
-from schemas.chunk import ErrorChunk, TokenChunk, Usage
+from schemas.chunk import ErrorChunk, TokenChunk, TokenLogprob, Usage
 from schemas.errors import MmpipeError
 
 _json = msgspec.json.Encoder()
@@ -90,19 +90,23 @@ def stream_chunk(
     reply: Reply,
     prompt: Usage | None = None,
     index: int = 0,
+    offset: int = 0,
 ) -> dict[str, Any]:
     """One SSE chunk of choice ``index``; with ``reply.continuous_usage``,
     that choice's usage up to it (``prompt``: its first chunk's usage, the
-    prompt's size)."""
+    prompt's size). ``offset``: where a text completion's chunk starts in
+    its choice's text (its tokens' ``text_offset``)."""
     finish = chunk.finish_reason.value if chunk.finish_reason else None
     if reply.chat:
         delta: dict[str, Any] = {"content": chunk.text}
         if first:
             delta["role"] = "assistant"
-        choice: dict[str, Any] = {"index": index, "delta": delta, "finish_reason": finish, "logprobs": None}
+        logprobs = chat_logprobs(chunk.logprobs) if chunk.logprobs is not None else None
+        choice: dict[str, Any] = {"index": index, "delta": delta, "finish_reason": finish, "logprobs": logprobs}
     else:
         text = reply.echo(index) + chunk.text if first else chunk.text
-        choice = {"index": index, "text": text, "finish_reason": finish, "logprobs": None}
+        logprobs = text_logprobs(chunk.logprobs, offset) if chunk.logprobs is not None else None
+        choice = {"index": index, "text": text, "finish_reason": finish, "logprobs": logprobs}
     body = {"id": rid, "object": reply.chunk_object, "created": created, "model": model, "choices": [choice]}
     if reply.continuous_usage and prompt is not None:
         body["usage"] = _usage(Usage(prompt.prompt_tokens, chunk.end, prompt.cached_tokens))
@@ -120,19 +124,29 @@ def usage_chunk(rid: str, model: str, created: int, usage: Usage, reply: Reply) 
     }
 
 
-def completion(
-    rid: str, model: str, created: int, answers: list[tuple[str, TokenChunk]], reply: Reply
-) -> dict[str, Any]:
-    """The whole answer: each choice's text and last chunk, by index."""
+class Answer(msgspec.Struct):
+    """One choice, whole: its text, its last chunk, its tokens' logprobs (if asked for)."""
+
+    text: str
+    last: TokenChunk
+    logprobs: list[TokenLogprob] | None = None
+
+
+def completion(rid: str, model: str, created: int, answers: list[Answer], reply: Reply) -> dict[str, Any]:
+    """The whole answer: each choice, by index."""
     choices = []
-    for index, (text, last) in enumerate(answers):
+    for index, answer in enumerate(answers):
+        last, lps = answer.last, answer.logprobs
         finish = last.finish_reason.value if last.finish_reason else None
         if reply.chat:
-            choice: dict[str, Any] = {"index": index, "message": {"role": "assistant", "content": text}}
+            choice: dict[str, Any] = {"index": index, "message": {"role": "assistant", "content": answer.text}}
+            logprobs = chat_logprobs(lps) if lps is not None else None
         else:
-            choice = {"index": index, "text": reply.echo(index) + text}
-        choices.append({**choice, "finish_reason": finish, "logprobs": None})
-    usage = total_usage([last.usage for _, last in answers], reply.n)
+            echo = reply.echo(index)
+            choice = {"index": index, "text": echo + answer.text}
+            logprobs = text_logprobs(lps, len(echo)) if lps is not None else None
+        choices.append({**choice, "finish_reason": finish, "logprobs": logprobs})
+    usage = total_usage([answer.last.usage for answer in answers], reply.n)
     return {
         "id": rid,
         "object": "chat.completion" if reply.chat else "text_completion",
@@ -140,6 +154,39 @@ def completion(
         "model": model,
         "choices": choices,
         "usage": _usage(usage) if usage else None,
+    }
+
+
+def chat_logprobs(logprobs: list[TokenLogprob]) -> dict[str, Any]:
+    """A chat choice's ``logprobs``: each token with its bytes and its step's most likely tokens."""
+    return {
+        "content": [
+            {
+                **_token(t.token, t.logprob),
+                "top_logprobs": [_token(top.token, top.logprob) for top in t.top],
+            }
+            for t in logprobs
+        ]
+    }
+
+
+def _token(token: str, logprob: float) -> dict[str, Any]:
+    return {"token": token, "logprob": logprob, "bytes": list(token.encode())}
+
+
+def text_logprobs(logprobs: list[TokenLogprob], offset: int) -> dict[str, Any]:
+    """A text completion's ``logprobs`` (the legacy shape): tokens, their
+    logprobs, each step's most likely tokens by text, and where each token
+    starts in the choice's text (from ``offset``)."""
+    offsets = []
+    for t in logprobs:
+        offsets.append(offset)
+        offset += len(t.token)
+    return {
+        "tokens": [t.token for t in logprobs],
+        "token_logprobs": [t.logprob for t in logprobs],
+        "top_logprobs": [{top.token: top.logprob for top in t.top} for t in logprobs],
+        "text_offset": offsets,
     }
 
 

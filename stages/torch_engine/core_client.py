@@ -38,6 +38,7 @@ from schemas.routes import moves_tensors
 from stages.contract import HopContext, replay_steps, step_span
 from stages.families import MediaEmbedding
 from stages.hop_engine import Carried, client_ahead
+from stages.sampling import Logprobs
 from stages.torch_engine import core_process
 from stages.torch_engine.core_wire import (
     Abort,
@@ -280,6 +281,12 @@ class ProcessHopEngine:
             replay_steps(reply.steps)
         ctx.trace.update(reply.trace)
         return RemotePrefilled(reply.seq, reply.prompt_len, reply.output_ids, cached_tokens=reply.cached_tokens)
+
+    # The engine core's tokens come over its pipe without their logprobs.
+    supports_logprobs = False
+
+    def logprobs(self, handle: RemotePrefilled, index: int) -> Logprobs | None:
+        return None
 
     def first_token(self, handle: RemotePrefilled) -> int | None:
         return handle.output_ids[-1]

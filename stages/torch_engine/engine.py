@@ -38,7 +38,7 @@ from stages.sampling import SamplingConfig
 from stages.torch_engine import batch_decoder, metrics
 from stages.torch_engine.batch_decoder import BatchDecoder, Launched, from_blocks, to_blocks
 from stages.torch_engine.block_pool import blocks_for
-from stages.torch_engine.sampling import greedy_choice, select_token
+from stages.torch_engine.sampling import greedy_choice, select_token, token_logprobs
 from stages.torch_engine.sequence import KvState, Launch, Sequence
 from stages.torch_engine.settings import DecodeSettings, parse_memory
 from stages.torch_engine.slot_prefill import SlotPrefill
@@ -342,7 +342,7 @@ class TorchEngine:
                 raise ValueError("launch on a released sequence")
             if seq.pending is not None:
                 raise ValueError("launch on a sequence whose prefill token is not settled")
-            if not seq.sampling.greedy:
+            if not seq.sampling.on_device:
                 return None
             wanted = seq.num_generated + seq.inflight < seq.sampling.max_tokens
             if wanted and seq.length + seq.inflight >= self.max_model_len:
@@ -878,7 +878,7 @@ class TorchEngine:
         them (argmax, EOS masked until min_tokens as select_token does), read
         in one device sync for them all."""
         assert self.decoder is not None
-        greedy = [q for q in seqs if q.sampling.greedy]
+        greedy = [q for q in seqs if q.sampling.on_device]
         chosen: dict[int, int] = {}
         if greedy:
             sampled = self.decoder.sampled[: logits.shape[0]].tolist()
@@ -886,16 +886,18 @@ class TorchEngine:
                 q.output_ids.append(sampled[q.slot])
                 chosen[id(q)] = sampled[q.slot]
         for q in seqs:
-            if not q.sampling.greedy:
+            if not q.sampling.on_device:
                 chosen[id(q)] = self._select(q, logits[q.slot])
         return chosen
 
     def _select(self, seq: Sequence, logits: torch.Tensor, defer: bool = False) -> int:
-        if defer and logits.is_cuda and seq.sampling.greedy:
+        if defer and logits.is_cuda and seq.sampling.on_device:
             chosen = greedy_choice(logits.float(), seq.sampling, seq.num_generated, self._eos_tensor)
             seq.pending = Launched(chosen.reshape(1), 1, blocking=True)
             return -1
         token = select_token(logits.float(), seq.sampling, seq.num_generated, self._eos_tensor)
+        if seq.sampling.logprobs is not None:
+            seq.logprobs[seq.num_generated] = token_logprobs(logits, token, seq.sampling.logprobs)
         seq.output_ids.append(token)
         return token
 

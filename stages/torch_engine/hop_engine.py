@@ -38,7 +38,7 @@ from stages.hop_engine import (
     sampling,
 )
 from stages.media import EmbeddingCache, MediaFetcher, MediaPolicy
-from stages.sampling import SamplingConfig
+from stages.sampling import Logprobs, SamplingConfig
 from stages.torch_engine.call_batcher import CallBatcher
 from stages.torch_engine.engine import MediaNotEncoded, TorchEngine
 from stages.torch_engine.scheduler import DecodeScheduler, EngineThread
@@ -240,6 +240,12 @@ class TorchHopEngine:
         except BaseException:
             self.thread.submit(self.torch.release, seq)
             raise
+
+    # Chosen on the host for a request that asks (TorchEngine._select).
+    supports_logprobs = True
+
+    def logprobs(self, handle: TorchPrefilled, index: int) -> Logprobs | None:
+        return handle.seq.logprobs.get(index)
 
     def first_token(self, handle: TorchPrefilled) -> int | None:
         # Prefill covered the prompt and what the client held; the one token

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from stages.sampling import SamplingConfig
+from stages.sampling import Logprobs, SamplingConfig
 
 _MASK64 = (1 << 64) - 1
 
@@ -98,6 +98,17 @@ def greedy_choice(
     if eos_token_ids is not None and index < config.min_tokens:
         logits = _without(logits, eos_token_ids)
     return torch.argmax(logits)
+
+
+def token_logprobs(logits: torch.Tensor, token: int, top: int) -> Logprobs:
+    """``token``'s log probability under the model's own distribution
+    (``logits`` as the model gave them: no temperature, top-k/p or EOS
+    masking, as vLLM's default raw logprobs), and the ``top`` most likely
+    tokens' (first index on ties, as ``torch.topk``), in float32."""
+    logprobs = torch.log_softmax(logits.detach().to(device="cpu", dtype=torch.float32), dim=-1)
+    best = torch.topk(logprobs, top) if top else None
+    ranked = tuple(zip(best.indices.tolist(), best.values.tolist(), strict=True)) if best is not None else ()
+    return Logprobs(float(logprobs[token]), ranked)
 
 
 def _without(logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:

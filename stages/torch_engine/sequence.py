@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from stages.sampling import SamplingConfig
+from stages.sampling import Logprobs, SamplingConfig
 from stages.torch_engine.batch_decoder import Launched
 
 
@@ -51,6 +51,8 @@ class Sequence:
     # The expanded prompt's ids those keys cover (and more), for the KV events.
     prefix_ids: list[int] = field(default_factory=list)
     cached_tokens: int = 0
+    # Where the sampling asks for logprobs: each generated token's, by its index.
+    logprobs: dict[int, Logprobs] = field(default_factory=dict)
 
     @property
     def length(self) -> int:

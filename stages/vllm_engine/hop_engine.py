@@ -61,6 +61,7 @@ from stages.families import MediaEmbedding
 from stages.hop_engine import Carried, check_context, prompt_len, put_media, receive_embeddings, sampling
 from stages.media import MediaFetcher
 from stages.prefix_keys import PromptMedia
+from stages.sampling import Logprobs
 from stages.vllm_engine.args import KV_PRODUCER_ROLES, VLLM_ROLES
 from stages.vllm_engine.block_keys import VllmBlockKeys
 from stages.vllm_engine.engine import VllmEngine
@@ -200,6 +201,12 @@ class VllmHopEngine:
         ctx.trace["prefill_s"] = time.monotonic() - handle.started
         log.info("vllm_prefilled", request_id=rid, vllm_request_id=vllm_id, kv_params=sorted(handle.kv_params))
         return handle
+
+    # Not asked of vLLM yet.
+    supports_logprobs = False
+
+    def logprobs(self, handle: VllmPrefilled, index: int) -> Logprobs | None:
+        return None
 
     def first_token(self, handle: VllmPrefilled) -> int | None:
         # vLLM's decode instance samples the token after the transferred

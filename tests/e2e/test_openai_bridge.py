@@ -11,6 +11,7 @@ from typing import Any
 import aiohttp
 import openai
 import pytest
+import torch
 from PIL import Image
 
 from pipeline import metrics
@@ -274,7 +275,6 @@ async def test_completions_take_a_prompt_as_it_is_with_generates_tokens(stack: S
             ({"prompt": prompt, "n": 0}, "between 1 and 128"),
             ({"prompt": [prompt, prompt], "n": 65}, "between 1 and 128; it is 130"),
             ({"prompt": prompt, "n": 2, "best_of": 3}, "best_of"),
-            ({"prompt": prompt, "logprobs": 2}, "logprobs"),
             ({"prompt": [10**9]}, "outside the vocabulary"),
             ({"prompt": ids, "echo": True}, "echo takes a text prompt"),
         ]:
@@ -352,3 +352,70 @@ async def test_several_choices_and_prompts_in_one_request(stack: Stack, referenc
         ]
         assert [ch.text for ch in many.choices] == alone
         assert len(set(alone)) > 1  # the seeds really differ
+
+
+@pytest.mark.e2e
+async def test_logprobs_are_generates_own(stack: Stack) -> None:
+    """Each token's logprob and its step's most likely tokens, as
+    transformers' raw logits give them (vLLM's default raw logprobs), in
+    chat's shape and in the text completion's legacy one, streamed or not,
+    for every choice."""
+    from transformers import AutoTokenizer
+
+    from stages.torch_engine.reference import load_reference_model
+
+    model_dir = stack.spec.path
+    tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
+    model = load_reference_model(model_dir)
+    ids = tokenizer("The sea and the mountains are")["input_ids"]
+    with torch.inference_mode():
+        out = model.generate(
+            input_ids=torch.tensor([ids]),
+            attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+            do_sample=False,
+            max_new_tokens=N,
+            min_new_tokens=N,
+            output_logits=True,
+            return_dict_in_generate=True,
+        )
+    tokens = out.sequences[0, len(ids) :].tolist()
+    raw = [torch.log_softmax(step[0].float(), dim=-1) for step in out.logits]
+    want = [float(lp[t]) for lp, t in zip(raw, tokens, strict=True)]
+    top3 = [torch.topk(lp, 3).indices.tolist() for lp in raw]
+    kw: dict[str, Any] = {"model": "tiny-qwen2-vl", "max_tokens": N, "temperature": 0, "extra_body": {"min_tokens": N}}
+    async with client(stack) as c:
+        done = await c.completions.create(prompt=ids, logprobs=3, n=2, **kw)
+        for choice in done.choices:
+            lp = choice.logprobs
+            assert lp is not None and lp.tokens == [tokenizer.decode([t]) for t in tokens]
+            assert lp.token_logprobs == pytest.approx(want, abs=1e-4)
+            assert lp.top_logprobs is not None
+            assert [list(top) for top in lp.top_logprobs] == [[tokenizer.decode([t]) for t in ts] for ts in top3]
+            starts = [0]
+            for token in lp.tokens[:-1]:
+                starts.append(starts[-1] + len(token))
+            assert lp.text_offset == starts
+        # Chat, streamed: the same logprobs, token by token, with their bytes.
+        content: list[Any] = []
+        async for chunk in await c.chat.completions.create(
+            messages=[{"role": "user", "content": "Say something."}], logprobs=True, top_logprobs=2, stream=True, **kw
+        ):
+            for choice in chunk.choices:
+                if choice.logprobs is not None and choice.logprobs.content:
+                    content += choice.logprobs.content
+        assert len(content) == N
+        for entry in content:
+            assert entry.bytes == list(entry.token.encode()) and len(entry.top_logprobs) == 2
+            assert entry.top_logprobs[0].logprob >= entry.logprob - 1e-6  # greedy: the best is the one taken
+        # Not asked for: none.
+        plain = await c.completions.create(prompt=ids, **kw)
+        assert plain.choices[0].logprobs is None
+        for bad, says in [
+            ({"logprobs": 21}, "between 0 and 20"),
+            ({"logprobs": 1, "echo": True, "prompt": "x"}, "echo"),
+        ]:
+            with pytest.raises(openai.BadRequestError) as refused:
+                await c.completions.create(**{"prompt": ids, **kw, **bad})
+            assert says in refused.value.body["message"]  # type: ignore[index]
+        with pytest.raises(openai.BadRequestError, match="top_logprobs needs logprobs"):
+            await c.chat.completions.create(messages=[{"role": "user", "content": "Hi"}], top_logprobs=2, **kw)

@@ -3,7 +3,7 @@ from __future__ import annotations
 import msgspec
 import pytest
 
-from schemas.chunk import ErrorChunk, FinishReason, ReplyChunk, TokenChunk, Usage
+from schemas.chunk import ErrorChunk, FinishReason, ReplyChunk, TokenChunk, TokenLogprob, TopLogprob, Usage
 from schemas.codec import JSON, MSGPACK, Decoder, encode
 from schemas.control import Cancel, DeadLetter
 from schemas.errors import ErrorCode, TooLarge
@@ -18,7 +18,7 @@ REQUEST = GenerateRequest(
         ChatMessage(role="system", content="be brief"),
         ChatMessage(role="user", content=[ImagePart(ImageURL("data:image/png;base64,AAAA")), TextPart("what?")]),
     ],
-    sampling=SamplingParams(max_tokens=8, temperature=0.0, stop=["\n"], seed=7),
+    sampling=SamplingParams(max_tokens=8, temperature=0.0, stop=["\n"], seed=7, logprobs=2),
     deadline=123.5,
     route=["encode+prefill+decode"],
 )
@@ -40,6 +40,16 @@ def test_every_message_round_trips(content_type: str) -> None:
             ProcessedRequest,
         ),
         (TokenChunk("r1", 3, [5, 6], "hi", FinishReason.STOP, Usage(10, 5)), ReplyChunk),
+        (
+            TokenChunk(
+                "r1",
+                0,
+                [5],
+                "h",
+                logprobs=[TokenLogprob(5, "h", -0.25, [TopLogprob(5, "h", -0.25), TopLogprob(9, "\u00e9", -2.5)])],
+            ),
+            ReplyChunk,
+        ),
         (ErrorChunk.from_error("r1", TooLarge("big")), ReplyChunk),
         (Cancel("r1"), Cancel),
         (DeadLetter("s", ErrorCode.INVALID_MEDIA, "bad", 1, "r1", b"\x00\x01"), DeadLetter),
