@@ -95,7 +95,7 @@ class HopStage:
         req = message
         engine = self.engine
         if req.request.sampling.logprobs is not None and not engine.supports_logprobs:
-            raise InvalidRequest("logprobs are not available from this engine (--engine vllm, or --engine-process)")
+            raise InvalidRequest("logprobs are not available with --engine-process")
         if self.steps.encode or self.steps.prefill:
             media = await (engine.encode(req, ctx) if self.steps.encode else engine.receive_media(req, ctx))
             if not self.steps.prefill:

@@ -202,3 +202,27 @@ def reference_generate(
             **kwargs,
         )
     return [int(t) for t in out[0, input_ids.shape[1] :].tolist()]
+
+
+def reference_logprobs(
+    model_dir: Path, prompt_token_ids: list[int], max_new_tokens: int, top: int, model: Any = None
+) -> tuple[list[int], list[float], list[list[int]]]:
+    """``generate()``'s greedy new tokens for a text prompt (``min_new_tokens``
+    too), each one's log probability under the model's raw logits (no logits
+    processor: vLLM's raw logprobs), and the ``top`` best token ids of each step."""
+    model = model if model is not None else load_reference_model(model_dir)
+    input_ids = torch.tensor([prompt_token_ids], dtype=torch.long, device=model.device)
+    with torch.inference_mode():
+        out = model.generate(
+            input_ids=input_ids,
+            attention_mask=torch.ones_like(input_ids),
+            do_sample=False,
+            max_new_tokens=max_new_tokens,
+            min_new_tokens=max_new_tokens,
+            output_logits=True,
+            return_dict_in_generate=True,
+        )
+    tokens = [int(t) for t in out.sequences[0, input_ids.shape[1] :].tolist()]
+    steps = [torch.log_softmax(step[0].float(), dim=-1) for step in out.logits]
+    chosen = [float(lp[t]) for lp, t in zip(steps, tokens, strict=True)]
+    return tokens, chosen, [torch.topk(lp, top).indices.tolist() for lp in steps]

@@ -22,7 +22,7 @@ from typing import Any
 import structlog
 
 from stages.families import MediaEmbedding
-from stages.sampling import SamplingConfig
+from stages.sampling import Logprobs, SamplingConfig
 from stages.vllm_engine.args import STORAGE_TTL_S, KvConnectorSettings, require_vllm
 from stages.vllm_engine.health import watch_engine
 from stages.vllm_engine.media import mm_prompt
@@ -38,6 +38,8 @@ class Delta:
 
     token_ids: list[int]
     finished: bool
+    # Each token's logprob and its step's best ``SamplingConfig.logprobs`` (where asked for).
+    logprobs: list[Logprobs] | None = None
 
 
 class VllmEngine:
@@ -134,7 +136,18 @@ class VllmEngine:
         assert self._llm is not None, "start() the engine first"
         params = self._params(sampling, RequestOutputKind.DELTA, kv_transfer_params)
         async for out in self._llm.generate(_prompt(prompt_token_ids, media, self.timed_video), params, request_id):
-            yield Delta([int(t) for t in out.outputs[0].token_ids], bool(out.finished))
+            done = out.outputs[0]
+            tokens = [int(t) for t in done.token_ids]
+            asked = sampling.logprobs is not None and done.logprobs is not None
+            logprobs = (
+                [
+                    _logprobs(t, step, sampling.logprobs or 0)
+                    for t, step in zip(tokens, done.logprobs or [], strict=True)
+                ]
+                if asked
+                else None
+            )
+            yield Delta(tokens, bool(out.finished), logprobs)
 
     async def prefill(
         self, request_id: str, prompt_token_ids: list[int], media: list[MediaEmbedding], sampling: SamplingConfig
@@ -175,6 +188,8 @@ class VllmEngine:
             ignore_eos=sampling.ignore_eos,
             stop_token_ids=sorted(self.eos_token_ids),
             output_kind=kind,
+            # vLLM gives the sampled token's and the best ``logprobs`` (raw: the model's own output).
+            logprobs=sampling.logprobs,
             # mmpipe detokenizes (stop strings, held-back characters) itself.
             detokenize=False,
             extra_args={"kv_transfer_params": dict(kv_transfer_params)} if kv_transfer_params else None,
@@ -189,6 +204,13 @@ class VllmEngine:
         failed): what the worker's readiness asks (``health.engine_health``)."""
         if self._llm is not None:  # none before start() and after close(): the worker says why
             await self._llm.check_health()
+
+
+def _logprobs(token: int, step: dict[int, Any], top: int) -> Logprobs:
+    """vLLM's logprobs of one step (token id -> Logprob with its rank): the
+    chosen token's, and the ``top`` best by rank."""
+    ranked = sorted((lp.rank, t, lp.logprob) for t, lp in step.items() if lp.rank is not None and lp.rank <= top)
+    return Logprobs(float(step[token].logprob), tuple((t, float(lp)) for _, t, lp in ranked))
 
 
 def _prompt(prompt_token_ids: list[int], media: list[MediaEmbedding], timed_video: bool = False) -> dict[str, Any]:

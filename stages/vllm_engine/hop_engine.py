@@ -96,6 +96,9 @@ class VllmPrefilled:
     # The vLLM request running for it, and whether vLLM has ended it.
     vllm_id: str | None = None
     finished: bool = False
+    # Tokens decode() gave, and their logprobs by generated index (where asked for).
+    yielded: int = 0
+    logprobs: dict[int, Logprobs] = field(default_factory=dict)
 
 
 class VllmHopEngine:
@@ -202,11 +205,11 @@ class VllmHopEngine:
         log.info("vllm_prefilled", request_id=rid, vllm_request_id=vllm_id, kv_params=sorted(handle.kv_params))
         return handle
 
-    # Not asked of vLLM yet.
-    supports_logprobs = False
+    # vLLM's own (SamplingParams.logprobs), by generated index on the handle.
+    supports_logprobs = True
 
     def logprobs(self, handle: VllmPrefilled, index: int) -> Logprobs | None:
-        return None
+        return handle.logprobs.get(index)
 
     def first_token(self, handle: VllmPrefilled) -> int | None:
         # vLLM's decode instance samples the token after the transferred
@@ -255,7 +258,10 @@ class VllmHopEngine:
                 if first and delta.token_ids:
                     ctx.trace["prefill_s"] = time.monotonic() - handle.started
                     first = False
-                for token in delta.token_ids:
+                for i, token in enumerate(delta.token_ids):
+                    if delta.logprobs is not None:
+                        handle.logprobs[len(ctx.emitted) + handle.yielded] = delta.logprobs[i]
+                    handle.yielded += 1
                     yield token
 
     async def abort(self, handle: VllmPrefilled) -> None:

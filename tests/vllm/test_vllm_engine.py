@@ -247,7 +247,7 @@ async def test_a_completion_equals_generate(stack: VllmStack, vllm_model_dir: Pa
     """/v1/completions on vLLM: the prompt's own tokens, no chat template."""
     from transformers import AutoTokenizer
 
-    from stages.torch_engine.reference import reference_generate
+    from stages.torch_engine.reference import reference_generate, reference_logprobs
 
     tokenizer = AutoTokenizer.from_pretrained(str(vllm_model_dir))
     prompt = "The sea and the mountains are"
@@ -258,6 +258,17 @@ async def test_a_completion_equals_generate(stack: VllmStack, vllm_model_dir: Pa
         )
     assert done.choices[0].text == tokenizer.decode(expected, skip_special_tokens=True)
     assert done.usage is not None and done.usage.completion_tokens == N
+    # vLLM's own logprobs, through mmpipe's chunks: generate()'s raw ones.
+    tokens, want, top2 = reference_logprobs(vllm_model_dir, tokenizer(prompt)["input_ids"], N, 2)
+    async with stack.client() as c:
+        done = await c.completions.create(
+            model=MODEL, prompt=prompt, max_tokens=N, temperature=0, extra_body={"min_tokens": N}, logprobs=2
+        )
+    lp = done.choices[0].logprobs
+    assert lp is not None and lp.tokens == [tokenizer.decode([t]) for t in tokens]
+    assert lp.token_logprobs == pytest.approx(want, abs=1e-3)
+    assert lp.top_logprobs is not None
+    assert [list(top) for top in lp.top_logprobs] == [[tokenizer.decode([t]) for t in ts] for ts in top2]
 
 
 @pytest.mark.e2e
