@@ -92,6 +92,11 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, forbid_unknown_fields=T
     ignore_eos: bool = False
     # Each generated token's logprob and this many most likely tokens' (0..20); None: none.
     logprobs: int | None = None
+    # OpenAI's: subtracted from a token's logit once it was generated (presence)
+    # and once each time (frequency); added to the token's logit (logit_bias).
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: dict[int, float] = {}
 
 
 class GenerateRequest(msgspec.Struct, omit_defaults=True, forbid_unknown_fields=True):

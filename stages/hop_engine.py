@@ -195,6 +195,9 @@ def sampling(req: ProcessedRequest, resumed: int = 0) -> SamplingConfig:
         ignore_eos=s.ignore_eos,
         max_tokens=req.max_tokens - resumed,
         logprobs=s.logprobs,
+        presence_penalty=s.presence_penalty,
+        frequency_penalty=s.frequency_penalty,
+        logit_bias=tuple(sorted(s.logit_bias.items())),
     )
 
 

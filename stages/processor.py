@@ -270,5 +270,13 @@ class Processor:
             raise InvalidRequest(f"min_tokens must be within [0, max_tokens], got {s.min_tokens}")
         if len(s.stop) > self.limits.max_stop_strings:
             raise InvalidRequest(f"at most {self.limits.max_stop_strings} stop strings, got {len(s.stop)}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(s, name)
+            if not (math.isfinite(value) and -2.0 <= value <= 2.0):
+                raise InvalidRequest(f"{name} must be within [-2, 2], got {value}")
+        if s.logit_bias:
+            vocab = len(self.model.tokenizer)
+            if bad := [t for t in s.logit_bias if not 0 <= t < vocab]:
+                raise InvalidRequest(f"logit_bias: token ids outside the vocabulary (size {vocab}): {bad[:5]}")
         if s.seed is not None and not (0 <= s.seed < 2**63):
             raise InvalidRequest(f"seed must be within [0, 2**63), got {s.seed}")

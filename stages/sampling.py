@@ -30,6 +30,10 @@ class SamplingConfig:
     max_tokens: int = 16
     # Each chosen token's logprob and this many most likely tokens' (None: none).
     logprobs: int | None = None
+    # OpenAI's penalties on the tokens generated so far, and its logit_bias (token id, bias).
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: tuple[tuple[int, float], ...] = ()
 
     def __post_init__(self) -> None:
         if not self.temperature >= 0.0:
@@ -48,5 +52,11 @@ class SamplingConfig:
     @property
     def on_device(self) -> bool:
         """Whether a step may choose the token on the device, never showing
-        the host its logits: greedy, and no logprobs to compute from them."""
-        return self.greedy and self.logprobs is None
+        the host its logits: greedy, no logprobs to compute from them, and
+        nothing that changes them first."""
+        return self.greedy and self.logprobs is None and not self.adjusts
+
+    @property
+    def adjusts(self) -> bool:
+        """Whether the logits change before the choice: penalties or a bias."""
+        return bool(self.presence_penalty or self.frequency_penalty or self.logit_bias)

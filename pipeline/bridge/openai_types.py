@@ -43,6 +43,7 @@ class ChatCompletionRequest(msgspec.Struct, forbid_unknown_fields=True):
     user: str | None = None
     frequency_penalty: float = 0.0
     presence_penalty: float = 0.0
+    logit_bias: dict[str, float] | None = None
     # vLLM's extras, taken at their neutral values (vLLM's own clients send them so).
     repetition_penalty: float = 1.0
     min_p: float = 0.0
@@ -81,6 +82,7 @@ class CompletionRequest(msgspec.Struct, forbid_unknown_fields=True):
     user: str | None = None
     frequency_penalty: float = 0.0
     presence_penalty: float = 0.0
+    logit_bias: dict[str, float] | None = None
     repetition_penalty: float = 1.0
     min_p: float = 0.0
     logprobs: int | None = None
@@ -194,6 +196,9 @@ def _sampling(
     """The sampling fields chat and completions share, OpenAI's defaults filled in."""
     return SamplingParams(
         logprobs=logprobs,
+        presence_penalty=body.presence_penalty,
+        frequency_penalty=body.frequency_penalty,
+        logit_bias=_logit_bias(body.logit_bias),
         max_tokens=max_tokens,
         temperature=1.0 if body.temperature is None else body.temperature,
         top_p=1.0 if body.top_p is None else body.top_p,
@@ -205,10 +210,20 @@ def _sampling(
     )
 
 
+def _logit_bias(bias: dict[str, float] | None) -> dict[int, float]:
+    """OpenAI's ``logit_bias``: token ids (as JSON keys, strings) to a bias in [-100, 100]."""
+    out: dict[int, float] = {}
+    for key, value in (bias or {}).items():
+        if not key.lstrip("-").isdigit():
+            raise InvalidRequest(f"logit_bias: {key!r} is not a token id")
+        if not -100.0 <= value <= 100.0:
+            raise InvalidRequest(f"logit_bias: the bias of token {key} must be within [-100, 100], got {value}")
+        out[int(key)] = float(value)
+    return out
+
+
 def _check_common(body: ChatCompletionRequest | CompletionRequest) -> None:
     """What chat and completions refuse alike."""
-    if body.frequency_penalty or body.presence_penalty:
-        raise InvalidRequest("frequency_penalty and presence_penalty are not supported")
     if body.repetition_penalty != 1.0 or body.min_p:
         raise InvalidRequest("repetition_penalty (other than 1) and min_p are not supported")
 

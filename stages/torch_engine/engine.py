@@ -895,7 +895,7 @@ class TorchEngine:
             chosen = greedy_choice(logits.float(), seq.sampling, seq.num_generated, self._eos_tensor)
             seq.pending = Launched(chosen.reshape(1), 1, blocking=True)
             return -1
-        token = select_token(logits.float(), seq.sampling, seq.num_generated, self._eos_tensor)
+        token = select_token(logits.float(), seq.sampling, seq.num_generated, self._eos_tensor, seq.output_ids)
         if seq.sampling.logprobs is not None:
             seq.logprobs[seq.num_generated] = token_logprobs(logits, token, seq.sampling.logprobs)
         seq.output_ids.append(token)

@@ -226,3 +226,43 @@ def reference_logprobs(
     steps = [torch.log_softmax(step[0].float(), dim=-1) for step in out.logits]
     chosen = [float(lp[t]) for lp, t in zip(steps, tokens, strict=True)]
     return tokens, chosen, [torch.topk(lp, top).indices.tolist() for lp in steps]
+
+
+def reference_penalized(
+    model_dir: Path,
+    prompt_token_ids: list[int],
+    max_new_tokens: int,
+    presence: float = 0.0,
+    frequency: float = 0.0,
+    bias: dict[int, float] | None = None,
+    model: Any = None,
+) -> list[int]:
+    """``generate()``'s greedy new tokens for a text prompt (``min_new_tokens``
+    too) with OpenAI's presence and frequency penalties on the tokens
+    generated so far (a logits processor of that formula) and ``bias`` as
+    generate()'s own ``sequence_bias``."""
+    from transformers import LogitsProcessor, LogitsProcessorList
+
+    prompt_len = len(prompt_token_ids)
+
+    class OpenAIPenalties(LogitsProcessor):
+        def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+            made = input_ids[0, prompt_len:]
+            if made.numel() == 0:
+                return scores
+            counts = torch.bincount(made, minlength=scores.shape[-1])[: scores.shape[-1]].to(scores.dtype)
+            return scores - frequency * counts - presence * (counts > 0).to(scores.dtype)
+
+    model = model if model is not None else load_reference_model(model_dir)
+    input_ids = torch.tensor([prompt_token_ids], dtype=torch.long, device=model.device)
+    with torch.inference_mode():
+        out = model.generate(
+            input_ids=input_ids,
+            attention_mask=torch.ones_like(input_ids),
+            do_sample=False,
+            max_new_tokens=max_new_tokens,
+            min_new_tokens=max_new_tokens,
+            logits_processor=LogitsProcessorList([OpenAIPenalties()]),
+            sequence_bias={(t,): b for t, b in (bias or {}).items()} or None,
+        )
+    return [int(t) for t in out[0, prompt_len:].tolist()]

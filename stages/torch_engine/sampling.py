@@ -31,14 +31,21 @@ def token_seed(seed: int, index: int) -> int:
 
 
 def select_token(
-    logits: torch.Tensor, config: SamplingConfig, index: int, eos_token_ids: torch.Tensor | None = None
+    logits: torch.Tensor,
+    config: SamplingConfig,
+    index: int,
+    eos_token_ids: torch.Tensor | None = None,
+    generated: list[int] | None = None,
 ) -> int:
     """Pick the token at `index` from next-token `logits` (shape [vocab]).
 
-    EOS ids are set to -inf while index < min_tokens, as transformers'
-    MinNewTokensLogitsProcessor does. Greedy is argmax (first index on ties,
-    like generate()).
+    The penalties and the logit bias first (``generated``: the tokens
+    generated before this one), then EOS ids set to -inf while index <
+    min_tokens, as transformers' MinNewTokensLogitsProcessor does. Greedy is
+    argmax (first index on ties, like generate()).
     """
+    if config.adjusts:
+        logits = adjusted(logits, config, generated or [])
     if config.greedy:
         return int(greedy_choice(logits, config, index, eos_token_ids).item())
     if eos_token_ids is not None and index < config.min_tokens:
@@ -88,6 +95,20 @@ def _candidates(scores: torch.Tensor, config: SamplingConfig) -> tuple[torch.Ten
             return probs, ids
     values, ids = torch.sort(scores, descending=True, stable=True)
     return torch.exp(values - log_total).double(), ids
+
+
+def adjusted(logits: torch.Tensor, config: SamplingConfig, generated: list[int]) -> torch.Tensor:
+    """OpenAI's (and vLLM's) penalties on the tokens generated so far, a
+    token's logit less ``frequency_penalty`` times its count and
+    ``presence_penalty`` once it occurs, and ``logit_bias`` added."""
+    out = logits.float()
+    if generated and (config.presence_penalty or config.frequency_penalty):
+        counts = torch.bincount(torch.tensor(generated, device=out.device), minlength=out.shape[-1])[: out.shape[-1]]
+        out = out - config.frequency_penalty * counts - config.presence_penalty * (counts > 0).float()
+    if config.logit_bias:
+        ids = torch.tensor([t for t, _ in config.logit_bias], device=out.device)
+        out = out.index_add(0, ids, torch.tensor([b for _, b in config.logit_bias], device=out.device))
+    return out
 
 
 def greedy_choice(

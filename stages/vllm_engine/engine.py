@@ -190,6 +190,9 @@ class VllmEngine:
             output_kind=kind,
             # vLLM gives the sampled token's and the best ``logprobs`` (raw: the model's own output).
             logprobs=sampling.logprobs,
+            presence_penalty=sampling.presence_penalty,
+            frequency_penalty=sampling.frequency_penalty,
+            logit_bias=dict(sampling.logit_bias) or None,
             # mmpipe detokenizes (stop strings, held-back characters) itself.
             detokenize=False,
             extra_args={"kv_transfer_params": dict(kv_transfer_params)} if kv_transfer_params else None,

@@ -404,3 +404,52 @@ async def test_logprobs_are_generates_own(stack: Stack) -> None:
             assert says in refused.value.body["message"]  # type: ignore[index]
         with pytest.raises(openai.BadRequestError, match="top_logprobs needs logprobs"):
             await c.chat.completions.create(messages=[{"role": "user", "content": "Hi"}], top_logprobs=2, **kw)
+
+
+@pytest.mark.e2e
+async def test_penalties_and_logit_bias_are_generates_with_the_same_processors(stack: Stack) -> None:
+    """OpenAI's presence and frequency penalties (on the tokens generated so
+    far) and ``logit_bias``: exactly the tokens of ``generate()`` with a
+    logits processor of the same formula and its own ``sequence_bias``."""
+    from transformers import AutoTokenizer
+
+    from stages.torch_engine.reference import load_reference_model, reference_penalized
+
+    count = 48  # long enough for greedy decoding of random weights to repeat a token
+    model_dir = stack.spec.path
+    tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
+    model = load_reference_model(model_dir)
+    ids = tokenizer("The sea and the mountains are")["input_ids"]
+    plain = reference_penalized(model_dir, ids, count, model=model)
+    favoured, banned = plain[1] + 7, plain[0]
+    cases: list[tuple[dict[str, Any], list[int]]] = [
+        (
+            {"frequency_penalty": 1.5, "presence_penalty": 0.5},
+            reference_penalized(model_dir, ids, count, 0.5, 1.5, model=model),
+        ),
+        (
+            {"presence_penalty": -2.0, "frequency_penalty": -1.0},
+            reference_penalized(model_dir, ids, count, -2.0, -1.0, model=model),
+        ),
+        (
+            {"logit_bias": {str(favoured): 3.0, str(banned): -100}},
+            reference_penalized(model_dir, ids, count, bias={favoured: 3.0, banned: -100.0}, model=model),
+        ),
+    ]
+    kw: dict[str, Any] = {"model": "tiny-qwen2-vl", "max_tokens": count, "temperature": 0}
+    async with client(stack) as c:
+        for fields, want in cases:
+            assert want != plain, fields  # the knob changes the answer
+            body = {"min_tokens": count, **({"logit_bias": fields["logit_bias"]} if "logit_bias" in fields else {})}
+            sampling = {k: v for k, v in fields.items() if k != "logit_bias"}
+            done = await c.completions.create(prompt=ids, extra_body=body, **sampling, **kw)
+            assert done.choices[0].text == tokenizer.decode(want, skip_special_tokens=True), fields
+        for bad, says in [
+            ({"frequency_penalty": 2.5}, "frequency_penalty must be within [-2, 2]"),
+            ({"extra_body": {"logit_bias": {"x": 1}}}, "is not a token id"),
+            ({"extra_body": {"logit_bias": {"5": 101}}}, "within [-100, 100]"),
+            ({"extra_body": {"logit_bias": {str(10**9): 1}}}, "outside the vocabulary"),
+        ]:
+            with pytest.raises(openai.BadRequestError) as refused:
+                await c.completions.create(prompt=ids, **{**kw, **bad})
+            assert says in refused.value.body["message"]  # type: ignore[index]

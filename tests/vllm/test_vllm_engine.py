@@ -247,7 +247,7 @@ async def test_a_completion_equals_generate(stack: VllmStack, vllm_model_dir: Pa
     """/v1/completions on vLLM: the prompt's own tokens, no chat template."""
     from transformers import AutoTokenizer
 
-    from stages.torch_engine.reference import reference_generate, reference_logprobs
+    from stages.torch_engine.reference import reference_generate, reference_logprobs, reference_penalized
 
     tokenizer = AutoTokenizer.from_pretrained(str(vllm_model_dir))
     prompt = "The sea and the mountains are"
@@ -269,6 +269,21 @@ async def test_a_completion_equals_generate(stack: VllmStack, vllm_model_dir: Pa
     assert lp.token_logprobs == pytest.approx(want, abs=1e-3)
     assert lp.top_logprobs is not None
     assert [list(top) for top in lp.top_logprobs] == [[tokenizer.decode([t]) for t in ts] for ts in top2]
+    # Penalties and a logit bias, passed to vLLM: generate() with the same processors.
+    ids = tokenizer(prompt)["input_ids"]
+    count = 48
+    penalized = reference_penalized(vllm_model_dir, ids, count, -2.0, -1.0, bias={ids[-1]: 2.0})
+    async with stack.client() as c:
+        done = await c.completions.create(
+            model=MODEL,
+            prompt=prompt,
+            max_tokens=count,
+            temperature=0,
+            presence_penalty=-2.0,
+            frequency_penalty=-1.0,
+            extra_body={"min_tokens": count, "logit_bias": {str(ids[-1]): 2.0}},
+        )
+    assert done.choices[0].text == tokenizer.decode(penalized, skip_special_tokens=True)
 
 
 @pytest.mark.e2e
