@@ -161,11 +161,12 @@ class EngineThread:
             try:
                 result = call.fn(*call.args)
             except BaseException as exc:
+                # Not calling by the time the caller learns the outcome (``quiet``).
+                self._calling = False
                 call.future.set_exception(exc)
             else:
-                call.future.set_result(result)
-            finally:
                 self._calling = False
+                call.future.set_result(result)
             if self._gpu is not None and marker is not None:
                 self._gpu.end(name, marker)
             if not urgent and self._others_ahead > 0 and self._fence is not None:
