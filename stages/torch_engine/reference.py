@@ -211,18 +211,8 @@ def reference_logprobs(
     too), each one's log probability under the model's raw logits (no logits
     processor: vLLM's raw logprobs), and the ``top`` best token ids of each step."""
     model = model if model is not None else load_reference_model(model_dir)
-    input_ids = torch.tensor([prompt_token_ids], dtype=torch.long, device=model.device)
-    with torch.inference_mode():
-        out = model.generate(
-            input_ids=input_ids,
-            attention_mask=torch.ones_like(input_ids),
-            do_sample=False,
-            max_new_tokens=max_new_tokens,
-            min_new_tokens=max_new_tokens,
-            output_logits=True,
-            return_dict_in_generate=True,
-        )
-    tokens = [int(t) for t in out.sequences[0, input_ids.shape[1] :].tolist()]
+    out = _generate_text(model, prompt_token_ids, max_new_tokens, output_logits=True, return_dict_in_generate=True)
+    tokens = [int(t) for t in out.sequences[0, len(prompt_token_ids) :].tolist()]
     steps = [torch.log_softmax(step[0].float(), dim=-1) for step in out.logits]
     chosen = [float(lp[t]) for lp, t in zip(steps, tokens, strict=True)]
     return tokens, chosen, [torch.topk(lp, top).indices.tolist() for lp in steps]
@@ -254,15 +244,25 @@ def reference_penalized(
             return scores - frequency * counts - presence * (counts > 0).to(scores.dtype)
 
     model = model if model is not None else load_reference_model(model_dir)
+    out = _generate_text(
+        model,
+        prompt_token_ids,
+        max_new_tokens,
+        logits_processor=LogitsProcessorList([OpenAIPenalties()]),
+        sequence_bias={(t,): b for t, b in (bias or {}).items()} or None,
+    )
+    return [int(t) for t in out[0, prompt_len:].tolist()]
+
+
+def _generate_text(model: Any, prompt_token_ids: list[int], max_new_tokens: int, **kwargs: Any) -> Any:
+    """Greedy ``generate()`` of exactly ``max_new_tokens`` after a text prompt."""
     input_ids = torch.tensor([prompt_token_ids], dtype=torch.long, device=model.device)
     with torch.inference_mode():
-        out = model.generate(
+        return model.generate(
             input_ids=input_ids,
             attention_mask=torch.ones_like(input_ids),
             do_sample=False,
             max_new_tokens=max_new_tokens,
             min_new_tokens=max_new_tokens,
-            logits_processor=LogitsProcessorList([OpenAIPenalties()]),
-            sequence_bias={(t,): b for t, b in (bias or {}).items()} or None,
+            **kwargs,
         )
-    return [int(t) for t in out[0, prompt_len:].tolist()]
