@@ -532,7 +532,10 @@ class Bridge:
             texts[index].append(chunk.text)
             lasts[index] = chunk
             if chunk.logprobs is not None:
-                logprobs[index] = (logprobs[index] or []) + chunk.logprobs
+                got = logprobs[index]
+                if got is None:
+                    got = logprobs[index] = []
+                got.extend(chunk.logprobs)
         answers = []
         for text, last, lps in zip(texts, lasts, logprobs, strict=True):
             assert last is not None

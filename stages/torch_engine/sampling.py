@@ -126,7 +126,8 @@ def token_logprobs(logits: torch.Tensor, token: int, top: int) -> Logprobs:
     (``logits`` as the model gave them: no temperature, top-k/p or EOS
     masking, as vLLM's default raw logprobs), and the ``top`` most likely
     tokens' (first index on ties, as ``torch.topk``), in float32."""
-    logprobs = torch.log_softmax(logits.detach().to(device="cpu", dtype=torch.float32), dim=-1)
+    # On the logits' own device: only the chosen and the best few come back to the host.
+    logprobs = torch.log_softmax(logits.detach().float(), dim=-1)
     best = torch.topk(logprobs, top) if top else None
     ranked = tuple(zip(best.indices.tolist(), best.values.tolist(), strict=True)) if best is not None else ()
     return Logprobs(float(logprobs[token]), ranked)
