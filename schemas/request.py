@@ -97,6 +97,13 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, forbid_unknown_fields=T
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     logit_bias: dict[int, float] = {}
+    # vLLM's: a prompt or generated token's logit divided by it (multiplied
+    # where negative), as transformers' RepetitionPenaltyLogitsProcessor.
+    repetition_penalty: float = 1.0
+    # Tokens less likely than min_p times the most likely one are not sampled.
+    min_p: float = 0.0
+    # Token ids that end the sequence as EOS does (masked below min_tokens; not in the text).
+    stop_token_ids: list[int] = []
 
 
 class GenerateRequest(msgspec.Struct, omit_defaults=True, forbid_unknown_fields=True):

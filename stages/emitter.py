@@ -25,6 +25,7 @@ class ChunkEmitter:
     ) -> None:
         self._eos = engine.eos_token_ids
         self._ignore_eos = req.request.sampling.ignore_eos
+        self._stop_ids = frozenset(req.request.sampling.stop_token_ids)
         self._max_tokens = req.max_tokens
         self._rid = req.request.request_id
         self._prompt_len = prompt_len
@@ -37,7 +38,9 @@ class ChunkEmitter:
         self.index = len(emitted)
 
     def is_eos(self, token: int) -> bool:
-        return token in self._eos and not self._ignore_eos
+        """Whether ``token`` ends the sequence: the model's EOS (unless
+        ignore_eos) or one of the request's stop_token_ids."""
+        return (token in self._eos and not self._ignore_eos) or token in self._stop_ids
 
     def push(self, token: int, logprobs: Logprobs | None = None) -> TokenChunk:
         """The chunk of the next token (with its ``logprobs``, where asked for)."""
@@ -48,7 +51,8 @@ class ChunkEmitter:
             finish = FinishReason.STOP
         elif self.index >= self._max_tokens:
             finish = FinishReason.LENGTH
-        text, hit_stop = self._stops.feed(self._detok.push(token))
+        # A stop token id is left out of the text, as vLLM leaves it (EOS decodes to nothing anyway).
+        text, hit_stop = self._stops.feed("" if token in self._stop_ids else self._detok.push(token))
         if hit_stop:
             finish = FinishReason.STOP
         elif finish is not None:

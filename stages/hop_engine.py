@@ -198,6 +198,13 @@ def sampling(req: ProcessedRequest, resumed: int = 0) -> SamplingConfig:
         presence_penalty=s.presence_penalty,
         frequency_penalty=s.frequency_penalty,
         logit_bias=tuple(sorted(s.logit_bias.items())),
+        repetition_penalty=s.repetition_penalty,
+        min_p=s.min_p,
+        stop_token_ids=tuple(s.stop_token_ids),
+        # The prompt's distinct ids, which the repetition penalty covers: an
+        # expanded media item repeats its placeholder's id, so the prompt as
+        # sent names them all.
+        prompt_ids=tuple(sorted(set(req.prompt_token_ids))) if s.repetition_penalty != 1.0 else (),
     )
 
 

@@ -274,9 +274,13 @@ class Processor:
             value = getattr(s, name)
             if not (math.isfinite(value) and -2.0 <= value <= 2.0):
                 raise InvalidRequest(f"{name} must be within [-2, 2], got {value}")
-        if s.logit_bias:
-            vocab = len(self.model.tokenizer)
-            if bad := [t for t in s.logit_bias if not 0 <= t < vocab]:
-                raise InvalidRequest(f"logit_bias: token ids outside the vocabulary (size {vocab}): {bad[:5]}")
+        if not (math.isfinite(s.repetition_penalty) and 0.0 < s.repetition_penalty <= 2.0):
+            raise InvalidRequest(f"repetition_penalty must be within (0, 2], got {s.repetition_penalty}")
+        if not (math.isfinite(s.min_p) and 0.0 <= s.min_p <= 1.0):
+            raise InvalidRequest(f"min_p must be within [0, 1], got {s.min_p}")
+        vocab = len(self.model.tokenizer)
+        for name, ids in (("logit_bias", list(s.logit_bias)), ("stop_token_ids", s.stop_token_ids)):
+            if bad := [t for t in ids if not 0 <= t < vocab]:
+                raise InvalidRequest(f"{name}: token ids outside the vocabulary (size {vocab}): {bad[:5]}")
         if s.seed is not None and not (0 <= s.seed < 2**63):
             raise InvalidRequest(f"seed must be within [0, 2**63), got {s.seed}")

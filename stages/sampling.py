@@ -34,6 +34,13 @@ class SamplingConfig:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     logit_bias: tuple[tuple[int, float], ...] = ()
+    # vLLM's repetition penalty, over the prompt's ids (``prompt_ids``,
+    # distinct) and the tokens generated so far.
+    repetition_penalty: float = 1.0
+    prompt_ids: tuple[int, ...] = ()
+    min_p: float = 0.0
+    # They end the sequence as EOS does, and are masked as EOS is below min_tokens.
+    stop_token_ids: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         if not self.temperature >= 0.0:
@@ -44,6 +51,10 @@ class SamplingConfig:
             raise InvalidRequest(f"min_tokens must be >= 0, got {self.min_tokens}")
         if self.max_tokens < 1:
             raise InvalidRequest(f"max_tokens must be >= 1, got {self.max_tokens}")
+        if not self.repetition_penalty > 0.0:
+            raise InvalidRequest(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
+        if not 0.0 <= self.min_p <= 1.0:
+            raise InvalidRequest(f"min_p must be within [0, 1], got {self.min_p}")
 
     @property
     def greedy(self) -> bool:
@@ -54,9 +65,13 @@ class SamplingConfig:
         """Whether a step may choose the token on the device, never showing
         the host its logits: greedy, no logprobs to compute from them, and
         nothing that changes them first."""
-        return self.greedy and self.logprobs is None and not self.adjusts
+        # The batch step masks only the model's EOS ids below min_tokens.
+        masks_more = bool(self.stop_token_ids) and self.min_tokens > 0
+        return self.greedy and self.logprobs is None and not self.adjusts and not masks_more
 
     @property
     def adjusts(self) -> bool:
         """Whether the logits change before the choice: penalties or a bias."""
-        return bool(self.presence_penalty or self.frequency_penalty or self.logit_bias)
+        return bool(
+            self.presence_penalty or self.frequency_penalty or self.logit_bias or self.repetition_penalty != 1.0
+        )

@@ -47,6 +47,7 @@ class ChatCompletionRequest(msgspec.Struct, forbid_unknown_fields=True):
     # vLLM's extras, taken at their neutral values (vLLM's own clients send them so).
     repetition_penalty: float = 1.0
     min_p: float = 0.0
+    stop_token_ids: list[int] | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
     response_format: dict[str, Any] | None = None
@@ -85,6 +86,7 @@ class CompletionRequest(msgspec.Struct, forbid_unknown_fields=True):
     logit_bias: dict[str, float] | None = None
     repetition_penalty: float = 1.0
     min_p: float = 0.0
+    stop_token_ids: list[int] | None = None
     logprobs: int | None = None
     suffix: str | None = None
 
@@ -105,7 +107,6 @@ def completion_to_generate_requests(
         raise InvalidRequest("best_of is not supported (other than equal to n)")
     if body.logprobs is not None and body.echo:
         raise InvalidRequest("logprobs with echo (the prompt's logprobs) are not supported")
-    _check_common(body)
     if body.suffix:
         raise InvalidRequest("suffix is not supported")
     prompts = _prompts(body.prompt)
@@ -199,6 +200,9 @@ def _sampling(
         presence_penalty=body.presence_penalty,
         frequency_penalty=body.frequency_penalty,
         logit_bias=_logit_bias(body.logit_bias),
+        repetition_penalty=body.repetition_penalty,
+        min_p=body.min_p,
+        stop_token_ids=list(body.stop_token_ids or []),
         max_tokens=max_tokens,
         temperature=1.0 if body.temperature is None else body.temperature,
         top_p=1.0 if body.top_p is None else body.top_p,
@@ -222,19 +226,12 @@ def _logit_bias(bias: dict[str, float] | None) -> dict[int, float]:
     return out
 
 
-def _check_common(body: ChatCompletionRequest | CompletionRequest) -> None:
-    """What chat and completions refuse alike."""
-    if body.repetition_penalty != 1.0 or body.min_p:
-        raise InvalidRequest("repetition_penalty (other than 1) and min_p are not supported")
-
-
 def _check_unsupported(body: ChatCompletionRequest) -> None:
     _check_choices(body.n)
     if body.top_logprobs is not None and not body.logprobs:
         raise InvalidRequest("top_logprobs needs logprobs set to true")
     if body.tools or body.tool_choice not in (None, "none"):
         raise InvalidRequest("tools are not supported")
-    _check_common(body)
     if body.response_format and body.response_format.get("type") not in (None, "text"):
         raise InvalidRequest("only the text response_format is supported")
 

@@ -226,11 +226,13 @@ def reference_penalized(
     frequency: float = 0.0,
     bias: dict[int, float] | None = None,
     model: Any = None,
+    repetition: float = 1.0,
 ) -> list[int]:
     """``generate()``'s greedy new tokens for a text prompt (``min_new_tokens``
     too) with OpenAI's presence and frequency penalties on the tokens
-    generated so far (a logits processor of that formula) and ``bias`` as
-    generate()'s own ``sequence_bias``."""
+    generated so far (a logits processor of that formula), ``bias`` as
+    generate()'s own ``sequence_bias`` and ``repetition`` as its
+    ``repetition_penalty``."""
     from transformers import LogitsProcessor, LogitsProcessorList
 
     prompt_len = len(prompt_token_ids)
@@ -250,8 +252,29 @@ def reference_penalized(
         max_new_tokens,
         logits_processor=LogitsProcessorList([OpenAIPenalties()]),
         sequence_bias={(t,): b for t, b in (bias or {}).items()} or None,
+        repetition_penalty=repetition,
     )
     return [int(t) for t in out[0, prompt_len:].tolist()]
+
+
+def reference_stopped(
+    model_dir: Path,
+    prompt_token_ids: list[int],
+    max_new_tokens: int,
+    stop_ids: list[int],
+    min_new_tokens: int = 0,
+    model: Any = None,
+) -> list[int]:
+    """``generate()``'s greedy new tokens for a text prompt, ended by the
+    model's EOS or any of ``stop_ids`` (all of them masked below
+    ``min_new_tokens``), the stopping token last."""
+    model = model if model is not None else load_reference_model(model_dir)
+    eos = model.generation_config.eos_token_id
+    eos = [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
+    out = _generate_text(
+        model, prompt_token_ids, max_new_tokens, eos_token_id=[*eos, *stop_ids], min_new_tokens=min_new_tokens
+    )
+    return [int(t) for t in out[0, len(prompt_token_ids) :].tolist()]
 
 
 def _generate_text(model: Any, prompt_token_ids: list[int], max_new_tokens: int, **kwargs: Any) -> Any:
@@ -263,6 +286,5 @@ def _generate_text(model: Any, prompt_token_ids: list[int], max_new_tokens: int,
             attention_mask=torch.ones_like(input_ids),
             do_sample=False,
             max_new_tokens=max_new_tokens,
-            min_new_tokens=max_new_tokens,
-            **kwargs,
+            **{"min_new_tokens": max_new_tokens, **kwargs},
         )

@@ -48,8 +48,9 @@ def select_token(
         logits = adjusted(logits, config, generated or [])
     if config.greedy:
         return int(greedy_choice(logits, config, index, eos_token_ids).item())
-    if eos_token_ids is not None and index < config.min_tokens:
-        logits = _without(logits, eos_token_ids)
+    stops = stopping_ids(eos_token_ids, config)
+    if stops is not None and index < config.min_tokens:
+        logits = _without(logits, stops)
 
     scores = logits.detach().to(device="cpu", dtype=torch.float32) / config.temperature
     probs, ids = _candidates(scores, config)
@@ -57,6 +58,10 @@ def select_token(
         # Keep the smallest prefix whose mass reaches top_p (at least one token).
         before = torch.cumsum(probs, dim=0) - probs
         probs = probs.masked_fill(before >= config.top_p, 0.0)
+    if config.min_p > 0.0:
+        # transformers' MinPLogitsWarper: relative to the most likely token,
+        # so the same after top-k or top-p as before them.
+        probs = probs.masked_fill(probs < config.min_p * probs.max(), 0.0)
     cdf = torch.cumsum(probs, dim=0)
     gen = torch.Generator(device="cpu").manual_seed(token_seed(config.seed, index))
     u = torch.rand((), generator=gen, dtype=torch.float64)
@@ -98,16 +103,25 @@ def _candidates(scores: torch.Tensor, config: SamplingConfig) -> tuple[torch.Ten
 
 
 def adjusted(logits: torch.Tensor, config: SamplingConfig, generated: list[int]) -> torch.Tensor:
-    """OpenAI's (and vLLM's) penalties on the tokens generated so far, a
-    token's logit less ``frequency_penalty`` times its count and
-    ``presence_penalty`` once it occurs, and ``logit_bias`` added."""
+    """The logits as vLLM's sampler (and generate()'s processors in its
+    order) adjust them: ``logit_bias`` added, the repetition penalty on every
+    token of the prompt and the output (divided where positive, multiplied
+    where negative), then OpenAI's penalties on the tokens generated so far,
+    a token's logit less ``frequency_penalty`` times its count and
+    ``presence_penalty`` once it occurs."""
     out = logits.float()
-    if generated and (config.presence_penalty or config.frequency_penalty):
-        counts = torch.bincount(torch.tensor(generated, device=out.device), minlength=out.shape[-1])[: out.shape[-1]]
-        out = out - config.frequency_penalty * counts - config.presence_penalty * (counts > 0).float()
     if config.logit_bias:
         ids = torch.tensor([t for t, _ in config.logit_bias], device=out.device)
         out = out.index_add(0, ids, torch.tensor([b for _, b in config.logit_bias], device=out.device))
+    if config.repetition_penalty != 1.0:
+        seen = torch.tensor(sorted(set(config.prompt_ids).union(generated)), dtype=torch.long, device=out.device)
+        if seen.numel():
+            scores = out.index_select(0, seen)
+            penalized = torch.where(scores < 0, scores * config.repetition_penalty, scores / config.repetition_penalty)
+            out = out.index_copy(0, seen, penalized)
+    if generated and (config.presence_penalty or config.frequency_penalty):
+        counts = torch.bincount(torch.tensor(generated, device=out.device), minlength=out.shape[-1])[: out.shape[-1]]
+        out = out - config.frequency_penalty * counts - config.presence_penalty * (counts > 0).float()
     return out
 
 
@@ -116,9 +130,21 @@ def greedy_choice(
 ) -> torch.Tensor:
     """``select_token``'s greedy choice as a 0-dim tensor on the logits'
     device, not read back: a caller can queue its copy and read it later."""
-    if eos_token_ids is not None and index < config.min_tokens:
-        logits = _without(logits, eos_token_ids)
+    stops = stopping_ids(eos_token_ids, config)
+    if stops is not None and index < config.min_tokens:
+        logits = _without(logits, stops)
     return torch.argmax(logits)
+
+
+def stopping_ids(eos_token_ids: torch.Tensor | None, config: SamplingConfig) -> torch.Tensor | None:
+    """The ids masked below ``min_tokens``: the model's EOS and the request's
+    ``stop_token_ids`` (vLLM masks both)."""
+    if not config.stop_token_ids:
+        return eos_token_ids
+    extra = torch.tensor(config.stop_token_ids, dtype=torch.long)
+    if eos_token_ids is None:
+        return extra
+    return torch.cat([eos_token_ids, extra.to(eos_token_ids.device)])
 
 
 def token_logprobs(logits: torch.Tensor, token: int, top: int) -> Logprobs:

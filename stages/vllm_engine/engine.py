@@ -186,13 +186,17 @@ class VllmEngine:
             min_tokens=sampling.min_tokens,
             max_tokens=sampling.max_tokens,
             ignore_eos=sampling.ignore_eos,
-            stop_token_ids=sorted(self.eos_token_ids),
+            # The model's EOS ids are passed as stop ids (vLLM reads only the
+            # tokenizer's own), so ignore_eos has to leave them out here.
+            stop_token_ids=sorted({*sampling.stop_token_ids, *(() if sampling.ignore_eos else self.eos_token_ids)}),
             output_kind=kind,
             # vLLM gives the sampled token's and the best ``logprobs`` (raw: the model's own output).
             logprobs=sampling.logprobs,
             presence_penalty=sampling.presence_penalty,
             frequency_penalty=sampling.frequency_penalty,
             logit_bias=dict(sampling.logit_bias) or None,
+            repetition_penalty=sampling.repetition_penalty,
+            min_p=sampling.min_p,
             # mmpipe detokenizes (stop strings, held-back characters) itself.
             detokenize=False,
             extra_args={"kv_transfer_params": dict(kv_transfer_params)} if kv_transfer_params else None,

@@ -453,3 +453,74 @@ async def test_penalties_and_logit_bias_are_generates_with_the_same_processors(s
             with pytest.raises(openai.BadRequestError) as refused:
                 await c.completions.create(prompt=ids, **{**kw, **bad})
             assert says in refused.value.body["message"]  # type: ignore[index]
+
+
+@pytest.mark.e2e
+async def test_repetition_penalty_min_p_and_stop_token_ids_are_generates(stack: Stack) -> None:
+    """vLLM's ``repetition_penalty`` (over the prompt and the output) is
+    generate()'s own; ``min_p`` 1 keeps only the most likely token, so a
+    sample at temperature 1 is the greedy answer; ``stop_token_ids`` end the
+    answer as generate() ends it with them among its EOS ids, the stop token
+    not in the text, and are masked below ``min_tokens``."""
+    from transformers import AutoTokenizer
+
+    from stages.torch_engine.reference import load_reference_model, reference_penalized, reference_stopped
+
+    count = 48
+    model_dir = stack.spec.path
+    tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
+    model = load_reference_model(model_dir)
+    ids = tokenizer("The sea and the mountains are")["input_ids"]
+    plain = reference_penalized(model_dir, ids, count, model=model)
+    kw: dict[str, Any] = {"model": "tiny-qwen2-vl", "max_tokens": count}
+
+    def text(tokens: list[int]) -> str:
+        return tokenizer.decode(tokens, skip_special_tokens=True)
+
+    async with client(stack) as c:
+        for penalty in (1.3, 0.6):
+            want = reference_penalized(model_dir, ids, count, repetition=penalty, model=model)
+            assert want != plain, penalty
+            done = await c.completions.create(
+                prompt=ids, temperature=0, extra_body={"min_tokens": count, "repetition_penalty": penalty}, **kw
+            )
+            assert done.choices[0].text == text(want), penalty
+        sampled = {"temperature": 1.0, "seed": 11, "extra_body": {"min_tokens": count}}
+        free = await c.completions.create(prompt=ids, **sampled, **kw)  # type: ignore[arg-type]
+        assert free.choices[0].text != text(plain)  # sampling alone strays from greedy
+        narrowed = await c.completions.create(
+            prompt=ids, temperature=1.0, seed=11, extra_body={"min_tokens": count, "min_p": 1.0}, **kw
+        )
+        assert narrowed.choices[0].text == text(plain)
+
+        unstopped = reference_stopped(model_dir, ids, count, [], model=model)
+        eos = set(unstopped[-1:]) if len(unstopped) < count else set()
+        at = next(i for i in range(1, len(unstopped)) if unstopped[i] not in unstopped[:i] and unstopped[i] not in eos)
+        stop = unstopped[at]
+        want = reference_stopped(model_dir, ids, count, [stop], model=model)
+        assert want == unstopped[: at + 1]
+        done = await c.completions.create(prompt=ids, temperature=0, extra_body={"stop_token_ids": [stop]}, **kw)
+        assert (done.choices[0].text, done.choices[0].finish_reason) == (text(want[:-1]), "stop")
+        assert done.usage is not None and done.usage.completion_tokens == len(want)
+        streamed = ""
+        async for chunk in await c.completions.create(
+            prompt=ids, temperature=0, stream=True, extra_body={"stop_token_ids": [stop]}, **kw
+        ):
+            streamed += "".join(choice.text for choice in chunk.choices)
+        assert streamed == text(want[:-1])
+        later = reference_stopped(model_dir, ids, count, [stop], min_new_tokens=at + 2, model=model)
+        assert len(later) > at + 1
+        done = await c.completions.create(
+            prompt=ids, temperature=0, extra_body={"stop_token_ids": [stop], "min_tokens": at + 2}, **kw
+        )
+        ended = later[:-1] if later[-1] == stop else later
+        assert done.choices[0].text == text(ended)
+        assert done.usage is not None and done.usage.completion_tokens == len(later)
+        for bad, says in [
+            ({"repetition_penalty": 0.0}, "repetition_penalty must be within (0, 2]"),
+            ({"min_p": 1.5}, "min_p must be within [0, 1]"),
+            ({"stop_token_ids": [10**9]}, "stop_token_ids: token ids outside the vocabulary"),
+        ]:
+            with pytest.raises(openai.BadRequestError) as refused:
+                await c.completions.create(prompt=ids, extra_body=bad, **kw)
+            assert says in refused.value.body["message"]  # type: ignore[index]

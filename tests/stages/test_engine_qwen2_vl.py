@@ -213,6 +213,19 @@ def test_select_token_rules() -> None:
     # top_p keeps the smallest prefix reaching p: here only the top token.
     peaked = torch.tensor([0.0, 10.0, 0.0, 0.0])
     assert {select_token(peaked, SamplingConfig(temperature=1.0, top_p=0.5, seed=s), 0) for s in range(20)} == {1}
+    # min_p: only tokens at least min_p as likely as the best (e^-1 of it at
+    # 0.3: ids 0 and 1 of these) are drawn.
+    graded = torch.tensor([2.0, 1.0, -3.0, -3.0, -3.0])
+    assert {select_token(graded, SamplingConfig(temperature=1.0, min_p=0.3, seed=s), 0) for s in range(40)} == {0, 1}
+    # A sampled request's stop_token_ids are masked below min_tokens, as EOS is.
+    stops = SamplingConfig(temperature=1.0, min_tokens=2, stop_token_ids=(5,), seed=3)
+    assert select_token(logits * 10, stops, index=1, eos_token_ids=torch.tensor([6])) != 5
+    assert select_token(logits * 10, stops, index=2, eos_token_ids=torch.tensor([6])) == 5
+    # The repetition penalty divides a positive logit of a prompt or an output
+    # token and multiplies a negative one.
+    penalty = SamplingConfig(repetition_penalty=2.0, prompt_ids=(0,))
+    assert select_token(torch.tensor([3.0, 2.0, -1.0, -1.5]), penalty, 0, generated=[2]) == 1
+    assert select_token(torch.tensor([-1.0, -4.0, -1.5, -3.0]), penalty, 0, generated=[3]) == 2
 
 
 def test_stop_tokens(engine: TorchEngine) -> None:
