@@ -247,7 +247,12 @@ async def test_a_completion_equals_generate(stack: VllmStack, vllm_model_dir: Pa
     """/v1/completions on vLLM: the prompt's own tokens, no chat template."""
     from transformers import AutoTokenizer
 
-    from stages.torch_engine.reference import reference_generate, reference_logprobs, reference_penalized
+    from stages.torch_engine.reference import (
+        reference_generate,
+        reference_logprobs,
+        reference_penalized,
+        reference_stopped,
+    )
 
     tokenizer = AutoTokenizer.from_pretrained(str(vllm_model_dir))
     prompt = "The sea and the mountains are"
@@ -284,6 +289,28 @@ async def test_a_completion_equals_generate(stack: VllmStack, vllm_model_dir: Pa
             extra_body={"min_tokens": count, "logit_bias": {str(ids[-1]): 2.0}},
         )
     assert done.choices[0].text == tokenizer.decode(penalized, skip_special_tokens=True)
+    # vLLM's repetition penalty, and a stop token id, passed to vLLM: generate()'s.
+    repeated = reference_penalized(vllm_model_dir, ids, count, repetition=1.3)
+    unstopped = reference_stopped(vllm_model_dir, ids, count, [])
+    stop = next(t for i, t in enumerate(unstopped[:-1]) if i and t not in unstopped[:i])  # not a final EOS
+    stopped = reference_stopped(vllm_model_dir, ids, count, [stop])
+    assert stopped[-1] == stop
+    async with stack.client() as c:
+        done = await c.completions.create(
+            model=MODEL,
+            prompt=prompt,
+            max_tokens=count,
+            temperature=0,
+            extra_body={"min_tokens": count, "repetition_penalty": 1.3},
+        )
+        assert done.choices[0].text == tokenizer.decode(repeated, skip_special_tokens=True)
+        done = await c.completions.create(
+            model=MODEL, prompt=prompt, max_tokens=count, temperature=0, extra_body={"stop_token_ids": [stop]}
+        )
+    assert (done.choices[0].text, done.choices[0].finish_reason) == (
+        tokenizer.decode(stopped[:-1], skip_special_tokens=True),
+        "stop",
+    )
 
 
 @pytest.mark.e2e
