@@ -3,6 +3,8 @@ on ``mmpipe.<ns>.requests``."""
 
 from __future__ import annotations
 
+from typing import Literal
+
 import msgspec
 
 
@@ -78,6 +80,15 @@ class ChatMessage(msgspec.Struct, omit_defaults=True, forbid_unknown_fields=True
     name: str | None = None
 
 
+class StructuredOutput(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """What the answer must match, one kind (vLLM's ``StructuredOutputsParams``):
+    ``json`` (``text``: a JSON schema), ``json_object`` (any JSON object),
+    ``regex``, ``choice`` (``text``: a JSON list of the strings), ``grammar`` (EBNF)."""
+
+    kind: Literal["json", "json_object", "regex", "choice", "grammar"]
+    text: str = ""
+
+
 class SamplingParams(msgspec.Struct, omit_defaults=True, forbid_unknown_fields=True):
     # None means "the server's default": the processor fills it in.
     max_tokens: int | None = None
@@ -104,6 +115,7 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, forbid_unknown_fields=T
     min_p: float = 0.0
     # Token ids that end the sequence as EOS does (masked below min_tokens; not in the text).
     stop_token_ids: list[int] = []
+    structured: StructuredOutput | None = None
 
 
 class GenerateRequest(msgspec.Struct, omit_defaults=True, forbid_unknown_fields=True):

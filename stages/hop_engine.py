@@ -201,6 +201,7 @@ def sampling(req: ProcessedRequest, resumed: int = 0) -> SamplingConfig:
         repetition_penalty=s.repetition_penalty,
         min_p=s.min_p,
         stop_token_ids=tuple(s.stop_token_ids),
+        structured=s.structured,
         # The prompt's distinct ids, which the repetition penalty covers: an
         # expanded media item repeats its placeholder's id, so the prompt as
         # sent names them all.

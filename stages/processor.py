@@ -31,6 +31,7 @@ from schemas.request import (
 )
 from schemas.routes import HOP_ROLES, route_for
 from schemas.settings import setting
+from stages import structured
 from stages.contract import HopContext, StageOutput
 
 _ROLES = ("system", "user", "assistant")
@@ -278,6 +279,11 @@ class Processor:
             raise InvalidRequest(f"repetition_penalty must be within (0, 2], got {s.repetition_penalty}")
         if not (math.isfinite(s.min_p) and 0.0 <= s.min_p <= 1.0):
             raise InvalidRequest(f"min_p must be within [0, 1], got {s.min_p}")
+        if s.structured is not None:
+            if s.min_tokens:
+                # Once the answer is complete the grammar allows only EOS, which min_tokens masks.
+                raise InvalidRequest("min_tokens cannot be used with structured output")
+            structured.grammar(s.structured)
         vocab = len(self.model.tokenizer)
         for name, ids in (("logit_bias", list(s.logit_bias)), ("stop_token_ids", s.stop_token_ids)):
             if bad := [t for t in ids if not 0 <= t < vocab]:

@@ -8,6 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from schemas.errors import InvalidRequest
+from schemas.request import StructuredOutput
 
 
 @dataclass(frozen=True)
@@ -41,6 +42,8 @@ class SamplingConfig:
     min_p: float = 0.0
     # They end the sequence as EOS does, and are masked as EOS is below min_tokens.
     stop_token_ids: tuple[int, ...] = ()
+    # What the answer must match (the built-in engine masks each step by its grammar).
+    structured: StructuredOutput | None = None
 
     def __post_init__(self) -> None:
         if not self.temperature >= 0.0:
@@ -67,7 +70,7 @@ class SamplingConfig:
         nothing that changes them first."""
         # The batch step masks only the model's EOS ids below min_tokens.
         masks_more = bool(self.stop_token_ids) and self.min_tokens > 0
-        return self.greedy and self.logprobs is None and not self.adjusts and not masks_more
+        return self.greedy and self.logprobs is None and not self.adjusts and not masks_more and self.structured is None
 
     @property
     def adjusts(self) -> bool:

@@ -8,7 +8,16 @@ from typing import Any, Literal
 import msgspec
 
 from schemas.errors import InvalidRequest, UnsupportedMedia
-from schemas.request import ChatMessage, ContentPart, GenerateRequest, ImagePart, ImageURL, SamplingParams, TextPart
+from schemas.request import (
+    ChatMessage,
+    ContentPart,
+    GenerateRequest,
+    ImagePart,
+    ImageURL,
+    SamplingParams,
+    StructuredOutput,
+    TextPart,
+)
 
 
 class StreamOptions(msgspec.Struct, forbid_unknown_fields=True):
@@ -51,6 +60,12 @@ class ChatCompletionRequest(msgspec.Struct, forbid_unknown_fields=True):
     logprobs: bool = False
     top_logprobs: int | None = None
     response_format: dict[str, Any] | None = None
+    # vLLM's structured output extras: the current ``structured_outputs`` and the older ``guided_*``.
+    structured_outputs: dict[str, Any] | None = None
+    guided_json: str | dict[str, Any] | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None
@@ -89,6 +104,12 @@ class CompletionRequest(msgspec.Struct, forbid_unknown_fields=True):
     stop_token_ids: list[int] | None = None
     logprobs: int | None = None
     suffix: str | None = None
+    response_format: dict[str, Any] | None = None
+    structured_outputs: dict[str, Any] | None = None
+    guided_json: str | dict[str, Any] | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
 
 
 COMPLETION_DECODER = msgspec.json.Decoder(CompletionRequest)
@@ -203,6 +224,7 @@ def _sampling(
         repetition_penalty=body.repetition_penalty,
         min_p=body.min_p,
         stop_token_ids=list(body.stop_token_ids or []),
+        structured=_structured(body),
         max_tokens=max_tokens,
         temperature=1.0 if body.temperature is None else body.temperature,
         top_p=1.0 if body.top_p is None else body.top_p,
@@ -226,14 +248,86 @@ def _logit_bias(bias: dict[str, float] | None) -> dict[int, float]:
     return out
 
 
+def _structured(body: ChatCompletionRequest | CompletionRequest) -> StructuredOutput | None:
+    """The one structured output a request asks for, by OpenAI's
+    ``response_format`` or vLLM's ``structured_outputs`` or ``guided_*``."""
+    asked: list[StructuredOutput] = []
+    if body.response_format is not None:
+        asked += _response_format(body.response_format)
+    if body.structured_outputs is not None:
+        asked += _structured_outputs(body.structured_outputs)
+    if body.guided_json is not None:
+        asked.append(StructuredOutput("json", _schema_text(body.guided_json, "guided_json")))
+    if body.guided_regex is not None:
+        asked.append(StructuredOutput("regex", body.guided_regex))
+    if body.guided_choice is not None:
+        asked.append(StructuredOutput("choice", msgspec.json.encode(body.guided_choice).decode()))
+    if body.guided_grammar is not None:
+        asked.append(StructuredOutput("grammar", body.guided_grammar))
+    if len(asked) > 1:
+        raise InvalidRequest("ask for one structured output: " + ", ".join(a.kind for a in asked))
+    return asked[0] if asked else None
+
+
+def _response_format(fmt: dict[str, Any]) -> list[StructuredOutput]:
+    kind = fmt.get("type")
+    if kind in (None, "text"):
+        return []
+    if kind == "json_object":
+        return [StructuredOutput("json_object")]
+    if kind == "json_schema":
+        spec = fmt.get("json_schema")
+        schema = spec.get("schema") if isinstance(spec, dict) else None
+        if schema is None:
+            raise InvalidRequest("response_format.json_schema.schema is required")
+        return [StructuredOutput("json", _schema_text(schema, "response_format.json_schema.schema"))]
+    raise InvalidRequest(f"response_format.type {kind!r} is not one of text, json_object, json_schema")
+
+
+_STRUCTURED_KEYS = ("json", "json_object", "regex", "choice", "grammar")
+
+
+def _structured_outputs(spec: dict[str, Any]) -> list[StructuredOutput]:
+    if unknown := sorted(set(spec) - set(_STRUCTURED_KEYS)):
+        raise InvalidRequest(f"structured_outputs: {', '.join(unknown)} not supported (one of {_STRUCTURED_KEYS})")
+    out = []
+    for key in _STRUCTURED_KEYS:
+        value = spec.get(key)
+        if value is None or value is False:
+            continue
+        if key == "json":
+            out.append(StructuredOutput("json", _schema_text(value, "structured_outputs.json")))
+        elif key == "json_object":
+            out.append(StructuredOutput("json_object"))
+        elif key == "choice":
+            if not isinstance(value, list) or not value or not all(isinstance(c, str) for c in value):
+                raise InvalidRequest("structured_outputs.choice: a non-empty list of strings")
+            out.append(StructuredOutput("choice", msgspec.json.encode(value).decode()))
+        elif not isinstance(value, str):
+            raise InvalidRequest(f"structured_outputs.{key} must be a string")
+        else:
+            out.append(msgspec.convert({"kind": key, "text": value}, StructuredOutput))
+    return out
+
+
+def _schema_text(schema: Any, where: str) -> str:
+    """A JSON schema given as an object or as JSON text, as JSON text."""
+    if isinstance(schema, str):
+        try:
+            schema = msgspec.json.decode(schema)
+        except msgspec.DecodeError as exc:
+            raise InvalidRequest(f"{where} is not JSON: {exc}") from None
+    if not isinstance(schema, dict):
+        raise InvalidRequest(f"{where} must be a JSON object")
+    return msgspec.json.encode(schema).decode()
+
+
 def _check_unsupported(body: ChatCompletionRequest) -> None:
     _check_choices(body.n)
     if body.top_logprobs is not None and not body.logprobs:
         raise InvalidRequest("top_logprobs needs logprobs set to true")
     if body.tools or body.tool_choice not in (None, "none"):
         raise InvalidRequest("tools are not supported")
-    if body.response_format and body.response_format.get("type") not in (None, "text"):
-        raise InvalidRequest("only the text response_format is supported")
 
 
 def to_generate_requests(

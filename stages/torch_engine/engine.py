@@ -38,6 +38,7 @@ from stages.sampling import SamplingConfig
 from stages.torch_engine import batch_decoder, metrics
 from stages.torch_engine.batch_decoder import BatchDecoder, Launched, from_blocks, to_blocks
 from stages.torch_engine.block_pool import blocks_for
+from stages.torch_engine.grammar import Grammars
 from stages.torch_engine.sampling import greedy_choice, select_token, token_logprobs
 from stages.torch_engine.sequence import KvState, Launch, Sequence
 from stages.torch_engine.settings import DecodeSettings, parse_memory
@@ -89,6 +90,8 @@ class TorchEngine:
         self.eos_token_ids: frozenset[int] = frozenset(_eos_ids(self.model, config))
         # On the device: masking EOS there needs no copy (and no wait) per token.
         self._eos_tensor = torch.tensor(sorted(self.eos_token_ids), dtype=torch.long, device=self.device)
+        # Structured output's compiler, made for the first request that asks for it.
+        self._grammars: Grammars | None = None
         # One forward at a time per engine: torch releases the GIL, and the
         # model's modules are not meant for concurrent calls.
         self._lock = threading.Lock()
@@ -885,16 +888,36 @@ class TorchEngine:
             for q in greedy:
                 q.output_ids.append(sampled[q.slot])
                 chosen[id(q)] = sampled[q.slot]
+        if structured := [q for q in seqs if q.sampling.structured is not None]:
+            # Every structured row's mask in one call on the step's logits.
+            self._mask(logits, [(q, q.slot) for q in structured])
         for q in seqs:
             if not q.sampling.on_device:
-                chosen[id(q)] = self._select(q, logits[q.slot])
+                chosen[id(q)] = self._select(q, logits[q.slot], masked=True)
         return chosen
 
-    def _select(self, seq: Sequence, logits: torch.Tensor, defer: bool = False) -> int:
+    def _mask(self, logits: torch.Tensor, rows: list[tuple[Sequence, int]]) -> None:
+        """The tokens each row's grammar does not allow next, at -inf in place."""
+        if self._grammars is None:
+            self._grammars = Grammars(self.tokenizer, logits.shape[-1], self.eos_token_ids)
+        grammars = self._grammars
+        states = []
+        for seq, row in rows:
+            if seq.grammar is None:
+                assert seq.sampling.structured is not None
+                seq.grammar = grammars.state(seq.sampling.structured)
+            states.append((seq.grammar, seq.output_ids, row))
+        grammars.mask(logits, states)
+
+    def _select(self, seq: Sequence, logits: torch.Tensor, defer: bool = False, masked: bool = False) -> int:
         if defer and logits.is_cuda and seq.sampling.on_device:
             chosen = greedy_choice(logits.float(), seq.sampling, seq.num_generated, self._eos_tensor)
             seq.pending = Launched(chosen.reshape(1), 1, blocking=True)
             return -1
+        if seq.sampling.structured is not None and not masked:
+            logits = logits.float().clone()[None]
+            self._mask(logits, [(seq, 0)])
+            logits = logits[0]
         token = select_token(logits.float(), seq.sampling, seq.num_generated, self._eos_tensor, seq.output_ids)
         if seq.sampling.logprobs is not None:
             seq.logprobs[seq.num_generated] = token_logprobs(logits, token, seq.sampling.logprobs)

@@ -26,6 +26,7 @@ from typing import Any
 import torch
 from PIL import Image
 
+from schemas.request import StructuredOutput
 from stages.media import DecodedAudio, DecodedVideo
 
 ReferenceMedia = Image.Image | DecodedVideo | DecodedAudio
@@ -288,3 +289,33 @@ def _generate_text(model: Any, prompt_token_ids: list[int], max_new_tokens: int,
             max_new_tokens=max_new_tokens,
             **{"min_new_tokens": max_new_tokens, **kwargs},
         )
+
+
+def reference_structured(
+    model_dir: Path, prompt_token_ids: list[int], max_new_tokens: int, spec: StructuredOutput, model: Any = None
+) -> list[int]:
+    """``generate()``'s greedy new tokens for a text prompt under ``spec``'s
+    grammar, masked by xgrammar's own logits processor for transformers,
+    ended by the model's EOS once the grammar allows it."""
+    import xgrammar as xgr
+    import xgrammar.contrib.hf
+    from transformers import AutoTokenizer, LogitsProcessorList
+
+    from stages import structured
+
+    model = model if model is not None else load_reference_model(model_dir)
+    eos = model.generation_config.eos_token_id
+    eos = [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
+    vocab = model.get_output_embeddings().weight.shape[0]
+    info = xgr.TokenizerInfo.from_huggingface(
+        AutoTokenizer.from_pretrained(str(model_dir)), vocab_size=vocab, stop_token_ids=eos
+    )
+    compiled = xgr.GrammarCompiler(info).compile_grammar(structured.grammar(spec))
+    out = _generate_text(
+        model,
+        prompt_token_ids,
+        max_new_tokens,
+        logits_processor=LogitsProcessorList([xgr.contrib.hf.LogitsProcessor(compiled)]),
+        min_new_tokens=0,
+    )
+    return [int(t) for t in out[0, len(prompt_token_ids) :].tolist()]

@@ -8,6 +8,7 @@ from typing import Any
 
 from stages.sampling import Logprobs, SamplingConfig
 from stages.torch_engine.batch_decoder import Launched
+from stages.torch_engine.grammar import GrammarState
 
 
 @dataclass(eq=False)
@@ -53,6 +54,8 @@ class Sequence:
     cached_tokens: int = 0
     # Where the sampling asks for logprobs: each generated token's, by its index.
     logprobs: dict[int, Logprobs] = field(default_factory=dict)
+    # Structured output: its grammar's matcher (made at its first mask).
+    grammar: GrammarState | None = None
 
     @property
     def length(self) -> int:

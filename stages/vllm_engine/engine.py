@@ -11,6 +11,7 @@ mmpipe emits (text, stop strings, finish) are the same for both engines.
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import socket
 from collections.abc import AsyncGenerator
@@ -21,6 +22,7 @@ from typing import Any
 
 import structlog
 
+from schemas.request import StructuredOutput
 from stages.families import MediaEmbedding
 from stages.sampling import Logprobs, SamplingConfig
 from stages.vllm_engine.args import STORAGE_TTL_S, KvConnectorSettings, require_vllm
@@ -197,6 +199,7 @@ class VllmEngine:
             logit_bias=dict(sampling.logit_bias) or None,
             repetition_penalty=sampling.repetition_penalty,
             min_p=sampling.min_p,
+            structured_outputs=_structured_outputs(sampling.structured),
             # mmpipe detokenizes (stop strings, held-back characters) itself.
             detokenize=False,
             extra_args={"kv_transfer_params": dict(kv_transfer_params)} if kv_transfer_params else None,
@@ -211,6 +214,19 @@ class VllmEngine:
         failed): what the worker's readiness asks (``health.engine_health``)."""
         if self._llm is not None:  # none before start() and after close(): the worker says why
             await self._llm.check_health()
+
+
+def _structured_outputs(spec: StructuredOutput | None) -> Any:
+    """vLLM's StructuredOutputsParams of the same kind, or None."""
+    if spec is None:
+        return None
+    from vllm.sampling_params import StructuredOutputsParams
+
+    if spec.kind == "json_object":
+        return StructuredOutputsParams(json_object=True)
+    if spec.kind == "choice":
+        return StructuredOutputsParams(choice=json.loads(spec.text))
+    return StructuredOutputsParams(**{spec.kind: spec.text})
 
 
 def _logprobs(token: int, step: dict[int, Any], top: int) -> Logprobs:
