@@ -43,6 +43,15 @@ class TokenLogprob(msgspec.Struct, array_like=True, forbid_unknown_fields=True):
     top: list[TopLogprob] = []
 
 
+class PromptLogprobs(msgspec.Struct, array_like=True, forbid_unknown_fields=True):
+    """An echoed prompt's logprobs (a completion's ``echo`` with ``logprobs``):
+    its first token's text (nothing before it gives it a probability), then
+    each later token's, as a generated token's are given."""
+
+    first: str
+    tokens: list[TokenLogprob]
+
+
 class TokenChunk(msgspec.Struct, tag="token", tag_field="kind", omit_defaults=True, forbid_unknown_fields=True):
     request_id: str
     # Index of this chunk's first token among all generated tokens: a relay
@@ -54,6 +63,8 @@ class TokenChunk(msgspec.Struct, tag="token", tag_field="kind", omit_defaults=Tr
     usage: Usage | None = None
     # One for each of token_ids, where the request asked for logprobs.
     logprobs: list[TokenLogprob] | None = None
+    # On the first chunk, where the request asked for the prompt's logprobs.
+    prompt_logprobs: PromptLogprobs | None = None
 
     @property
     def end(self) -> int:

@@ -116,6 +116,9 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, forbid_unknown_fields=T
     # Token ids that end the sequence as EOS does (masked below min_tokens; not in the text).
     stop_token_ids: list[int] = []
     structured: StructuredOutput | None = None
+    # The prompt's logprobs too (each token after the first, and this many
+    # most likely tokens at each place): a completion's ``echo`` with ``logprobs``.
+    prompt_logprobs: int | None = None
 
 
 class GenerateRequest(msgspec.Struct, omit_defaults=True, forbid_unknown_fields=True):

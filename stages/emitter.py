@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from schemas.chunk import FinishReason, TokenChunk, TokenLogprob, TopLogprob, Usage
+from schemas.chunk import FinishReason, PromptLogprobs, TokenChunk, TokenLogprob, TopLogprob, Usage
 from schemas.processed import ProcessedRequest
 from stages.detokenizer import IncrementalDetokenizer, StopStringMatcher
 from stages.sampling import Logprobs
@@ -21,7 +21,12 @@ class ChunkEmitter:
     """
 
     def __init__(
-        self, engine: Any, req: ProcessedRequest, prompt_len: int, emitted: list[int], cached_tokens: int = 0
+        self,
+        engine: Any,
+        req: ProcessedRequest,
+        prompt_len: int,
+        emitted: list[int],
+        cached_tokens: int = 0,
     ) -> None:
         self._eos = engine.eos_token_ids
         self._ignore_eos = req.request.sampling.ignore_eos
@@ -36,14 +41,18 @@ class ChunkEmitter:
         for token in emitted:
             self._stops.feed(self._detok.push(token))
         self.index = len(emitted)
+        self._prompt_ids = req.prompt_token_ids
 
     def is_eos(self, token: int) -> bool:
         """Whether ``token`` ends the sequence: the model's EOS (unless
         ignore_eos) or one of the request's stop_token_ids."""
         return (token in self._eos and not self._ignore_eos) or token in self._stop_ids
 
-    def push(self, token: int, logprobs: Logprobs | None = None) -> TokenChunk:
-        """The chunk of the next token (with its ``logprobs``, where asked for)."""
+    def push(
+        self, token: int, logprobs: Logprobs | None = None, prompt_logprobs: list[Logprobs] | None = None
+    ) -> TokenChunk:
+        """The chunk of the next token (with its ``logprobs``, where asked
+        for, and on the first chunk the prompt's, where given)."""
         seq = self.index
         self.index += 1
         finish: FinishReason | None = None
@@ -61,6 +70,12 @@ class ChunkEmitter:
         chunk = self._chunk(seq, [token], text, finish)
         if logprobs is not None:
             chunk.logprobs = [self._logprob(token, logprobs)]
+        if seq == 0 and prompt_logprobs is not None:
+            ids = self._prompt_ids
+            tokens_after = zip(ids[1:], prompt_logprobs, strict=True)
+            chunk.prompt_logprobs = PromptLogprobs(
+                self._text(ids[0]), [self._logprob(token, lp) for token, lp in tokens_after]
+            )
         return chunk
 
     def _logprob(self, token: int, logprobs: Logprobs) -> TokenLogprob:

@@ -94,7 +94,8 @@ class HopStage:
         assert isinstance(message, ProcessedRequest)
         req = message
         engine = self.engine
-        if req.request.sampling.logprobs is not None and not engine.supports_logprobs:
+        asked = req.request.sampling
+        if (asked.logprobs is not None or asked.prompt_logprobs is not None) and not engine.supports_logprobs:
             raise InvalidRequest("logprobs are not available with --engine-process")
         if self.steps.encode or self.steps.prefill:
             media = await (engine.encode(req, ctx) if self.steps.encode else engine.receive_media(req, ctx))
@@ -127,7 +128,9 @@ class HopStage:
             chunk = (
                 emitter.finish_now()
                 if len(emitted) >= req.max_tokens
-                else emitter.push(first, self.engine.logprobs(handle, len(emitted)))
+                else emitter.push(
+                    first, self.engine.logprobs(handle, len(emitted)), self.engine.prompt_logprobs(handle)
+                )
             )
             yield chunk
             if chunk.finish_reason is not None:
@@ -143,7 +146,9 @@ class HopStage:
             return
         async with contextlib.aclosing(self.engine.decode(handle, req, ctx, emitter.is_eos)) as tokens:
             async for token in tokens:
-                chunk = emitter.push(token, self.engine.logprobs(handle, emitter.index))
+                chunk = emitter.push(
+                    token, self.engine.logprobs(handle, emitter.index), self.engine.prompt_logprobs(handle)
+                )
                 yield chunk
                 if chunk.finish_reason is not None:
                     return

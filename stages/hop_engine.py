@@ -130,9 +130,16 @@ class HopEngine(Protocol[H]):
         were asked for, or the engine gives none."""
         ...
 
+    def prompt_logprobs(self, handle: H) -> list[Logprobs] | None:
+        """The prompt's logprobs, each token's after the first, with the most
+        likely tokens' at its place (``SamplingConfig.prompt_logprobs``);
+        None where none were asked for or a client already had the first chunk."""
+        ...
+
     @property
     def supports_logprobs(self) -> bool:
-        """Whether ``logprobs`` answers: a request asking for them is refused otherwise."""
+        """Whether ``logprobs`` and ``prompt_logprobs`` answer: a request
+        asking for them is refused otherwise."""
         ...
 
     def first_token(self, handle: H) -> int | None:
@@ -202,6 +209,8 @@ def sampling(req: ProcessedRequest, resumed: int = 0) -> SamplingConfig:
         min_p=s.min_p,
         stop_token_ids=tuple(s.stop_token_ids),
         structured=s.structured,
+        # A resumed request's client has had the first chunk, and with it the prompt's.
+        prompt_logprobs=s.prompt_logprobs if not resumed else None,
         # The prompt's distinct ids, which the repetition penalty covers: an
         # expanded media item repeats its placeholder's id, so the prompt as
         # sent names them all.

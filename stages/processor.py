@@ -132,6 +132,8 @@ class Processor:
         # Only images have a known least token count; other media add at least their placeholder.
         max_tokens = self._max_tokens(request, len(prompt_ids), sum(m.kind is MediaKind.IMAGE for m in media))
         self._check_sampling(request)
+        if request.sampling.prompt_logprobs is not None and media:
+            raise InvalidRequest("the prompt's logprobs are given for a text prompt only")
         route = list(request.route) if request.route else route_for(self.mode, bool(media))
         for hop in route:
             if hop not in HOP_ROLES:
@@ -279,6 +281,8 @@ class Processor:
             raise InvalidRequest(f"repetition_penalty must be within (0, 2], got {s.repetition_penalty}")
         if not (math.isfinite(s.min_p) and 0.0 <= s.min_p <= 1.0):
             raise InvalidRequest(f"min_p must be within [0, 1], got {s.min_p}")
+        if s.prompt_logprobs is not None and not 0 <= s.prompt_logprobs <= 20:
+            raise InvalidRequest(f"prompt_logprobs must be between 0 and 20; it is {s.prompt_logprobs}")
         if s.structured is not None:
             if s.min_tokens:
                 # Once the answer is complete the grammar allows only EOS, which min_tokens masks.

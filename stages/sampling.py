@@ -44,6 +44,8 @@ class SamplingConfig:
     stop_token_ids: tuple[int, ...] = ()
     # What the answer must match (the built-in engine masks each step by its grammar).
     structured: StructuredOutput | None = None
+    # The prompt's logprobs too, with this many most likely tokens at each place (None: not asked).
+    prompt_logprobs: int | None = None
 
     def __post_init__(self) -> None:
         if not self.temperature >= 0.0:

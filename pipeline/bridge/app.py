@@ -39,7 +39,7 @@ from pipeline.health import LIVE_PATH, READY_PATH
 from pipeline.replies import CHUNK_DECODER, ExactlyOnceRelay, is_final, stored_chunks
 from pipeline.router.router import KvRouter
 from pipeline.streams import ensure_streams, is_stream_full
-from schemas.chunk import ErrorChunk, ReplyChunk, TokenChunk, TokenLogprob, Usage
+from schemas.chunk import ErrorChunk, PromptLogprobs, ReplyChunk, TokenChunk, TokenLogprob, Usage
 from schemas.codec import CONTENT_TYPE, MSGPACK, Decoder, encode
 from schemas.control import CacheCleared, Cancel, Restart, WorkerInfo
 from schemas.errors import (
@@ -526,20 +526,23 @@ class Bridge:
         texts: list[list[str]] = [[] for _ in range(choices)]
         lasts: list[TokenChunk | None] = [None] * choices
         logprobs: list[list[TokenLogprob] | None] = [None] * choices
+        prompts: list[PromptLogprobs | None] = [None] * choices
         async for index, chunk in chunks:
             if isinstance(chunk, ErrorChunk):
                 return responses.error_chunk(chunk, self.settings.retry_after_s)
             texts[index].append(chunk.text)
             lasts[index] = chunk
+            if chunk.prompt_logprobs is not None:
+                prompts[index] = chunk.prompt_logprobs
             if chunk.logprobs is not None:
                 got = logprobs[index]
                 if got is None:
                     got = logprobs[index] = []
                 got.extend(chunk.logprobs)
         answers = []
-        for text, last, lps in zip(texts, lasts, logprobs, strict=True):
+        for text, last, lps, prompt in zip(texts, lasts, logprobs, prompts, strict=True):
             assert last is not None
-            answers.append(responses.Answer("".join(text), last, lps))
+            answers.append(responses.Answer("".join(text), last, lps, prompt))
         return web.json_response(responses.completion(rid, model, created, answers, reply))
 
     async def _stream(
@@ -581,7 +584,7 @@ class Bridge:
             body = responses.stream_chunk(
                 rid, model, created, chunk, first, reply, prompts[index], index, offsets[index]
             )
-            offsets[index] += sum(len(t.token) for t in chunk.logprobs or [])
+            offsets[index] = responses.logprobs_text_end(chunk, offsets[index])
             await response.write(responses.sse(body))
             now = time.perf_counter()
             if (last := sent[index]) is not None:

@@ -126,19 +126,20 @@ def completion_to_generate_requests(
     the ``j``-th of prompt ``i`` (OpenAI's and vLLM's order)."""
     if body.best_of not in (None, 1, body.n):
         raise InvalidRequest("best_of is not supported (other than equal to n)")
-    if body.logprobs is not None and body.echo:
-        raise InvalidRequest("logprobs with echo (the prompt's logprobs) are not supported")
     if body.suffix:
         raise InvalidRequest("suffix is not supported")
     prompts = _prompts(body.prompt)
     _check_choices(len(prompts) * body.n)
     if body.echo and not all(isinstance(p, str) for p in prompts):
         raise InvalidRequest("echo takes a text prompt, not token ids")
+    sampling = _sampling(body, body.max_tokens, _top_logprobs(body.logprobs, "logprobs"))
+    if body.echo and body.logprobs is not None:
+        sampling.prompt_logprobs = body.logprobs
     one = GenerateRequest(
         request_id=request_id,
         model=body.model,
         messages=[],
-        sampling=_sampling(body, body.max_tokens, _top_logprobs(body.logprobs, "logprobs")),
+        sampling=sampling,
         stream=body.stream,
         deadline=deadline,
         created=created,

@@ -7,7 +7,7 @@ from typing import Any
 import msgspec
 from aiohttp import web
 
-from schemas.chunk import ErrorChunk, TokenChunk, TokenLogprob, Usage
+from schemas.chunk import ErrorChunk, PromptLogprobs, TokenChunk, TokenLogprob, Usage
 from schemas.errors import MmpipeError
 
 _json = msgspec.json.Encoder()
@@ -105,7 +105,7 @@ def stream_chunk(
         choice: dict[str, Any] = {"index": index, "delta": delta, "finish_reason": finish, "logprobs": logprobs}
     else:
         text = reply.echo(index) + chunk.text if first else chunk.text
-        logprobs = text_logprobs(chunk.logprobs, offset) if chunk.logprobs is not None else None
+        logprobs = text_logprobs(chunk.logprobs, offset, chunk.prompt_logprobs) if chunk.logprobs is not None else None
         choice = {"index": index, "text": text, "finish_reason": finish, "logprobs": logprobs}
     body = {"id": rid, "object": reply.chunk_object, "created": created, "model": model, "choices": [choice]}
     if reply.continuous_usage and prompt is not None:
@@ -130,6 +130,8 @@ class Answer(msgspec.Struct):
     text: str
     last: TokenChunk
     logprobs: list[TokenLogprob] | None = None
+    # An echoed prompt's (a text completion's ``echo`` with ``logprobs``).
+    prompt_logprobs: PromptLogprobs | None = None
 
 
 def completion(rid: str, model: str, created: int, answers: list[Answer], reply: Reply) -> dict[str, Any]:
@@ -144,7 +146,7 @@ def completion(rid: str, model: str, created: int, answers: list[Answer], reply:
         else:
             echo = reply.echo(index)
             choice = {"index": index, "text": echo + answer.text}
-            logprobs = text_logprobs(lps, len(echo)) if lps is not None else None
+            logprobs = text_logprobs(lps, len(echo), answer.prompt_logprobs) if lps is not None else None
         choices.append({**choice, "finish_reason": finish, "logprobs": logprobs})
     usage = total_usage([answer.last.usage for answer in answers], reply.n)
     return {
@@ -174,20 +176,37 @@ def _token(token: str, logprob: float) -> dict[str, Any]:
     return {"token": token, "logprob": logprob, "bytes": list(token.encode())}
 
 
-def text_logprobs(logprobs: list[TokenLogprob], offset: int) -> dict[str, Any]:
+def text_logprobs(logprobs: list[TokenLogprob], offset: int, prompt: PromptLogprobs | None = None) -> dict[str, Any]:
     """A text completion's ``logprobs`` (the legacy shape): tokens, their
     logprobs, each step's most likely tokens by text, and where each token
-    starts in the choice's text (from ``offset``)."""
+    starts in the choice's text (from ``offset``). With the echoed
+    ``prompt``'s, its tokens come first, from 0 (the first with no logprob:
+    nothing comes before it), as vLLM writes them."""
+    tokens: list[str] = []
+    values: list[float | None] = []
+    tops: list[dict[str, float] | None] = []
+    if prompt is not None:
+        offset = 0
+        tokens.append(prompt.first)
+        values.append(None)
+        tops.append(None)
+    for t in [*(prompt.tokens if prompt is not None else []), *logprobs]:
+        tokens.append(t.token)
+        values.append(t.logprob)
+        tops.append({top.token: top.logprob for top in t.top})
     offsets = []
-    for t in logprobs:
+    for token in tokens:
         offsets.append(offset)
-        offset += len(t.token)
-    return {
-        "tokens": [t.token for t in logprobs],
-        "token_logprobs": [t.logprob for t in logprobs],
-        "top_logprobs": [{top.token: top.logprob for top in t.top} for t in logprobs],
-        "text_offset": offsets,
-    }
+        offset += len(token)
+    return {"tokens": tokens, "token_logprobs": values, "top_logprobs": tops, "text_offset": offsets}
+
+
+def logprobs_text_end(chunk: TokenChunk, offset: int) -> int:
+    """Where the text of a chunk's logprob tokens ends in its choice's text
+    (``offset``: where it starts; an echoed prompt's logprobs start it again from 0)."""
+    if chunk.prompt_logprobs is not None:
+        offset = len(chunk.prompt_logprobs.first) + sum(len(t.token) for t in chunk.prompt_logprobs.tokens)
+    return offset + sum(len(t.token) for t in chunk.logprobs or [])
 
 
 def total_usage(usages: list[Usage | None], n: int) -> Usage | None:

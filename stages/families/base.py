@@ -147,6 +147,7 @@ class Family(Protocol):
         *,
         input_ids: torch.Tensor | None = None,
         inputs_embeds: torch.Tensor | None = None,
+        all_logits: bool = False,
     ) -> tuple[torch.Tensor, Any]: ...
 
 
@@ -235,8 +236,10 @@ class LanguageModelFamily:
         *,
         input_ids: torch.Tensor | None = None,
         inputs_embeds: torch.Tensor | None = None,
+        all_logits: bool = False,
     ) -> tuple[torch.Tensor, Any]:
-        """Run the language model over new tokens; return (last-token logits [vocab], cache).
+        """Run the language model over new tokens; return (last-token logits
+        [vocab], or with ``all_logits`` every new token's [tokens, vocab], cache).
 
         ``positions`` are in the layout the model's forward takes. Explicit
         positions keep a model from computing them from state of its own
@@ -247,13 +250,13 @@ class LanguageModelFamily:
             inputs_embeds=inputs_embeds,
             position_ids=to_device(positions, model.device),
             use_cache=True,
-            logits_to_keep=1,
+            logits_to_keep=0 if all_logits else 1,
             **{cache_kwarg(model.__class__): cache},
         )
         new_cache = getattr(out, "cache", None)
         if new_cache is None:
             new_cache = out.past_key_values
-        return out.logits[0, -1], new_cache
+        return (out.logits[0] if all_logits else out.logits[0, -1]), new_cache
 
     def prompt_positions(self, token_ids: list[int], media: Sequence[MediaEmbedding]) -> tuple[torch.Tensor, int]:
         """Positions of an expanded prompt in the layout the model's forward

@@ -288,6 +288,9 @@ class ProcessHopEngine:
     def logprobs(self, handle: RemotePrefilled, index: int) -> Logprobs | None:
         return None
 
+    def prompt_logprobs(self, handle: RemotePrefilled) -> list[Logprobs] | None:
+        return None
+
     def first_token(self, handle: RemotePrefilled) -> int | None:
         return handle.output_ids[-1]
 

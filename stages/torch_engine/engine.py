@@ -34,7 +34,7 @@ from stages.families import Grid, Media, MediaEmbedding, family_for_architecture
 from stages.families.tower_graphs import TowerGraphs
 from stages.prefix_keys import MediaSpan, block_keys
 from stages.progress import Step, on_terminal
-from stages.sampling import SamplingConfig
+from stages.sampling import Logprobs, SamplingConfig
 from stages.torch_engine import batch_decoder, metrics
 from stages.torch_engine.batch_decoder import BatchDecoder, Launched, from_blocks, to_blocks
 from stages.torch_engine.block_pool import blocks_for
@@ -279,6 +279,34 @@ class TorchEngine:
         )
         p.cache = p.embeds = None
         return seq, self._select(seq, logits, defer)
+
+    def prompt_logprobs(self, prompt_ids: list[int], top: int) -> list[Logprobs]:
+        """Each text prompt token's logprob after the first, under the model's
+        output at the place before it, and the ``top`` most likely tokens
+        there (first index on ties). A forward of the prompt of its own, in
+        slices of ``_PROMPT_LOGPROBS_SLICE`` tokens over one cache, so that
+        no more than a slice's logits are held at once."""
+        out: list[Logprobs] = []
+        ids = tensor_on([prompt_ids], self.device, torch.long)
+        positions, _ = self.family.prompt_positions(prompt_ids, [])
+        cache = None
+        with self._lock, torch.inference_mode():
+            for start in range(0, len(prompt_ids) - 1, _PROMPT_LOGPROBS_SLICE):
+                end = min(start + _PROMPT_LOGPROBS_SLICE, len(prompt_ids) - 1)
+                logits, cache = self.family.forward(
+                    self.model, positions[..., start:end], cache, input_ids=ids[:, start:end], all_logits=True
+                )
+                logprobs = torch.log_softmax(logits.float(), dim=-1)
+                chosen = logprobs.gather(1, ids[0, start + 1 : end + 1, None])[:, 0].tolist()
+                if top:
+                    best = torch.topk(logprobs, top)
+                    ranked = zip(best.indices.tolist(), best.values.tolist(), strict=True)
+                    out += [
+                        Logprobs(lp, tuple(zip(i, v, strict=True))) for lp, (i, v) in zip(chosen, ranked, strict=True)
+                    ]
+                else:
+                    out += [Logprobs(lp) for lp in chosen]
+        return out
 
     def settle(self, seq: Sequence) -> int:
         """The token ``prefill(defer=True)`` chose for ``seq``, once it is on
@@ -923,6 +951,10 @@ class TorchEngine:
             seq.logprobs[seq.num_generated] = token_logprobs(logits, token, seq.sampling.logprobs)
         seq.output_ids.append(token)
         return token
+
+
+# Prompt tokens whose logits one slice of ``prompt_logprobs`` holds at once.
+_PROMPT_LOGPROBS_SLICE = 512
 
 
 class MediaNotEncoded(Exception):

@@ -54,6 +54,8 @@ class TorchPrefilled:
     # The hop still owns the sequence's cache, so abort() frees it; off once
     # it is exported, or once the decode loop took it (which frees it then).
     owned: bool = True
+    # The prompt's logprobs, where the request asked for them (echo with logprobs).
+    prompt_logprobs: list[Logprobs] | None = None
 
     @property
     def prompt_len(self) -> int:
@@ -174,6 +176,20 @@ class TorchHopEngine:
     # -- prefill --------------------------------------------------------------
 
     async def prefill(self, req: ProcessedRequest, media: list[MediaEmbedding], ctx: HopContext) -> TorchPrefilled:
+        handle = await self._prefill(req, media, ctx)
+        top = req.request.sampling.prompt_logprobs
+        if top is not None and not ctx.emitted:
+            try:
+                with ctx.timed("prompt_logprobs", tokens=len(req.prompt_token_ids)):
+                    handle.prompt_logprobs = await self.thread.call(
+                        self.torch.prompt_logprobs, req.prompt_token_ids, top
+                    )
+            except BaseException:
+                await self.abort(handle)
+                raise
+        return handle
+
+    async def _prefill(self, req: ProcessedRequest, media: list[MediaEmbedding], ctx: HopContext) -> TorchPrefilled:
         engine = self.torch
         # Placeholders expanded: each media item's one id becomes its tokens.
         expanded = len(req.prompt_token_ids) + sum(m.num_tokens - 1 for m in media)
@@ -246,6 +262,9 @@ class TorchHopEngine:
 
     def logprobs(self, handle: TorchPrefilled, index: int) -> Logprobs | None:
         return handle.seq.logprobs.get(index)
+
+    def prompt_logprobs(self, handle: TorchPrefilled) -> list[Logprobs] | None:
+        return handle.prompt_logprobs
 
     def first_token(self, handle: TorchPrefilled) -> int | None:
         # Prefill covered the prompt and what the client held; the one token

@@ -319,3 +319,18 @@ def reference_structured(
         min_new_tokens=0,
     )
     return [int(t) for t in out[0, len(prompt_token_ids) :].tolist()]
+
+
+def reference_prompt_logprobs(
+    model_dir: Path, prompt_token_ids: list[int], top: int, model: Any = None
+) -> tuple[list[float], list[list[int]]]:
+    """Each prompt token's log probability after the first under one forward
+    of the whole prompt (the logits at the place before it), and the ``top``
+    best token ids at each of those places."""
+    model = model if model is not None else load_reference_model(model_dir)
+    input_ids = torch.tensor([prompt_token_ids], dtype=torch.long, device=model.device)
+    with torch.inference_mode():
+        logits = model(input_ids=input_ids, attention_mask=torch.ones_like(input_ids)).logits[0, :-1]
+    logprobs = torch.log_softmax(logits.float(), dim=-1)
+    chosen = logprobs.gather(1, input_ids[0, 1:, None])[:, 0].tolist()
+    return chosen, torch.topk(logprobs, top).indices.tolist()

@@ -42,6 +42,8 @@ class Delta:
     finished: bool
     # Each token's logprob and its step's best ``SamplingConfig.logprobs`` (where asked for).
     logprobs: list[Logprobs] | None = None
+    # On the first delta, where asked for: each prompt token's after the first.
+    prompt_logprobs: list[Logprobs] | None = None
 
 
 class VllmEngine:
@@ -149,7 +151,12 @@ class VllmEngine:
                 if asked
                 else None
             )
-            yield Delta(tokens, bool(out.finished), logprobs)
+            prompt = None
+            if sampling.prompt_logprobs is not None and out.prompt_logprobs:
+                # vLLM's first entry is None: nothing comes before the first token.
+                steps = zip(prompt_token_ids[1:], out.prompt_logprobs[1:], strict=True)
+                prompt = [_logprobs(t, step, sampling.prompt_logprobs) for t, step in steps]
+            yield Delta(tokens, bool(out.finished), logprobs, prompt)
 
     async def prefill(
         self, request_id: str, prompt_token_ids: list[int], media: list[MediaEmbedding], sampling: SamplingConfig
@@ -194,6 +201,7 @@ class VllmEngine:
             output_kind=kind,
             # vLLM gives the sampled token's and the best ``logprobs`` (raw: the model's own output).
             logprobs=sampling.logprobs,
+            prompt_logprobs=sampling.prompt_logprobs,
             presence_penalty=sampling.presence_penalty,
             frequency_penalty=sampling.frequency_penalty,
             logit_bias=dict(sampling.logit_bias) or None,

@@ -99,6 +99,7 @@ class VllmPrefilled:
     # Tokens decode() gave, and their logprobs by generated index (where asked for).
     yielded: int = 0
     logprobs: dict[int, Logprobs] = field(default_factory=dict)
+    prompt_logprobs: list[Logprobs] | None = None
 
 
 class VllmHopEngine:
@@ -191,6 +192,11 @@ class VllmHopEngine:
         )
         if self.role not in KV_PRODUCER_ROLES:
             return handle
+        if req.request.sampling.prompt_logprobs is not None:
+            # The decode engine loads the prompt's cache: it never sees the prompt's logits.
+            raise InvalidRequest(
+                "the prompt's logprobs (echo with logprobs) on --engine vllm need a worker that prefills and decodes"
+            )
         vllm_id = _vllm_id(rid)
         done = False
         try:
@@ -210,6 +216,9 @@ class VllmHopEngine:
 
     def logprobs(self, handle: VllmPrefilled, index: int) -> Logprobs | None:
         return handle.logprobs.get(index)
+
+    def prompt_logprobs(self, handle: VllmPrefilled) -> list[Logprobs] | None:
+        return handle.prompt_logprobs
 
     def first_token(self, handle: VllmPrefilled) -> int | None:
         # vLLM's decode instance samples the token after the transferred
@@ -255,6 +264,8 @@ class VllmHopEngine:
         async with contextlib.aclosing(stream) as deltas:
             async for delta in deltas:
                 handle.finished = delta.finished
+                if delta.prompt_logprobs is not None:
+                    handle.prompt_logprobs = delta.prompt_logprobs
                 if first and delta.token_ids:
                     ctx.trace["prefill_s"] = time.monotonic() - handle.started
                     first = False

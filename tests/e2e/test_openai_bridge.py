@@ -397,13 +397,62 @@ async def test_logprobs_are_generates_own(stack: Stack) -> None:
         assert plain.choices[0].logprobs is None
         for bad, says in [
             ({"logprobs": 21}, "between 0 and 20"),
-            ({"logprobs": 1, "echo": True, "prompt": "x"}, "echo"),
         ]:
             with pytest.raises(openai.BadRequestError) as refused:
                 await c.completions.create(**{"prompt": ids, **kw, **bad})
             assert says in refused.value.body["message"]  # type: ignore[index]
         with pytest.raises(openai.BadRequestError, match="top_logprobs needs logprobs"):
             await c.chat.completions.create(messages=[{"role": "user", "content": "Hi"}], top_logprobs=2, **kw)
+
+
+@pytest.mark.e2e
+async def test_echo_with_logprobs_gives_the_prompts_own(stack: Stack) -> None:
+    """``echo`` with ``logprobs``: the prompt's tokens first, each after the
+    first with its logprob under one forward of the prompt (transformers'
+    logits), then the answer's, offsets running over the whole text; the
+    same in the first streamed chunk."""
+    from transformers import AutoTokenizer
+
+    from stages.torch_engine.reference import reference_logprobs, reference_prompt_logprobs
+
+    model_dir = stack.spec.path
+    tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
+    prompt = "The sea and the mountains are"
+    ids = tokenizer(prompt)["input_ids"]
+    said, best = reference_prompt_logprobs(model_dir, ids, 2)
+    tokens, want, _ = reference_logprobs(model_dir, ids, N, 2)
+    kw: dict[str, Any] = {"model": "tiny-qwen2-vl", "max_tokens": N, "temperature": 0, "extra_body": {"min_tokens": N}}
+
+    def check(lp: Any) -> None:
+        assert lp.tokens == [tokenizer.decode([t]) for t in [*ids, *tokens]]
+        assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+        assert lp.token_logprobs[1:] == pytest.approx([*said, *want], abs=1e-5)
+        assert [list(top) for top in lp.top_logprobs[1 : len(ids)]] == [
+            [tokenizer.decode([t]) for t in ts] for ts in best
+        ]
+        starts = [0]
+        for token in lp.tokens[:-1]:
+            starts.append(starts[-1] + len(token))
+        assert lp.text_offset == starts
+
+    async with client(stack) as c:
+        done = await c.completions.create(prompt=prompt, echo=True, logprobs=2, **kw)
+        assert done.choices[0].text == prompt + tokenizer.decode(tokens, skip_special_tokens=True)
+        check(done.choices[0].logprobs)
+        merged: dict[str, list[Any]] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+        async for chunk in await c.completions.create(prompt=prompt, echo=True, logprobs=2, stream=True, **kw):
+            for choice in chunk.choices:
+                if choice.logprobs is not None:
+                    for key, values in merged.items():
+                        values += getattr(choice.logprobs, key)
+        check(type("Merged", (), merged)())
+        # Echo without logprobs: no logprobs at all; logprobs without echo: the answer's only.
+        plain = await c.completions.create(prompt=prompt, echo=True, **kw)
+        assert plain.choices[0].logprobs is None
+        answer = await c.completions.create(prompt=prompt, logprobs=2, **kw)
+        assert answer.choices[0].logprobs is not None and len(answer.choices[0].logprobs.tokens or []) == N
+        with pytest.raises(openai.BadRequestError, match="text prompt"):
+            await c.completions.create(prompt=ids, echo=True, logprobs=1, **kw)
 
 
 @pytest.mark.e2e

@@ -251,6 +251,7 @@ async def test_a_completion_equals_generate(stack: VllmStack, vllm_model_dir: Pa
         reference_generate,
         reference_logprobs,
         reference_penalized,
+        reference_prompt_logprobs,
         reference_stopped,
     )
 
@@ -311,6 +312,19 @@ async def test_a_completion_equals_generate(stack: VllmStack, vllm_model_dir: Pa
         tokenizer.decode(stopped[:-1], skip_special_tokens=True),
         "stop",
     )
+    # The prompt's logprobs (echo with logprobs): vLLM's own, where one worker prefills and decodes.
+    said, _ = reference_prompt_logprobs(vllm_model_dir, ids, 1)
+    echoed = {"model": MODEL, "prompt": prompt, "max_tokens": 2, "temperature": 0, "echo": True, "logprobs": 1}
+    async with stack.client() as c:
+        if stack.mode in ("epd", "e-pd"):
+            done = await c.completions.create(**echoed)
+            lp = done.choices[0].logprobs
+            assert lp is not None and lp.token_logprobs is not None and lp.token_logprobs[0] is None
+            assert lp.token_logprobs[1 : len(ids)] == pytest.approx(said, abs=1e-3)
+            assert done.choices[0].text.startswith(prompt)
+        else:
+            with pytest.raises(openai.BadRequestError, match="prefills and decodes"):
+                await c.completions.create(**echoed)
 
 
 @pytest.mark.e2e
