@@ -87,6 +87,8 @@ class StructuredOutput(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 
     kind: Literal["json", "json_object", "regex", "choice", "grammar"]
     text: str = ""
+    # JSON without whitespace between tokens (vLLM's disable_any_whitespace).
+    compact: bool = False
 
 
 class SamplingParams(msgspec.Struct, omit_defaults=True, forbid_unknown_fields=True):

@@ -70,9 +70,16 @@ class SamplingConfig:
         """Whether a step may choose the token on the device, never showing
         the host its logits: greedy, no logprobs to compute from them, and
         nothing that changes them first."""
-        # The batch step masks only the model's EOS ids below min_tokens.
+        return self.greedy_in_batch and self.logprobs is None and not self.adjusts
+
+    @property
+    def greedy_in_batch(self) -> bool:
+        """Whether a batched decode step may choose the token on the device,
+        penalties, bias and logprobs included (see
+        stages/torch_engine/row_sampling.py): greedy, no grammar, and no
+        stop ids to mask below min_tokens (the step masks the model's EOS only)."""
         masks_more = bool(self.stop_token_ids) and self.min_tokens > 0
-        return self.greedy and self.logprobs is None and not self.adjusts and not masks_more and self.structured is None
+        return self.greedy and self.structured is None and not masks_more
 
     @property
     def adjusts(self) -> bool:

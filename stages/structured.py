@@ -32,17 +32,19 @@ _LOCATION = re.compile(r"^\[[^\]]*\]\s+\S+:\d+:\s*")
 def grammar(spec: StructuredOutput) -> xgrammar.Grammar:
     """``spec`` as an xgrammar Grammar; InvalidRequest naming the problem
     where it cannot be compiled."""
-    return _grammar(spec.kind, spec.text)
+    return _grammar(spec.kind, spec.text, spec.compact)
 
 
 @functools.lru_cache(maxsize=256)
-def _grammar(kind: str, text: str) -> xgrammar.Grammar:
+def _grammar(kind: str, text: str, compact: bool) -> xgrammar.Grammar:
     import xgrammar as xgr
 
     try:
         if kind in ("json", "json_object"):
             # json_object: any object, not any JSON value (as vLLM compiles it).
             schema = text if kind == "json" else '{"type": "object"}'
+            if compact:
+                return xgr.Grammar.from_json_schema(schema, any_whitespace=False)
             return xgr.Grammar.from_json_schema(schema, any_whitespace=True, max_whitespace_cnt=MAX_JSON_WHITESPACE)
         if kind == "regex":
             return xgr.Grammar.from_regex(text)

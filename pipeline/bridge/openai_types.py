@@ -289,17 +289,20 @@ _STRUCTURED_KEYS = ("json", "json_object", "regex", "choice", "grammar")
 
 
 def _structured_outputs(spec: dict[str, Any]) -> list[StructuredOutput]:
-    if unknown := sorted(set(spec) - set(_STRUCTURED_KEYS)):
+    if unknown := sorted(set(spec) - {*_STRUCTURED_KEYS, "disable_any_whitespace"}):
         raise InvalidRequest(f"structured_outputs: {', '.join(unknown)} not supported (one of {_STRUCTURED_KEYS})")
+    compact = spec.get("disable_any_whitespace", False)
+    if not isinstance(compact, bool):
+        raise InvalidRequest("structured_outputs.disable_any_whitespace must be true or false")
     out = []
     for key in _STRUCTURED_KEYS:
         value = spec.get(key)
         if value is None or value is False:
             continue
         if key == "json":
-            out.append(StructuredOutput("json", _schema_text(value, "structured_outputs.json")))
+            out.append(StructuredOutput("json", _schema_text(value, "structured_outputs.json"), compact))
         elif key == "json_object":
-            out.append(StructuredOutput("json_object"))
+            out.append(StructuredOutput("json_object", compact=compact))
         elif key == "choice":
             if not isinstance(value, list) or not value or not all(isinstance(c, str) for c in value):
                 raise InvalidRequest("structured_outputs.choice: a non-empty list of strings")

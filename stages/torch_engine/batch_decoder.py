@@ -43,9 +43,11 @@ import torch.nn.functional as F
 
 from stages import cuda_graph
 from stages.progress import counted
+from stages.sampling import Logprobs, SamplingConfig
 from stages.torch_engine.block_pool import NULL_BLOCK, BlockPool, blocks_for
 from stages.torch_engine.decode_attention import gather_blocks, length_mask
 from stages.torch_engine.fused_decode import FusedKernels, FusedLayer, can_fuse, default_attention, fuse_layer
+from stages.torch_engine.row_sampling import RowSampling
 
 # Batch sizes a step is padded up to (each a captured graph on CUDA).
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128)
@@ -78,13 +80,22 @@ class StepInputs(NamedTuple):
 class Launched:
     """Token choices queued on the device (a step's, or a prefill's), on
     their way to the host; ``tokens()`` waits for them. ``blocking``: the
-    waiting thread sleeps rather than spins (one that is not the engine's)."""
+    waiting thread sleeps rather than spins (one that is not the engine's).
+    ``reports``: a step's logprobs (``RowSampling``), copied beside its tokens."""
 
-    def __init__(self, sampled: torch.Tensor, n: int, blocking: bool = False) -> None:
+    def __init__(
+        self, sampled: torch.Tensor, n: int, blocking: bool = False, reports: RowSampling | None = None
+    ) -> None:
         pinned = sampled.device.type == "cuda"
         self._host = torch.empty(n, dtype=torch.long, pin_memory=pinned)
         # Queued behind the step and before the next one, which overwrites ``sampled``.
         self._host.copy_(sampled[:n], non_blocking=pinned)
+        self._reports: list[torch.Tensor] = []
+        if reports is not None:
+            for t in (reports.chosen, reports.top_ids, reports.top_logprobs):
+                host = torch.empty(t[:n].shape, dtype=t.dtype, pin_memory=pinned)
+                host.copy_(t[:n], non_blocking=pinned)
+                self._reports.append(host)
         self._event = torch.cuda.Event(blocking=blocking) if pinned else None
         if self._event is not None:
             self._event.record()
@@ -93,6 +104,12 @@ class Launched:
         if self._event is not None:
             self._event.synchronize()
         return self._host.tolist()
+
+    def logprobs(self, row: int, top: int) -> Logprobs:
+        """Row ``row``'s chosen token's logprob and the ``top`` best (after ``tokens()``)."""
+        chosen, ids, values = self._reports
+        best = zip(ids[row, :top].tolist(), values[row, :top].tolist(), strict=True)
+        return Logprobs(float(chosen[row]), tuple(best))
 
 
 @dataclass(frozen=True)
@@ -176,13 +193,15 @@ class BatchDecoder:
         self.tokens, self.positions, self.write_at, self.feed, self.mask_eos, self.asked, self.block = self._inputs
         # Each row's chosen token of the last step (argmax), where the next step can feed it from.
         self.sampled = torch.zeros(max_slots, dtype=torch.long, device=self.device)
+        # Penalties, logit bias and logprobs in the step, made for the first row that asks for them.
+        self.row_sampling: RowSampling | None = None
         eos = sorted(set(eos_ids))
         self._eos = torch.tensor(eos, dtype=torch.long, device=self.device) if eos else None
         self.rows = torch.arange(max_slots, device=self.device)
         # The Triton attention's (one per (row, kv head)), zero between its launches.
         self._counters = torch.zeros(max_slots * s.kv_heads, dtype=torch.int32, device=self.device)
         self.use_graphs = use_graphs and self.device.type == "cuda"
-        self._graphs: dict[tuple[int, int], tuple[Any, torch.Tensor]] = {}
+        self._graphs: dict[tuple[int, int, bool], tuple[Any, torch.Tensor]] = {}
         fused = self.device.type == "cuda" if fused is None else fused
         self.fused: list[FusedLayer] | None = None
         if fused and all(can_fuse(layer) for layer in self.lm.layers) and hasattr(self.lm.norm, "variance_epsilon"):
@@ -218,6 +237,19 @@ class BatchDecoder:
         packed); ``src`` is left free, its table the null block's."""
         self.tables[dst].copy_(self.tables[src])
         self.tables[src].fill_(NULL_BLOCK)
+        if self.row_sampling is not None:
+            self.row_sampling.move_row(src, dst)
+
+    def set_sampling(self, row: int, config: SamplingConfig, counted: list[int]) -> None:
+        """Row ``row``'s request's penalties and bias, where it has any or
+        rows with them have run (``counted``: its generated tokens the steps
+        will not feed; see ``RowSampling.set_row``)."""
+        extras = config.adjusts or config.logprobs is not None
+        if self.row_sampling is None and extras:
+            vocab = int(self.model.get_output_embeddings().weight.shape[0])
+            self.row_sampling = RowSampling(self.max_slots, vocab, self.device)
+        if self.row_sampling is not None:
+            self.row_sampling.set_row(row, config, counted)
 
     def clear_row(self, row: int) -> None:
         self.tables[row].fill_(NULL_BLOCK)
@@ -291,6 +323,7 @@ class BatchDecoder:
         mask_eos: list[int] | None = None,
         asked: list[int] | None = None,
         block: list[int] | None = None,
+        extras: bool = False,
     ) -> torch.Tensor:
         """Logits [n, vocab] of one new token for slots 0..n-1; their greedy
         choices land in ``sampled[:n]``.
@@ -300,6 +333,7 @@ class BatchDecoder:
         tokens already in its blocks (where the new one is written, through
         its block table). The rest as ``StepInputs`` (default: no feed, no
         EOS mask, every row asked, each write in the block its table has).
+        ``extras``: the rows' penalties, bias and logprobs too (``row_sampling``).
         """
         n = len(tokens)
         if n > self.max_slots:
@@ -325,16 +359,18 @@ class BatchDecoder:
             (block or [-1] * n) + [NULL_BLOCK] * pad,
         ]
         self._inputs[:, :bucket].copy_(torch.tensor(rows), non_blocking=True)
+        if extras and self.row_sampling is None:
+            raise ValueError("a step with extras before any row asked for them")
         if not self.use_graphs:
-            return self._forward(bucket, span)[:n]
-        graph, out = self._graph(bucket, span)
+            return self._forward(bucket, span, extras)[:n]
+        graph, out = self._graph(bucket, span, extras)
         graph.replay()
         return out[:n]
 
-    def launch(self, inputs: StepInputs) -> Launched:
+    def launch(self, inputs: StepInputs, extras: bool = False) -> Launched:
         """Queue a step; its tokens are read later (the next step may be queued first)."""
-        self.step(*inputs)
-        return Launched(self.sampled, len(inputs.tokens))
+        self.step(*inputs, extras=extras)
+        return Launched(self.sampled, len(inputs.tokens), reports=self.row_sampling if extras else None)
 
     def capture(self) -> list[int]:
         """Capture the step's graph for every batch size a step can pad to,
@@ -353,15 +389,16 @@ class BatchDecoder:
                 self._graph(bucket, 0)
         return sizes
 
-    def _graph(self, bucket: int, span: int) -> tuple[Any, torch.Tensor]:
-        key = (bucket, span)
+    def _graph(self, bucket: int, span: int, extras: bool = False) -> tuple[Any, torch.Tensor]:
+        # A step with extras is a graph of its own, captured the first time one runs.
+        key = (bucket, span, extras)
         if key not in self._graphs:
-            self._graphs[key] = cuda_graph.capture(lambda: self._forward(bucket, span), warmups=2)
+            self._graphs[key] = cuda_graph.capture(lambda: self._forward(bucket, span, extras), warmups=2)
         return self._graphs[key]
 
-    def _forward(self, bucket: int, span: int) -> torch.Tensor:
+    def _forward(self, bucket: int, span: int, extras: bool = False) -> torch.Tensor:
         if self.fused is not None:
-            return self._forward_fused(bucket, span)
+            return self._forward_fused(bucket, span, extras)
         s = self.shape
         blocks, offsets = self._write_address(bucket)
         table = self.tables[:bucket, : span // self.block_size]
@@ -389,9 +426,9 @@ class BatchDecoder:
             hidden = hidden + layer.mlp(layer.post_attention_layernorm(hidden))
         hidden = self.lm.norm(hidden)
         logits: torch.Tensor = self.model.lm_head(hidden)[:, 0]
-        return self._choose(bucket, logits, tokens)
+        return self._choose(bucket, logits, tokens, extras)
 
-    def _forward_fused(self, bucket: int, span: int) -> torch.Tensor:
+    def _forward_fused(self, bucket: int, span: int, extras: bool) -> torch.Tensor:
         assert self.fused is not None
         s, k = self.shape, self.kernels
         blocks, offsets = self._write_address(bucket)
@@ -424,7 +461,7 @@ class BatchDecoder:
         assert delta is not None
         norm = self.lm.norm
         logits: torch.Tensor = self.model.lm_head(k.final(hidden, delta, norm.weight, float(norm.variance_epsilon)))
-        return self._choose(bucket, logits, tokens)
+        return self._choose(bucket, logits, tokens, extras)
 
     def _write_address(self, bucket: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Each row's block and offset in it where this step's key and value
@@ -441,15 +478,29 @@ class BatchDecoder:
         feed = self.feed[:bucket]
         return torch.where(feed >= 0, self.sampled[feed.clamp(min=0)], self.tokens[:bucket])
 
-    def _choose(self, bucket: int, logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    def _choose(self, bucket: int, logits: torch.Tensor, tokens: torch.Tensor, extras: bool = False) -> torch.Tensor:
         """Greedy choices into ``sampled`` (generate()'s argmax: first index
         on ties; EOS at -inf below min_tokens, in the logits returned too,
         as the host's sampling would mask them); a row not asked keeps its
-        fed token there, for a later step to feed again."""
+        fed token there, for a later step to feed again. With ``extras``,
+        each row's bias and penalties before the argmax, and its logprobs
+        (of the logits as the model gave them) after."""
+        rs = self.row_sampling if extras else None
+        logprobs = None
+        chosen_from = logits
+        if rs is not None:
+            logprobs = torch.log_softmax(logits.float(), dim=-1)
+            rs.count_fed(bucket, tokens, self.asked)
+            chosen_from = rs.adjusted(bucket, logits)
         if self._eos is not None:
-            eos = logits[:, self._eos]
-            logits[:, self._eos] = torch.where(self.mask_eos[:bucket, None] > 0, float("-inf"), eos)
-        self.sampled[:bucket] = torch.where(self.asked[:bucket] > 0, logits.argmax(-1), tokens)
+            masked = self.mask_eos[:bucket, None] > 0
+            logits[:, self._eos] = torch.where(masked, float("-inf"), logits[:, self._eos])
+            if rs is not None:
+                chosen_from[:, self._eos] = torch.where(masked, float("-inf"), chosen_from[:, self._eos])
+        self.sampled[:bucket] = torch.where(self.asked[:bucket] > 0, chosen_from.argmax(-1), tokens)
+        if rs is not None:
+            assert logprobs is not None
+            rs.report(bucket, logprobs, self.sampled)
         return logits
 
     def _rotary(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

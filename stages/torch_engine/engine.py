@@ -35,7 +35,7 @@ from stages.families.tower_graphs import TowerGraphs
 from stages.prefix_keys import MediaSpan, block_keys
 from stages.progress import Step, on_terminal
 from stages.sampling import Logprobs, SamplingConfig
-from stages.torch_engine import batch_decoder, metrics
+from stages.torch_engine import batch_decoder, metrics, row_sampling
 from stages.torch_engine.batch_decoder import BatchDecoder, Launched, from_blocks, to_blocks
 from stages.torch_engine.block_pool import blocks_for
 from stages.torch_engine.grammar import Grammars
@@ -344,8 +344,9 @@ class TorchEngine:
                 assert self.decoder is not None and self._slots is not None
                 # Every row steps (a row not asked for writes the same key and
                 # value again: idempotent); only the asked ones take a token.
-                logits = self.decoder.step(*self._slots.step_inputs({q.slot for q in batched}))
-                chosen = self._select_batch(batched, logits)
+                extras = self._extras(batched)
+                logits = self.decoder.step(*self._slots.step_inputs({q.slot for q in batched}), extras=extras)
+                chosen = self._select_batch(batched, logits, extras)
             return [chosen[id(q)] if q.slot >= 0 else None if self._ever_fits(q) else self._step_one(q) for q in seqs]
 
     def launch(self, seqs: list[Sequence]) -> Launch | None:
@@ -373,7 +374,7 @@ class TorchEngine:
                 raise ValueError("launch on a released sequence")
             if seq.pending is not None:
                 raise ValueError("launch on a sequence whose prefill token is not settled")
-            if not seq.sampling.on_device:
+            if not self._in_batch(seq):
                 return None
             wanted = seq.num_generated + seq.inflight < seq.sampling.max_tokens
             if wanted and seq.length + seq.inflight >= self.max_model_len:
@@ -382,7 +383,7 @@ class TorchEngine:
             if any(not self._admit(seq) and not self._ever_fits(seq) for seq in seqs):
                 return None
             stepped = self._grown([seq for seq in seqs if seq.slot >= 0])
-            launched = decoder.launch(slots.step_inputs({seq.slot for seq in stepped}))
+            launched = decoder.launch(slots.step_inputs({seq.slot for seq in stepped}), self._extras(stepped))
             for seq in stepped:
                 seq.inflight += 1
                 seq.feed_row = seq.slot
@@ -402,9 +403,20 @@ class TorchEngine:
                 if not seq.inflight:
                     seq.feed_row = -1
                 if not seq.released:
+                    if seq.sampling.logprobs is not None:
+                        seq.logprobs[seq.num_generated] = launch.launched.logprobs(row, seq.sampling.logprobs)
                     seq.output_ids.append(values[row])
                 tokens.append(values[row])
             return tokens
+
+    def _in_batch(self, seq: Sequence) -> bool:
+        """Whether the batch decoder's step chooses ``seq``'s tokens (else the host does)."""
+        s = seq.sampling
+        return s.on_device or (s.greedy_in_batch and row_sampling.fits(s))
+
+    def _extras(self, seqs: list[Sequence]) -> bool:
+        """Whether a step of ``seqs`` applies penalties or reports logprobs on the device."""
+        return any(self._in_batch(q) and not q.sampling.on_device for q in seqs)
 
     def _grown(self, seqs: list[Sequence]) -> list[Sequence]:
         """``seqs`` (in the decoder) with a block each for this step's write;
@@ -904,23 +916,28 @@ class TorchEngine:
         logits, seq.cache = self.family.forward(self.model, positions, seq.cache, input_ids=input_ids)
         return logits
 
-    def _select_batch(self, seqs: list[Sequence], logits: torch.Tensor) -> dict[int, int]:
-        """Tokens of batched sequences (by id): greedy ones as the step chose
-        them (argmax, EOS masked until min_tokens as select_token does), read
-        in one device sync for them all."""
+    def _select_batch(self, seqs: list[Sequence], logits: torch.Tensor, extras: bool) -> dict[int, int]:
+        """Tokens of batched sequences (by id): those the step chose (argmax,
+        EOS masked until min_tokens as select_token does; with ``extras``
+        after their penalties, with their logprobs) read in one device sync
+        for them all; the others chosen on the host."""
         assert self.decoder is not None
-        greedy = [q for q in seqs if q.sampling.on_device]
+        stepped = [q for q in seqs if self._in_batch(q)]
         chosen: dict[int, int] = {}
-        if greedy:
-            sampled = self.decoder.sampled[: logits.shape[0]].tolist()
-            for q in greedy:
+        if stepped:
+            rows = logits.shape[0]
+            got = Launched(self.decoder.sampled, rows, reports=self.decoder.row_sampling if extras else None)
+            sampled = got.tokens()
+            for q in stepped:
+                if q.sampling.logprobs is not None:
+                    q.logprobs[q.num_generated] = got.logprobs(q.slot, q.sampling.logprobs)
                 q.output_ids.append(sampled[q.slot])
                 chosen[id(q)] = sampled[q.slot]
         if structured := [q for q in seqs if q.sampling.structured is not None]:
             # Every structured row's mask in one call on the step's logits.
             self._mask(logits, [(q, q.slot) for q in structured])
         for q in seqs:
-            if not q.sampling.on_device:
+            if id(q) not in chosen:
                 chosen[id(q)] = self._select(q, logits[q.slot], masked=True)
         return chosen
 

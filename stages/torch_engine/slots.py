@@ -140,6 +140,9 @@ class SlotTable:
             self._admitted += 1
             seq.admitted = self._admitted
         self.decoder.set_table(row, seq.blocks)
+        # Its generated tokens that no step will feed: all but the last (fed
+        # by its next step), or all while the last is still on its way (pending).
+        self.decoder.set_sampling(row, seq.sampling, seq.output_ids[:-1] if seq.pending is None else seq.output_ids)
         return row
 
     def _leave(self, seq: Sequence) -> None:

@@ -231,10 +231,10 @@ def _structured_outputs(spec: StructuredOutput | None) -> Any:
     from vllm.sampling_params import StructuredOutputsParams
 
     if spec.kind == "json_object":
-        return StructuredOutputsParams(json_object=True)
+        return StructuredOutputsParams(json_object=True, disable_any_whitespace=spec.compact)
     if spec.kind == "choice":
         return StructuredOutputsParams(choice=json.loads(spec.text))
-    return StructuredOutputsParams(**{spec.kind: spec.text})
+    return StructuredOutputsParams(**{spec.kind: spec.text}, disable_any_whitespace=spec.compact)
 
 
 def _logprobs(token: int, step: dict[int, Any], top: int) -> Logprobs:

@@ -102,6 +102,11 @@ async def test_each_kind_equals_generate_with_xgrammars_processor(mode_stack: St
             r"(yes|no) \d\d?",
         ),
         ({"extra_body": {"guided_json": SCHEMA}}, StructuredOutput("json", json.dumps(SCHEMA)), None),
+        (
+            {"extra_body": {"structured_outputs": {"json": SCHEMA, "disable_any_whitespace": True}}},
+            StructuredOutput("json", json.dumps(SCHEMA), compact=True),
+            None,
+        ),
     ]
     async with client(mode_stack) as c:
         for fields, spec, pattern in cases:

@@ -182,6 +182,72 @@ def test_a_prefill_token_on_its_way_leaves_its_cache_alone_while_others_step(eng
     batched.release(waiting)
 
 
+def _logprobs_alone(engine: TorchEngine, prompt: list[int], media: list[Any], sampling: SamplingConfig) -> Any:
+    [(seq, first)] = engine.prefill([prompt], [media], [sampling])
+    out = [first]
+    while len(out) < sampling.max_tokens:
+        out += engine.step([seq])
+    engine.release(seq)
+    return out, [seq.logprobs[i] for i in range(len(out))] if sampling.logprobs is not None else None
+
+
+@pytest.mark.parametrize("ahead", [True, False], ids=["launched", "stepped"])
+def test_penalties_bias_and_logprobs_in_the_step_are_the_hosts(engines: Any, ahead: bool) -> None:
+    """Greedy rows with OpenAI's penalties, vLLM's repetition penalty, a
+    logit bias and logprobs are chosen in the batched step (launched one
+    ahead, or stepped), beside a plain row, each row its own, the generated
+    tokens counted on the device: the tokens and logprobs of the host's
+    choice, one sequence at a time."""
+    name, batched, alone = engines
+    prompts = _prompts(batched, name)[:4]
+    first = prompts[0][0]
+    samplings = [
+        SamplingConfig(max_tokens=N, min_tokens=N, presence_penalty=2.0, frequency_penalty=2.0, logprobs=2),
+        SamplingConfig(max_tokens=N - 4, min_tokens=N - 4),
+        SamplingConfig(
+            max_tokens=N, min_tokens=N, repetition_penalty=1.7, prompt_ids=tuple(sorted(set(prompts[2][0])))
+        ),
+        SamplingConfig(max_tokens=N - 2, min_tokens=3, logit_bias=((first[0], 4.0), (7, -100.0)), logprobs=0),
+    ]
+    expected = [_logprobs_alone(alone, p, m, s) for (p, m), s in zip(prompts, samplings, strict=True)]
+    outputs: dict[int, list[int]] = {}
+    running: dict[int, Any] = {}
+    seqs: dict[int, Any] = {}
+    launched: tuple[Any, list[tuple[int, Any]]] | None = None
+    for i, ((prompt, media), sampling) in enumerate(zip(prompts, samplings, strict=True)):
+        [(seq, token)] = batched.prefill([prompt], [media], [sampling])
+        outputs[i], running[i], seqs[i] = [token], seq, seq
+    while running or launched:
+        batch = list(running.items())
+        if not ahead:
+            for (i, seq), token in zip(batch, batched.step([seq for _, seq in batch]), strict=True):
+                outputs[i].append(token)
+                if len(outputs[i]) == samplings[i].max_tokens:
+                    batched.release(seq)
+                    del running[i]
+            continue
+        launch = batched.launch([seq for _, seq in batch]) if batch else None
+        assert launch is not None or not batch  # every row goes in the step
+        if launched is not None:
+            was_launch, was = launched
+            for (i, seq), token in zip(was, batched.collect(was_launch), strict=True):
+                if i not in running:
+                    continue
+                outputs[i].append(token)
+                if len(outputs[i]) == samplings[i].max_tokens:
+                    batched.release(seq)
+                    del running[i]
+        launched = (launch, batch) if launch is not None else None
+    for i, (tokens, logprobs) in enumerate(expected):
+        assert outputs[i] == tokens, i
+        if logprobs is not None:
+            got = [seqs[i].logprobs[k] for k in range(len(tokens))]
+            assert [lp.logprob for lp in got] == pytest.approx([lp.logprob for lp in logprobs], abs=1e-4)
+            assert [[t for t, _ in lp.top] for lp in got] == [[t for t, _ in lp.top] for lp in logprobs]
+    # The penalties change the answer (the repetition penalty's row, only where the model repeats).
+    assert expected[0][0] != _alone(alone, *prompts[0], SamplingConfig(max_tokens=N, min_tokens=N))
+
+
 def test_what_cannot_launch_steps_instead(engines: Any) -> None:
     _, batched, _ = engines
     prompt = batched.tokenizer("Sample me")["input_ids"]

@@ -1,0 +1,105 @@
+"""What a batched greedy step does besides its argmax, on the device, per
+row: OpenAI's ``logit_bias``, vLLM's repetition penalty and OpenAI's
+presence and frequency penalties before the choice, and the chosen token's
+logprob and the best ``MAX_TOP`` after it. The host gives a row its
+request's parameters when the sequence takes the row; the tokens it
+generates are counted here, on the device, as the steps feed them, so the
+decode loop still queues a step before the host has read the last one.
+
+The formulas are the host's (stages/torch_engine/sampling.py: ``adjusted``
+and ``token_logprobs``), element for element, so a row gives the same token
+and logprobs either way.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from stages.sampling import SamplingConfig
+
+# The most likely tokens a step reports for each row (OpenAI's and vLLM's cap).
+MAX_TOP = 20
+# logit_bias entries a row takes on the device; a request with more chooses on the host.
+MAX_BIAS = 300
+
+
+def fits(config: SamplingConfig) -> bool:
+    """Whether a greedy request's adjustments and logprobs can run in the batched step."""
+    return len(config.logit_bias) <= MAX_BIAS and (config.logprobs or 0) <= MAX_TOP
+
+
+class RowSampling:
+    """Per row of the batch decoder: its parameters, its generated tokens'
+    counts and whether each token is in its prompt; and the last step's
+    reports (``chosen``, ``top_ids``, ``top_logprobs``)."""
+
+    def __init__(self, max_slots: int, vocab: int, device: torch.device) -> None:
+        self.vocab = vocab
+        self.device = device
+        self.counts = torch.zeros(max_slots, vocab, dtype=torch.int32, device=device)
+        self.in_prompt = torch.zeros(max_slots, vocab, dtype=torch.bool, device=device)
+        # Per row: presence, frequency, repetition (1: none); one tensor, one copy per row set.
+        self.params = torch.zeros(max_slots, 3, dtype=torch.float32, device=device)
+        self.params[:, 2] = 1.0
+        # logit_bias as (id, bias) pairs, padded with (0, 0.0): a scatter-add of nothing.
+        self.bias_ids = torch.zeros(max_slots, MAX_BIAS, dtype=torch.long, device=device)
+        self.bias = torch.zeros(max_slots, MAX_BIAS, dtype=torch.float32, device=device)
+        self.chosen = torch.zeros(max_slots, dtype=torch.float32, device=device)
+        self.top_ids = torch.zeros(max_slots, MAX_TOP, dtype=torch.long, device=device)
+        self.top_logprobs = torch.zeros(max_slots, MAX_TOP, dtype=torch.float32, device=device)
+
+    # Made where a step runs, in inference mode: their tensors are changed in it too.
+    @torch.inference_mode()
+    def set_row(self, row: int, config: SamplingConfig, counted: list[int]) -> None:
+        """Row ``row`` now runs a sequence of ``config`` whose generated
+        tokens ``counted`` are already counted (the rest it feeds in its
+        steps). A row without penalties keeps the last one's counts: at
+        neutral parameters they change nothing."""
+        pinned = self.device.type == "cuda"
+        params = torch.tensor([config.presence_penalty, config.frequency_penalty, config.repetition_penalty])
+        self.params[row].copy_(params, non_blocking=pinned)
+        ids = torch.zeros(MAX_BIAS, dtype=torch.long)
+        bias = torch.zeros(MAX_BIAS, dtype=torch.float32)
+        if config.logit_bias:
+            ids[: len(config.logit_bias)] = torch.tensor([t for t, _ in config.logit_bias])
+            bias[: len(config.logit_bias)] = torch.tensor([b for _, b in config.logit_bias])
+        self.bias_ids[row].copy_(ids, non_blocking=pinned)
+        self.bias[row].copy_(bias, non_blocking=pinned)
+        if not (config.presence_penalty or config.frequency_penalty or config.repetition_penalty != 1.0):
+            return
+        counts = torch.bincount(torch.tensor(counted, dtype=torch.long), minlength=self.vocab)[: self.vocab]
+        self.counts[row].copy_(counts.to(torch.int32), non_blocking=pinned)
+        mask = torch.zeros(self.vocab, dtype=torch.bool)
+        if config.prompt_ids:
+            mask[list(config.prompt_ids)] = True
+        self.in_prompt[row].copy_(mask, non_blocking=pinned)
+
+    @torch.inference_mode()
+    def move_row(self, src: int, dst: int) -> None:
+        for t in (self.counts, self.in_prompt, self.params, self.bias_ids, self.bias):
+            t[dst].copy_(t[src])
+
+    def adjusted(self, bucket: int, logits: torch.Tensor) -> torch.Tensor:
+        """Rows ``0..bucket-1``'s logits (float32) with their bias and penalties."""
+        out = logits.float().scatter_add(1, self.bias_ids[:bucket], self.bias[:bucket])
+        presence, frequency, repetition = self.params[:bucket].unbind(1)
+        counts = self.counts[:bucket]
+        seen = self.in_prompt[:bucket] | (counts > 0)
+        rep = repetition[:, None]
+        out = torch.where(seen, torch.where(out < 0, out * rep, out / rep), out)
+        return out - frequency[:, None] * counts - presence[:, None] * (counts > 0).float()
+
+    def count_fed(self, bucket: int, fed: torch.Tensor, asked: torch.Tensor) -> None:
+        """Each asked row's fed token (its last generated one) counted,
+        before the step adjusts its logits: a row not asked feeds the same
+        token again later."""
+        self.counts[:bucket].scatter_add_(1, fed[:, None], asked[:bucket, None].to(torch.int32))
+
+    def report(self, bucket: int, logprobs: torch.Tensor, sampled: torch.Tensor) -> None:
+        """The chosen tokens' logprobs and the best ``MAX_TOP``, of the
+        log-softmax of the model's own logits (before any adjustment or
+        EOS mask: vLLM's raw logprobs)."""
+        self.chosen[:bucket] = logprobs.gather(1, sampled[:bucket, None])[:, 0]
+        best = torch.topk(logprobs, MAX_TOP)
+        self.top_ids[:bucket] = best.indices
+        self.top_logprobs[:bucket] = best.values
