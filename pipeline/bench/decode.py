@@ -120,6 +120,10 @@ def _preset(preset: str, batches: list[int], args: argparse.Namespace, device: A
         row["decoder_sync_step_ms"], sync_tokens = _decoder_step_ms(*timed, ahead=False)
         # The same steps either way: tokens fed on the device are the ones read back.
         row["ahead_tokens_equal"] = ahead_tokens == sync_tokens
+        # Every row with OpenAI's penalties, a repetition penalty, a logit bias and
+        # 5 logprobs, applied and reported in the step (stages/torch_engine/row_sampling.py).
+        row["decoder_extras_step_ms"], _ = _decoder_step_ms(*timed, ahead=True, extras=True)
+        row["extras_overhead"] = row["decoder_extras_step_ms"] / row["decoder_step_ms"] - 1
         if args.profile:
             _profile(decoder, ids, args.context)
         row["greedy_agree"] = _agreement(model, decoder, ids[:1], args.new_tokens) if batch == batches[0] else None
@@ -194,18 +198,38 @@ def _prefill(model: Any, ids: Any) -> tuple[list[Any], list[int]]:
 
 
 def _decoder_step_ms(
-    model: Any, decoder: Any, ids: Any, new: int, repeats: int, device: Any, ahead: bool
+    model: Any, decoder: Any, ids: Any, new: int, repeats: int, device: Any, ahead: bool, extras: bool = False
 ) -> tuple[float, list[list[int]]]:
     """ms per step of the batch decoder, and the tokens of each step. ``ahead``:
     as the decode loop runs it (TorchEngine.launch/collect), step k+1
     launched before step k's tokens are read, its tokens fed from the
-    device; else each step's tokens are read before the next is launched."""
+    device; else each step's tokens are read before the next is launched.
+    ``extras``: every row with penalties, a bias and 5 logprobs, read as the engine reads them."""
+    from stages.sampling import SamplingConfig
     from stages.torch_engine.batch_decoder import StepInputs
 
     batch, context = ids.shape
     caches, firsts = _prefill(model, ids)
     rows, none, zeros, ones = list(range(batch)), [-1] * batch, [0] * batch, [1] * batch
     blocks = _seat(decoder, batch, context + new)
+    if extras:
+        for r in rows:
+            config = SamplingConfig(
+                presence_penalty=0.5,
+                frequency_penalty=0.5,
+                repetition_penalty=1.1,
+                prompt_ids=tuple(sorted(set(ids[r].tolist()))),
+                logit_bias=((11, 2.0), (13, -5.0)),
+                logprobs=5,
+            )
+            decoder.set_sampling(r, config, [])
+
+    def read(launched: Any) -> list[int]:
+        tokens: list[int] = launched.tokens()
+        if extras:
+            for r in rows:
+                launched.logprobs(r, 5)
+        return tokens
 
     def run() -> list[list[int]]:
         for row, layers in enumerate(caches):
@@ -217,14 +241,14 @@ def _decoder_step_ms(
             feed = rows if ahead and step > 0 else none
             block = [blocks[r][lengths[r] // decoder.block_size] for r in rows]
             inputs = StepInputs(tokens, lengths, lengths, feed, zeros, ones, block)
-            previous, launched = launched, decoder.launch(inputs)
+            previous, launched = launched, decoder.launch(inputs, extras=extras)
             if not ahead:
-                tokens = launched.tokens()
+                tokens = read(launched)
                 seen.append(tokens)
             elif previous is not None:
-                seen.append(previous.tokens())
+                seen.append(read(previous))
         if ahead and launched is not None:
-            seen.append(launched.tokens())
+            seen.append(read(launched))
         return seen
 
     total = _timed(run, device, repeats)
@@ -302,13 +326,14 @@ def _table(results: dict[str, Any]) -> None:
     print()
     print(
         f"{'preset':<12} {'batch':>5} {'generate ms/step':>17} {'decoder ms/step':>16} {'read each ms':>13} "
-        f"{'speedup':>8} "
+        f"{'speedup':>8} {'extras':>7} "
         f"{'generate tok/s':>15} {'decoder tok/s':>14} {'roofline ms':>12} {'of roofline':>12} {'greedy agree':>13}"
     )
     for r in results["runs"]:
         print(
             f"{r['preset']:<12} {r['batch']:>5} {r.get('generate_step_ms', float('nan')):>17.3f} "
             f"{r['decoder_step_ms']:>16.3f} {r['decoder_sync_step_ms']:>13.3f} {r.get('speedup', float('nan')):>8.2f} "
+            f"{r['extras_overhead']:>+7.1%} "
             f"{r.get('generate_tok_s', float('nan')):>15.1f} {r['decoder_tok_s']:>14.1f} "
             f"{r.get('roofline_step_ms', float('nan')):>12.3f} {r.get('roofline_fraction', float('nan')):>12.1%} "
             f"{'' if r['greedy_agree'] is None else format(r['greedy_agree'], '.0%'):>13}"
