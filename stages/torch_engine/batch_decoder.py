@@ -203,6 +203,8 @@ class BatchDecoder:
         self.use_graphs = use_graphs and self.device.type == "cuda"
         self._graphs: dict[tuple[int, int, bool], tuple[Any, torch.Tensor]] = {}
         fused = self.device.type == "cuda" if fused is None else fused
+        # The step's penalties and logprobs compiled where the fused step is.
+        self._compile_extras = compile and self.device.type == "cuda" and (fused is None or fused)
         self.fused: list[FusedLayer] | None = None
         if fused and all(can_fuse(layer) for layer in self.lm.layers) and hasattr(self.lm.norm, "variance_epsilon"):
             self.fused = [fuse_layer(layer) for layer in self.lm.layers]
@@ -244,12 +246,17 @@ class BatchDecoder:
         """Row ``row``'s request's penalties and bias, where it has any or
         rows with them have run (``counted``: its generated tokens the steps
         will not feed; see ``RowSampling.set_row``)."""
-        extras = config.adjusts or config.logprobs is not None
-        if self.row_sampling is None and extras:
-            vocab = int(self.model.get_output_embeddings().weight.shape[0])
-            self.row_sampling = RowSampling(self.max_slots, vocab, self.device)
+        if self.row_sampling is None and (config.adjusts or config.logprobs is not None):
+            self._make_row_sampling()
         if self.row_sampling is not None:
             self.row_sampling.set_row(row, config, counted)
+
+    def _make_row_sampling(self) -> RowSampling:
+        if self.row_sampling is None:
+            vocab = int(self.model.get_output_embeddings().weight.shape[0])
+            eos = [] if self._eos is None else self._eos.tolist()
+            self.row_sampling = RowSampling(self.max_slots, vocab, self.device, eos, self._compile_extras)
+        return self.row_sampling
 
     def clear_row(self, row: int) -> None:
         self.tables[row].fill_(NULL_BLOCK)
@@ -384,13 +391,17 @@ class BatchDecoder:
         if not self.use_graphs or self.fused is None or self.kernels.masked:
             return []
         sizes = sorted({_bucket(n, self.max_slots) for n in range(1, self.max_slots + 1)})
+        # The steps with penalties and logprobs too: the first request asking
+        # for them would otherwise compile and capture under load.
+        self._make_row_sampling()
         with torch.inference_mode():
-            for bucket in counted("decode graphs", sizes, len(sizes)):
-                self._graph(bucket, 0)
+            graphs = [(bucket, extras) for bucket in sizes for extras in (False, True)]
+            for bucket, extras in counted("decode graphs", graphs, len(graphs)):
+                self._graph(bucket, 0, extras)
         return sizes
 
     def _graph(self, bucket: int, span: int, extras: bool = False) -> tuple[Any, torch.Tensor]:
-        # A step with extras is a graph of its own, captured the first time one runs.
+        # A step with extras is a graph of its own (captured at start with the others).
         key = (bucket, span, extras)
         if key not in self._graphs:
             self._graphs[key] = cuda_graph.capture(lambda: self._forward(bucket, span, extras), warmups=2)
@@ -485,22 +496,17 @@ class BatchDecoder:
         fed token there, for a later step to feed again. With ``extras``,
         each row's bias and penalties before the argmax, and its logprobs
         (of the logits as the model gave them) after."""
-        rs = self.row_sampling if extras else None
-        logprobs = None
-        chosen_from = logits
-        if rs is not None:
-            logprobs = torch.log_softmax(logits.float(), dim=-1)
-            rs.count_fed(bucket, tokens, self.asked)
-            chosen_from = rs.adjusted(bucket, logits)
+        sampled = None
+        if extras:
+            assert self.row_sampling is not None
+            # Reads the logits before the EOS mask below: the reports are of the model's own.
+            sampled = self.row_sampling.step(bucket, logits, tokens, self.asked, self.mask_eos)
         if self._eos is not None:
-            masked = self.mask_eos[:bucket, None] > 0
-            logits[:, self._eos] = torch.where(masked, float("-inf"), logits[:, self._eos])
-            if rs is not None:
-                chosen_from[:, self._eos] = torch.where(masked, float("-inf"), chosen_from[:, self._eos])
-        self.sampled[:bucket] = torch.where(self.asked[:bucket] > 0, chosen_from.argmax(-1), tokens)
-        if rs is not None:
-            assert logprobs is not None
-            rs.report(bucket, logprobs, self.sampled)
+            eos = logits[:, self._eos]
+            logits[:, self._eos] = torch.where(self.mask_eos[:bucket, None] > 0, float("-inf"), eos)
+        if sampled is None:
+            sampled = torch.where(self.asked[:bucket] > 0, logits.argmax(-1), tokens)
+        self.sampled[:bucket] = sampled
         return logits
 
     def _rotary(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

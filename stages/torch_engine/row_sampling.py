@@ -8,7 +8,9 @@ decode loop still queues a step before the host has read the last one.
 
 The formulas are the host's (stages/torch_engine/sampling.py: ``adjusted``
 and ``token_logprobs``), element for element, so a row gives the same token
-and logprobs either way.
+and logprobs either way. On a GPU the whole of it is one compiled function
+(its elementwise passes over the rows' vocabulary fused), in the step's
+CUDA graph.
 """
 
 from __future__ import annotations
@@ -31,9 +33,10 @@ def fits(config: SamplingConfig) -> bool:
 class RowSampling:
     """Per row of the batch decoder: its parameters, its generated tokens'
     counts and whether each token is in its prompt; and the last step's
-    reports (``chosen``, ``top_ids``, ``top_logprobs``)."""
+    reports (``chosen``, ``top_ids``, ``top_logprobs``). ``eos``: the ids a
+    row masks below its min_tokens. ``compile``: torch.compile the step's part."""
 
-    def __init__(self, max_slots: int, vocab: int, device: torch.device) -> None:
+    def __init__(self, max_slots: int, vocab: int, device: torch.device, eos: list[int], compile: bool = False) -> None:
         self.vocab = vocab
         self.device = device
         self.counts = torch.zeros(max_slots, vocab, dtype=torch.int32, device=device)
@@ -44,9 +47,13 @@ class RowSampling:
         # logit_bias as (id, bias) pairs, padded with (0, 0.0): a scatter-add of nothing.
         self.bias_ids = torch.zeros(max_slots, MAX_BIAS, dtype=torch.long, device=device)
         self.bias = torch.zeros(max_slots, MAX_BIAS, dtype=torch.float32, device=device)
+        self.is_eos = torch.zeros(vocab, dtype=torch.bool, device=device)
+        if eos:
+            self.is_eos[eos] = True
         self.chosen = torch.zeros(max_slots, dtype=torch.float32, device=device)
         self.top_ids = torch.zeros(max_slots, MAX_TOP, dtype=torch.long, device=device)
         self.top_logprobs = torch.zeros(max_slots, MAX_TOP, dtype=torch.float32, device=device)
+        self._choose = torch.compile(choose, dynamic=True) if compile else choose
 
     # Made where a step runs, in inference mode: their tensors are changed in it too.
     @torch.inference_mode()
@@ -79,27 +86,60 @@ class RowSampling:
         for t in (self.counts, self.in_prompt, self.params, self.bias_ids, self.bias):
             t[dst].copy_(t[src])
 
-    def adjusted(self, bucket: int, logits: torch.Tensor) -> torch.Tensor:
-        """Rows ``0..bucket-1``'s logits (float32) with their bias and penalties."""
-        out = logits.float().scatter_add(1, self.bias_ids[:bucket], self.bias[:bucket])
-        presence, frequency, repetition = self.params[:bucket].unbind(1)
-        counts = self.counts[:bucket]
-        seen = self.in_prompt[:bucket] | (counts > 0)
-        rep = repetition[:, None]
-        out = torch.where(seen, torch.where(out < 0, out * rep, out / rep), out)
-        return out - frequency[:, None] * counts - presence[:, None] * (counts > 0).float()
+    def step(
+        self, bucket: int, logits: torch.Tensor, fed: torch.Tensor, asked: torch.Tensor, mask_eos: torch.Tensor
+    ) -> torch.Tensor:
+        """Rows ``0..bucket-1``'s choices (a row not asked keeps its ``fed``
+        token): each asked row's fed token counted first (a row not asked
+        feeds the same token again later), then its bias and penalties, EOS
+        masked below min_tokens, the argmax; and the reports, of the model's
+        own logits (vLLM's raw logprobs)."""
+        asked = asked[:bucket] > 0
+        self.counts[:bucket].scatter_add_(1, fed[:, None], asked[:, None].to(torch.int32))
+        sampled, chosen, top_ids, top_logprobs = self._choose(
+            logits,
+            fed,
+            asked,
+            mask_eos[:bucket] > 0,
+            self.is_eos,
+            self.params[:bucket],
+            self.bias_ids[:bucket],
+            self.bias[:bucket],
+            self.counts[:bucket],
+            self.in_prompt[:bucket],
+        )
+        self.chosen[:bucket] = chosen
+        self.top_ids[:bucket] = top_ids
+        self.top_logprobs[:bucket] = top_logprobs
+        return sampled
 
-    def count_fed(self, bucket: int, fed: torch.Tensor, asked: torch.Tensor) -> None:
-        """Each asked row's fed token (its last generated one) counted,
-        before the step adjusts its logits: a row not asked feeds the same
-        token again later."""
-        self.counts[:bucket].scatter_add_(1, fed[:, None], asked[:bucket, None].to(torch.int32))
 
-    def report(self, bucket: int, logprobs: torch.Tensor, sampled: torch.Tensor) -> None:
-        """The chosen tokens' logprobs and the best ``MAX_TOP``, of the
-        log-softmax of the model's own logits (before any adjustment or
-        EOS mask: vLLM's raw logprobs)."""
-        self.chosen[:bucket] = logprobs.gather(1, sampled[:bucket, None])[:, 0]
-        best = torch.topk(logprobs, MAX_TOP)
-        self.top_ids[:bucket] = best.indices
-        self.top_logprobs[:bucket] = best.values
+def choose(
+    logits: torch.Tensor,
+    fed: torch.Tensor,
+    asked: torch.Tensor,
+    mask_eos: torch.Tensor,
+    is_eos: torch.Tensor,
+    params: torch.Tensor,
+    bias_ids: torch.Tensor,
+    bias: torch.Tensor,
+    counts: torch.Tensor,
+    in_prompt: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``RowSampling.step``'s arithmetic, as the host's ``adjusted``,
+    ``select_token`` (greedy) and ``token_logprobs`` do it."""
+    x = logits.float()
+    # torch's own log-softmax, as the host's and transformers' reference:
+    # another way of summing 150k terms in float32 differs from it by 1e-5.
+    logprobs = torch.log_softmax(x, dim=-1)
+    best = torch.topk(logprobs, MAX_TOP)
+    out = x.scatter_add(1, bias_ids, bias)
+    presence, frequency, repetition = params.unbind(1)
+    seen = in_prompt | (counts > 0)
+    rep = repetition[:, None]
+    out = torch.where(seen, torch.where(out < 0, out * rep, out / rep), out)
+    out = out - frequency[:, None] * counts - presence[:, None] * (counts > 0).float()
+    out = torch.where(mask_eos[:, None] & is_eos[None, :], float("-inf"), out)
+    sampled = torch.where(asked, out.argmax(-1), fed)
+    chosen = logprobs.gather(1, sampled[:, None])[:, 0]
+    return sampled, chosen, best.indices, best.values
