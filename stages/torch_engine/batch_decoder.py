@@ -404,7 +404,12 @@ class BatchDecoder:
         # A step with extras is a graph of its own (captured at start with the others).
         key = (bucket, span, extras)
         if key not in self._graphs:
+            # The warm-ups count the rows' fed tokens as a step does: put the counts back.
+            rs = self.row_sampling if extras else None
+            counts = rs.counts.clone() if rs is not None else None
             self._graphs[key] = cuda_graph.capture(lambda: self._forward(bucket, span, extras), warmups=2)
+            if rs is not None and counts is not None:
+                rs.counts.copy_(counts)
         return self._graphs[key]
 
     def _forward(self, bucket: int, span: int, extras: bool = False) -> torch.Tensor:
