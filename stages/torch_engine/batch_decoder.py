@@ -47,7 +47,7 @@ from stages.sampling import Logprobs, SamplingConfig
 from stages.torch_engine.block_pool import NULL_BLOCK, BlockPool, blocks_for
 from stages.torch_engine.decode_attention import gather_blocks, length_mask
 from stages.torch_engine.fused_decode import FusedKernels, FusedLayer, can_fuse, default_attention, fuse_layer
-from stages.torch_engine.row_sampling import RowSampling
+from stages.torch_engine.row_sampling import MAX_TOP, RowSampling
 
 # Batch sizes a step is padded up to (each a captured graph on CUDA).
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128)
@@ -90,12 +90,10 @@ class Launched:
         self._host = torch.empty(n, dtype=torch.long, pin_memory=pinned)
         # Queued behind the step and before the next one, which overwrites ``sampled``.
         self._host.copy_(sampled[:n], non_blocking=pinned)
-        self._reports: list[torch.Tensor] = []
+        self._reports: torch.Tensor | None = None
         if reports is not None:
-            for t in (reports.chosen, reports.top_ids, reports.top_logprobs):
-                host = torch.empty(t[:n].shape, dtype=t.dtype, pin_memory=pinned)
-                host.copy_(t[:n], non_blocking=pinned)
-                self._reports.append(host)
+            self._reports = torch.empty((n, reports.reports.shape[1]), pin_memory=pinned)
+            self._reports.copy_(reports.reports[:n], non_blocking=pinned)
         self._event = torch.cuda.Event(blocking=blocking) if pinned else None
         if self._event is not None:
             self._event.record()
@@ -107,9 +105,10 @@ class Launched:
 
     def logprobs(self, row: int, top: int) -> Logprobs:
         """Row ``row``'s chosen token's logprob and the ``top`` best (after ``tokens()``)."""
-        chosen, ids, values = self._reports
-        best = zip(ids[row, :top].tolist(), values[row, :top].tolist(), strict=True)
-        return Logprobs(float(chosen[row]), tuple(best))
+        assert self._reports is not None, "a step launched without its reports"
+        chosen, *rest = self._reports[row].tolist()
+        ids, values = rest[:MAX_TOP][:top], rest[MAX_TOP:][:top]
+        return Logprobs(chosen, tuple(zip(map(int, ids), values, strict=True)))
 
 
 @dataclass(frozen=True)
@@ -404,12 +403,16 @@ class BatchDecoder:
         # A step with extras is a graph of its own (captured at start with the others).
         key = (bucket, span, extras)
         if key not in self._graphs:
-            # The warm-ups count the rows' fed tokens as a step does: put the counts back.
-            rs = self.row_sampling if extras else None
-            counts = rs.counts.clone() if rs is not None else None
+            # The warm-ups run the step for real: each writes ``sampled`` (the
+            # next one would feed from it: a launched step's token, not read
+            # yet, would be lost) and counts the fed tokens. Put both back.
+            state = [self.sampled]
+            if extras and self.row_sampling is not None:
+                state.append(self.row_sampling.counts)
+            saved = [t.clone() for t in state]
             self._graphs[key] = cuda_graph.capture(lambda: self._forward(bucket, span, extras), warmups=2)
-            if rs is not None and counts is not None:
-                rs.counts.copy_(counts)
+            for t, kept in zip(state, saved, strict=True):
+                t.copy_(kept)
         return self._graphs[key]
 
     def _forward(self, bucket: int, span: int, extras: bool = False) -> torch.Tensor:

@@ -33,7 +33,7 @@ def fits(config: SamplingConfig) -> bool:
 class RowSampling:
     """Per row of the batch decoder: its parameters, its generated tokens'
     counts and whether each token is in its prompt; and the last step's
-    reports (``chosen``, ``top_ids``, ``top_logprobs``). ``eos``: the ids a
+    reports (``reports``). ``eos``: the ids a
     row masks below its min_tokens. ``compile``: torch.compile the step's part."""
 
     def __init__(self, max_slots: int, vocab: int, device: torch.device, eos: list[int], compile: bool = False) -> None:
@@ -50,9 +50,12 @@ class RowSampling:
         self.is_eos = torch.zeros(vocab, dtype=torch.bool, device=device)
         if eos:
             self.is_eos[eos] = True
-        self.chosen = torch.zeros(max_slots, dtype=torch.float32, device=device)
-        self.top_ids = torch.zeros(max_slots, MAX_TOP, dtype=torch.long, device=device)
-        self.top_logprobs = torch.zeros(max_slots, MAX_TOP, dtype=torch.float32, device=device)
+        # The last step's reports, a row each: the chosen token's logprob, the
+        # best MAX_TOP ids (as floats: exact below 2**24), their logprobs. One
+        # tensor, so they come to the host in one copy.
+        if vocab >= 1 << 24:
+            raise ValueError(f"a vocabulary of {vocab} tokens: ids past 2**24 are not exact in float32")
+        self.reports = torch.zeros(max_slots, 1 + 2 * MAX_TOP, dtype=torch.float32, device=device)
         self._choose = torch.compile(choose, dynamic=True) if compile else choose
 
     # Made where a step runs, in inference mode: their tensors are changed in it too.
@@ -96,7 +99,7 @@ class RowSampling:
         own logits (vLLM's raw logprobs)."""
         asked = asked[:bucket] > 0
         self.counts[:bucket].scatter_add_(1, fed[:, None], asked[:, None].to(torch.int32))
-        sampled, chosen, top_ids, top_logprobs = self._choose(
+        sampled, reports = self._choose(
             logits,
             fed,
             asked,
@@ -108,9 +111,7 @@ class RowSampling:
             self.counts[:bucket],
             self.in_prompt[:bucket],
         )
-        self.chosen[:bucket] = chosen
-        self.top_ids[:bucket] = top_ids
-        self.top_logprobs[:bucket] = top_logprobs
+        self.reports[:bucket] = reports
         return sampled
 
 
@@ -125,7 +126,7 @@ def choose(
     bias: torch.Tensor,
     counts: torch.Tensor,
     in_prompt: torch.Tensor,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+) -> tuple[torch.Tensor, torch.Tensor]:
     """``RowSampling.step``'s arithmetic, as the host's ``adjusted``,
     ``select_token`` (greedy) and ``token_logprobs`` do it."""
     x = logits.float()
@@ -141,5 +142,5 @@ def choose(
     out = out - frequency[:, None] * counts - presence[:, None] * (counts > 0).float()
     out = torch.where(mask_eos[:, None] & is_eos[None, :], float("-inf"), out)
     sampled = torch.where(asked, out.argmax(-1), fed)
-    chosen = logprobs.gather(1, sampled[:, None])[:, 0]
-    return sampled, chosen, best.indices, best.values
+    chosen = logprobs.gather(1, sampled[:, None])
+    return sampled, torch.cat([chosen, best.indices.float(), best.values], dim=1)
