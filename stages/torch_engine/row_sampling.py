@@ -133,7 +133,7 @@ def choose(
     # torch's own log-softmax, as the host's and transformers' reference:
     # another way of summing 150k terms in float32 differs from it by 1e-5.
     logprobs = torch.log_softmax(x, dim=-1)
-    best_values, best_ids = _best(logprobs)
+    best = torch.topk(logprobs, MAX_TOP)
     out = x.scatter_add(1, bias_ids, bias)
     presence, frequency, repetition = params.unbind(1)
     seen = in_prompt | (counts > 0)
@@ -143,29 +143,4 @@ def choose(
     out = torch.where(mask_eos[:, None] & is_eos[None, :], float("-inf"), out)
     sampled = torch.where(asked, out.argmax(-1), fed)
     chosen = logprobs.gather(1, sampled[:, None])
-    return sampled, torch.cat([chosen, best_ids.float(), best_values], dim=1)
-
-
-# A GPU's top-k of one row of 150k runs on one block, about 0.1 ms: in
-# chunks first, each a block, then the best of the chunks' best.
-_CHUNKS = 128
-
-
-def _best(logprobs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Each row's ``MAX_TOP`` best (values, ids), best first; on a CPU
-    ``torch.topk`` itself (the host's, tie for tie)."""
-    if not logprobs.is_cuda or logprobs.shape[1] < _CHUNKS * MAX_TOP * 4:
-        best = torch.topk(logprobs, MAX_TOP)
-        return best.values, best.indices
-    return chunked_best(logprobs)
-
-
-def chunked_best(logprobs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``_best`` by chunks: each chunk's best, then the best of those."""
-    rows, vocab = logprobs.shape
-    width = -(-vocab // _CHUNKS)
-    padded = torch.nn.functional.pad(logprobs, (0, _CHUNKS * width - vocab), value=float("-inf"))
-    part = padded.view(rows, _CHUNKS, width).topk(MAX_TOP, dim=-1)
-    offsets = torch.arange(_CHUNKS, device=logprobs.device)[:, None] * width
-    values, where = part.values.reshape(rows, -1).topk(MAX_TOP, dim=-1)
-    return values, (part.indices + offsets).reshape(rows, -1).gather(1, where)
+    return sampled, torch.cat([chosen, best.indices.float(), best.values], dim=1)

@@ -430,16 +430,3 @@ def test_a_pool_too_small_for_all_swaps_the_youngest_out_and_back(mmpipe_home: P
     [(seq, _)] = engine.prefill([prompts[0]], [[]], [wide])
     assert engine.step([seq]) != [None] and seq.slot < 0 and seq.cache is not None
     engine.release(seq)
-
-
-def test_the_best_tokens_by_chunks_are_topks() -> None:
-    """The GPU step's top-k in chunks (one block per chunk, not one per row)
-    gives torch.topk's tokens and values, a vocabulary that does not divide
-    into the chunks included."""
-    from stages.torch_engine.row_sampling import MAX_TOP, chunked_best
-
-    for vocab in (151936, 32000, 50257):
-        logprobs = torch.log_softmax(torch.randn(3, vocab, generator=torch.Generator().manual_seed(vocab)), dim=-1)
-        values, ids = chunked_best(logprobs)
-        best = torch.topk(logprobs, MAX_TOP)
-        assert torch.equal(ids, best.indices) and torch.equal(values, best.values)
