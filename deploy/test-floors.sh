@@ -58,5 +58,6 @@ echo "--- installed in ${SECONDS}s; smoke tests"
 # documents' checks (no dependency in them; the full suite runs them).
 "$py" -m pytest -q -p no:cacheprovider --timeout 600 \
   tests/pipeline/test_settings.py tests/pipeline/test_streams.py \
-  tests/stages/test_hop_engine.py tests/e2e/test_up.py \
-  -k "(not every_mode or epd-0) and (not each_source or config) and not (documents_name or settings_reference)"
+  tests/stages/test_hop_engine.py tests/e2e/test_up.py tests/e2e/test_structured_output.py \
+  -k "(not every_mode or epd-0) and (not each_source or config) and not (documents_name or settings_reference) \
+and (not random_weights)"
