@@ -32,13 +32,13 @@ pip_quiet() {
 pip_quiet install "${TORCH_SPEC:-torch==2.13.0}"
 pip_quiet install "$VLLM_SPEC"
 pip_quiet uninstall -y torchvision torchaudio torchcodec triton
-# mmpipe without its dependency list (torch, transformers and xgrammar stay vLLM's;
+# mmpipe without its dependency list (torch and transformers stay vLLM's;
 # nixl comes below), then its other dependencies and the test tools by name.
 pip_quiet install --no-deps -e .
 mapfile -t deps < <("$VENV/bin/python" - <<'PY'
 import re, tomllib
 project = tomllib.load(open("pyproject.toml", "rb"))["project"]
-skip = {"torch", "transformers", "nixl-cu13", "xgrammar"}
+skip = {"torch", "transformers", "nixl-cu13"}
 deps = [d for d in project["dependencies"] if re.split(r"[<>=!~; \[]", d, maxsplit=1)[0] not in skip]
 # What tests/vllm run with (not ruff, mypy or the Kubernetes validators).
 wanted = {"pytest", "pytest-asyncio", "pytest-timeout", "openai", "psutil"}

@@ -366,8 +366,7 @@ async def test_structured_output_is_passed_to_vllm(stack: VllmStack, vllm_model_
             # vLLM's JSON lets whitespace run on (random weights take it): without any.
             extra_body={"structured_outputs": {"json": schema, "disable_any_whitespace": True}},
         )
-    # strict=False: vLLM 0.32's xgrammar (0.2.8) lets raw control characters into JSON strings.
-    jsonschema.validate(json.loads(done.choices[0].text, strict=False), schema)
+    jsonschema.validate(json.loads(done.choices[0].text), schema)
 
 
 @pytest.mark.e2e
