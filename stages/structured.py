@@ -44,8 +44,10 @@ def _grammar(kind: str, text: str, compact: bool) -> xgrammar.Grammar:
             # json_object: any object, not any JSON value (as vLLM compiles it).
             schema = text if kind == "json" else '{"type": "object"}'
             if compact:
-                return xgr.Grammar.from_json_schema(schema, any_whitespace=False)
-            return xgr.Grammar.from_json_schema(schema, any_whitespace=True, max_whitespace_cnt=MAX_JSON_WHITESPACE)
+                return _json_strings(xgr.Grammar.from_json_schema(schema, any_whitespace=False))
+            return _json_strings(
+                xgr.Grammar.from_json_schema(schema, any_whitespace=True, max_whitespace_cnt=MAX_JSON_WHITESPACE)
+            )
         if kind == "regex":
             return xgr.Grammar.from_regex(text)
         if kind == "choice":
@@ -56,6 +58,23 @@ def _grammar(kind: str, text: str, compact: bool) -> xgrammar.Grammar:
         message = _LOCATION.sub("", str(exc).strip().splitlines()[0] if str(exc).strip() else "")
         raise InvalidRequest(f"{_NAMES[kind]} cannot be compiled: {message}") from None
     raise InvalidRequest(f"unknown structured output kind {kind!r}")
+
+
+# xgrammar (0.2.8, 0.2.9) writes a string with minLength or maxLength as
+# characters of this class: raw control characters pass (a tab in a name),
+# and JSON parsers refuse them. Its plain strings exclude them, as JSON does.
+_LENGTH_BOUNDED_CHAR = r"[^\"\\\r\n]"
+_JSON_STRING_CHAR = r"[^\0-\x1f\"\\]"
+
+
+def _json_strings(grammar: xgrammar.Grammar) -> xgrammar.Grammar:
+    """``grammar`` with its length-bounded strings' characters as JSON's."""
+    import xgrammar as xgr
+
+    text = str(grammar)
+    if _LENGTH_BOUNDED_CHAR not in text:
+        return grammar
+    return xgr.Grammar.from_ebnf(text.replace(_LENGTH_BOUNDED_CHAR, _JSON_STRING_CHAR))
 
 
 _NAMES = {

@@ -366,7 +366,9 @@ async def test_structured_output_is_passed_to_vllm(stack: VllmStack, vllm_model_
             # vLLM's JSON lets whitespace run on (random weights take it): without any.
             extra_body={"structured_outputs": {"json": schema, "disable_any_whitespace": True}},
         )
-    jsonschema.validate(json.loads(done.choices[0].text), schema)
+    # strict=False: vLLM's xgrammar lets raw control characters into length-bounded
+    # strings (mmpipe's own engine mends its grammar: stages/structured.py).
+    jsonschema.validate(json.loads(done.choices[0].text, strict=False), schema)
 
 
 @pytest.mark.e2e
