@@ -33,8 +33,8 @@ def fits(config: SamplingConfig) -> bool:
 class RowSampling:
     """Per row of the batch decoder: its parameters, its generated tokens'
     counts and whether each token is in its prompt; and the last step's
-    reports (``reports``). ``eos``: the ids a
-    row masks below its min_tokens. ``compile``: torch.compile the step's part."""
+    ``reports``. ``eos``: the ids a row masks below its min_tokens.
+    ``compile``: torch.compile the step's part (on a GPU)."""
 
     def __init__(self, max_slots: int, vocab: int, device: torch.device, eos: list[int], compile: bool = False) -> None:
         self.vocab = vocab
