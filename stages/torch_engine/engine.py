@@ -39,7 +39,7 @@ from stages.torch_engine import batch_decoder, metrics, row_sampling
 from stages.torch_engine.batch_decoder import BatchDecoder, Launched, from_blocks, to_blocks
 from stages.torch_engine.block_pool import blocks_for
 from stages.torch_engine.grammar import Grammars
-from stages.torch_engine.sampling import greedy_choice, select_token, token_logprobs
+from stages.torch_engine.sampling import greedy_choice, rows_logprobs, select_token, token_logprobs
 from stages.torch_engine.sequence import KvState, Launch, Sequence
 from stages.torch_engine.settings import DecodeSettings, parse_memory
 from stages.torch_engine.slot_prefill import SlotPrefill
@@ -296,16 +296,7 @@ class TorchEngine:
                 logits, cache = self.family.forward(
                     self.model, positions[..., start:end], cache, input_ids=ids[:, start:end], all_logits=True
                 )
-                logprobs = torch.log_softmax(logits.float(), dim=-1)
-                chosen = logprobs.gather(1, ids[0, start + 1 : end + 1, None])[:, 0].tolist()
-                if top:
-                    best = torch.topk(logprobs, top)
-                    ranked = zip(best.indices.tolist(), best.values.tolist(), strict=True)
-                    out += [
-                        Logprobs(lp, tuple(zip(i, v, strict=True))) for lp, (i, v) in zip(chosen, ranked, strict=True)
-                    ]
-                else:
-                    out += [Logprobs(lp) for lp in chosen]
+                out += rows_logprobs(logits, prompt_ids[start + 1 : end + 1], top)
         return out
 
     def settle(self, seq: Sequence) -> int:

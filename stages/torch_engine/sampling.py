@@ -152,11 +152,19 @@ def token_logprobs(logits: torch.Tensor, token: int, top: int) -> Logprobs:
     (``logits`` as the model gave them: no temperature, top-k/p or EOS
     masking, as vLLM's default raw logprobs), and the ``top`` most likely
     tokens' (first index on ties, as ``torch.topk``), in float32."""
+    return rows_logprobs(logits[None], [token], top)[0]
+
+
+def rows_logprobs(logits: torch.Tensor, tokens: list[int], top: int) -> list[Logprobs]:
+    """``token_logprobs`` of each row of ``logits`` [rows, vocab] and its token."""
     # On the logits' own device: only the chosen and the best few come back to the host.
     logprobs = torch.log_softmax(logits.detach().float(), dim=-1)
-    best = torch.topk(logprobs, top) if top else None
-    ranked = tuple(zip(best.indices.tolist(), best.values.tolist(), strict=True)) if best is not None else ()
-    return Logprobs(float(logprobs[token]), ranked)
+    chosen = logprobs.gather(1, torch.tensor(tokens, device=logprobs.device)[:, None])[:, 0].tolist()
+    if not top:
+        return [Logprobs(lp) for lp in chosen]
+    best = torch.topk(logprobs, top)
+    ranked = zip(chosen, best.indices.tolist(), best.values.tolist(), strict=True)
+    return [Logprobs(lp, tuple(zip(ids, values, strict=True))) for lp, ids, values in ranked]
 
 
 def _without(logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
