@@ -84,6 +84,9 @@ class SamplingConfig:
     @property
     def adjusts(self) -> bool:
         """Whether the logits change before the choice: penalties or a bias."""
-        return bool(
-            self.presence_penalty or self.frequency_penalty or self.logit_bias or self.repetition_penalty != 1.0
-        )
+        return self.penalizes or bool(self.logit_bias)
+
+    @property
+    def penalizes(self) -> bool:
+        """Whether a penalty reads the tokens so far (presence, frequency, repetition)."""
+        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0)

@@ -250,12 +250,11 @@ class BatchDecoder:
         if self.row_sampling is not None:
             self.row_sampling.set_row(row, config, counted)
 
-    def _make_row_sampling(self) -> RowSampling:
+    def _make_row_sampling(self) -> None:
         if self.row_sampling is None:
             vocab = int(self.model.get_output_embeddings().weight.shape[0])
             eos = [] if self._eos is None else self._eos.tolist()
             self.row_sampling = RowSampling(self.max_slots, vocab, self.device, eos, self._compile_extras)
-        return self.row_sampling
 
     def clear_row(self, row: int) -> None:
         self.tables[row].fill_(NULL_BLOCK)

@@ -917,10 +917,12 @@ class TorchEngine:
         chosen: dict[int, int] = {}
         if stepped:
             rows = logits.shape[0]
-            got = Launched(self.decoder.sampled, rows, reports=self.decoder.row_sampling if extras else None)
-            sampled = got.tokens()
+            # With extras, the tokens and reports in one sync; else the tokens alone, as ever.
+            got = Launched(self.decoder.sampled, rows, reports=self.decoder.row_sampling) if extras else None
+            sampled = got.tokens() if got is not None else self.decoder.sampled[:rows].tolist()
             for q in stepped:
                 if q.sampling.logprobs is not None:
+                    assert got is not None  # a row that asks for logprobs makes the step one with extras
                     q.logprobs[q.num_generated] = got.logprobs(q.slot, q.sampling.logprobs)
                 q.output_ids.append(sampled[q.slot])
                 chosen[id(q)] = sampled[q.slot]

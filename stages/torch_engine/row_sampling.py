@@ -75,7 +75,7 @@ class RowSampling:
             bias[: len(config.logit_bias)] = torch.tensor([b for _, b in config.logit_bias])
         self.bias_ids[row].copy_(ids, non_blocking=pinned)
         self.bias[row].copy_(bias, non_blocking=pinned)
-        if not (config.presence_penalty or config.frequency_penalty or config.repetition_penalty != 1.0):
+        if not config.penalizes:
             return
         counts = torch.bincount(torch.tensor(counted, dtype=torch.long), minlength=self.vocab)[: self.vocab]
         self.counts[row].copy_(counts.to(torch.int32), non_blocking=pinned)
