@@ -16,6 +16,7 @@ import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 from types import FrameType
+from typing import TextIO
 
 import structlog
 
@@ -111,13 +112,21 @@ class _Stop:
         self.requested = True
 
 
+def _say(line: str, stream: TextIO | None = None) -> None:
+    # One write: the children share this output, and print() under
+    # PYTHONUNBUFFERED writes a line and its newline apart.
+    out = stream or sys.stdout
+    out.write(line + "\n")
+    out.flush()
+
+
 def run_nats(settings: NatsServerSettings) -> int:
     stop = _Stop()
     data_dir = Path(settings.data_dir).resolve() / "nats"
     config = NatsServerConfig(data_dir=data_dir, host=settings.host, port=settings.port, auth=NatsAuth.from_env())
     server = NatsServer(config)
     server.start()
-    print(f"nats-server ready: {server.url}", flush=True)
+    _say(f"nats-server ready: {server.url}")
     try:
         while not stop.requested and server.pid is not None:
             time.sleep(0.2)
@@ -193,15 +202,12 @@ def up(settings: UpProcess, external_nats: bool) -> int:
         if not _wait_ready(f"{base}/health", children, stop, timeout_s=300):
             if stop.requested:
                 return 0
-            print("mmpipe failed to start; see the log above", file=sys.stderr, flush=True)
+            _say("mmpipe failed to start; see the log above", sys.stderr)
             return 1
         workers = ", ".join(_placed(role, p) for role, p in plans.items() if p.count)
         if not counts.get(PROCESSOR):
             workers += ", processor×1 for NATS callers (requests processed in the bridge)"
-        print(
-            f"mmpipe ready: {base}/v1  mode={mode} model={spec.served_name} nats={nats_url} workers: {workers}",
-            flush=True,
-        )
+        _say(f"mmpipe ready: {base}/v1  mode={mode} model={spec.served_name} nats={nats_url} workers: {workers}")
         while not stop.requested:
             for child in children:
                 if child.poll() is not None:
