@@ -70,16 +70,16 @@ class SamplingConfig:
         """Whether a step may choose the token on the device, never showing
         the host its logits: greedy, no logprobs to compute from them, and
         nothing that changes them first."""
-        return self.greedy_in_batch and self.logprobs is None and not self.adjusts
+        return self.greedy and self.batchable and self.logprobs is None and not self.adjusts
 
     @property
-    def greedy_in_batch(self) -> bool:
+    def batchable(self) -> bool:
         """Whether a batched decode step may choose the token on the device,
-        penalties, bias and logprobs included (see
-        stages/torch_engine/row_sampling.py): greedy, no grammar, and no
-        stop ids to mask below min_tokens (the step masks the model's EOS only)."""
+        sampling, penalties, bias and logprobs included (see
+        stages/torch_engine/row_sampling.py): no grammar, and no stop ids to
+        mask below min_tokens (the step masks the model's EOS only)."""
         masks_more = bool(self.stop_token_ids) and self.min_tokens > 0
-        return self.greedy and self.structured is None and not masks_more
+        return self.structured is None and not masks_more
 
     @property
     def adjusts(self) -> bool:

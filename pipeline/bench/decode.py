@@ -126,13 +126,17 @@ def _preset(preset: str, batches: list[int], args: argparse.Namespace, device: A
         # 5 logprobs, applied and reported in the step (stages/torch_engine/row_sampling.py).
         # Plain and extras runs taken in turns (a step's time drifts by more than
         # the extras cost between runs minutes apart), each side's median.
-        plain, extra = [], []
+        # And every row sampling (temperature, top-k, top-p, a seed each) in the step.
+        plain, extra, sampled = [], [], []
         for _ in range(EXTRAS_ROUNDS):
             plain.append(_decoder_step_ms(*timed[:4], 1, device, ahead=True)[0])
-            extra.append(_decoder_step_ms(*timed[:4], 1, device, ahead=True, extras=True)[0])
+            extra.append(_decoder_step_ms(*timed[:4], 1, device, ahead=True, extras="penalties")[0])
+            sampled.append(_decoder_step_ms(*timed[:4], 1, device, ahead=True, extras="sampling")[0])
         row["decoder_paired_step_ms"] = statistics.median(plain)
         row["decoder_extras_step_ms"] = statistics.median(extra)
         row["extras_overhead"] = row["decoder_extras_step_ms"] / row["decoder_paired_step_ms"] - 1
+        row["decoder_sampled_step_ms"] = statistics.median(sampled)
+        row["sampling_overhead"] = row["decoder_sampled_step_ms"] / row["decoder_paired_step_ms"] - 1
         if args.profile:
             _profile(decoder, ids, args.context)
         row["greedy_agree"] = _agreement(model, decoder, ids[:1], args.new_tokens) if batch == batches[0] else None
@@ -207,21 +211,34 @@ def _prefill(model: Any, ids: Any) -> tuple[list[Any], list[int]]:
 
 
 def _decoder_step_ms(
-    model: Any, decoder: Any, ids: Any, new: int, repeats: int, device: Any, ahead: bool, extras: bool = False
+    model: Any,
+    decoder: Any,
+    ids: Any,
+    new: int,
+    repeats: int,
+    device: Any,
+    ahead: bool,
+    extras: str | None = None,
 ) -> tuple[float, list[list[int]]]:
     """ms per step of the batch decoder, and the tokens of each step. ``ahead``:
     as the decode loop runs it (TorchEngine.launch/collect), step k+1
     launched before step k's tokens are read, its tokens fed from the
     device; else each step's tokens are read before the next is launched.
-    ``extras``: every row with penalties, a bias and 5 logprobs, read as the engine reads them."""
+    ``extras``: "penalties", every row with penalties, a bias and 5
+    logprobs, read as the engine reads them; "sampling", every row drawing
+    its token (temperature, top-k, top-p, its own seed)."""
     from stages.sampling import SamplingConfig
     from stages.torch_engine.batch_decoder import StepInputs
+    from stages.torch_engine.sampling import draw_key
 
     batch, context = ids.shape
     caches, firsts = _prefill(model, ids)
     rows, none, zeros, ones = list(range(batch)), [-1] * batch, [0] * batch, [1] * batch
     blocks = _seat(decoder, batch, context + new)
-    if extras:
+    if extras == "sampling":
+        for r in rows:
+            decoder.set_sampling(r, SamplingConfig(temperature=0.8, top_k=50, top_p=0.95, seed=r), [])
+    elif extras:
         for r in rows:
             config = SamplingConfig(
                 presence_penalty=0.5,
@@ -235,7 +252,7 @@ def _decoder_step_ms(
 
     def read(launched: Any) -> list[int]:
         tokens: list[int] = launched.tokens()
-        if extras:
+        if extras == "penalties":
             for r in rows:
                 launched.logprobs(r, 5)
         return tokens
@@ -249,8 +266,12 @@ def _decoder_step_ms(
             lengths = [context + step] * batch
             feed = rows if ahead and step > 0 else none
             block = [blocks[r][lengths[r] // decoder.block_size] for r in rows]
-            inputs = StepInputs(tokens, lengths, lengths, feed, zeros, ones, block)
-            previous, launched = launched, decoder.launch(inputs, extras=extras)
+            draws = [draw_key(r, step + 1) for r in rows] if extras == "sampling" else zeros
+            inputs = StepInputs(tokens, lengths, lengths, feed, zeros, ones, block, draws)
+            previous, launched = (
+                launched,
+                decoder.launch(inputs, extras=extras == "penalties", samples=extras == "sampling"),
+            )
             if not ahead:
                 tokens = read(launched)
                 seen.append(tokens)
@@ -335,14 +356,14 @@ def _table(results: dict[str, Any]) -> None:
     print()
     print(
         f"{'preset':<12} {'batch':>5} {'generate ms/step':>17} {'decoder ms/step':>16} {'read each ms':>13} "
-        f"{'speedup':>8} {'extras':>7} "
+        f"{'speedup':>8} {'extras':>7} {'sampling':>8} "
         f"{'generate tok/s':>15} {'decoder tok/s':>14} {'roofline ms':>12} {'of roofline':>12} {'greedy agree':>13}"
     )
     for r in results["runs"]:
         print(
             f"{r['preset']:<12} {r['batch']:>5} {r.get('generate_step_ms', float('nan')):>17.3f} "
             f"{r['decoder_step_ms']:>16.3f} {r['decoder_sync_step_ms']:>13.3f} {r.get('speedup', float('nan')):>8.2f} "
-            f"{r['extras_overhead']:>+7.1%} "
+            f"{r['extras_overhead']:>+7.1%} {r['sampling_overhead']:>+8.1%} "
             f"{r.get('generate_tok_s', float('nan')):>15.1f} {r['decoder_tok_s']:>14.1f} "
             f"{r.get('roofline_step_ms', float('nan')):>12.3f} {r.get('roofline_fraction', float('nan')):>12.1%} "
             f"{'' if r['greedy_agree'] is None else format(r['greedy_agree'], '.0%'):>13}"

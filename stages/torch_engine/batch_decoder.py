@@ -64,9 +64,10 @@ class StepInputs(NamedTuple):
     previous step's ``sampled`` to take the token from instead (-1: none),
     whether EOS is masked for its choice (min_tokens not reached), whether
     its choice is wanted (1) or the row only rewrites its pending token (0:
-    its ``sampled`` entry keeps the fed token), and the block the write
+    its ``sampled`` entry keeps the fed token), the block the write
     position lies in (the step enters it in the row's table: a sequence's
-    table grows with the steps that need a new block)."""
+    table grows with the steps that need a new block), and the row's draw
+    for this token where it samples (``sampling.draw_key``; else 0)."""
 
     tokens: list[int]
     positions: list[int]
@@ -75,6 +76,7 @@ class StepInputs(NamedTuple):
     mask_eos: list[int]
     asked: list[int]
     block: list[int]
+    draws: list[int]
 
 
 class Launched:
@@ -189,7 +191,9 @@ class BatchDecoder:
         # Static inputs of a step (graphs read them from these addresses).
         # One tensor, so a step's inputs go to the device in one copy.
         self._inputs = torch.zeros(len(StepInputs._fields), max_slots, dtype=torch.long, device=self.device)
-        self.tokens, self.positions, self.write_at, self.feed, self.mask_eos, self.asked, self.block = self._inputs
+        self.tokens, self.positions, self.write_at, self.feed, self.mask_eos, self.asked, self.block, self.draws = (
+            self._inputs
+        )
         # Each row's chosen token of the last step (argmax), where the next step can feed it from.
         self.sampled = torch.zeros(max_slots, dtype=torch.long, device=self.device)
         # Penalties, logit bias and logprobs in the step, made for the first row that asks for them.
@@ -200,7 +204,7 @@ class BatchDecoder:
         # The Triton attention's (one per (row, kv head)), zero between its launches.
         self._counters = torch.zeros(max_slots * s.kv_heads, dtype=torch.int32, device=self.device)
         self.use_graphs = use_graphs and self.device.type == "cuda"
-        self._graphs: dict[tuple[int, int, bool], tuple[Any, torch.Tensor]] = {}
+        self._graphs: dict[tuple[int, int, bool, bool], tuple[Any, torch.Tensor]] = {}
         fused = self.device.type == "cuda" if fused is None else fused
         # The step's penalties and logprobs compiled where the fused step is.
         self._compile_extras = compile and self.device.type == "cuda" and (fused is None or fused)
@@ -242,10 +246,10 @@ class BatchDecoder:
             self.row_sampling.move_row(src, dst)
 
     def set_sampling(self, row: int, config: SamplingConfig, counted: list[int]) -> None:
-        """Row ``row``'s request's penalties and bias, where it has any or
-        rows with them have run (``counted``: its generated tokens the steps
+        """Row ``row``'s request's penalties, bias and sampling, where it has
+        any or rows with them have run (``counted``: its generated tokens the steps
         will not feed; see ``RowSampling.set_row``)."""
-        if self.row_sampling is None and (config.adjusts or config.logprobs is not None):
+        if self.row_sampling is None and (config.adjusts or config.logprobs is not None or not config.greedy):
             self._make_row_sampling()
         if self.row_sampling is not None:
             self.row_sampling.set_row(row, config, counted)
@@ -328,7 +332,9 @@ class BatchDecoder:
         mask_eos: list[int] | None = None,
         asked: list[int] | None = None,
         block: list[int] | None = None,
+        draws: list[int] | None = None,
         extras: bool = False,
+        samples: bool = False,
     ) -> torch.Tensor:
         """Logits [n, vocab] of one new token for slots 0..n-1; their greedy
         choices land in ``sampled[:n]``.
@@ -338,7 +344,8 @@ class BatchDecoder:
         tokens already in its blocks (where the new one is written, through
         its block table). The rest as ``StepInputs`` (default: no feed, no
         EOS mask, every row asked, each write in the block its table has).
-        ``extras``: the rows' penalties, bias and logprobs too (``row_sampling``).
+        ``extras``: the rows' penalties, bias and logprobs too (``row_sampling``);
+        ``samples``: and rows that sample draw their tokens (implies ``extras``).
         """
         n = len(tokens)
         if n > self.max_slots:
@@ -362,20 +369,22 @@ class BatchDecoder:
             (mask_eos or [0] * n) + zeros,
             (asked or [1] * n) + zeros,
             (block or [-1] * n) + [NULL_BLOCK] * pad,
+            (draws or [0] * n) + zeros,
         ]
         self._inputs[:, :bucket].copy_(torch.tensor(rows), non_blocking=True)
+        extras = extras or samples
         if extras and self.row_sampling is None:
             raise ValueError("a step with extras before any row asked for them")
         if not self.use_graphs:
-            return self._forward(bucket, span, extras)[:n]
-        graph, out = self._graph(bucket, span, extras)
+            return self._forward(bucket, span, extras, samples)[:n]
+        graph, out = self._graph(bucket, span, extras, samples)
         graph.replay()
         return out[:n]
 
-    def launch(self, inputs: StepInputs, extras: bool = False) -> Launched:
+    def launch(self, inputs: StepInputs, extras: bool = False, samples: bool = False) -> Launched:
         """Queue a step; its tokens are read later (the next step may be queued first)."""
-        self.step(*inputs, extras=extras)
-        return Launched(self.sampled, len(inputs.tokens), reports=self.row_sampling if extras else None)
+        self.step(*inputs, extras=extras, samples=samples)
+        return Launched(self.sampled, len(inputs.tokens), reports=self.row_sampling if extras or samples else None)
 
     def capture(self) -> list[int]:
         """Capture the step's graph for every batch size a step can pad to,
@@ -389,18 +398,19 @@ class BatchDecoder:
         if not self.use_graphs or self.fused is None or self.kernels.masked:
             return []
         sizes = sorted({_bucket(n, self.max_slots) for n in range(1, self.max_slots + 1)})
-        # The steps with penalties and logprobs too: the first request asking
-        # for them would otherwise compile and capture under load.
+        # The steps with penalties and logprobs, and with sampling rows, too: the
+        # first request asking for them would otherwise compile and capture under load.
         self._make_row_sampling()
+        variants = ((False, False), (True, False), (True, True))
         with torch.inference_mode():
-            graphs = [(bucket, extras) for bucket in sizes for extras in (False, True)]
-            for bucket, extras in counted("decode graphs", graphs, len(graphs)):
-                self._graph(bucket, 0, extras)
+            graphs = [(bucket, extras, samples) for bucket in sizes for extras, samples in variants]
+            for bucket, extras, samples in counted("decode graphs", graphs, len(graphs)):
+                self._graph(bucket, 0, extras, samples)
         return sizes
 
-    def _graph(self, bucket: int, span: int, extras: bool = False) -> tuple[Any, torch.Tensor]:
-        # A step with extras is a graph of its own (captured at start with the others).
-        key = (bucket, span, extras)
+    def _graph(self, bucket: int, span: int, extras: bool = False, samples: bool = False) -> tuple[Any, torch.Tensor]:
+        # A step with extras (or samples) is a graph of its own (captured at start with the others).
+        key = (bucket, span, extras, samples)
         if key not in self._graphs:
             # The warm-ups run the step for real: each writes ``sampled`` (the
             # next one would feed from it: a launched step's token, not read
@@ -409,14 +419,14 @@ class BatchDecoder:
             if extras and self.row_sampling is not None:
                 state.append(self.row_sampling.counts)
             saved = [t.clone() for t in state]
-            self._graphs[key] = cuda_graph.capture(lambda: self._forward(bucket, span, extras), warmups=2)
+            self._graphs[key] = cuda_graph.capture(lambda: self._forward(bucket, span, extras, samples), warmups=2)
             for t, kept in zip(state, saved, strict=True):
                 t.copy_(kept)
         return self._graphs[key]
 
-    def _forward(self, bucket: int, span: int, extras: bool = False) -> torch.Tensor:
+    def _forward(self, bucket: int, span: int, extras: bool = False, samples: bool = False) -> torch.Tensor:
         if self.fused is not None:
-            return self._forward_fused(bucket, span, extras)
+            return self._forward_fused(bucket, span, extras, samples)
         s = self.shape
         blocks, offsets = self._write_address(bucket)
         table = self.tables[:bucket, : span // self.block_size]
@@ -444,9 +454,9 @@ class BatchDecoder:
             hidden = hidden + layer.mlp(layer.post_attention_layernorm(hidden))
         hidden = self.lm.norm(hidden)
         logits: torch.Tensor = self.model.lm_head(hidden)[:, 0]
-        return self._choose(bucket, logits, tokens, extras)
+        return self._choose(bucket, logits, tokens, extras, samples)
 
-    def _forward_fused(self, bucket: int, span: int, extras: bool) -> torch.Tensor:
+    def _forward_fused(self, bucket: int, span: int, extras: bool, samples: bool) -> torch.Tensor:
         assert self.fused is not None
         s, k = self.shape, self.kernels
         blocks, offsets = self._write_address(bucket)
@@ -479,7 +489,7 @@ class BatchDecoder:
         assert delta is not None
         norm = self.lm.norm
         logits: torch.Tensor = self.model.lm_head(k.final(hidden, delta, norm.weight, float(norm.variance_epsilon)))
-        return self._choose(bucket, logits, tokens, extras)
+        return self._choose(bucket, logits, tokens, extras, samples)
 
     def _write_address(self, bucket: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Each row's block and offset in it where this step's key and value
@@ -496,18 +506,22 @@ class BatchDecoder:
         feed = self.feed[:bucket]
         return torch.where(feed >= 0, self.sampled[feed.clamp(min=0)], self.tokens[:bucket])
 
-    def _choose(self, bucket: int, logits: torch.Tensor, tokens: torch.Tensor, extras: bool = False) -> torch.Tensor:
+    def _choose(
+        self, bucket: int, logits: torch.Tensor, tokens: torch.Tensor, extras: bool = False, samples: bool = False
+    ) -> torch.Tensor:
         """Greedy choices into ``sampled`` (generate()'s argmax: first index
         on ties; EOS at -inf below min_tokens, in the logits returned too,
         as the host's sampling would mask them); a row not asked keeps its
         fed token there, for a later step to feed again. With ``extras``,
         each row's bias and penalties before the argmax, and its logprobs
-        (of the logits as the model gave them) after."""
+        (of the logits as the model gave them) after; with ``samples``, the
+        draws of the rows that sample."""
         sampled = None
         if extras:
             assert self.row_sampling is not None
             # Reads the logits before the EOS mask below: the reports are of the model's own.
-            sampled = self.row_sampling.step(bucket, logits, tokens, self.asked, self.mask_eos)
+            draws = self.draws if samples else None
+            sampled = self.row_sampling.step(bucket, logits, tokens, self.asked, self.mask_eos, draws)
         if self._eos is not None:
             eos = logits[:, self._eos]
             logits[:, self._eos] = torch.where(self.mask_eos[:bucket, None] > 0, float("-inf"), eos)

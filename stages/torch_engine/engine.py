@@ -335,8 +335,9 @@ class TorchEngine:
                 assert self.decoder is not None and self._slots is not None
                 # Every row steps (a row not asked for writes the same key and
                 # value again: idempotent); only the asked ones take a token.
-                extras = self._extras(batched)
-                logits = self.decoder.step(*self._slots.step_inputs({q.slot for q in batched}), extras=extras)
+                extras, samples = self._extras(batched)
+                inputs = self._slots.step_inputs({q.slot for q in batched})
+                logits = self.decoder.step(*inputs, extras=extras, samples=samples)
                 chosen = self._select_batch(batched, logits, extras)
             return [chosen[id(q)] if q.slot >= 0 else None if self._ever_fits(q) else self._step_one(q) for q in seqs]
 
@@ -347,8 +348,9 @@ class TorchEngine:
         device, so the next step can be queued before the host has read the
         last one (the decode loop keeps one step ahead: the GPU never waits
         for the host between steps). None, with nothing queued, where the
-        batch cannot go this way: a sequence that samples on the host (not
-        greedy) or never fits the batch decoder; ``step`` it instead, once
+        batch cannot go this way: a sequence whose token the host chooses (a
+        grammar, stop ids masked below min_tokens) or that never fits the
+        batch decoder; ``step`` it instead, once
         nothing launched is left uncollected. A sequence that fits the
         decoder but not now (its blocks are not free, or it was swapped out
         for an older one to grow) is not in the step: ``collect`` gives None
@@ -374,7 +376,7 @@ class TorchEngine:
             if any(not self._admit(seq) and not self._ever_fits(seq) for seq in seqs):
                 return None
             stepped = self._grown([seq for seq in seqs if seq.slot >= 0])
-            launched = decoder.launch(slots.step_inputs({seq.slot for seq in stepped}), self._extras(stepped))
+            launched = decoder.launch(slots.step_inputs({seq.slot for seq in stepped}), *self._extras(stepped))
             for seq in stepped:
                 seq.inflight += 1
                 seq.feed_row = seq.slot
@@ -403,11 +405,14 @@ class TorchEngine:
     def _in_batch(self, seq: Sequence) -> bool:
         """Whether the batch decoder's step chooses ``seq``'s tokens (else the host does)."""
         s = seq.sampling
-        return s.on_device or (s.greedy_in_batch and row_sampling.fits(s))
+        return s.on_device or (s.batchable and row_sampling.fits(s))
 
-    def _extras(self, seqs: list[Sequence]) -> bool:
-        """Whether a step of ``seqs`` applies penalties or reports logprobs on the device."""
-        return any(self._in_batch(q) and not q.sampling.on_device for q in seqs)
+    def _extras(self, seqs: list[Sequence]) -> tuple[bool, bool]:
+        """Whether a step of ``seqs`` applies penalties or reports logprobs on
+        the device, and whether a row of it samples there."""
+        stepped = [q for q in seqs if self._in_batch(q)]
+        samples = any(not q.sampling.greedy for q in stepped)
+        return samples or any(not q.sampling.on_device for q in stepped), samples
 
     def _grown(self, seqs: list[Sequence]) -> list[Sequence]:
         """``seqs`` (in the decoder) with a block each for this step's write;

@@ -1,12 +1,17 @@
-"""Token selection: greedy, or temperature / top-k / top-p sampling, as a
-request's ``SamplingConfig`` (stages/sampling.py) asks.
+"""Token selection: greedy, or temperature / top-k / top-p / min-p sampling,
+as a request's ``SamplingConfig`` (stages/sampling.py) asks.
 
-The random draw for the token at index ``i`` (0 = first generated token)
-comes from a generator seeded with ``(seed, i)`` only, so a worker that takes
-a request over after a crash and resumes at index ``i`` draws the same token
-as the first attempt would have, given the same logits. The draw happens on
-the CPU (one uniform number, inverse CDF in float64), so it does not depend on
-the device's RNG either.
+A sampled token is the Gumbel-max of the kept tokens' scores: the argmax of
+each score plus a Gumbel noise that is a hash of the row's draw key and the
+token's id (``gumbel``), the key fixed by ``(seed, i)`` for the token at
+index ``i`` (``draw_key``). So a worker that takes a request over after a
+crash and resumes at index ``i`` draws the same token as the first attempt
+would have, given the same logits; a row draws the same whatever else shares
+its batch; and logits that differ in their last bits (the batched step's
+and a single forward's) change the token only where two noisy scores nearly
+tie, not wherever a cumulative sum crosses a boundary. One function
+(``sample_rows``) samples every row of a batched decode step on the device
+and the host's single choices alike.
 """
 
 from __future__ import annotations
@@ -28,6 +33,39 @@ def _splitmix64(x: int) -> int:
 def token_seed(seed: int, index: int) -> int:
     """Seed of the draw for the token at `index`: a hash of (seed, index), 63 bits."""
     return _splitmix64(_splitmix64(seed & _MASK64) ^ (index & _MASK64)) >> 1
+
+
+def draw_key(seed: int, index: int) -> int:
+    """The 32-bit key of the draw for the token at ``index``."""
+    return token_seed(seed, index) >> 31
+
+
+_M32 = 0xFFFFFFFF
+
+
+def gumbel(keys: torch.Tensor, vocab: int) -> torch.Tensor:
+    """Standard Gumbel noise [rows, vocab] in float32, a pure function of
+    each row's key and the token id (murmur3's finalizer over the key mixed
+    with a Weyl sequence of the id; 24 bits of it uniform in (0, 1))."""
+    ids = torch.arange(vocab, dtype=torch.int64, device=keys.device)
+    # int64 lanes: each product of two 32-bit numbers keeps its low 32 bits under the mask.
+    x = (keys[:, None] ^ (ids * 0x9E3779B9)) & _M32
+    x = x ^ (x >> 16)
+    x = (x * 0x85EBCA6B) & _M32
+    x = x ^ (x >> 13)
+    x = (x * 0xC2B2AE35) & _M32
+    x = x ^ (x >> 16)
+    u = ((x >> 8).float() + 0.5) * 2.0**-24
+    return -torch.log(-torch.log(u))
+
+
+# Sampling parameters of a row, in this order in ``sample_rows``' ``params``.
+TEMPERATURE, TOP_K, TOP_P, MIN_P = range(4)
+
+
+def sampling_params(config: SamplingConfig) -> list[float]:
+    """``config``'s row of ``sample_rows``' ``params`` (temperature 0: greedy)."""
+    return [config.temperature, float(max(config.top_k, 0)), config.top_p, config.min_p]
 
 
 def select_token(
@@ -52,54 +90,71 @@ def select_token(
     if stops is not None and index < config.min_tokens:
         logits = _without(logits, stops)
 
-    scores = logits.detach().to(device="cpu", dtype=torch.float32) / config.temperature
-    probs, ids = _candidates(scores, config)
-    if config.top_p < 1.0:
-        # Keep the smallest prefix whose mass reaches top_p (at least one token).
-        before = torch.cumsum(probs, dim=0) - probs
-        probs = probs.masked_fill(before >= config.top_p, 0.0)
-    if config.min_p > 0.0:
-        # transformers' MinPLogitsWarper: relative to the most likely token,
-        # so the same after top-k or top-p as before them.
-        probs = probs.masked_fill(probs < config.min_p * probs.max(), 0.0)
-    cdf = torch.cumsum(probs, dim=0)
-    gen = torch.Generator(device="cpu").manual_seed(token_seed(config.seed, index))
-    u = torch.rand((), generator=gen, dtype=torch.float64)
-    # cdf[pick] > target >= cdf[pick - 1], so probs[pick] > 0; only a product
-    # u * total that rounds up to total can run past the end.
-    pick = int(torch.searchsorted(cdf, u * cdf[-1], right=True).item())
-    if pick >= cdf.numel():
-        pick = int(torch.nonzero(probs > 0).flatten()[-1])
-    return int(ids[pick]) if ids is not None else pick
+    params = torch.tensor([sampling_params(config)], device=logits.device)
+    keys = torch.tensor([draw_key(config.seed, index)], device=logits.device)
+    return int(sample_rows(logits[None], params, keys, sort_all=logits.is_cuda).item())
 
 
-_TOP_P_PREFIXES = (1024, 16384)
+# Where a full sort of the vocabulary is slow (a CPU: ~12 ms a row of 152k),
+# the best this many tokens first: they hold top_p's mass but for a flat tail.
+_PREFIX = 1024
 
 
-def _candidates(scores: torch.Tensor, config: SamplingConfig) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """float64 probabilities of the tokens still in play, and their ids (None: all, in id order).
+def sample_rows(logits: torch.Tensor, params: torch.Tensor, keys: torch.Tensor, sort_all: bool) -> torch.Tensor:
+    """One token per row of ``logits`` [rows, vocab] (adjusted and masked
+    already), sampled by the row's ``params`` [rows, 4] (temperature > 0,
+    top_k (0: all), top_p, min_p) with its draw ``keys`` [rows] (``draw_key``).
 
-    With top-k or top-p the candidates come sorted by descending score. A
-    full sort of the vocabulary costs ~20 ms on a CPU, so top-p first tries
-    the best 1024, then 16384 tokens, and sorts everything only if those hold
-    less than top_p of the mass.
+    Scores are the logits over the temperature. Top-k keeps the scores at
+    least the k-th best (ties with it too, as vLLM's does); top-p the tokens
+    at least as likely as the last of the smallest most-likely-first prefix
+    whose mass (float64) reaches top_p; min-p those at least ``min_p`` times
+    as likely as the best (transformers' MinPLogitsWarper). The token: the
+    Gumbel-max of the kept scores.
+
+    Each row's arithmetic depends on its own values only, so a row samples
+    the same token in any batch. ``sort_all``: sort the whole vocabulary
+    for top-k and top-p (no branch on the values: what a CUDA graph can
+    hold); else the best ``_PREFIX`` first, and all of it only for a row
+    they do not settle.
     """
-    vocab = scores.numel()
-    if 0 < config.top_k < vocab:
-        values, ids = torch.topk(scores, config.top_k)
-        return torch.softmax(values, dim=0).double(), ids
-    if config.top_p >= 1.0:
-        return torch.softmax(scores, dim=0).double(), None
-    log_total = torch.logsumexp(scores, dim=0)
-    for size in _TOP_P_PREFIXES:
-        if size >= vocab:
-            break
-        values, ids = torch.topk(scores, size)
-        probs = torch.exp(values - log_total).double()
-        if float(probs.sum()) >= config.top_p:
-            return probs, ids
-    values, ids = torch.sort(scores, descending=True, stable=True)
-    return torch.exp(values - log_total).double(), ids
+    vocab = logits.shape[1]
+    temperature, top_k, top_p, min_p = params.unbind(1)
+    # A greedy row (temperature 0) of a batch samples at 1; its token is not used.
+    scores = logits.float() / torch.where(temperature > 0, temperature, 1.0)[:, None]
+    if sort_all or bool(((top_k > 0) | (top_p < 1.0)).any()):
+        order = _best_first(scores, top_k, sort_all)
+        kth = scores.gather(1, order.gather(1, (top_k.long() - 1).clamp(0, order.shape[1] - 1)[:, None]))
+        scores = torch.where((top_k[:, None] > 0) & (scores < kth), float("-inf"), scores)
+        probs = torch.softmax(scores, dim=-1).double()
+        ranked = probs.gather(1, order)
+        kept = _within(ranked, top_p)
+        if not sort_all and order.shape[1] < vocab and bool(((kept == order.shape[1]) & (top_p < 1.0)).any()):
+            # A row whose prefix all falls within top_p: the tail may hold more.
+            ranked = probs.gather(1, torch.sort(scores, dim=1, descending=True, stable=True).indices)
+            kept = _within(ranked, top_p)
+        cutoff = ranked.gather(1, (kept - 1).clamp(min=0)[:, None])
+        scores = torch.where((top_p[:, None] < 1.0) & (probs < cutoff), float("-inf"), scores)
+    # min_p = 0: log 0 = -inf, nothing below it.
+    floor = scores.amax(1, keepdim=True) + torch.log(min_p)[:, None]
+    scores = torch.where(scores < floor, float("-inf"), scores)
+    return (scores + gumbel(keys, vocab)).argmax(1)
+
+
+def _within(ranked: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """How many of each row's best-first probabilities top-p keeps (at least one)."""
+    before = torch.cumsum(ranked, dim=1) - ranked
+    return (before < top_p[:, None].double()).sum(1)
+
+
+def _best_first(scores: torch.Tensor, top_k: torch.Tensor, sort_all: bool) -> torch.Tensor:
+    """Ids of each row's best scores, best first: all of them (``sort_all``),
+    else at least the best ``_PREFIX`` and each row's top_k."""
+    vocab = scores.shape[1]
+    size = vocab if sort_all else min(vocab, max(_PREFIX, int(top_k.max())))
+    if size == vocab:
+        return torch.sort(scores, dim=1, descending=True, stable=True).indices
+    return torch.topk(scores, size, dim=1).indices
 
 
 def adjusted(logits: torch.Tensor, config: SamplingConfig, generated: list[int]) -> torch.Tensor:

@@ -29,6 +29,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from stages.torch_engine.batch_decoder import StepInputs
+from stages.torch_engine.sampling import draw_key
 
 if TYPE_CHECKING:
     from stages.torch_engine.batch_decoder import BatchDecoder
@@ -163,7 +164,7 @@ class SlotTable:
     def step_inputs(self, asked: set[int] | None = None) -> StepInputs:
         """Each row's inputs to a step (``asked``: the rows whose tokens are
         wanted; default every row)."""
-        inputs = StepInputs([], [], [], [], [], [], [])
+        inputs = StepInputs([], [], [], [], [], [], [], [])
         size = self.decoder.block_size
         for row, seq in enumerate(self.rows):
             # A prefill token still on its way to the host (prefill(defer=True)) is not in
@@ -181,4 +182,6 @@ class SlotTable:
             inputs.feed.append(seq.feed_row if fed else -1)
             inputs.mask_eos.append(int(seq.num_generated + seq.inflight < seq.sampling.min_tokens))
             inputs.asked.append(int(asked is None or row in asked))
+            sampling = seq.sampling
+            inputs.draws.append(0 if sampling.greedy else draw_key(sampling.seed, seq.num_generated + seq.inflight))
         return inputs

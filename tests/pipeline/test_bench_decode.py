@@ -28,6 +28,11 @@ def test_bench_decode_prints_and_writes_every_row(tmp_path: Path, capsys: pytest
         assert row["extras_overhead"] == pytest.approx(
             row["decoder_extras_step_ms"] / row["decoder_paired_step_ms"] - 1
         )
+        # And with every row sampling in the step.
+        assert row["decoder_sampled_step_ms"] > 0
+        assert row["sampling_overhead"] == pytest.approx(
+            row["decoder_sampled_step_ms"] / row["decoder_paired_step_ms"] - 1
+        )
     # The first batch checks the decoder's greedy tokens against generate() on the same prefill.
     assert 0 < results["runs"][0]["greedy_agree"] <= 1
     table = capsys.readouterr().out

@@ -7,6 +7,7 @@ fused step is compiled."""
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 from typing import Any
 
@@ -182,34 +183,11 @@ def test_a_prefill_token_on_its_way_leaves_its_cache_alone_while_others_step(eng
     batched.release(waiting)
 
 
-def _logprobs_alone(engine: TorchEngine, prompt: list[int], media: list[Any], sampling: SamplingConfig) -> Any:
-    [(seq, first)] = engine.prefill([prompt], [media], [sampling])
-    out = [first]
-    while len(out) < sampling.max_tokens:
-        out += engine.step([seq])
-    engine.release(seq)
-    return out, [seq.logprobs[i] for i in range(len(out))] if sampling.logprobs is not None else None
-
-
-@pytest.mark.parametrize("ahead", [True, False], ids=["launched", "stepped"])
-def test_penalties_bias_and_logprobs_in_the_step_are_the_hosts(engines: Any, ahead: bool) -> None:
-    """Greedy rows with OpenAI's penalties, vLLM's repetition penalty, a
-    logit bias and logprobs are chosen in the batched step (launched one
-    ahead, or stepped), beside a plain row, each row its own, the generated
-    tokens counted on the device: the tokens and logprobs of the host's
-    choice, one sequence at a time."""
-    name, batched, alone = engines
-    prompts = _prompts(batched, name)[:4]
-    first = prompts[0][0]
-    samplings = [
-        SamplingConfig(max_tokens=N, min_tokens=N, presence_penalty=2.0, frequency_penalty=2.0, logprobs=2),
-        SamplingConfig(max_tokens=N - 4, min_tokens=N - 4),
-        SamplingConfig(
-            max_tokens=N, min_tokens=N, repetition_penalty=1.7, prompt_ids=tuple(sorted(set(prompts[2][0])))
-        ),
-        SamplingConfig(max_tokens=N - 2, min_tokens=3, logit_bias=((first[0], 4.0), (7, -100.0)), logprobs=0),
-    ]
-    expected = [_logprobs_alone(alone, p, m, s) for (p, m), s in zip(prompts, samplings, strict=True)]
+def _batched(
+    batched: TorchEngine, prompts: list[Any], samplings: list[SamplingConfig], ahead: bool
+) -> tuple[dict[int, list[int]], dict[int, Any]]:
+    """Each prompt's tokens, all in the batched step together (launched one
+    ahead, or stepped), and its sequence."""
     outputs: dict[int, list[int]] = {}
     running: dict[int, Any] = {}
     seqs: dict[int, Any] = {}
@@ -238,24 +216,89 @@ def test_penalties_bias_and_logprobs_in_the_step_are_the_hosts(engines: Any, ahe
                     batched.release(seq)
                     del running[i]
         launched = (launch, batch) if launch is not None else None
+    return outputs, seqs
+
+
+def _assert_batched_is_alone(
+    batched: TorchEngine, alone: TorchEngine, prompts: list[Any], samplings: list[SamplingConfig], ahead: bool
+) -> None:
+    """The batched step gives each row the tokens and logprobs of the host's choice, one sequence at a time."""
+    expected = [_logprobs_alone(alone, p, m, s) for (p, m), s in zip(prompts, samplings, strict=True)]
+    outputs, seqs = _batched(batched, prompts, samplings, ahead)
     for i, (tokens, logprobs) in enumerate(expected):
         assert outputs[i] == tokens, i
         if logprobs is not None:
             got = [seqs[i].logprobs[k] for k in range(len(tokens))]
             assert [lp.logprob for lp in got] == pytest.approx([lp.logprob for lp in logprobs], abs=1e-4)
             assert [[t for t, _ in lp.top] for lp in got] == [[t for t, _ in lp.top] for lp in logprobs]
+
+
+def _logprobs_alone(engine: TorchEngine, prompt: list[int], media: list[Any], sampling: SamplingConfig) -> Any:
+    [(seq, first)] = engine.prefill([prompt], [media], [sampling])
+    out = [first]
+    while len(out) < sampling.max_tokens:
+        out += engine.step([seq])
+    engine.release(seq)
+    return out, [seq.logprobs[i] for i in range(len(out))] if sampling.logprobs is not None else None
+
+
+@pytest.mark.parametrize("ahead", [True, False], ids=["launched", "stepped"])
+def test_penalties_bias_and_logprobs_in_the_step_are_the_hosts(engines: Any, ahead: bool) -> None:
+    """Greedy rows with OpenAI's penalties, vLLM's repetition penalty, a
+    logit bias and logprobs are chosen in the batched step (launched one
+    ahead, or stepped), beside a plain row, each row its own, the generated
+    tokens counted on the device: the tokens and logprobs of the host's
+    choice, one sequence at a time."""
+    name, batched, alone = engines
+    prompts = _prompts(batched, name)[:4]
+    first = prompts[0][0]
+    samplings = [
+        SamplingConfig(max_tokens=N, min_tokens=N, presence_penalty=2.0, frequency_penalty=2.0, logprobs=2),
+        SamplingConfig(max_tokens=N - 4, min_tokens=N - 4),
+        SamplingConfig(
+            max_tokens=N, min_tokens=N, repetition_penalty=1.7, prompt_ids=tuple(sorted(set(prompts[2][0])))
+        ),
+        SamplingConfig(max_tokens=N - 2, min_tokens=3, logit_bias=((first[0], 4.0), (7, -100.0)), logprobs=0),
+    ]
+    _assert_batched_is_alone(batched, alone, prompts, samplings, ahead)
     # The penalties change the answer (the repetition penalty's row, only where the model repeats).
-    assert expected[0][0] != _alone(alone, *prompts[0], SamplingConfig(max_tokens=N, min_tokens=N))
+    assert _alone(alone, *prompts[0], samplings[0]) != _alone(
+        alone, *prompts[0], SamplingConfig(max_tokens=N, min_tokens=N)
+    )
+
+
+@pytest.mark.parametrize("ahead", [True, False], ids=["launched", "stepped"])
+def test_sampling_in_the_step_is_the_hosts(engines: Any, ahead: bool) -> None:
+    """Rows that sample (temperature, top-k, top-p, min-p, a seed each) draw
+    in the batched step, beside a greedy row, with penalties and logprobs on
+    some: each row the tokens and logprobs of the host's draw for it alone
+    (the draw depends on the row's seed and the token's index only)."""
+    name, batched, alone = engines
+    prompts = _prompts(batched, name)[:4]
+    samplings = [
+        SamplingConfig(temperature=1.0, seed=1, max_tokens=N, min_tokens=N, logprobs=3),
+        SamplingConfig(temperature=0.8, top_k=20, seed=2, max_tokens=N - 4, min_tokens=2),
+        SamplingConfig(max_tokens=N - 2, min_tokens=N - 2),
+        SamplingConfig(
+            temperature=1.5, top_p=0.6, min_p=0.05, top_k=50, seed=4, max_tokens=N, min_tokens=N, presence_penalty=1.0
+        ),
+    ]
+    _assert_batched_is_alone(batched, alone, prompts, samplings, ahead)
+    # The draws matter: another seed, another answer.
+    first = _alone(alone, *prompts[0], samplings[0])
+    assert first != _alone(alone, *prompts[0], dataclasses.replace(samplings[0], seed=5))
 
 
 def test_what_cannot_launch_steps_instead(engines: Any) -> None:
     _, batched, _ = engines
     prompt = batched.tokenizer("Sample me")["input_ids"]
     [(greedy, _)] = batched.prefill([prompt], [[]], [SamplingConfig(max_tokens=4)])
-    [(sampled, _)] = batched.prefill([prompt], [[]], [SamplingConfig(temperature=0.8, max_tokens=4)])
+    # Stop ids masked below min_tokens: the step masks the model's EOS only.
+    stops = SamplingConfig(temperature=0.8, max_tokens=4, min_tokens=2, stop_token_ids=(7,))
+    [(sampled, _)] = batched.prefill([prompt], [[]], [stops])
     too_long = SamplingConfig(max_tokens=600)  # over the 512 tokens a sequence may hold
     [(outside, _)] = batched.prefill([prompt], [[]], [too_long])
-    assert batched.launch([greedy, sampled]) is None  # sampled on the host
+    assert batched.launch([greedy, sampled]) is None  # chosen on the host
     assert batched.launch([outside]) is None and outside.slot < 0
     launch = batched.launch([greedy])
     assert launch is not None and greedy.inflight == 1

@@ -1,0 +1,102 @@
+"""``sample_rows``: the draw the batched step and the host's single choice
+share. A row's token depends on its own logits, parameters and draw only,
+the shortcut a CPU takes (the best 1024 first) gives what a full sort
+gives, and the draws follow the kept tokens' probabilities."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from stages.torch_engine.sampling import draw_key, gumbel, sample_rows
+
+
+def _params(*rows: tuple[float, float, float, float]) -> torch.Tensor:
+    return torch.tensor(rows, dtype=torch.float32)
+
+
+def _logits(rows: int, vocab: int, scale: float, seed: int) -> torch.Tensor:
+    return torch.randn(rows, vocab, generator=torch.Generator().manual_seed(seed)) * scale
+
+
+ROWS = [
+    (1.0, 0.0, 1.0, 0.0),  # plain temperature
+    (0.7, 40.0, 1.0, 0.0),  # top-k
+    (1.3, 0.0, 0.8, 0.0),  # top-p
+    (1.0, 0.0, 1.0, 0.2),  # min-p
+    (1.1, 3000.0, 0.95, 0.01),  # all of them, a top-k past the 1024 a CPU sorts first
+]
+
+
+@pytest.mark.parametrize("scale", [0.5, 8.0], ids=["flat", "peaked"])
+@pytest.mark.parametrize("sort_all", [False, True], ids=["best-first", "sorted"])
+def test_a_row_draws_the_same_token_in_any_batch(scale: float, sort_all: bool) -> None:
+    logits = _logits(len(ROWS), 5000, scale, seed=1)
+    params = _params(*ROWS)
+    for index in range(6):
+        bits = torch.tensor([draw_key(seed, index) for seed in range(len(ROWS))])
+        together = sample_rows(logits, params, bits, sort_all).tolist()
+        alone = [sample_rows(logits[i : i + 1], params[i : i + 1], bits[i : i + 1], sort_all).item() for i in range(5)]
+        assert together == alone
+        # The other way of finding top-p's and top-k's tokens gives the same.
+        assert together == sample_rows(logits, params, bits, not sort_all).tolist()
+
+
+def test_top_k_top_p_and_min_p_keep_what_they_say() -> None:
+    vocab = 64
+    logits = _logits(1, vocab, 3.0, seed=2)
+    ranked = logits[0].argsort(descending=True).tolist()
+    probs = torch.softmax(logits[0].double(), 0)
+
+    def drawn(params: tuple[float, float, float, float]) -> set[int]:
+        p = _params(params)
+        return {int(sample_rows(logits, p, torch.tensor([draw_key(9, i)]), False)) for i in range(400)}
+
+    assert drawn((1.0, 3.0, 1.0, 0.0)) == set(ranked[:3])
+    # top-p: the smallest best-first prefix whose mass reaches 0.5.
+    mass = probs[ranked].cumsum(0)
+    keep = int((mass - probs[ranked] < 0.5).sum())
+    assert drawn((1.0, 0.0, 0.5, 0.0)) == set(ranked[:keep])
+    assert drawn((1.0, 0.0, 1.0, 0.3)) == {i for i in range(vocab) if probs[i] >= 0.3 * probs.max()}
+    # top-k 1 is the argmax.
+    assert drawn((0.5, 1.0, 1.0, 0.0)) == {ranked[0]}
+
+
+def test_draws_follow_the_probabilities() -> None:
+    probs = torch.tensor([0.5, 0.3, 0.15, 0.05])
+    logits = probs.log()[None]
+    draws = 4000
+    counts = torch.zeros(4)
+    for index in range(draws):
+        counts[int(sample_rows(logits, _params((1.0, 0.0, 1.0, 0.0)), torch.tensor([draw_key(3, index)]), False))] += 1
+    # Within 4 standard deviations of a binomial, each token.
+    sd = (draws * probs * (1 - probs)).sqrt()
+    assert ((counts - draws * probs).abs() < 4 * sd).all(), counts
+
+
+def test_the_noise_is_fixed_by_seed_and_index_and_gumbel() -> None:
+    assert draw_key(11, 4) == draw_key(11, 4)
+    assert len({draw_key(11, i) for i in range(100)} | {draw_key(12, 0)}) == 101
+    keys = torch.tensor([draw_key(11, 4), draw_key(11, 5)])
+    noise = gumbel(keys, 200_000)
+    assert torch.equal(noise, gumbel(keys, 200_000))
+    assert torch.equal(noise[1:], gumbel(keys[1:], 200_000))
+    # Standard Gumbel: mean Euler's constant, standard deviation pi / sqrt(6).
+    assert math.isclose(float(noise.mean()), 0.5772, abs_tol=0.01)
+    assert math.isclose(float(noise.std()), math.pi / math.sqrt(6), abs_tol=0.01)
+    # Independent of each other: no correlation between rows or neighbours.
+    assert abs(float(torch.corrcoef(noise)[0, 1])) < 0.01
+    assert abs(float(torch.corrcoef(torch.stack([noise[0, :-1], noise[0, 1:]]))[0, 1])) < 0.01
+
+
+def test_compiled_draws_equal_eager() -> None:
+    """What a GPU's step runs (compiled), on the CPU's compiler."""
+    logits = _logits(len(ROWS), 3000, 2.0, seed=4)
+    keys = torch.tensor([draw_key(8, i) for i in range(len(ROWS))])
+    compiled = torch.compile(sample_rows, dynamic=True)
+    for sort_all in (True, False):
+        assert torch.equal(
+            compiled(logits, _params(*ROWS), keys, sort_all), sample_rows(logits, _params(*ROWS), keys, sort_all)
+        )
