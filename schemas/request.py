@@ -123,6 +123,15 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, forbid_unknown_fields=T
     prompt_logprobs: int | None = None
 
 
+class ChoiceGroup(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """The ``n`` choices of one prompt, queued one request each: a worker
+    that takes several of them prefills the prompt once and samples each
+    choice from it."""
+
+    id: str
+    size: int
+
+
 class GenerateRequest(msgspec.Struct, omit_defaults=True, forbid_unknown_fields=True):
     request_id: str
     model: str
@@ -141,3 +150,5 @@ class GenerateRequest(msgspec.Struct, omit_defaults=True, forbid_unknown_fields=
     # choose from the deployment mode.
     route: list[str] = []
     created: float = 0.0
+    # One of a prompt's ``n`` choices (the others: the same group, the same prompt).
+    group: ChoiceGroup | None = None

@@ -10,6 +10,7 @@ import msgspec
 from schemas.errors import InvalidRequest, UnsupportedMedia
 from schemas.request import (
     ChatMessage,
+    ChoiceGroup,
     ContentPart,
     GenerateRequest,
     ImagePart,
@@ -155,14 +156,17 @@ def fan_out(gen: GenerateRequest, n: int, first: int = 0) -> list[GenerateReques
     """``n`` requests for ``n`` choices of one prompt: choice 0 of a request
     keeps its id (a request of one choice is unchanged), choice ``k`` is
     ``<id>-<k>``; with a seed, choice ``k`` samples with ``seed + k``, as vLLM's
-    parallel sampling does, so the choices differ and each is reproducible."""
+    parallel sampling does, so the choices differ and each is reproducible.
+    They share a ``ChoiceGroup``: a worker that takes several prefills the
+    prompt once."""
     out = []
+    group = ChoiceGroup(f"{gen.request_id}#{first}", n) if n > 1 else None
     for k in range(first, first + n):
         sampling = gen.sampling
         if sampling.seed is not None and k:
             sampling = msgspec.structs.replace(sampling, seed=sampling.seed + k)
         rid = gen.request_id if k == 0 else f"{gen.request_id}-{k}"
-        out.append(msgspec.structs.replace(gen, request_id=rid, sampling=sampling))
+        out.append(msgspec.structs.replace(gen, request_id=rid, sampling=sampling, group=group))
     return out
 
 

@@ -328,6 +328,7 @@ class TorchEngine:
                 raise ValueError("step on a sequence whose launched step is not collected")
             if seq.length >= self.max_model_len:
                 raise ContextLengthExceeded(f"sequence reached the model's context of {self.max_model_len} tokens")
+        _drop_prompt_logits(seqs)
         with self._lock, torch.inference_mode():
             batched = self._grown([seq for seq in seqs if self._admit(seq)])
             chosen: dict[int, int] = {}
@@ -372,6 +373,7 @@ class TorchEngine:
             wanted = seq.num_generated + seq.inflight < seq.sampling.max_tokens
             if wanted and seq.length + seq.inflight >= self.max_model_len:
                 raise ContextLengthExceeded(f"sequence reached the model's context of {self.max_model_len} tokens")
+        _drop_prompt_logits(seqs)
         with self._lock, torch.inference_mode():
             if any(not self._admit(seq) and not self._ever_fits(seq) for seq in seqs):
                 return None
@@ -478,6 +480,7 @@ class TorchEngine:
     def release(self, seq: Sequence) -> None:
         seq.cache = None
         seq.swapped = None
+        seq.prompt_logits = None
         if seq.slot < 0 and not seq.blocks and not seq.receiving:
             return
         assert self._slots is not None
@@ -652,6 +655,38 @@ class TorchEngine:
             seq.output_ids[-1] = emitted[len(done)]
             logits = self._decode_forward(seq)
             return self._continue(seq, logits, emitted[len(done) + 1 :])
+
+    def fork(self, src: Sequence, sampling: SamplingConfig) -> tuple[Sequence, int] | None:
+        """A new sequence of ``src``'s prompt that samples by ``sampling``:
+        ``src``'s prompt keys and values copied (from its cache, or its
+        blocks once the decoder took it), its first token chosen from the
+        logits ``src``'s prefill gave (kept while ``src.forkable``). So the
+        ``n`` choices of a prompt cost one prefill. None where ``src`` can
+        no longer give them (released, swapped out, past its first step)."""
+        from transformers import DynamicCache
+
+        with self._lock, torch.inference_mode():
+            logits = src.prompt_logits
+            if logits is None or src.released or src.swapped is not None or src.pending is not None:
+                return None
+            n = src.prompt_len
+            if src.cache is not None:
+                layers = [(layer.keys[:, :, :n].clone(), layer.values[:, :, :n].clone()) for layer in src.cache.layers]
+            else:
+                assert self.decoder is not None
+                read = self.decoder.read(src.blocks[: blocks_for(n, self.block_size)])
+                layers = [(from_blocks(k, n)[None], from_blocks(v, n)[None]) for k, v in read]
+            seq = Sequence(
+                prompt_len=n,
+                output_ids=[],
+                sampling=sampling,
+                rope_delta=src.rope_delta,
+                cache=DynamicCache(ddp_cache_data=layers),
+                cached_tokens=src.cached_tokens,
+            )
+            token = self._select(seq, logits)
+        metrics.PREFILL_FORKS.inc()
+        return seq, token
 
     # -- internals ----------------------------------------------------------
 
@@ -953,6 +988,10 @@ class TorchEngine:
         grammars.mask(logits, states)
 
     def _select(self, seq: Sequence, logits: torch.Tensor, defer: bool = False, masked: bool = False) -> int:
+        if not seq.output_ids and seq.prompt_logits is None:
+            # The prefill's: what a choice of the same prompt forks from
+            # (``fork``). A copy: a graphed prefill's output is overwritten by the next.
+            seq.prompt_logits = logits.detach().clone()
         if defer and logits.is_cuda and seq.sampling.on_device:
             chosen = greedy_choice(logits.float(), seq.sampling, seq.num_generated, self._eos_tensor)
             seq.pending = Launched(chosen.reshape(1), 1, blocking=True)
@@ -970,6 +1009,13 @@ class TorchEngine:
 
 # Prompt tokens whose logits one slice of ``prompt_logprobs`` holds at once.
 _PROMPT_LOGPROBS_SLICE = 512
+
+
+def _drop_prompt_logits(seqs: list[Sequence]) -> None:
+    # A sequence steps past its prefill: its logits go, but where a fork waits for them.
+    for seq in seqs:
+        if not seq.forkable:
+            seq.prompt_logits = None
 
 
 class MediaNotEncoded(Exception):

@@ -22,6 +22,7 @@ from opentelemetry.trace import Span
 
 from schemas.errors import InvalidRequest, TargetTainted
 from schemas.processed import KvHandoff, ProcessedRequest
+from schemas.request import ChoiceGroup
 from schemas.routes import moves_tensors
 from schemas.tensors import TensorRef
 from stages.contract import HopContext, TensorStore, step_span
@@ -49,6 +50,23 @@ PrefillJob = tuple[list[int], list[MediaEmbedding], SamplingConfig]
 
 
 @dataclass(eq=False)
+class _Choices:
+    """The choices of one prompt (``ChoiceGroup``) this worker has taken: the
+    first prefills the prompt (``source``), the others fork from it, until
+    every one came or the first's hop ends."""
+
+    prompt: list[int]
+    digests: list[str]
+    source: asyncio.Future[Sequence | None]
+    # Choices still to come, and forks running.
+    expected: int
+    forking: int = 0
+
+    def same(self, req: ProcessedRequest, media: list[MediaEmbedding]) -> bool:
+        return req.prompt_token_ids == self.prompt and [m.digest for m in media] == self.digests
+
+
+@dataclass(eq=False)
 class TorchPrefilled:
     seq: Sequence
     # The hop still owns the sequence's cache, so abort() frees it; off once
@@ -56,6 +74,8 @@ class TorchPrefilled:
     owned: bool = True
     # The prompt's logprobs, where the request asked for them (echo with logprobs).
     prompt_logprobs: list[Logprobs] | None = None
+    # Its prompt's other choices fork from it (its group's id, while they may).
+    source_of: str = ""
 
     @property
     def prompt_len(self) -> int:
@@ -112,6 +132,8 @@ class TorchHopEngine:
         self.prefills: CallBatcher[PrefillJob, tuple[Sequence, int]] = CallBatcher(
             "prefill", engine.prefill_together, self.thread, prefill_batch, orphan=lambda out: engine.release(out[0])
         )
+        # The choices of one prompt taken here, by group id: one prefill for them.
+        self._choices: dict[str, _Choices] = {}
 
     async def start(self) -> None:
         if self.scheduler is not None:
@@ -190,6 +212,63 @@ class TorchHopEngine:
         return handle
 
     async def _prefill(self, req: ProcessedRequest, media: list[MediaEmbedding], ctx: HopContext) -> TorchPrefilled:
+        group = req.request.group
+        # A takeover's, and media whose content is not known, never share.
+        if group is None or group.size < 2 or ctx.emitted or not all(m.encoded and m.digest for m in media):
+            return await self._prefill_own(req, media, ctx)
+        choices = self._choices.get(group.id)
+        if choices is None:
+            return await self._prefill_source(group, req, media, ctx)
+        if not choices.same(req, media):
+            return await self._prefill_own(req, media, ctx)
+        choices.expected -= 1
+        forked = None
+        # Shielded: a choice whose client goes away leaves the first's prefill alone.
+        source = await asyncio.shield(choices.source)
+        if source is not None:
+            choices.forking += 1
+            try:
+                with ctx.timed("prefill_fork", tokens=len(req.prompt_token_ids)):
+                    forked = await self.thread.call_or_release(
+                        _release_forked(self.torch), lambda: self.torch.fork(source, sampling(req))
+                    )
+            finally:
+                choices.forking -= 1
+                if choices.expected <= 0 and not choices.forking:
+                    self._forget(group.id, choices)
+        if forked is None:  # the first's prefill failed, or it went on past its prompt
+            return await self._prefill_own(req, media, ctx)
+        ctx.trace["prefill_forked"] = 1.0
+        return TorchPrefilled(forked[0])
+
+    async def _prefill_source(
+        self, group: ChoiceGroup, req: ProcessedRequest, media: list[MediaEmbedding], ctx: HopContext
+    ) -> TorchPrefilled:
+        """The first of a prompt's choices here: its prefill, kept for the others to fork from."""
+        source: asyncio.Future[Sequence | None] = asyncio.get_running_loop().create_future()
+        choices = _Choices(list(req.prompt_token_ids), [m.digest for m in media], source, group.size - 1)
+        self._choices[group.id] = choices
+        try:
+            handle = await self._prefill_own(req, media, ctx)
+        except BaseException:
+            source.set_result(None)
+            self._forget(group.id, choices)
+            raise
+        handle.seq.forkable = True
+        handle.source_of = group.id
+        source.set_result(handle.seq)
+        return handle
+
+    def _forget(self, group_id: str, choices: _Choices) -> None:
+        """No more forks of this group here: its first's prefill logits can go."""
+        if self._choices.get(group_id) is choices:
+            del self._choices[group_id]
+        source = choices.source.result() if choices.source.done() else None
+        if source is not None:
+            source.forkable = False
+            source.prompt_logits = None
+
+    async def _prefill_own(self, req: ProcessedRequest, media: list[MediaEmbedding], ctx: HopContext) -> TorchPrefilled:
         engine = self.torch
         # Placeholders expanded: each media item's one id becomes its tokens.
         expanded = len(req.prompt_token_ids) + sum(m.num_tokens - 1 for m in media)
@@ -371,9 +450,22 @@ class TorchHopEngine:
                 first_step.end()
 
     async def abort(self, handle: TorchPrefilled) -> None:
+        if handle.source_of:
+            choices = self._choices.get(handle.source_of)
+            if choices is not None and choices.source.done() and choices.source.result() is handle.seq:
+                self._forget(handle.source_of, choices)
+            handle.source_of = ""
         if handle.owned:
             handle.owned = False
             self.thread.submit(self.torch.release, handle.seq)
+
+
+def _release_forked(engine: TorchEngine) -> Callable[[tuple[Sequence, int] | None], None]:
+    def release(out: tuple[Sequence, int] | None) -> None:
+        if out is not None:
+            engine.release(out[0])
+
+    return release
 
 
 def _fits(ref: TensorRef, targets: list[list[torch.Tensor]]) -> bool:

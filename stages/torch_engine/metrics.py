@@ -12,6 +12,9 @@ KV_USAGE = Gauge("mmpipe_kv_cache_usage", "Fraction of the KV pool's blocks held
 # vLLM's prefix_cache_queries and prefix_cache_hits: prompt tokens looked up, and found.
 PREFIX_QUERIES = Counter("mmpipe_prefix_cache_queries", "Prompt tokens looked up in the prefix cache")
 PREFIX_HITS = Counter("mmpipe_prefix_cache_hits", "Prompt tokens whose KV blocks the prefix cache held")
+PREFILL_FORKS = Counter(
+    "mmpipe_prefill_forks_total", "Sequences forked from another's prefill of the same prompt (a choice of n)"
+)
 PREEMPTIONS = Counter("mmpipe_preemptions_total", "Running sequences swapped out of the KV pool to let older ones grow")
 
 # Engine calls and steps last from tens of microseconds (a release) to tens

@@ -46,7 +46,7 @@ _M32 = 0xFFFFFFFF
 def gumbel(keys: torch.Tensor, vocab: int) -> torch.Tensor:
     """Standard Gumbel noise [rows, vocab] in float32, a pure function of
     each row's key and the token id (murmur3's finalizer over the key mixed
-    with a Weyl sequence of the id; 24 bits of it uniform in (0, 1))."""
+    with a Weyl sequence of the id)."""
     ids = torch.arange(vocab, dtype=torch.int64, device=keys.device)
     # int64 lanes: each product of two 32-bit numbers keeps its low 32 bits under the mask.
     x = (keys[:, None] ^ (ids * 0x9E3779B9)) & _M32
@@ -55,8 +55,14 @@ def gumbel(keys: torch.Tensor, vocab: int) -> torch.Tensor:
     x = x ^ (x >> 13)
     x = (x * 0xC2B2AE35) & _M32
     x = x ^ (x >> 16)
-    u = ((x >> 8).float() + 0.5) * 2.0**-24
-    return -torch.log(-torch.log(u))
+    return -torch.log(-torch.log(uniform(x)))
+
+
+def uniform(bits: torch.Tensor) -> torch.Tensor:
+    """32-bit integers to float32 strictly within (0, 1): their top 23 bits
+    and a half. (24 bits and a half round up to 1 at the top, where the
+    noise would be infinite and a masked token's -inf score NaN.)"""
+    return ((bits >> 9).float() + 0.5) * 2.0**-23
 
 
 # Sampling parameters of a row, in this order in ``sample_rows``' ``params``.

@@ -54,6 +54,11 @@ class Sequence:
     cached_tokens: int = 0
     # Where the sampling asks for logprobs: each generated token's, by its index.
     logprobs: dict[int, Logprobs] = field(default_factory=dict)
+    # The logits its prompt's prefill gave, until its first step, or while
+    # ``forkable`` (choices of the same prompt may still fork from it:
+    # TorchEngine.fork); then None.
+    prompt_logits: Any = None
+    forkable: bool = False
     # Structured output: its grammar's matcher (made at its first mask).
     grammar: GrammarState | None = None
 

@@ -115,23 +115,38 @@ async def test_eight_concurrent_two_images_each_over_scaled_out_roles(
 
 
 @pytest.mark.e2e
-async def test_sampled_tokens_are_the_same_in_every_mode(make_stack: Any) -> None:
+async def test_sampled_tokens_are_the_same_in_every_mode(
+    pipeline_config: PipelineConfig, model_spec: ModelSpec
+) -> None:
+    """Three sampled choices of an image prompt: the same three in every
+    mode, each its own; the worker that prefills takes them together and
+    prefills the prompt once (two forks). One mode's stack at a time: they
+    share the nats-server's queues."""
+    from stages.torch_engine.metrics import PREFILL_FORKS
+
     content = image_content(png_data_url(gradient(50, 70, 4)))
     outputs = []
     for mode in ("epd", *SPLIT_MODES):
-        stack = await make_stack(mode)
-        async with client(stack) as c:
-            r = await c.chat.completions.create(
-                model="tiny-qwen2-vl",
-                messages=[{"role": "user", "content": content}],  # type: ignore[misc]
-                max_tokens=10,
-                temperature=0.9,
-                top_p=0.95,
-                seed=1234,
-                extra_body={"min_tokens": 10},
-            )
-        outputs.append(r.choices[0].message.content)
-    assert len(set(outputs)) == 1 and outputs[0]
+        stack, stop = await start_stack(moded(pipeline_config, mode), model_spec)
+        try:
+            forks = PREFILL_FORKS._value.get()
+            async with client(stack) as c:
+                r = await c.chat.completions.create(
+                    model="tiny-qwen2-vl",
+                    messages=[{"role": "user", "content": content}],  # type: ignore[misc]
+                    max_tokens=10,
+                    temperature=0.9,
+                    top_p=0.95,
+                    seed=1234,
+                    n=3,
+                    extra_body={"min_tokens": 10},
+                )
+        finally:
+            await stop()
+        outputs.append([choice.message.content for choice in r.choices])
+        assert PREFILL_FORKS._value.get() - forks == 2, mode
+    assert all(out == outputs[0] for out in outputs), outputs
+    assert len(set(outputs[0])) == 3 and all(outputs[0])
 
 
 @pytest.mark.e2e

@@ -298,6 +298,7 @@ async def test_several_choices_and_prompts_in_one_request(stack: Stack, referenc
     once; with a seed, choice ``k`` samples as a request of ``seed + k``."""
     from transformers import AutoTokenizer
 
+    from stages.torch_engine.metrics import PREFILL_FORKS
     from stages.torch_engine.reference import reference_generate
 
     model_dir = stack.spec.path
@@ -345,7 +346,10 @@ async def test_several_choices_and_prompts_in_one_request(stack: Stack, referenc
 
         # Sampled with a seed: choice k is what a request of seed + k gives.
         sampled: dict[str, Any] = {**kw, "temperature": 0.8, "max_tokens": 12, "extra_body": {"min_tokens": 12}}
+        forks = PREFILL_FORKS._value.get()
         many = await c.completions.create(prompt=prompts[0], n=4, seed=7, **sampled)
+        # The one worker took the four together: one prefill, three forks of it.
+        assert PREFILL_FORKS._value.get() - forks == 3
         alone = [
             (await c.completions.create(prompt=prompts[0], seed=7 + k, **sampled)).choices[0].text for k in range(4)
         ]

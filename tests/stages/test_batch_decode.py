@@ -473,3 +473,48 @@ def test_a_pool_too_small_for_all_swaps_the_youngest_out_and_back(mmpipe_home: P
     [(seq, _)] = engine.prefill([prompts[0]], [[]], [wide])
     assert engine.step([seq]) != [None] and seq.slot < 0 and seq.cache is not None
     engine.release(seq)
+
+
+def test_choices_fork_from_one_prefill(engines: Any) -> None:
+    """The choices of a prompt fork from the first one's prefill (``fork``):
+    its prompt's keys and values copied from its cache, or from its blocks
+    once it has stepped (kept forkable), its prefill's logits sampled by each
+    choice's own config: the tokens of a prefill of their own."""
+    name, batched, alone = engines
+    prompt, media = _prompts(batched, name)[1]  # with an image where the family takes one
+    first = SamplingConfig(max_tokens=N, min_tokens=N)
+    choices = [
+        SamplingConfig(temperature=0.9, seed=3, max_tokens=N, min_tokens=N),
+        SamplingConfig(temperature=0.9, seed=4, max_tokens=N - 3, min_tokens=N - 3, logprobs=2),
+    ]
+    [(source, token)] = batched.prefill([prompt], [media], [first])
+    source.forkable = True
+    forked = batched.fork(source, choices[0])  # from its cache: the decoder has not taken it yet
+    assert forked is not None and forked[0].cached_tokens == source.cached_tokens
+    outputs = {"source": [token]}
+    running = {"source": source}
+    outputs["one"], running["one"] = [forked[1]], forked[0]
+    for out, new in zip(outputs.values(), batched.step(list(running.values())), strict=True):
+        out.append(new)
+    assert source.cache is None and source.slot >= 0  # in the decoder's blocks now
+    later = batched.fork(source, choices[1])
+    assert later is not None
+    outputs["two"], running["two"] = [later[1]], later[0]
+    while running:
+        batch = list(running.items())
+        for (key, seq), new in zip(batch, batched.step([seq for _, seq in batch]), strict=True):
+            outputs[key].append(new)
+            if len(outputs[key]) == seq.sampling.max_tokens:
+                batched.release(seq)
+                del running[key]
+    assert outputs["source"] == _alone(alone, prompt, media, first)
+    assert outputs["one"] == _alone(alone, prompt, media, choices[0])
+    tokens, logprobs = _logprobs_alone(alone, prompt, media, choices[1])
+    assert outputs["two"] == tokens
+    assert [lp.logprob for lp in later[0].logprobs.values()] == pytest.approx([lp.logprob for lp in logprobs], abs=1e-4)
+    # Released, or stepped past its prefill without being kept forkable: no fork.
+    assert batched.fork(source, choices[0]) is None
+    [(plain, _)] = batched.prefill([prompt], [media], [first])
+    batched.step([plain])
+    assert plain.prompt_logits is None and batched.fork(plain, choices[0]) is None
+    batched.release(plain)

@@ -10,7 +10,7 @@ import math
 import pytest
 import torch
 
-from stages.torch_engine.sampling import draw_key, gumbel, sample_rows
+from stages.torch_engine.sampling import draw_key, gumbel, sample_rows, uniform
 
 
 def _params(*rows: tuple[float, float, float, float]) -> torch.Tensor:
@@ -100,3 +100,21 @@ def test_compiled_draws_equal_eager() -> None:
         assert torch.equal(
             compiled(logits, _params(*ROWS), keys, sort_all), sample_rows(logits, _params(*ROWS), keys, sort_all)
         )
+
+
+def test_the_noise_is_finite_at_the_ends() -> None:
+    """The lowest and highest 32-bit values give numbers strictly within (0,
+    1), so no noise is infinite: a masked token's -inf score plus infinite
+    noise would be NaN, which argmax takes for the best."""
+    ends = uniform(torch.tensor([0, 1, 2**32 - 2, 2**32 - 1]))
+    assert ((ends > 0) & (ends < 1)).all(), ends
+    assert torch.isfinite(-torch.log(-torch.log(ends))).all()
+    # Masked tokens are never drawn, whatever the noise.
+    logits = torch.full((1, 50_000), float("-inf"))
+    logits[0, 7] = 0.0
+    logits[0, 49_000] = 0.0
+    drawn = {
+        int(sample_rows(logits, _params((1.0, 0.0, 1.0, 0.0)), torch.tensor([draw_key(1, i)]), False))
+        for i in range(200)
+    }
+    assert drawn == {7, 49_000}
