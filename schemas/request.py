@@ -123,6 +123,10 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, forbid_unknown_fields=T
     prompt_logprobs: int | None = None
 
 
+# The most choices one request may ask for (``n`` times its prompts).
+MAX_CHOICES = 128
+
+
 class ChoiceGroup(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """The ``n`` choices of one prompt, queued one request each: a worker
     that takes several of them prefills the prompt once and samples each

@@ -20,6 +20,7 @@ from schemas.errors import (
 )
 from schemas.processed import MediaItem, MediaKind, ProcessedRequest
 from schemas.request import (
+    MAX_CHOICES,
     AudioPart,
     ChatMessage,
     GenerateRequest,
@@ -262,6 +263,8 @@ class Processor:
         return asked
 
     def _check_sampling(self, request: GenerateRequest) -> None:
+        if request.group is not None and not 1 <= request.group.size <= MAX_CHOICES:
+            raise InvalidRequest(f"group.size must be between 1 and {MAX_CHOICES}; it is {request.group.size}")
         s = request.sampling
         if not (math.isfinite(s.temperature) and 0.0 <= s.temperature <= 2.0):
             raise InvalidRequest(f"temperature must be within [0, 2], got {s.temperature}")

@@ -9,6 +9,7 @@ import msgspec
 
 from schemas.errors import InvalidRequest, UnsupportedMedia
 from schemas.request import (
+    MAX_CHOICES,
     ChatMessage,
     ChoiceGroup,
     ContentPart,
@@ -117,7 +118,6 @@ COMPLETION_DECODER = msgspec.json.Decoder(CompletionRequest)
 
 
 # Choices in one request (prompts × n), as OpenAI's own cap on n.
-MAX_CHOICES = 128
 
 
 def completion_to_generate_requests(

@@ -3,12 +3,14 @@ from __future__ import annotations
 import dataclasses
 from pathlib import Path
 
+import msgspec
 import pytest
 
 from schemas.errors import ContextLengthExceeded, InvalidRequest, ModelNotFound, TooLarge, UnsupportedMedia
 from schemas.processed import MediaKind
 from schemas.request import (
     ChatMessage,
+    ChoiceGroup,
     GenerateRequest,
     ImagePart,
     ImageURL,
@@ -77,6 +79,8 @@ def test_seed_is_fixed_per_request(processor: Processor) -> None:
         (req(TextPart("<|image_pad|>")), InvalidRequest, "placeholder"),
         (req(*[IMG] * 9), TooLarge, "9 image items"),
         (req(ImagePart(ImageURL("ftp://x/y.png"))), UnsupportedMedia, "scheme"),
+        (msgspec.structs.replace(req(TextPart("hi")), group=ChoiceGroup("g", 0)), InvalidRequest, "group.size"),
+        (msgspec.structs.replace(req(TextPart("hi")), group=ChoiceGroup("g", 129)), InvalidRequest, "group.size"),
     ],
 )
 def test_limits_and_bad_values(
