@@ -4,8 +4,8 @@ an orchestrator can probe it and Prometheus can scrape it:
 - ``GET /health/ready``: 200 when the worker is connected to NATS, its
   role's durable consumer exists and its engine answers (the stage's
   ``health()``: vLLM's engine core alive, the built-in engine's decode loop
-  running), else 503. A worker that is starting or
-  draining is not ready either.
+  running), else 503. A worker that is starting or draining, or whose
+  last canary health check failed (pipeline/canary.py), is not ready either.
 - ``GET /health/live``: 200 while the worker makes progress (its fetch loop
   turns, or one of its requests produces output); 503 once it has made none
   for ``stall_after_s``. A NATS outage is not a reason to restart a worker,
@@ -92,6 +92,9 @@ class WorkerHealth:
                 return False, {**body, "status": "engine_dead", "error": repr(exc)}
         if worker.stopping:
             return False, {**body, "status": "draining"}
+        if not worker.healthy:
+            problem = worker.canary.problem if worker.canary is not None else ""
+            return False, {**body, "status": "canary_failed", "error": problem}
         if not worker.nc.is_connected:
             return False, {**body, "status": "nats_disconnected"}
         try:

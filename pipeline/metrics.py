@@ -28,6 +28,12 @@ PROMPT_TOKENS = Counter("mmpipe_prompt_tokens_total", "Prompt tokens prefilled",
 TTFT = Histogram("mmpipe_time_to_first_token_seconds", "Request created to first token", ["where"], buckets=_LATENCY)
 ITL = Histogram("mmpipe_inter_token_latency_seconds", "Time between chunks of one request", ["where"], buckets=_LATENCY)
 E2E = Histogram("mmpipe_request_seconds", "Request created to last chunk", ["where"], buckets=_LATENCY)
+CANARY_SECONDS = Histogram(
+    "mmpipe_canary_seconds", "Time a worker's canary health check took", ["role"], buckets=_LATENCY
+)
+CANARY_FAILURES = Counter(
+    "mmpipe_canary_failures_total", "Canary health checks that failed, by reason (error, timeout)", ["role", "reason"]
+)
 HTTP_REQUESTS = Counter("mmpipe_http_requests_total", "Bridge HTTP requests by status", ["path", "status"])
 DEAD = Counter("mmpipe_dead_letters_total", "Messages recorded on the dead subject", ["role", "code"])
 RESTARTS = Counter("mmpipe_restarts_total", "Requests restarted from their first hop (a tensor was gone)", ["role"])

@@ -21,6 +21,7 @@ from aiohttp import web
 from pipeline import tracing
 from pipeline.bridge.app import Bridge, BridgeSettings
 from pipeline.bridge.processing import BridgeProcessing, load_processor
+from pipeline.canary import CanarySettings
 from pipeline.config import PipelineConfig
 from pipeline.connection import connect, shutdown
 from pipeline.gc_heap import freeze_startup_heap
@@ -82,6 +83,7 @@ class WorkerSettings:
     embedding_cache_bytes: int = setting(
         64 << 20, help="bytes of media embeddings an encoding worker keeps, keyed by content (0: off)"
     )
+    canary: CanarySettings = section(CanarySettings, "canary health check")
     drain_grace_s: float = setting(
         30.0,
         flag="drain-grace",
@@ -376,6 +378,7 @@ async def _serve_role(role: str, config: PipelineConfig, settings: WorkerSetting
             drain_grace_s=settings.drain_grace_s,
             tensors=tensors,
             kv_events_endpoint=settings.kv_events.endpoint if holds_kv(role) else "",
+            canary=settings.canary,
         )
         health.worker = worker
         _on_signals(worker.stop)

@@ -21,6 +21,7 @@ from nats.js.errors import APIError
 from opentelemetry.trace import Span
 
 from pipeline import metrics, tracing
+from pipeline.canary import Canary, CanarySettings
 from pipeline.cancel import CancelRegistry
 from pipeline.config import PipelineConfig
 from pipeline.outcomes import Ack, Nak, Outcome, Reject, outcome_for
@@ -123,6 +124,7 @@ class Worker:
         drain_grace_s: float = 30.0,
         tensors: TensorTransport | None = None,
         kv_events_endpoint: str = "",
+        canary: CanarySettings | None = None,
     ) -> None:
         self.nc = nc
         self.js = js
@@ -164,6 +166,14 @@ class Worker:
         # When the fetch loop last turned or a request last produced output
         # (monotonic; None until the loop starts): what liveness is judged on.
         self.last_progress: float | None = None
+        # When it last started or finished a message: the canary runs once it has been idle long enough.
+        self._last_busy = time.monotonic()
+        probe = getattr(stage, "canary", None)
+        self.canary = (
+            Canary(canary, self.role, probe, self._idle_s)
+            if canary is not None and canary.interval_s > 0 and probe is not None
+            else None
+        )
 
     # -- lifecycle -----------------------------------------------------------
 
@@ -185,6 +195,8 @@ class Worker:
             background = [asyncio.create_task(self.inbox.run(self._stopping)), asyncio.create_task(self.reports.run())]
         if self.router is not None:
             await self.router.start()
+        if self.canary is not None:
+            background.append(asyncio.create_task(self.canary.run(self._stopping)))
         log.info("worker_started", role=self.role, worker_id=self.worker_id, max_inflight=self.max_inflight)
         self.ready.set()
         try:
@@ -227,12 +239,25 @@ class Worker:
     def _progressed(self) -> None:
         self.last_progress = time.monotonic()
 
+    @property
+    def healthy(self) -> bool:
+        """False while its last canary health check failed: it takes no work then."""
+        return self.canary is None or self.canary.healthy
+
+    def _idle_s(self) -> float:
+        return 0.0 if self._tasks else time.monotonic() - self._last_busy
+
     async def _fetch_loop(self, psub: Any) -> None:
         while not self._stopping.is_set():
             self._progressed()
             if len(self._tasks) >= self.max_inflight:
                 self._slot_free.clear()
                 await self._slot_free.wait()
+                continue
+            if not self.healthy:
+                # Its canary failed: nothing more for this engine until one passes.
+                metrics.BACKPRESSURE.labels(self.role, "unhealthy").inc()
+                await asyncio.sleep(0.1)
                 continue
             if not self.stage.has_room():
                 # The engine's memory for sequences (its KV blocks) is spent:
@@ -267,6 +292,7 @@ class Worker:
                 self._start(msg)
 
     def _start(self, msg: Msg) -> None:
+        self._last_busy = time.monotonic()
         task = asyncio.create_task(self._handle(msg))
         if self.reports is not None:
             self.reports.changed()
@@ -276,6 +302,7 @@ class Worker:
 
     def _task_done(self, task: asyncio.Task[None]) -> None:
         self._progressed()
+        self._last_busy = time.monotonic()
         self._tasks.discard(task)
         if self.reports is not None:
             self.reports.changed()
@@ -288,6 +315,7 @@ class Worker:
     def _has_slot(self) -> bool:
         return (
             len(self._tasks) < self.max_inflight
+            and self.healthy
             and self.stage.has_room()
             and (self.tensors is None or self.tensors.has_room())
         )
@@ -370,6 +398,8 @@ class Worker:
             inflight=len(self._tasks),
             max_inflight=self.max_inflight,
             kv_events_endpoint=self._kv_events_endpoint(),
+            healthy=self.healthy,
+            problem=self.canary.problem if self.canary is not None else "",
         )
         await msg.respond(encode(info))
 

@@ -35,6 +35,9 @@ class WorkerInfo(msgspec.Struct, omit_defaults=True, forbid_unknown_fields=True)
     max_inflight: int = 0
     # Where its KV cache events are published (ZMQ), if anywhere.
     kv_events_endpoint: str = ""
+    # Its last canary health check failed (``problem`` says how): it takes no work.
+    healthy: bool = True
+    problem: str = ""
 
 
 class CacheCleared(msgspec.Struct, omit_defaults=True, forbid_unknown_fields=True):

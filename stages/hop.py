@@ -19,7 +19,7 @@ The prefill step covers the prompt plus whatever a client already received
 from __future__ import annotations
 
 import contextlib
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -59,6 +59,8 @@ class HopStage:
         self.resumes_stream = self.steps.prefill or self.steps.decode
         self.engine = engine
         self.served_name = served_name
+        # The worker's canary health check: a tiny request through the engine, where it runs one.
+        self.canary: Callable[[], Awaitable[None]] | None = getattr(engine, "canary", None)
 
     @property
     def models(self) -> list[str]:

@@ -27,6 +27,7 @@ from schemas.request import (
     ImageEmbedsPart,
     ImagePart,
     MediaPart,
+    SamplingParams,
     TextPart,
     VideoPart,
 )
@@ -103,6 +104,17 @@ class Processor:
 
     def has_room(self) -> bool:
         return True  # holds nothing between requests
+
+    async def canary(self) -> None:
+        """The worker's canary health check: a tiny request processed (template, tokenizer, checks)."""
+        self.process(
+            GenerateRequest(
+                request_id="canary",
+                model=self.model.served_name,
+                messages=[ChatMessage("user", "ok")],
+                sampling=SamplingParams(max_tokens=1),
+            )
+        )
 
     async def run(
         self, message: GenerateRequest | ProcessedRequest, ctx: HopContext

@@ -18,7 +18,7 @@ from aiohttp import web
 from nats.aio.client import Client
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
-from nats.errors import MaxPayloadError, NoRespondersError
+from nats.errors import MaxPayloadError
 from nats.errors import TimeoutError as NatsTimeoutError
 from nats.js import JetStreamContext
 from nats.js.errors import APIError, NoStreamResponseError
@@ -180,16 +180,31 @@ class Bridge:
     # -- workers -------------------------------------------------------------
 
     async def worker(self, role: str) -> WorkerInfo | None:
-        """Any live worker of a role (cached briefly: this sits on the request path)."""
+        """Any live, healthy worker of a role (cached briefly: this sits on
+        the request path). One whose canary failed answers the ping but does
+        not count: the first healthy answer within half a second does."""
         cached = self._workers.get(role)
         now = time.monotonic()
         if cached and now - cached[0] < self.settings.worker_cache_s:
             return cached[1]
+        info: WorkerInfo | None = None
+        inbox = self.nc.new_inbox()
+        answers = await self.nc.subscribe(inbox)
         try:
-            reply = await self.nc.request(self.subjects.ping(role), b"", timeout=0.5)
-            info: WorkerInfo | None = _WORKER_INFO.decode(reply.data)
-        except (NoRespondersError, NatsTimeoutError, TimeoutError):
-            info = None
+            await self.nc.publish(self.subjects.ping(role), b"", reply=inbox)
+            deadline = now + 0.5
+            while (left := deadline - time.monotonic()) > 0:
+                reply = await answers.next_msg(timeout=left)
+                if not reply.data:  # the server's "no responders" status: no worker at all
+                    break
+                answer = _WORKER_INFO.decode(reply.data)
+                if answer.healthy:
+                    info = answer
+                    break
+        except (NatsTimeoutError, TimeoutError):
+            pass
+        finally:
+            await answers.unsubscribe()
         self._workers[role] = (now, info)
         return info
 

@@ -19,9 +19,10 @@ from typing import Any
 
 import torch
 from opentelemetry.trace import Span
+from PIL import Image
 
 from schemas.errors import InvalidRequest, TargetTainted
-from schemas.processed import KvHandoff, ProcessedRequest
+from schemas.processed import KvHandoff, MediaKind, ProcessedRequest
 from schemas.request import ChoiceGroup
 from schemas.routes import moves_tensors
 from schemas.tensors import TensorRef
@@ -168,6 +169,25 @@ class TorchHopEngine:
     async def reset_prefix_cache(self) -> int | None:
         """Forget the cached prefixes: blocks cached, now forgotten (None: no pool)."""
         return await self.thread.call(self.torch.reset_prefix_cache)
+
+    async def canary(self) -> None:
+        """A tiny request through this engine's thread and model (a worker's
+        canary health check): a small image through the encoder where this
+        role encodes (and the model takes images), a few prompt tokens
+        prefilled and one token chosen where it prefills or decodes."""
+        engine = self.torch
+        if self.encoder is not None and MediaKind.IMAGE in engine.family.placeholder_ids:
+            image = Image.new("RGB", (56, 56), (128, 64, 32))
+            await self.thread.call(lambda: engine.encode(engine.prepare([image])))
+        if self.role == "encode":
+            return
+        ids = list(engine.tokenizer("ok")["input_ids"])[:4] or [0]
+
+        def prefill() -> None:
+            [(seq, _)] = engine.prefill([ids], [[]], [SamplingConfig(max_tokens=1)])
+            engine.release(seq)
+
+        await self.thread.call(prefill)
 
     async def health(self) -> None:
         """Raises once the decode loop has stopped other than by ``close()``:

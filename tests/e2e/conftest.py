@@ -20,6 +20,7 @@ from PIL import Image
 from transformers import AutoTokenizer
 
 from pipeline.bridge.app import Bridge, BridgeSettings
+from pipeline.canary import CanarySettings
 from pipeline.config import PipelineConfig
 from pipeline.connection import connect
 from pipeline.replies import stored_chunks
@@ -80,11 +81,13 @@ async def start_stack(
     counts: dict[str, int] | None = None,
     modalities: str = "image",
     bridge_processes: bool = False,
+    canary: CanarySettings | None = None,
 ) -> tuple[Stack, Any]:
     """Every role of ``config.mode`` (one worker each unless ``counts`` says
     otherwise), each with its own NATS connection and, where it moves
     tensors, its own transport, as separate processes would have.
-    ``bridge_processes``: the bridge processes requests, no processor worker."""
+    ``bridge_processes``: the bridge processes requests, no processor worker.
+    ``canary``: every worker's canary health check."""
     conns: list[Any] = []
     transports: list[Any] = []
     stack = Stack(base_url="", config=config, spec=spec)
@@ -108,7 +111,14 @@ async def start_stack(
         role_settings = relayed_events(role, config, settings)
         stage = build_stage(role, config, role_settings, spec, tensors=tensors)
         worker = Worker(
-            nc, js, config, stage, max_inflight=8, tensors=tensors, kv_events_endpoint=role_settings.kv_events.endpoint
+            nc,
+            js,
+            config,
+            stage,
+            max_inflight=8,
+            tensors=tensors,
+            kv_events_endpoint=role_settings.kv_events.endpoint,
+            canary=canary,
         )
         stack.workers.append(worker)
         task = asyncio.create_task(worker.run())
