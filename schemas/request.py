@@ -156,3 +156,7 @@ class GenerateRequest(msgspec.Struct, omit_defaults=True, forbid_unknown_fields=
     created: float = 0.0
     # One of a prompt's ``n`` choices (the others: the same group, the same prompt).
     group: ChoiceGroup | None = None
+    # A completion's prompt as input embeddings (vLLM's ``prompt_embeds``):
+    # the bytes of a torch-saved or safetensors [tokens, hidden] tensor, in
+    # place of ``prompt`` (stages/prompt_embeds.py).
+    prompt_embeds: bytes | None = None

@@ -214,7 +214,12 @@ def sampling(req: ProcessedRequest, resumed: int = 0) -> SamplingConfig:
         # The prompt's distinct ids, which the repetition penalty covers: an
         # expanded media item repeats its placeholder's id, so the prompt as
         # sent names them all.
-        prompt_ids=tuple(sorted(set(req.prompt_token_ids))) if s.repetition_penalty != 1.0 else (),
+        # (None where the prompt came as embeddings: its ids are stand-ins.)
+        prompt_ids=(
+            tuple(sorted(set(req.prompt_token_ids)))
+            if s.repetition_penalty != 1.0 and req.request.prompt_embeds is None
+            else ()
+        ),
     )
 
 

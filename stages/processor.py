@@ -72,6 +72,8 @@ class ModelTraits:
     # Fewest tokens one image can become: a request that cannot fit even then
     # is refused here; the exact check happens at prefill.
     min_tokens_per_image: int = 1
+    # The language model's input width (what prompt embeddings must have).
+    hidden_size: int = 0
 
 
 class Processor:
@@ -126,7 +128,9 @@ class Processor:
         if request.model != self.model.served_name:
             raise ModelNotFound(f"model {request.model!r} is not served here; served: {self.model.served_name}")
         media: list[MediaItem] = []
-        if request.prompt is not None:
+        if request.prompt_embeds is not None:
+            prompt_ids = self._embeds_places(request)
+        elif request.prompt is not None:
             prompt_ids = self._prompt_ids(request)
         else:
             template_messages, media = self._template_messages(request.messages)
@@ -230,6 +234,20 @@ class Processor:
             count = sum(m.kind is kind for m in media)
             if count > cap:
                 raise TooLarge(f"{count} {kind.value} items in one request; the limit is {cap}")
+
+    def _embeds_places(self, request: GenerateRequest) -> list[int]:
+        """A prompt given as its embeddings, checked against the model: as
+        many zeros as it has tokens stand for its places (its length is what
+        the hops read of its ids; the worker that prefills reads the
+        embeddings)."""
+        from stages.prompt_embeds import load_prompt_embeds
+
+        assert request.prompt_embeds is not None
+        if request.prompt is not None or request.messages:
+            raise InvalidRequest("prompt_embeds stand for the prompt: send no prompt or messages with them")
+        if request.sampling.prompt_logprobs is not None:
+            raise InvalidRequest("the prompt's logprobs need a text prompt, not prompt_embeds")
+        return [0] * int(load_prompt_embeds(request.prompt_embeds, self.model.hidden_size).shape[0])
 
     def _prompt_ids(self, request: GenerateRequest) -> list[int]:
         """A completion's prompt as it is: its text tokenized as vLLM's

@@ -3,6 +3,8 @@ translation into a ``GenerateRequest``."""
 
 from __future__ import annotations
 
+import base64
+import binascii
 from typing import Any, Literal
 
 import msgspec
@@ -82,7 +84,9 @@ class CompletionRequest(msgspec.Struct, forbid_unknown_fields=True):
 
     model: str
     # Text, token ids, or a list of one of either (msgspec takes one list type in a union: checked below).
-    prompt: str | list[Any]
+    prompt: str | list[Any] | None = None
+    # vLLM's: base64 of a torch-saved (or safetensors) [tokens, hidden] tensor, or a list of them, in place of prompt.
+    prompt_embeds: str | list[str] | None = None
     # OpenAI's default for completions (chat's is the model's room).
     max_tokens: int | None = 16
     temperature: float | None = None
@@ -129,10 +133,13 @@ def completion_to_generate_requests(
         raise InvalidRequest("best_of is not supported (other than equal to n)")
     if body.suffix:
         raise InvalidRequest("suffix is not supported")
-    prompts = _prompts(body.prompt)
+    embeds = _prompt_embeds(body.prompt_embeds)
+    if embeds and body.prompt not in (None, "", []):
+        raise InvalidRequest("give prompt or prompt_embeds, not both")
+    prompts: list[str | list[int] | None] = [None] * len(embeds) if embeds else [*_prompts(body.prompt)]
     _check_choices(len(prompts) * body.n)
     if body.echo and not all(isinstance(p, str) for p in prompts):
-        raise InvalidRequest("echo takes a text prompt, not token ids")
+        raise InvalidRequest("echo takes a text prompt, not token ids or prompt_embeds")
     sampling = _sampling(body, body.max_tokens, _top_logprobs(body.logprobs, "logprobs"))
     if body.echo and body.logprobs is not None:
         sampling.prompt_logprobs = body.logprobs
@@ -148,7 +155,11 @@ def completion_to_generate_requests(
     return [
         choice
         for i, prompt in enumerate(prompts)
-        for choice in fan_out(msgspec.structs.replace(one, prompt=prompt), body.n, first=i * body.n)
+        for choice in fan_out(
+            msgspec.structs.replace(one, prompt=prompt, prompt_embeds=embeds[i] if embeds else None),
+            body.n,
+            first=i * body.n,
+        )
     ]
 
 
@@ -370,8 +381,24 @@ def to_generate_request(
     )
 
 
-def _prompts(prompt: str | list[Any]) -> list[str | list[int]]:
+def _prompt_embeds(embeds: str | list[str] | None) -> list[bytes]:
+    """The bytes of each prompt's embeddings, from base64 (what they hold
+    is the processor's to check)."""
+    if embeds is None:
+        return []
+    items = [embeds] if isinstance(embeds, str) else embeds
+    if not items:
+        raise InvalidRequest("prompt_embeds: a base64 string or a non-empty list of them")
+    try:
+        return [base64.b64decode(item, validate=True) for item in items]
+    except (binascii.Error, ValueError) as exc:
+        raise InvalidRequest(f"prompt_embeds is not base64: {exc}") from None
+
+
+def _prompts(prompt: str | list[Any] | None) -> list[str | list[int]]:
     """The request's prompts: text or token ids, one or a list of either."""
+    if prompt is None:
+        raise InvalidRequest("prompt (or prompt_embeds) is required")
     if isinstance(prompt, str) or (prompt and _token_ids(prompt)):
         return [prompt]
     if not prompt or not all(isinstance(p, str) or (isinstance(p, list) and p and _token_ids(p)) for p in prompt):

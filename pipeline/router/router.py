@@ -258,7 +258,10 @@ class KvRouter:
         """The engine's keys of ``out``'s prompt blocks, as far as the router
         can know them: each media item's digest from its inline bytes (or
         from its encoding), its token count from the encoding or, tried in
-        turn, from the lengths the index has seen."""
+        turn, from the lengths the index has seen. None for a prompt given
+        as embeddings: its ids are stand-ins, no worker caches it."""
+        if out.request.prompt_embeds is not None:
+            return []
         prompt = out.prompt_token_ids
         encoded = out.encoded.items if out.encoded is not None else None
         media: list[PromptMedia] = []

@@ -23,6 +23,7 @@ def load_traits(spec: ModelSpec) -> ModelTraits:
         max_model_len=int(text.max_position_embeddings),
         placeholders=placeholders,
         min_tokens_per_image=_min_tokens_per_image(spec, config) if MediaKind.IMAGE in placeholders else 1,
+        hidden_size=int(text.hidden_size),
     )
 
 

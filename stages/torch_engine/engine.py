@@ -208,8 +208,12 @@ class TorchEngine:
         sampling: list[SamplingConfig],
         emitted: list[list[int]] | None = None,
         defer: bool = False,
+        embeds: list[torch.Tensor | None] | None = None,
     ) -> list[tuple[Sequence, int]]:
         """Run each prompt; return its sequence state and the next token.
+
+        ``embeds[i]``: prompt ``i`` as input embeddings [tokens, hidden] (a
+        client's ``prompt_embeds``; its ids then only stand for its places).
 
         ``defer``: on a GPU, a greedy sequence's next token is not waited for
         (that wait is for everything queued on the device, other requests'
@@ -226,8 +230,9 @@ class TorchEngine:
         emitted = emitted if emitted is not None else [[] for _ in range(n)]
         if not len(media) == len(sampling) == len(emitted) == n:
             raise ValueError("prefill: prompt_token_ids, media, sampling and emitted differ in length")
-        jobs = zip(prompt_token_ids, media, sampling, emitted, strict=True)
-        return [self._prefill_one(p, im, s, e, defer) for p, im, s, e in jobs]
+        given = embeds if embeds is not None else [None] * n
+        jobs = zip(prompt_token_ids, media, sampling, emitted, given, strict=True)
+        return [self._prefill_one(p, im, s, e, defer, g) for p, im, s, e, g in jobs]
 
     def chunked(self, expanded_len: int) -> bool:
         """Whether a prompt of this many tokens (media expanded) prefills in chunks."""
@@ -751,13 +756,21 @@ class TorchEngine:
         sampling: SamplingConfig,
         emitted: list[int],
         defer: bool = False,
+        given: torch.Tensor | None = None,
     ) -> tuple[Sequence, int]:
         fam = self.family
         ids, positions, delta = self._prepare(prompt, media, emitted)
-        keys = self._prefix_keys(prompt, ids, media) if not emitted else []
+        if given is not None and (given.dim() != 2 or given.shape[0] != len(ids)):
+            raise InvalidRequest(f"prompt embeddings of shape {list(given.shape)} for a prompt of {len(ids)} places")
+        # Embeddings given have no ids to key a cached prefix by.
+        keys = self._prefix_keys(prompt, ids, media) if not emitted and given is None else []
         needed = self._not_encoded_end(prompt, media)
         with self._lock, torch.inference_mode():
-            embeds = fam.embed_prompt(self.model, ids, media)
+            embeds = (
+                fam.embed_prompt(self.model, ids, media)
+                if given is None
+                else to_device(given, self.device, self.dtype)[None]
+            )
             hit = self._cached_prefix(keys, len(ids))
             if len(hit) * self.block_size < needed:
                 if hit and self.decoder is not None:

@@ -40,6 +40,7 @@ from stages.hop_engine import (
     sampling,
 )
 from stages.media import EmbeddingCache, MediaFetcher, MediaPolicy
+from stages.prompt_embeds import load_prompt_embeds
 from stages.sampling import Logprobs, SamplingConfig
 from stages.torch_engine.call_batcher import CallBatcher
 from stages.torch_engine.engine import MediaNotEncoded, TorchEngine
@@ -233,8 +234,14 @@ class TorchHopEngine:
 
     async def _prefill(self, req: ProcessedRequest, media: list[MediaEmbedding], ctx: HopContext) -> TorchPrefilled:
         group = req.request.group
-        # A takeover's, and media whose content is not known, never share.
-        if group is None or group.size < 2 or ctx.emitted or not all(m.encoded and m.digest for m in media):
+        # A takeover's, media whose content is not known, and embeddings (no ids to tell them by) never share.
+        if (
+            group is None
+            or group.size < 2
+            or ctx.emitted
+            or req.request.prompt_embeds is not None
+            or not all(m.encoded and m.digest for m in media)
+        ):
             return await self._prefill_own(req, media, ctx)
         choices = self._choices.get(group.id)
         if choices is None:
@@ -293,6 +300,9 @@ class TorchHopEngine:
         # Placeholders expanded: each media item's one id becomes its tokens.
         expanded = len(req.prompt_token_ids) + sum(m.num_tokens - 1 for m in media)
         with ctx.timed("prefill", tokens=len(req.prompt_token_ids)):
+            if req.request.prompt_embeds is not None:
+                # In one piece, alone: embeddings look up no cached prefix and are not batched.
+                return TorchPrefilled(await self._prefill_alone(req, media, ctx, self._embeds(req)))
             if not all(m.encoded for m in media):
                 # Only a lone prefill looks the prefix up (not chunks, not a batch).
                 try:
@@ -310,12 +320,18 @@ class TorchHopEngine:
                 seq = await self._prefill_alone(req, media, ctx)
         return TorchPrefilled(seq)
 
-    async def _prefill_alone(self, req: ProcessedRequest, media: list[MediaEmbedding], ctx: HopContext) -> Sequence:
+    def _embeds(self, req: ProcessedRequest) -> torch.Tensor:
+        assert req.request.prompt_embeds is not None
+        return load_prompt_embeds(req.request.prompt_embeds, self.torch.family.hidden_size)
+
+    async def _prefill_alone(
+        self, req: ProcessedRequest, media: list[MediaEmbedding], ctx: HopContext, embeds: torch.Tensor | None = None
+    ) -> Sequence:
         engine = self.torch
 
         def prefill_one() -> tuple[Sequence, int]:
             job = [req.prompt_token_ids], [media], [sampling(req)], [ctx.emitted]
-            return engine.prefill(*job, defer=True)[0]
+            return engine.prefill(*job, defer=True, embeds=[embeds])[0]
 
         seq, _ = await self.thread.call_or_release(lambda out: engine.release(out[0]), prefill_one)
         if seq.pending is not None:

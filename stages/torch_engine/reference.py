@@ -291,6 +291,24 @@ def _generate_text(model: Any, prompt_token_ids: list[int], max_new_tokens: int,
         )
 
 
+def reference_generate_embeds(model_dir: Path, embeds: torch.Tensor, max_new_tokens: int, model: Any = None) -> list[int]:
+    """Greedy ``generate(inputs_embeds=...)``: exactly ``max_new_tokens``
+    after a prompt given as its input embeddings [tokens, hidden] (taken in
+    the model's dtype)."""
+    model = model if model is not None else load_reference_model(model_dir)
+    inputs = embeds[None].to(model.device, model.dtype)
+    with torch.inference_mode():
+        out = model.generate(
+            inputs_embeds=inputs,
+            attention_mask=torch.ones(inputs.shape[:2], dtype=torch.long, device=model.device),
+            do_sample=False,
+            max_new_tokens=max_new_tokens,
+            min_new_tokens=max_new_tokens,
+        )
+    # With embeddings alone, generate() returns only the new tokens.
+    return [int(t) for t in out[0]]
+
+
 def reference_structured(
     model_dir: Path, prompt_token_ids: list[int], max_new_tokens: int, spec: StructuredOutput, model: Any = None
 ) -> list[int]:

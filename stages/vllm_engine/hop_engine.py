@@ -184,6 +184,8 @@ class VllmHopEngine:
         """Where the role decodes too, vLLM prefills inside the decode
         request; for a decode hop, a one-token prefill whose KV cache vLLM's
         connector keeps for it."""
+        if req.request.prompt_embeds is not None:
+            raise InvalidRequest("prompt_embeds are taken by the built-in engine; --engine vllm does not take them yet")
         rid = req.request.request_id
         handle = VllmPrefilled(rid, prompt_len(req, media), [*req.prompt_token_ids, *ctx.emitted], media)
         items = zip(req.media, media, strict=True)
