@@ -27,6 +27,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from pipeline.metrics import before_scrape
 from pipeline.streams import consumer_exists
+from schemas.control import SleepState
 from schemas.settings import setting
 
 if TYPE_CHECKING:
@@ -39,6 +40,10 @@ LIVE_PATH = "/health/live"
 METRICS_PATH = "/metrics"
 # POST: the worker forgets its prefix cache (the bridge's /v1/cache/reset asks every worker at once).
 CACHE_RESET_PATH = "/cache/reset"
+# vLLM's sleep mode: POST /sleep?level=1|2, POST /wake_up, GET /is_sleeping.
+SLEEP_PATH = "/sleep"
+WAKE_UP_PATH = "/wake_up"
+IS_SLEEPING_PATH = "/is_sleeping"
 
 
 @dataclass(frozen=True)
@@ -64,6 +69,17 @@ class HealthSettings:
 
 
 Verdict = tuple[bool, dict[str, Any]]
+
+
+def _state(state: SleepState) -> web.Response:
+    """A worker's sleep state as JSON: 400 for a level it cannot take, 501
+    where its engine has no sleep mode, 500 where it failed."""
+    status = 200
+    if not state.supported:
+        status = 501
+    elif state.error:
+        status = 400 if "sleep level" in state.error else 500
+    return web.json_response({"is_sleeping": bool(state.sleeping), **msgspec.structs.asdict(state)}, status=status)
 
 
 class WorkerHealth:
@@ -95,6 +111,8 @@ class WorkerHealth:
         if not worker.healthy:
             problem = worker.canary.problem if worker.canary is not None else ""
             return False, {**body, "status": "canary_failed", "error": problem}
+        if worker.sleeping or worker.resting:
+            return False, {**body, "status": "sleeping", "level": worker.sleeping}
         if not worker.nc.is_connected:
             return False, {**body, "status": "nats_disconnected"}
         try:
@@ -127,7 +145,31 @@ class WorkerHealth:
         app.router.add_get(LIVE_PATH, self._live)
         app.router.add_get(METRICS_PATH, self._metrics)
         app.router.add_post(CACHE_RESET_PATH, self._reset_cache)
+        app.router.add_post(SLEEP_PATH, self._sleep)
+        app.router.add_post(WAKE_UP_PATH, self._wake_up)
+        app.router.add_get(IS_SLEEPING_PATH, self._is_sleeping)
         return app
+
+    async def _sleep(self, request: web.Request) -> web.Response:
+        worker = self.worker
+        if worker is None or not worker.ready.is_set():
+            return web.json_response({"status": "starting"}, status=503)
+        try:
+            level = int(request.query.get("level", "1"))
+        except ValueError:
+            return web.json_response({"error": "level: 1 or 2"}, status=400)
+        return _state(await worker.sleep(level))
+
+    async def _wake_up(self, request: web.Request) -> web.Response:
+        worker = self.worker
+        if worker is None or not worker.ready.is_set():
+            return web.json_response({"status": "starting"}, status=503)
+        return _state(await worker.wake_up())
+
+    async def _is_sleeping(self, request: web.Request) -> web.Response:
+        worker = self.worker
+        sleeping = worker is not None and bool(worker.sleeping)
+        return web.json_response({"is_sleeping": sleeping, "level": worker.sleeping if worker is not None else 0})
 
     async def _reset_cache(self, request: web.Request) -> web.Response:
         worker = self.worker

@@ -117,6 +117,10 @@ class Subjects:
     def ping(self, role: str) -> str:
         return f"{self.prefix}.ping.{role_token(role)}"
 
+    def sleep(self, role: str) -> str:
+        """Every worker of a role: sleep at a level, or wake (``Sleep``; one ``SleepState`` reply each)."""
+        return f"{self.prefix}.sleep.{role_token(role)}"
+
     def stream(self, role: str) -> str:
         return f"MMPIPE_{self.namespace}_{role_token(role).upper()}"
 

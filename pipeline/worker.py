@@ -36,7 +36,7 @@ from pipeline.subjects import check_token, role_token
 from pipeline.transport.base import TensorGone, TensorTransport
 from schemas.chunk import ReplyChunk, TokenChunk
 from schemas.codec import CONTENT_TYPE, MSGPACK, Decoder, encode
-from schemas.control import CacheCleared, Restart, WorkerInfo, WorkerLoad
+from schemas.control import CacheCleared, Restart, Sleep, SleepState, WorkerInfo, WorkerLoad
 from schemas.errors import (
     DeadlineExceeded,
     InternalError,
@@ -55,6 +55,7 @@ log = structlog.get_logger(__name__)
 
 # NATS counts a message's headers against max_payload too.
 _HEADER_ROOM = 1024
+_SLEEP: Decoder[Sleep] = Decoder(Sleep)
 # The roles that forward a hop a router places (the processor the first, encode the next).
 _ROUTING_ROLES = (PROCESSOR, "encode")
 
@@ -168,6 +169,11 @@ class Worker:
         self.last_progress: float | None = None
         # When it last started or finished a message: the canary runs once it has been idle long enough.
         self._last_busy = time.monotonic()
+        # Sleep mode: the level the stage sleeps at (0: awake); ``_resting``
+        # from the moment one is asked for until it is awake again (no fetching).
+        self.sleeping = 0
+        self._resting = False
+        self._sleep_lock = asyncio.Lock()
         probe = getattr(stage, "canary", None)
         self.canary = (
             Canary(canary, self.role, probe, self._idle_s)
@@ -186,6 +192,7 @@ class Worker:
         await self.cancels.listen(self.nc, self.subjects, also=self._release_held)
         ping = await self.nc.subscribe(self.subjects.ping(self.role), cb=self._on_ping)
         resets = await self.nc.subscribe(self.subjects.cache_reset, cb=self._on_cache_reset)
+        sleeps = await self.nc.subscribe(self.subjects.sleep(self.role), cb=self._on_sleep)
         psub = await self.js.pull_subscribe_bind(self.subjects.durable(self.role), self.subjects.stream(self.role))
         background = []
         relay = self._relay()
@@ -214,6 +221,7 @@ class Worker:
                 await self.router.close()
             await ping.unsubscribe()
             await resets.unsubscribe()
+            await sleeps.unsubscribe()
             await psub.unsubscribe()
             await self.cancels.close()
             await self.stage.close()
@@ -244,8 +252,14 @@ class Worker:
         """False while its last canary health check failed: it takes no work then."""
         return self.canary is None or self.canary.healthy
 
+    @property
+    def resting(self) -> bool:
+        """Asleep, or on its way to sleep: it fetches nothing."""
+        return self._resting
+
     def _idle_s(self) -> float:
-        return 0.0 if self._tasks else time.monotonic() - self._last_busy
+        # Asleep, or on the way: no canary either.
+        return 0.0 if self._tasks or self._resting else time.monotonic() - self._last_busy
 
     async def _fetch_loop(self, psub: Any) -> None:
         while not self._stopping.is_set():
@@ -258,6 +272,9 @@ class Worker:
                 # Its canary failed: nothing more for this engine until one passes.
                 metrics.BACKPRESSURE.labels(self.role, "unhealthy").inc()
                 await asyncio.sleep(0.1)
+                continue
+            if self._resting:
+                await asyncio.sleep(0.1)  # asleep (sleep mode): nothing until it wakes
                 continue
             if not self.stage.has_room():
                 # The engine's memory for sequences (its KV blocks) is spent:
@@ -316,6 +333,7 @@ class Worker:
         return (
             len(self._tasks) < self.max_inflight
             and self.healthy
+            and not self._resting
             and self.stage.has_room()
             and (self.tensors is None or self.tensors.has_room())
         )
@@ -368,9 +386,17 @@ class Worker:
         of the grace, for readers to take the tensors this worker holds
         (closing the transport frees whatever they did not)."""
         deadline = time.monotonic() + self.drain_grace_s
+        await self._hand_back(deadline)
+        if self.tensors is not None:
+            await self._tensors_read(self.tensors, deadline)
+
+    async def _hand_back(self, deadline: float) -> None:
+        """What is in flight finishes by ``deadline``; the rest is naked (no
+        delay) for another worker of the role."""
         if self._tasks:
-            log.info("worker_draining", role=self.role, inflight=len(self._tasks), grace_s=self.drain_grace_s)
-            _, pending = await asyncio.wait(set(self._tasks), timeout=self.drain_grace_s)
+            grace = max(deadline - time.monotonic(), 0.0)
+            log.info("worker_draining", role=self.role, inflight=len(self._tasks), grace_s=round(grace, 3))
+            _, pending = await asyncio.wait(set(self._tasks), timeout=grace)
             for task in pending:
                 # Marked so the handler naks (hands the message to another worker
                 # at once) instead of treating it as a client cancel.
@@ -379,8 +405,6 @@ class Worker:
             if pending:
                 await asyncio.wait(pending)
                 log.info("worker_handed_back", role=self.role, requests=len(pending))
-        if self.tensors is not None:
-            await self._tensors_read(self.tensors, deadline)
 
     async def _tensors_read(self, tensors: TensorTransport, deadline: float) -> None:
         for _ in range(max(0, int((deadline - time.monotonic()) / 0.05))):
@@ -400,8 +424,71 @@ class Worker:
             kv_events_endpoint=self._kv_events_endpoint(),
             healthy=self.healthy,
             problem=self.canary.problem if self.canary is not None else "",
+            sleeping=self.sleeping or (-1 if self._resting else 0),
         )
         await msg.respond(encode(info))
+
+    # -- sleep mode (vLLM's /sleep, /wake_up) -----------------------------------
+
+    async def sleep(self, level: int) -> SleepState:
+        """Lend the device's memory back: stop fetching, let what is in
+        flight finish within the drain grace (the rest goes back to the
+        queue for another worker, a stream resuming there after the chunks
+        stored), then the stage's sleep at ``level`` (1: KV cache freed,
+        weights to host memory; 2: weights dropped too)."""
+        sleep = getattr(self.stage, "sleep", None)
+        if sleep is None:
+            return SleepState(self.role, self.worker_id, supported=False)
+        if level not in (1, 2):
+            return SleepState(self.role, self.worker_id, self.sleeping, error=f"sleep level {level}: 1 or 2")
+        async with self._sleep_lock:
+            if self.sleeping:
+                return SleepState(self.role, self.worker_id, self.sleeping, held=self._held())
+            self._resting = True
+            log.info("worker_going_to_sleep", role=self.role, level=level, inflight=len(self._tasks))
+            await self._hand_back(time.monotonic() + self.drain_grace_s)
+            try:
+                held_before = await sleep(level)
+            except Exception as exc:
+                self._resting = False
+                metrics.ERRORS.labels(self.role, "sleep_failed").inc()
+                log.error("sleep_failed", role=self.role, level=level, error=repr(exc))
+                return SleepState(self.role, self.worker_id, error=repr(exc))
+            self.sleeping = level
+            log.info("worker_asleep", role=self.role, level=level)
+            return SleepState(self.role, self.worker_id, level, held_before=held_before, held=self._held())
+
+    async def wake_up(self) -> SleepState:
+        """Back from ``sleep``: the stage reloads, the worker fetches again."""
+        wake_up = getattr(self.stage, "wake_up", None)
+        if wake_up is None:
+            return SleepState(self.role, self.worker_id, supported=False)
+        async with self._sleep_lock:
+            if self.sleeping:
+                try:
+                    await wake_up()
+                except Exception as exc:
+                    metrics.ERRORS.labels(self.role, "wake_up_failed").inc()
+                    log.error("wake_up_failed", role=self.role, error=repr(exc))
+                    return SleepState(self.role, self.worker_id, self.sleeping, error=repr(exc))
+                self.sleeping = 0
+                log.info("worker_awake", role=self.role)
+            self._resting = False
+            self._slot_free.set()
+            return SleepState(self.role, self.worker_id, held=self._held())
+
+    def _held(self) -> dict[str, int]:
+        held = getattr(self.stage, "held_bytes", None)
+        return held() if held is not None else {}
+
+    async def _on_sleep(self, msg: Msg) -> None:
+        try:
+            level = _SLEEP.decode(msg.data).level
+        except Exception as exc:
+            await msg.respond(encode(SleepState(self.role, self.worker_id, error=f"a bad sleep request: {exc}")))
+            return
+        state = await (self.sleep(level) if level else self.wake_up())
+        await msg.respond(encode(state))
 
     async def reset_prefix_cache(self) -> CacheCleared:
         """Forget the stage's cached prefixes (``POST /v1/cache/reset`` on the

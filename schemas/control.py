@@ -38,6 +38,8 @@ class WorkerInfo(msgspec.Struct, omit_defaults=True, forbid_unknown_fields=True)
     # Its last canary health check failed (``problem`` says how): it takes no work.
     healthy: bool = True
     problem: str = ""
+    # Asleep at this level (vLLM's sleep mode: 1 or 2), or on its way to sleep (-1): it takes no work.
+    sleeping: int = 0
 
 
 class CacheCleared(msgspec.Struct, omit_defaults=True, forbid_unknown_fields=True):
@@ -50,6 +52,28 @@ class CacheCleared(msgspec.Struct, omit_defaults=True, forbid_unknown_fields=Tru
     supported: bool = True
     blocks: int = 0
     # Set where the engine failed to forget it.
+    error: str = ""
+
+
+class Sleep(msgspec.Struct, omit_defaults=True, forbid_unknown_fields=True):
+    """To every worker of a role, on ``mmpipe.<ns>.sleep.<role>``: give the
+    device's memory back at ``level`` (0: wake up). One ``SleepState`` each."""
+
+    level: int
+
+
+class SleepState(msgspec.Struct, omit_defaults=True, forbid_unknown_fields=True):
+    """A worker's answer to ``Sleep``: the level it sleeps at now (0:
+    awake), the device bytes it held before and holds now (``held``: weights,
+    kv_cache), or why it could not (``supported`` False: its engine has no
+    sleep mode; ``error``: it failed)."""
+
+    role: str
+    worker_id: str
+    sleeping: int = 0
+    supported: bool = True
+    held_before: dict[str, int] = {}
+    held: dict[str, int] = {}
     error: str = ""
 
 

@@ -61,6 +61,10 @@ class HopStage:
         self.served_name = served_name
         # The worker's canary health check: a tiny request through the engine, where it runs one.
         self.canary: Callable[[], Awaitable[None]] | None = getattr(engine, "canary", None)
+        # Sleep mode (the device's memory lent back), where the engine has one.
+        self.sleep: Callable[[int], Awaitable[dict[str, int]]] | None = getattr(engine, "sleep", None)
+        self.wake_up: Callable[[], Awaitable[None]] | None = getattr(engine, "wake_up", None)
+        self.held_bytes: Callable[[], dict[str, int]] | None = getattr(engine, "held_bytes", None)
 
     @property
     def models(self) -> list[str]:

@@ -41,7 +41,7 @@ from pipeline.router.router import KvRouter
 from pipeline.streams import ensure_streams, is_stream_full
 from schemas.chunk import ErrorChunk, PromptLogprobs, ReplyChunk, TokenChunk, TokenLogprob, Usage
 from schemas.codec import CONTENT_TYPE, MSGPACK, Decoder, encode
-from schemas.control import CacheCleared, Cancel, Restart, WorkerInfo
+from schemas.control import CacheCleared, Cancel, Restart, Sleep, SleepState, WorkerInfo
 from schemas.errors import (
     Cancelled,
     DeadlineExceeded,
@@ -69,6 +69,7 @@ T = TypeVar("T")
 
 _WORKER_INFO: Decoder[WorkerInfo] = Decoder(WorkerInfo)
 _CACHE_CLEARED: Decoder[CacheCleared] = Decoder(CacheCleared)
+_SLEEP_STATE: Decoder[SleepState] = Decoder(SleepState)
 # POST /v1/cache/reset: how long to wait for the workers' answers, and for more after one.
 _CACHE_RESET_WAIT_S = 5.0
 _CACHE_RESET_QUIET_S = 0.5
@@ -96,6 +97,10 @@ class BridgeSettings:
     max_body_bytes: int = setting(32 * 1024 * 1024, help="bytes of a request body at most (413 over it)")
     retry_after_s: int = setting(1, flag="retry-after", help="the Retry-After seconds of a 429 or 503")
     worker_cache_s: float = 1.0
+    # How long a sleep or a wake fanned out to workers may take (each drains first, then frees or reloads).
+    admin_wait_s: float = setting(
+        120.0, flag="admin-wait", help="seconds the bridge waits for workers' answers to /sleep and /wake_up"
+    )
 
 
 class Bridge:
@@ -132,6 +137,9 @@ class Bridge:
         app.router.add_get(LIVE_PATH, self.live)
         app.router.add_get("/metrics", self.metrics)
         app.router.add_post("/v1/cache/reset", self.reset_cache)
+        app.router.add_post("/sleep", self.sleep)
+        app.router.add_post("/wake_up", self.wake_up)
+        app.router.add_get("/is_sleeping", self.is_sleeping)
         app.on_startup.append(self._on_startup)
         app.on_cleanup.append(self._on_cleanup)
         return app
@@ -180,9 +188,10 @@ class Bridge:
     # -- workers -------------------------------------------------------------
 
     async def worker(self, role: str) -> WorkerInfo | None:
-        """Any live, healthy worker of a role (cached briefly: this sits on
-        the request path). One whose canary failed answers the ping but does
-        not count: the first healthy answer within half a second does."""
+        """Any live, healthy, awake worker of a role (cached briefly: this
+        sits on the request path). One whose canary failed, or that sleeps,
+        answers the ping but does not count: the first other answer within
+        half a second does."""
         cached = self._workers.get(role)
         now = time.monotonic()
         if cached and now - cached[0] < self.settings.worker_cache_s:
@@ -198,7 +207,7 @@ class Bridge:
                 if not reply.data:  # the server's "no responders" status: no worker at all
                     break
                 answer = _WORKER_INFO.decode(reply.data)
-                if answer.healthy:
+                if answer.healthy and not answer.sleeping:
                     info = answer
                     break
         except (NatsTimeoutError, TimeoutError):
@@ -248,27 +257,38 @@ class Bridge:
             raise ModelNotFound(f"model {name!r} is not served")
         return web.json_response(listed[0])
 
-    async def reset_cache(self, request: web.Request) -> web.Response:
-        """Every worker forgets its prefix cache: each one's answer, as it
-        comes within a short wait (an admin's call, behind the API key)."""
-        self._authorize(request)
+    async def _gather(
+        self, subject: str, payload: bytes, decode: Callable[[bytes], T], wait_s: float, expected: int | None = None
+    ) -> list[T]:
+        """The answers of every worker a request reaches: ``expected`` of
+        them within ``wait_s``, or, not knowing how many, those that come
+        before a pause of ``_CACHE_RESET_QUIET_S`` after the first."""
         inbox = self.nc.new_inbox()
         sub = await self.nc.subscribe(inbox)
-        answers: list[CacheCleared] = []
+        answers: list[T] = []
         try:
-            await self.nc.publish(self.subjects.cache_reset, b"", reply=inbox)
+            await self.nc.publish(subject, payload, reply=inbox)
             loop = asyncio.get_running_loop()
-            deadline = loop.time() + _CACHE_RESET_WAIT_S
-            while (left := deadline - loop.time()) > 0:
+            deadline = loop.time() + wait_s
+            while (left := deadline - loop.time()) > 0 and (expected is None or len(answers) < expected):
                 # After the first answer, a pause this long means the rest have answered.
-                wait = min(left, _CACHE_RESET_QUIET_S) if answers else left
+                wait = min(left, _CACHE_RESET_QUIET_S) if answers and expected is None else left
                 try:
                     msg = await sub.next_msg(timeout=wait)
                 except (NatsTimeoutError, TimeoutError):
                     break
-                answers.append(_CACHE_CLEARED.decode(msg.data))
+                if not msg.data:  # the server's "no responders" status
+                    break
+                answers.append(decode(msg.data))
         finally:
             await sub.unsubscribe()
+        return answers
+
+    async def reset_cache(self, request: web.Request) -> web.Response:
+        """Every worker forgets its prefix cache: each one's answer, as it
+        comes within a short wait (an admin's call, behind the API key)."""
+        self._authorize(request)
+        answers = await self._gather(self.subjects.cache_reset, b"", _CACHE_CLEARED.decode, _CACHE_RESET_WAIT_S)
         if not answers:
             raise NoWorkers("no worker answered the cache reset")
         failed = [a for a in answers if a.error]
@@ -280,6 +300,71 @@ class Bridge:
             "workers": [msgspec.structs.asdict(a) for a in sorted(answers, key=lambda a: (a.role, a.worker_id))],
         }
         return web.json_response(body, status=500 if failed else 200)
+
+    # -- sleep mode, vLLM's endpoints, fanned out to a role's workers -----------
+
+    def _roles(self, request: web.Request) -> list[str]:
+        """``?role=`` (one of the mode's hops), or every hop of the mode."""
+        hops = list(dict.fromkeys(MODES[self.config.mode]))
+        role = request.query.get("role")
+        if role is None:
+            return hops
+        # An unescaped "+" in a query string reads as a space; no role has one.
+        role = role.replace(" ", "+")
+        if role not in hops:
+            raise InvalidRequest(f"role {role!r}: one of {', '.join(hops)}")
+        return [role]
+
+    async def _workers_of(self, role: str) -> list[WorkerInfo]:
+        return await self._gather(self.subjects.ping(role), b"", _WORKER_INFO.decode, 0.5)
+
+    async def _sleep_roles(self, roles: list[str], level: int) -> list[SleepState]:
+        """``Sleep(level)`` to every worker of ``roles`` (0: wake up), each one's answer."""
+
+        async def one(role: str) -> list[SleepState]:
+            workers = await self._workers_of(role)
+            if not workers:
+                return []
+            return await self._gather(
+                self.subjects.sleep(role),
+                encode(Sleep(level)),
+                _SLEEP_STATE.decode,
+                self.settings.admin_wait_s,
+                expected=len(workers),
+            )
+
+        states = [state for answers in await asyncio.gather(*map(one, roles)) for state in answers]
+        self._workers.clear()  # the live set changed
+        if not states:
+            raise NoWorkers(f"no worker of {', '.join(roles)} answered")
+        return states
+
+    async def sleep(self, request: web.Request) -> web.Response:
+        """vLLM's ``POST /sleep?level=1|2``, to every worker of ``?role=`` (or
+        of every hop): each finishes or hands back what it holds, stops
+        fetching and gives its device's memory back (an admin's call)."""
+        self._authorize(request)
+        try:
+            level = int(request.query.get("level", "1"))
+        except ValueError:
+            level = 0
+        if level not in (1, 2):
+            raise InvalidRequest("level: 1 (weights to host memory) or 2 (weights dropped)")
+        return _sleep_states(await self._sleep_roles(self._roles(request), level))
+
+    async def wake_up(self, request: web.Request) -> web.Response:
+        """vLLM's ``POST /wake_up``: every sleeping worker of ``?role=`` (or of every hop) reloads and fetches again."""
+        self._authorize(request)
+        return _sleep_states(await self._sleep_roles(self._roles(request), 0))
+
+    async def is_sleeping(self, request: web.Request) -> web.Response:
+        """vLLM's ``GET /is_sleeping``: true when every worker of ``?role=``
+        (or of every hop) sleeps; each worker's level beside it."""
+        self._authorize(request)
+        workers = [w for role in self._roles(request) for w in await self._workers_of(role)]
+        listed = [{"role": w.role, "worker_id": w.worker_id, "sleeping": w.sleeping} for w in workers]
+        asleep = bool(workers) and all(w.sleeping > 0 for w in workers)
+        return web.json_response({"is_sleeping": asleep, "workers": sorted(listed, key=lambda w: str(w["worker_id"]))})
 
     def _authorize(self, request: web.Request) -> None:
         key = self.settings.api_key
@@ -673,3 +758,19 @@ def _decoded(decoder: msgspec.json.Decoder[T], body: bytes) -> T:
     except (msgspec.ValidationError, msgspec.DecodeError, UnicodeDecodeError) as exc:
         # UnicodeDecodeError: a string that is not UTF-8, which msgspec reports as such.
         raise InvalidRequest(f"invalid request body: {exc}") from None
+
+
+def _sleep_states(states: list[SleepState]) -> web.Response:
+    """Workers' answers to a sleep or a wake: 500 where one failed, 501
+    where none has a sleep mode."""
+    failed = [s for s in states if s.error]
+    for state in failed:
+        metrics.ERRORS.labels("bridge", "sleep_failed").inc()
+        log.error("sleep_failed", worker_id=state.worker_id, role=state.role, error=state.error)
+    supported = [s for s in states if s.supported]
+    status = 500 if failed else 200 if supported else 501
+    body = {
+        "is_sleeping": bool(supported) and all(s.sleeping > 0 for s in supported),
+        "workers": [msgspec.structs.asdict(s) for s in sorted(states, key=lambda s: (s.role, s.worker_id))],
+    }
+    return web.json_response(body, status=status)

@@ -17,6 +17,7 @@ feeds it.
 from __future__ import annotations
 
 import contextlib
+import gc
 import threading
 import time
 from collections.abc import Iterator
@@ -99,6 +100,15 @@ class TorchEngine:
         self.block_size = decode.block_size
         self.max_num_batched_tokens = decode.max_num_batched_tokens
         self.prefix_caching = decode.prefix_caching
+        self._decode_settings = decode
+        # 0: awake; 1 or 2: asleep at that level (``sleep``).
+        self.sleeping = 0
+        # The KV pool's event log (KV events), kept across a sleep for the pool made on waking.
+        self._pool_log: Any = None
+        self._build_decoder(decode)
+
+    def _build_decoder(self, decode: DecodeSettings) -> None:
+        """The batch decoder (its KV pool), the graphed prefill and their CUDA graphs, as ``decode`` asks."""
         self.decoder: BatchDecoder | None = None
         if decode.batched and batch_decoder.supports(self.model):
             max_len = min(decode.max_len, self.max_model_len)
@@ -892,6 +902,72 @@ class TorchEngine:
             cleared = self.decoder.pool.reset()
         log.info("prefix_cache_reset", blocks=cleared)
         return cleared
+
+    # -- sleep and wake (vLLM's: lend the device's memory back) --------------
+
+    def held_bytes(self) -> dict[str, int]:
+        """Bytes this engine holds on its device: the model's weights there,
+        and the KV pool's (what ``sleep`` gives back)."""
+        weights = 0
+        if self.model is not None:
+            weights = sum(
+                p.numel() * p.element_size() for p in self.model.parameters() if p.device.type == self.device.type
+            )
+        return {"weights": weights, "kv_cache": self.decoder.nbytes if self.decoder is not None else 0}
+
+    def sleep(self, level: int) -> dict[str, int]:
+        """Give the device's memory back, as vLLM's sleep mode: level 1 frees
+        the KV pool (its cached prefixes forgotten; its graphs with it) and
+        moves the weights to host memory; level 2 drops the weights too
+        (``wake_up`` reloads them from the checkpoint). No sequence may hold
+        the pool. Returns ``held_bytes`` as they were."""
+        if level not in (1, 2):
+            raise ValueError(f"sleep level {level}: 1 (weights to host memory) or 2 (weights dropped)")
+        if self.sleeping:
+            raise RuntimeError(f"the engine sleeps already (level {self.sleeping})")
+        held = self.held_bytes()
+        with self._lock:
+            if self._slots is not None and len(self._slots):
+                raise RuntimeError(f"{len(self._slots)} sequences still hold the KV cache")
+            if self.decoder is not None:
+                self.decoder.pool.reset()  # the router hears the prefixes went (AllBlocksCleared)
+                self._pool_log = self.decoder.pool.log
+            self.decoder, self._slot_prefill, self._slots = None, None, None
+            if level == 2:
+                self.model = None
+            elif self.device.type != "cpu":
+                self.model = self.model.to("cpu")
+            self.sleeping = level
+        gc.collect()
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+        log.info("engine_asleep", level=level, freed_bytes=sum(held.values()) - sum(self.held_bytes().values()))
+        return held
+
+    def wake_up(self) -> None:
+        """Back from ``sleep``: the weights on the device again (reloaded
+        from the checkpoint after level 2), a new KV pool and its graphs."""
+        if not self.sleeping:
+            return
+        started = time.monotonic()
+        with self._lock:
+            if self.model is None:
+                with contextlib.nullcontext() if on_terminal() else _quiet_progress_bars():
+                    model: Any = self.family.model_class.from_pretrained(str(self.model_dir), dtype=self.dtype)
+                self.model = model.eval()
+            self.model = self.model.to(self.device)
+            self.family.on_loaded(self.model, self.device, self.dtype)
+            decode = self._decode_settings
+            if self.device.type == "cuda":
+                # Graphs and compiled code of the tower were made over the weights as they were.
+                self.family.tower_graphs = TowerGraphs(decode.tower_graphs)
+                if decode.torch_compile and decode.encodes:
+                    self.family.compile_tower(self.model)
+            self._build_decoder(decode)
+            if self.decoder is not None:
+                self.decoder.pool.log = self._pool_log
+            self.sleeping = 0
+        log.info("engine_awake", seconds=round(time.monotonic() - started, 2), **self.held_bytes())
 
     def _register_prefix(self, seq: Sequence) -> None:
         """Its prompt's full blocks are computed: cached under their keys

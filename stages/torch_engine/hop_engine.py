@@ -171,6 +171,16 @@ class TorchHopEngine:
         """Forget the cached prefixes: blocks cached, now forgotten (None: no pool)."""
         return await self.thread.call(self.torch.reset_prefix_cache)
 
+    async def sleep(self, level: int) -> dict[str, int]:
+        """The engine's sleep (``TorchEngine.sleep``): the bytes it held."""
+        return await self.thread.call(self.torch.sleep, level)
+
+    async def wake_up(self) -> None:
+        await self.thread.call(self.torch.wake_up)
+
+    def held_bytes(self) -> dict[str, int]:
+        return self.torch.held_bytes()
+
     async def canary(self) -> None:
         """A tiny request through this engine's thread and model (a worker's
         canary health check): a small image through the encoder where this

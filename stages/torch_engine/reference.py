@@ -291,7 +291,9 @@ def _generate_text(model: Any, prompt_token_ids: list[int], max_new_tokens: int,
         )
 
 
-def reference_generate_embeds(model_dir: Path, embeds: torch.Tensor, max_new_tokens: int, model: Any = None) -> list[int]:
+def reference_generate_embeds(
+    model_dir: Path, embeds: torch.Tensor, max_new_tokens: int, model: Any = None
+) -> list[int]:
     """Greedy ``generate(inputs_embeds=...)``: exactly ``max_new_tokens``
     after a prompt given as its input embeddings [tokens, hidden] (taken in
     the model's dtype)."""

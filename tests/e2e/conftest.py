@@ -82,12 +82,15 @@ async def start_stack(
     modalities: str = "image",
     bridge_processes: bool = False,
     canary: CanarySettings | None = None,
+    drain_grace_s: float = 30.0,
 ) -> tuple[Stack, Any]:
     """Every role of ``config.mode`` (one worker each unless ``counts`` says
     otherwise), each with its own NATS connection and, where it moves
     tensors, its own transport, as separate processes would have.
     ``bridge_processes``: the bridge processes requests, no processor worker.
-    ``canary``: every worker's canary health check."""
+    ``canary``: every worker's canary health check; ``drain_grace_s``:
+    every worker's (how long a draining or sleeping worker lets its
+    requests finish)."""
     conns: list[Any] = []
     transports: list[Any] = []
     stack = Stack(base_url="", config=config, spec=spec)
@@ -119,6 +122,7 @@ async def start_stack(
             tensors=tensors,
             kv_events_endpoint=role_settings.kv_events.endpoint,
             canary=canary,
+            drain_grace_s=drain_grace_s,
         )
         stack.workers.append(worker)
         task = asyncio.create_task(worker.run())
