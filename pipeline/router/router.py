@@ -72,6 +72,10 @@ ENCODE = "encode"
 _FORGET_AFTER = 20
 
 
+# How long the choices of one prompt follow the first one's worker.
+_GROUP_PIN_S = 10.0
+
+
 def routable(role: str) -> bool:
     """Hops worth sending to a worker with the prompt's prefix: those that prefill."""
     return "prefill" in role.split("+")
@@ -107,6 +111,10 @@ class KvRouter:
         self._decoder = msgspec.msgpack.Decoder(KVEventBatch)
         self._load_decoder = msgspec.msgpack.Decoder(WorkerLoad)
         self._held_decoder = msgspec.msgpack.Decoder(EmbeddingsHeld)
+        # The n choices of a prompt (a ChoiceGroup) -> the worker its first
+        # went to, and until when its others follow: one worker takes them
+        # all, and prefills the prompt once for them.
+        self._groups: dict[str, tuple[str, float]] = {}
 
     async def start(self) -> None:
         self._subs = [
@@ -182,6 +190,8 @@ class KvRouter:
         role = out.hop
         if role == ENCODE:
             worker = self.choose_encoder(out)
+        elif routable(role) and out.request.group is not None and out.request.group.size > 1:
+            worker = self.choose_for_group(out, out.request.group.id)
         else:
             worker = self.choose(out) if routable(role) else None
         DECISIONS.labels(role, "worker" if worker else "shared").inc()
@@ -214,6 +224,27 @@ class KvRouter:
         wid, best = min(takers, key=lambda t: (t[1].busy + t[1].sent_blocks, random.random()))
         best.sent_blocks += 1
         return wid
+
+    def choose_for_group(self, out: ProcessedRequest, group: str) -> str | None:
+        """Where a choice of ``group`` goes: where its first one went, while
+        that worker takes hops; the first goes where ``choose`` says or,
+        its prompt cached nowhere, to the least busy worker (not the shared
+        queue: the others must know where to follow)."""
+        now = time.monotonic()
+        for gone in [g for g, (_, until) in self._groups.items() if until < now]:
+            del self._groups[gone]
+        takers = self._takers(out.hop)
+        pinned = self._groups.get(group)
+        if pinned is not None and pinned[0] in takers:
+            return pinned[0]
+        worker = self.choose(out)
+        if worker is None and takers:
+            worker = min(takers, key=lambda wid: (takers[wid].busy + takers[wid].sent_blocks, random.random()))
+            takers[worker].sent_blocks += 1
+        if worker is not None:
+            # Long enough for the others, published with it, to follow.
+            self._groups[group] = (worker, now + _GROUP_PIN_S)
+        return worker
 
     def choose(self, out: ProcessedRequest) -> str | None:
         role = out.hop

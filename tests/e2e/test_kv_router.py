@@ -177,3 +177,40 @@ async def _tokens(sub: Any) -> list[int]:
         tokens += chunk.token_ids
         if chunk.finish_reason is not None:
             return tokens
+
+
+@pytest.mark.e2e
+async def test_the_choices_of_a_prompt_follow_the_first_to_one_worker(
+    pipeline_config: PipelineConfig, model_spec: ModelSpec
+) -> None:
+    """Two workers that prefill: the router sends every choice of an n=4
+    request to the worker it sent the first to (its prompt cached nowhere
+    yet), which prefills the prompt once and forks the other three."""
+    from stages.torch_engine.metrics import PREFILL_FORKS
+
+    config = dataclasses.replace(pipeline_config, mode="epd", router=RouterSettings(mode="kv"))
+    role = "encode+prefill+decode"
+    stack, stop = await start_stack(config, model_spec, counts={role: 2}, bridge_processes=True)
+    try:
+        holders = [w for w in stack.workers if w.role == role]
+        router = stack.bridge.router
+        assert router is not None
+        await eventually(lambda: all(router.alive(w.worker_id) for w in holders), within=10)
+        async with client(stack) as c:
+            for round_ in range(3):
+                handled = [w.handled for w in holders]
+                forks = PREFILL_FORKS._value.get()
+                done = await c.completions.create(
+                    model="tiny-qwen2-vl",
+                    prompt=f"Round {round_}: the sea and the mountains are",
+                    n=4,
+                    seed=round_,
+                    temperature=0.8,
+                    max_tokens=N,
+                )
+                assert len({choice.text for choice in done.choices}) > 1
+                took = sorted(w.handled - h for w, h in zip(holders, handled, strict=True))
+                assert took == [0, 4], took
+                assert PREFILL_FORKS._value.get() - forks == 3
+    finally:
+        await stop()
