@@ -60,7 +60,9 @@ class HopStage:
         self.engine = engine
         self.served_name = served_name
         # The worker's canary health check: a tiny request through the engine, where it runs one.
-        self.canary: Callable[[], Awaitable[None]] | None = getattr(engine, "canary", None)
+        self.canary: Callable[[], Awaitable[None]] | None = (
+            getattr(engine, "canary", None) if getattr(engine, "canary_runs", True) else None
+        )
         # Sleep mode (the device's memory lent back), where the engine has one.
         self.sleep: Callable[[int], Awaitable[dict[str, int]]] | None = getattr(engine, "sleep", None)
         self.wake_up: Callable[[], Awaitable[None]] | None = getattr(engine, "wake_up", None)

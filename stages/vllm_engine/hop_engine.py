@@ -61,7 +61,7 @@ from stages.families import MediaEmbedding
 from stages.hop_engine import Carried, check_context, prompt_len, put_media, receive_embeddings, sampling
 from stages.media import MediaFetcher
 from stages.prefix_keys import PromptMedia
-from stages.sampling import Logprobs
+from stages.sampling import Logprobs, SamplingConfig
 from stages.vllm_engine.args import KV_PRODUCER_ROLES, VLLM_ROLES
 from stages.vllm_engine.block_keys import VllmBlockKeys
 from stages.vllm_engine.engine import VllmEngine
@@ -154,6 +154,25 @@ class VllmHopEngine:
     async def health(self) -> None:
         """Raises where vLLM's engine core is gone."""
         await self.llm.check_health()
+
+    @property
+    def canary_runs(self) -> bool:
+        """An encode role's vLLM holds no language model to push a canary through."""
+        return self.role != "encode"
+
+    async def canary(self) -> None:
+        """A tiny request through vLLM's engine (a worker's canary health
+        check): a few prompt tokens, one token generated, aborted if it is
+        cut short (a timeout)."""
+        ids = list(self.tokenizer("ok")["input_ids"])[:4] or [0]
+        rid = f"canary-{uuid.uuid4().hex[:12]}"
+        finished = False
+        try:
+            async for delta in self.llm.stream(rid, ids, [], SamplingConfig(max_tokens=1)):
+                finished = finished or delta.finished
+        finally:
+            if not finished:
+                await self.llm.abort(rid)
 
     def has_room(self) -> bool:
         # vLLM's scheduler queues what its KV cache cannot hold yet; the
