@@ -117,6 +117,15 @@ class Subjects:
     def ping(self, role: str) -> str:
         return f"{self.prefix}.ping.{role_token(role)}"
 
+    def lora(self, role: str) -> str:
+        """Every worker of a role: load or unload a LoRA adapter (``LoraCommand``; one ``LoraState`` reply each)."""
+        return f"{self.prefix}.lora.{role_token(role)}"
+
+    @property
+    def lora_bucket(self) -> str:
+        """The key-value bucket of the LoRA adapters served (name -> ``LoraAdapter``)."""
+        return f"MMPIPE_{self.namespace}_LORA"
+
     def sleep(self, role: str) -> str:
         """Every worker of a role: sleep at a level, or wake (``Sleep``; one ``SleepState`` reply each)."""
         return f"{self.prefix}.sleep.{role_token(role)}"

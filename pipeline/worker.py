@@ -24,6 +24,7 @@ from pipeline import metrics, tracing
 from pipeline.canary import Canary, CanarySettings
 from pipeline.cancel import CancelRegistry
 from pipeline.config import PipelineConfig
+from pipeline.lora import LoraRegistry
 from pipeline.outcomes import Ack, Nak, Outcome, Reject, outcome_for
 from pipeline.replies import ReplyPublisher
 from pipeline.router.inbox import RoutedInbox
@@ -36,7 +37,16 @@ from pipeline.subjects import check_token, role_token
 from pipeline.transport.base import TensorGone, TensorTransport
 from schemas.chunk import ReplyChunk, TokenChunk
 from schemas.codec import CONTENT_TYPE, MSGPACK, Decoder, encode
-from schemas.control import CacheCleared, Restart, Sleep, SleepState, WorkerInfo, WorkerLoad
+from schemas.control import (
+    CacheCleared,
+    LoraCommand,
+    LoraState,
+    Restart,
+    Sleep,
+    SleepState,
+    WorkerInfo,
+    WorkerLoad,
+)
 from schemas.errors import (
     DeadlineExceeded,
     InternalError,
@@ -56,6 +66,7 @@ log = structlog.get_logger(__name__)
 # NATS counts a message's headers against max_payload too.
 _HEADER_ROOM = 1024
 _SLEEP: Decoder[Sleep] = Decoder(Sleep)
+_LORA: Decoder[LoraCommand] = Decoder(LoraCommand)
 # The roles that forward a hop a router places (the processor the first, encode the next).
 _ROUTING_ROLES = (PROCESSOR, "encode")
 
@@ -193,6 +204,8 @@ class Worker:
         ping = await self.nc.subscribe(self.subjects.ping(self.role), cb=self._on_ping)
         resets = await self.nc.subscribe(self.subjects.cache_reset, cb=self._on_cache_reset)
         sleeps = await self.nc.subscribe(self.subjects.sleep(self.role), cb=self._on_sleep)
+        loras = await self._open_loras()
+        lora_commands = await self.nc.subscribe(self.subjects.lora(self.role), cb=self._on_lora)
         psub = await self.js.pull_subscribe_bind(self.subjects.durable(self.role), self.subjects.stream(self.role))
         background = []
         relay = self._relay()
@@ -222,6 +235,9 @@ class Worker:
             await ping.unsubscribe()
             await resets.unsubscribe()
             await sleeps.unsubscribe()
+            await lora_commands.unsubscribe()
+            if loras is not None:
+                await loras.close()
             await psub.unsubscribe()
             await self.cancels.close()
             await self.stage.close()
@@ -476,6 +492,60 @@ class Worker:
             self._resting = False
             self._slot_free.set()
             return SleepState(self.role, self.worker_id, held=self._held())
+
+    # -- LoRA adapters (vLLM's /v1/load_lora_adapter) ---------------------------
+
+    async def _open_loras(self) -> LoraRegistry | None:
+        """The adapters bucket, where the stage runs the language model (it
+        loads every adapter served, now and as they come) or processes
+        requests (it accepts their names as models)."""
+        takes = getattr(self.stage, "load_lora", None) is not None
+        if not takes and not hasattr(self.stage, "adapters"):
+            return None
+        registry = LoraRegistry(self.js, self.subjects, self.config.replicas or 1)
+        await registry.open()
+        if hasattr(self.stage, "adapters"):
+            self.stage.adapters = registry.adapters
+        if takes:
+            for name, path in list(registry.adapters.items()):
+                await self._load_lora(name, path)
+            registry.on_change = self._lora_changed
+        return registry
+
+    async def _lora_changed(self, name: str, path: str | None) -> None:
+        await (self._unload_lora(name) if path is None else self._load_lora(name, path))
+
+    async def _load_lora(self, name: str, path: str) -> str:
+        """Load an adapter (again: a no-op); what went wrong, or ""."""
+        try:
+            await self.stage.load_lora(name, path)  # type: ignore[attr-defined]
+        except Exception as exc:
+            metrics.ERRORS.labels(self.role, "lora_load_failed").inc()
+            log.error("lora_load_failed", role=self.role, adapter=name, path=path, error=str(exc))
+            return str(exc)
+        return ""
+
+    async def _unload_lora(self, name: str) -> str:
+        try:
+            await self.stage.unload_lora(name)  # type: ignore[attr-defined]
+        except Exception as exc:
+            metrics.ERRORS.labels(self.role, "lora_unload_failed").inc()
+            log.error("lora_unload_failed", role=self.role, adapter=name, error=str(exc))
+            return str(exc)
+        return ""
+
+    async def _on_lora(self, msg: Msg) -> None:
+        try:
+            command = _LORA.decode(msg.data)
+        except Exception as exc:
+            await msg.respond(encode(LoraState(self.role, self.worker_id, error=f"a bad LoRA command: {exc}")))
+            return
+        if getattr(self.stage, "load_lora", None) is None:
+            await msg.respond(encode(LoraState(self.role, self.worker_id, supported=False)))
+            return
+        error = await (self._load_lora(command.name, command.path) if command.path else self._unload_lora(command.name))
+        adapters = self.stage.loras()  # type: ignore[attr-defined]
+        await msg.respond(encode(LoraState(self.role, self.worker_id, adapters=adapters, error=error)))
 
     def _held(self) -> dict[str, int]:
         held = getattr(self.stage, "held_bytes", None)

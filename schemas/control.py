@@ -77,6 +77,34 @@ class SleepState(msgspec.Struct, omit_defaults=True, forbid_unknown_fields=True)
     error: str = ""
 
 
+class LoraAdapter(msgspec.Struct, omit_defaults=True, forbid_unknown_fields=True):
+    """A LoRA adapter the deployment serves: its name (a request's ``model``)
+    and its directory (PEFT's format), as every worker that runs the
+    language model can read it. The value of its key in the adapters bucket."""
+
+    name: str
+    path: str
+
+
+class LoraCommand(msgspec.Struct, omit_defaults=True, forbid_unknown_fields=True):
+    """To every worker of a role, on ``mmpipe.<ns>.lora.<role>``: load
+    (``path`` given) or unload an adapter now. One ``LoraState`` each."""
+
+    name: str
+    path: str = ""
+
+
+class LoraState(msgspec.Struct, omit_defaults=True, forbid_unknown_fields=True):
+    """A worker's answer to a ``LoraCommand``: the adapters it holds now, or
+    why it could not (``supported`` False: its engine takes none)."""
+
+    role: str
+    worker_id: str
+    adapters: list[str] = []
+    supported: bool = True
+    error: str = ""
+
+
 class Restart(msgspec.Struct, omit_defaults=True, forbid_unknown_fields=True):
     """A hop's request, to the bridge holding a request as it arrived, to
     queue it again from its first hop as ``attempt`` (what an earlier hop

@@ -140,6 +140,8 @@ class ProcessedRequest(msgspec.Struct, omit_defaults=True, forbid_unknown_fields
     kv: KvHandoff | None = None
     vllm_kv: VllmKv | None = None
     vllm_encoded: VllmEncoded | None = None
+    # The LoRA adapter (its name) the language model runs with; "": none.
+    lora: str = ""
 
     @property
     def hop(self) -> str:

@@ -67,6 +67,10 @@ class HopStage:
         self.sleep: Callable[[int], Awaitable[dict[str, int]]] | None = getattr(engine, "sleep", None)
         self.wake_up: Callable[[], Awaitable[None]] | None = getattr(engine, "wake_up", None)
         self.held_bytes: Callable[[], dict[str, int]] | None = getattr(engine, "held_bytes", None)
+        # LoRA adapters loaded at run time, where the engine takes them.
+        self.load_lora: Callable[[str, str], Awaitable[None]] | None = getattr(engine, "load_lora", None)
+        self.unload_lora: Callable[[str], Awaitable[None]] | None = getattr(engine, "unload_lora", None)
+        self.loras: Callable[[], list[str]] | None = getattr(engine, "loras", None)
 
     @property
     def models(self) -> list[str]:

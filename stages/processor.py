@@ -93,10 +93,13 @@ class Processor:
         self.mode = mode
         self.limits = limits or ProcessorLimits()
         self.modalities = modalities
+        # LoRA adapters served (name -> directory): a request may name one as
+        # its model. Kept current by the worker or bridge (pipeline/lora.py).
+        self.adapters: dict[str, str] = {}
 
     @property
     def models(self) -> list[str]:
-        return [self.model.served_name]
+        return [self.model.served_name, *sorted(self.adapters)]
 
     async def start(self) -> None:
         pass
@@ -125,8 +128,13 @@ class Processor:
         yield self.process(message)
 
     def process(self, request: GenerateRequest) -> ProcessedRequest:
+        lora = ""
         if request.model != self.model.served_name:
-            raise ModelNotFound(f"model {request.model!r} is not served here; served: {self.model.served_name}")
+            if request.model not in self.adapters:
+                served = ", ".join(self.models)
+                raise ModelNotFound(f"model {request.model!r} is not served here; served: {served}")
+            # The base model with this adapter.
+            lora = request.model
         media: list[MediaItem] = []
         if request.prompt_embeds is not None:
             prompt_ids = self._embeds_places(request)
@@ -163,6 +171,7 @@ class Processor:
             route=route,
             max_tokens=max_tokens,
             seed=seed,
+            lora=lora,
         )
 
     def _template_messages(self, messages: list[ChatMessage]) -> tuple[list[dict[str, Any]], list[MediaItem]]:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hmac
+import re
 import time
 import uuid
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
@@ -36,12 +37,13 @@ from pipeline.bridge.openai_types import (
 )
 from pipeline.config import PipelineConfig
 from pipeline.health import LIVE_PATH, READY_PATH
+from pipeline.lora import LoraRegistry
 from pipeline.replies import CHUNK_DECODER, ExactlyOnceRelay, is_final, stored_chunks
 from pipeline.router.router import KvRouter
 from pipeline.streams import ensure_streams, is_stream_full
 from schemas.chunk import ErrorChunk, PromptLogprobs, ReplyChunk, TokenChunk, TokenLogprob, Usage
 from schemas.codec import CONTENT_TYPE, MSGPACK, Decoder, encode
-from schemas.control import CacheCleared, Cancel, Restart, Sleep, SleepState, WorkerInfo
+from schemas.control import CacheCleared, Cancel, LoraCommand, LoraState, Restart, Sleep, SleepState, WorkerInfo
 from schemas.errors import (
     Cancelled,
     DeadlineExceeded,
@@ -70,6 +72,9 @@ T = TypeVar("T")
 _WORKER_INFO: Decoder[WorkerInfo] = Decoder(WorkerInfo)
 _CACHE_CLEARED: Decoder[CacheCleared] = Decoder(CacheCleared)
 _SLEEP_STATE: Decoder[SleepState] = Decoder(SleepState)
+_LORA_STATE: Decoder[LoraState] = Decoder(LoraState)
+# An adapter's name: a key of the adapters bucket.
+_LORA_NAME = re.compile(r"[A-Za-z0-9_.=-]+")
 # POST /v1/cache/reset: how long to wait for the workers' answers, and for more after one.
 _CACHE_RESET_WAIT_S = 5.0
 _CACHE_RESET_QUIET_S = 0.5
@@ -123,6 +128,8 @@ class Bridge:
         self._workers: dict[str, tuple[float, WorkerInfo | None]] = {}
         # A bridge that processes requests places their first hop (--router kv).
         self.router = KvRouter(nc, js, config) if config.router.kv and processor is not None else None
+        # The LoRA adapters served (pipeline/lora.py): what /v1/models lists, and its processor's model names.
+        self.loras = LoraRegistry(js, self.subjects, config.replicas or 1)
 
     # -- app -----------------------------------------------------------------
 
@@ -140,6 +147,8 @@ class Bridge:
         app.router.add_post("/sleep", self.sleep)
         app.router.add_post("/wake_up", self.wake_up)
         app.router.add_get("/is_sleeping", self.is_sleeping)
+        app.router.add_post("/v1/load_lora_adapter", self.load_lora_adapter)
+        app.router.add_post("/v1/unload_lora_adapter", self.unload_lora_adapter)
         app.on_startup.append(self._on_startup)
         app.on_cleanup.append(self._on_cleanup)
         return app
@@ -148,10 +157,14 @@ class Bridge:
         await ensure_streams(self.js, self.config)
         if self.router is not None:
             await self.router.start()
+        await self.loras.open()
+        if self.processor is not None:
+            self.processor.adapters = self.loras.adapters
 
     async def _on_cleanup(self, app: web.Application) -> None:
         if self.router is not None:
             await self.router.close()
+        await self.loras.close()
 
     @web.middleware
     async def _errors(self, request: web.Request, handler: Any) -> web.StreamResponse:
@@ -240,19 +253,22 @@ class Bridge:
 
     async def models(self, request: web.Request) -> web.Response:
         self._authorize(request)
-        return web.json_response(responses.model_list(await self._served()))
+        return web.json_response(responses.model_list(await self._served(), self.loras.adapters))
 
     async def _served(self) -> list[str]:
+        """The base models served (the adapters are the registry's)."""
         if self.processor is not None:
-            return self.processor.models
-        info = await self.worker(PROCESSOR)
-        return info.models if info else []
+            names = self.processor.models
+        else:
+            info = await self.worker(PROCESSOR)
+            names = info.models if info else []
+        return [name for name in names if name not in self.loras.adapters]
 
     async def model(self, request: web.Request) -> web.Response:
         """One served model, as ``/v1/models`` lists it; 404 ``model_not_found`` for another."""
         self._authorize(request)
         name = request.match_info["model"]
-        listed = [m for m in responses.model_list(await self._served())["data"] if m["id"] == name]
+        listed = [m for m in responses.model_list(await self._served(), self.loras.adapters)["data"] if m["id"] == name]
         if not listed:
             raise ModelNotFound(f"model {name!r} is not served")
         return web.json_response(listed[0])
@@ -300,6 +316,81 @@ class Bridge:
             "workers": [msgspec.structs.asdict(a) for a in sorted(answers, key=lambda a: (a.role, a.worker_id))],
         }
         return web.json_response(body, status=500 if failed else 200)
+
+    # -- LoRA adapters at run time, vLLM's endpoints ----------------------------
+
+    def _lm_roles(self) -> list[str]:
+        """The mode's roles that run the language model (and so load adapters)."""
+        return [r for r in dict.fromkeys(MODES[self.config.mode]) if {"prefill", "decode"} & set(r.split("+"))]
+
+    async def _lora_fanout(self, command: LoraCommand) -> list[LoraState]:
+        async def one(role: str) -> list[LoraState]:
+            workers = await self._workers_of(role)
+            if not workers:
+                return []
+            return await self._gather(
+                self.subjects.lora(role),
+                encode(command),
+                _LORA_STATE.decode,
+                self.settings.admin_wait_s,
+                expected=len(workers),
+            )
+
+        return [state for answers in await asyncio.gather(*map(one, self._lm_roles())) for state in answers]
+
+    async def _lora_body(self, request: web.Request, *fields: str) -> list[str]:
+        try:
+            body = await request.json()
+        except ValueError:
+            raise InvalidRequest("the body must be JSON") from None
+        values: list[str] = []
+        for name in fields:
+            value = body.get(name) if isinstance(body, dict) else None
+            if not isinstance(value, str) or not value:
+                raise InvalidRequest(f"{name} must be a non-empty string")
+            values.append(value)
+        return values
+
+    async def load_lora_adapter(self, request: web.Request) -> web.Response:
+        """vLLM's ``POST /v1/load_lora_adapter {lora_name, lora_path}``:
+        every worker that runs the language model loads the adapter now (a
+        bad one is a 400 naming why, and none keeps it); then it is served,
+        to workers started later too, until it is unloaded."""
+        self._authorize(request)
+        name, path = await self._lora_body(request, "lora_name", "lora_path")
+        if not _LORA_NAME.fullmatch(name):
+            raise InvalidRequest("lora_name: letters, digits, '_', '-', '.' and '=' only")
+        if name in await self._served():
+            raise InvalidRequest(f"lora_name {name!r} is the base model's")
+        if name in self.loras.adapters:
+            raise InvalidRequest(f"The lora adapter '{name}' has already been loaded.")
+        states = await self._lora_fanout(LoraCommand(name, path))
+        if not states:
+            raise NoWorkers("no worker that runs the language model answered")
+        if not any(s.supported for s in states):
+            raise InvalidRequest("LoRA adapters are not taken by this deployment's engine")
+        if failed := [s for s in states if s.error or not s.supported]:
+            await self._lora_fanout(LoraCommand(name))  # none keeps it
+            why = failed[0].error or f"the {failed[0].role} worker's engine takes no LoRA adapters"
+            raise InvalidRequest(f"LoRA adapter {name!r} could not be loaded: {why}")
+        await self.loras.put(name, path)
+        log.info("lora_loaded", adapter=name, path=path, workers=len(states))
+        return web.Response(text=f"Success: LoRA adapter '{name}' added successfully.")
+
+    async def unload_lora_adapter(self, request: web.Request) -> web.Response:
+        """vLLM's ``POST /v1/unload_lora_adapter {lora_name}``: no longer
+        served; each worker unloads it once no request of its uses it."""
+        self._authorize(request)
+        [name] = await self._lora_body(request, "lora_name")
+        if name not in self.loras.adapters:
+            raise ModelNotFound(f"The lora adapter '{name}' cannot be found.")
+        await self.loras.delete(name)
+        if failed := [s for s in await self._lora_fanout(LoraCommand(name)) if s.error]:
+            for state in failed:
+                metrics.ERRORS.labels("bridge", "lora_unload_failed").inc()
+                log.error("lora_unload_failed", worker_id=state.worker_id, role=state.role, error=state.error)
+        log.info("lora_unloaded", adapter=name)
+        return web.Response(text=f"Success: LoRA adapter '{name}' removed successfully.")
 
     # -- sleep mode, vLLM's endpoints, fanned out to a role's workers -----------
 

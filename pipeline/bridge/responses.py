@@ -224,8 +224,13 @@ def total_usage(usages: list[Usage | None], n: int) -> Usage | None:
     )
 
 
-def model_list(names: list[str]) -> dict[str, Any]:
-    return {
-        "object": "list",
-        "data": [{"id": name, "object": "model", "created": 0, "owned_by": "mmpipe"} for name in names],
-    }
+def model_list(names: list[str], adapters: dict[str, str] | None = None) -> dict[str, Any]:
+    """The served models, then the LoRA adapters on the first (vLLM lists
+    each with its ``parent`` model and its directory as ``root``)."""
+    data = [{"id": name, "object": "model", "created": 0, "owned_by": "mmpipe"} for name in names]
+    if names and adapters:
+        data += [
+            {"id": name, "object": "model", "created": 0, "owned_by": "mmpipe", "root": path, "parent": names[0]}
+            for name, path in sorted(adapters.items())
+        ]
+    return {"object": "list", "data": data}
