@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 from collections.abc import AsyncGenerator, Callable
 from dataclasses import dataclass
 from typing import Any
@@ -59,13 +60,16 @@ class _Choices:
 
     prompt: list[int]
     digests: list[str]
+    lora: str
     source: asyncio.Future[Sequence | None]
     # Choices still to come, and forks running.
     expected: int
     forking: int = 0
 
     def same(self, req: ProcessedRequest, media: list[MediaEmbedding]) -> bool:
-        return req.prompt_token_ids == self.prompt and [m.digest for m in media] == self.digests
+        return (
+            req.prompt_token_ids == self.prompt and [m.digest for m in media] == self.digests and req.lora == self.lora
+        )
 
 
 @dataclass(eq=False)
@@ -170,6 +174,26 @@ class TorchHopEngine:
     async def reset_prefix_cache(self) -> int | None:
         """Forget the cached prefixes: blocks cached, now forgotten (None: no pool)."""
         return await self.thread.call(self.torch.reset_prefix_cache)
+
+    async def load_lora(self, name: str, path: str) -> None:
+        """Load a LoRA adapter (PEFT's format) for requests that name it (again: nothing)."""
+        await self.thread.call(self.torch.load_lora, name, path)
+
+    async def unload_lora(self, name: str) -> None:
+        """Unload an adapter once no sequence here uses it (no new request
+        names it by then: it is no longer served)."""
+        deadline = time.monotonic() + 120.0
+        while True:
+            try:
+                await self.thread.call(self.torch.unload_lora, name)
+                return
+            except InvalidRequest:
+                if time.monotonic() > deadline:
+                    raise
+                await asyncio.sleep(0.1)
+
+    def loras(self) -> list[str]:
+        return self.torch.loras()
 
     async def sleep(self, level: int) -> dict[str, int]:
         """The engine's sleep (``TorchEngine.sleep``): the bytes it held."""
@@ -283,7 +307,7 @@ class TorchHopEngine:
     ) -> TorchPrefilled:
         """The first of a prompt's choices here: its prefill, kept for the others to fork from."""
         source: asyncio.Future[Sequence | None] = asyncio.get_running_loop().create_future()
-        choices = _Choices(list(req.prompt_token_ids), [m.digest for m in media], source, group.size - 1)
+        choices = _Choices(list(req.prompt_token_ids), [m.digest for m in media], req.lora, source, group.size - 1)
         self._choices[group.id] = choices
         try:
             handle = await self._prefill_own(req, media, ctx)
@@ -310,9 +334,15 @@ class TorchHopEngine:
         # Placeholders expanded: each media item's one id becomes its tokens.
         expanded = len(req.prompt_token_ids) + sum(m.num_tokens - 1 for m in media)
         with ctx.timed("prefill", tokens=len(req.prompt_token_ids)):
-            if req.request.prompt_embeds is not None:
-                # In one piece, alone: embeddings look up no cached prefix and are not batched.
-                return TorchPrefilled(await self._prefill_alone(req, media, ctx, self._embeds(req)))
+            if req.request.prompt_embeds is not None or req.lora:
+                # In one piece, alone: embeddings look up no cached prefix, and
+                # neither they nor an adapter's prompt are batched or chunked.
+                if not all(m.encoded for m in media):
+                    # The encoder skipped media for the base model's cached prefix, which an adapter's prompt does not read.
+                    assert self.encoder is not None
+                    media = await self.encoder.encode(req, ctx, reuse_prefix=False)
+                embeds = self._embeds(req) if req.request.prompt_embeds is not None else None
+                return TorchPrefilled(await self._prefill_alone(req, media, ctx, embeds))
             if not all(m.encoded for m in media):
                 # Only a lone prefill looks the prefix up (not chunks, not a batch).
                 try:
@@ -341,7 +371,7 @@ class TorchHopEngine:
 
         def prefill_one() -> tuple[Sequence, int]:
             job = [req.prompt_token_ids], [media], [sampling(req)], [ctx.emitted]
-            return engine.prefill(*job, defer=True, embeds=[embeds])[0]
+            return engine.prefill(*job, defer=True, embeds=[embeds], loras=[req.lora or None])[0]
 
         seq, _ = await self.thread.call_or_release(lambda out: engine.release(out[0]), prefill_one)
         if seq.pending is not None:
