@@ -338,7 +338,7 @@ class TorchHopEngine:
                 # In one piece, alone: embeddings look up no cached prefix, and
                 # neither they nor an adapter's prompt are batched or chunked.
                 if not all(m.encoded for m in media):
-                    # The encoder skipped media for the base model's cached prefix, which an adapter's prompt does not read.
+                    # Skipped for the base model's cached prefix, which an adapter's prompt does not read.
                     assert self.encoder is not None
                     media = await self.encoder.encode(req, ctx, reuse_prefix=False)
                 embeds = self._embeds(req) if req.request.prompt_embeds is not None else None
