@@ -205,6 +205,8 @@ class VllmHopEngine:
         connector keeps for it."""
         if req.request.prompt_embeds is not None:
             raise InvalidRequest("prompt_embeds are taken by the built-in engine; --engine vllm does not take them yet")
+        if req.lora:
+            raise InvalidRequest("LoRA adapters are taken by the built-in engine; --engine vllm does not take them yet")
         rid = req.request.request_id
         handle = VllmPrefilled(rid, prompt_len(req, media), [*req.prompt_token_ids, *ctx.emitted], media)
         items = zip(req.media, media, strict=True)
