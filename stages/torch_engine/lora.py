@@ -186,7 +186,7 @@ def _target(name: str, path: str, linears: dict[str, nn.Linear], names: set[str]
             f"LoRA adapter {name!r}: {path} is not a linear layer of the language model (a vision or audio "
             "tower's, an embedding or another layer): only the language model's linear layers take an adapter"
         )
-    relative = {_relative(n, linears): n for n in linears}
+    relative = {_relative(n): n for n in linears}
     for prefix in _LM_PREFIXES:
         if prefix and not path.startswith(prefix + "."):
             continue
@@ -196,7 +196,7 @@ def _target(name: str, path: str, linears: dict[str, nn.Linear], names: set[str]
     raise InvalidRequest(f"LoRA adapter {name!r}: the model has no language-model linear layer {path}")
 
 
-def _relative(name: str, linears: dict[str, nn.Linear]) -> str:
+def _relative(name: str) -> str:
     # A language model's path without its place in the multimodal model: "layers.0.self_attn.q_proj".
     at = name.find("layers.")
     return name[at:] if at >= 0 else name.rsplit(".", 1)[-1]

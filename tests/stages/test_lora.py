@@ -335,3 +335,22 @@ def test_the_fused_step_refuses_adapters(model_dir: Path, engine_device: str, ad
     engine = engine_on(engine_device, model_dir, DecodeSettings(slots=2, max_len=256, fused=True))
     with pytest.raises(InvalidRequest, match="--fused-decode false"):
         engine.load_lora("one", adapters["one"][0])
+
+
+def test_an_adapter_of_an_older_layout_maps_onto_the_model(alone: TorchEngine, adapters: Any, tmp_path: Path) -> None:
+    """Transformers before 4.52 named Qwen2-VL's language model ``model.layers``
+    (now ``model.language_model.layers``): such an adapter's modules are found."""
+    from safetensors.torch import load_file, save_file
+
+    path = tmp_path / "old"
+    shutil.copytree(adapters["one"][0], path)
+    tensors = load_file(str(path / "adapter_model.safetensors"))
+    renamed = {k.replace("model.language_model.layers.", "model.layers."): v for k, v in tensors.items()}
+    assert renamed.keys() != tensors.keys()
+    save_file(renamed, str(path / "adapter_model.safetensors"))
+    alone.load_lora("old", path)
+    try:
+        prompt = list(alone.tokenizer("Hi")["input_ids"])
+        assert _run(alone, prompt, [], "old") == _run(alone, prompt, [], "one")
+    finally:
+        assert alone.unload_lora("old")
