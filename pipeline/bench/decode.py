@@ -267,7 +267,7 @@ def _decoder_step_ms(
             feed = rows if ahead and step > 0 else none
             block = [blocks[r][lengths[r] // decoder.block_size] for r in rows]
             draws = [draw_key(r, step + 1) for r in rows] if extras == "sampling" else zeros
-            inputs = StepInputs(tokens, lengths, lengths, feed, zeros, ones, block, draws)
+            inputs = StepInputs(tokens, lengths, lengths, feed, zeros, ones, block, draws, zeros)
             previous, launched = (
                 launched,
                 decoder.launch(inputs, extras=extras == "penalties", samples=extras == "sampling"),

@@ -66,8 +66,9 @@ class StepInputs(NamedTuple):
     its choice is wanted (1) or the row only rewrites its pending token (0:
     its ``sampled`` entry keeps the fed token), the block the write
     position lies in (the step enters it in the row's table: a sequence's
-    table grows with the steps that need a new block), and the row's draw
-    for this token where it samples (``sampling.draw_key``; else 0)."""
+    table grows with the steps that need a new block), the row's draw
+    for this token where it samples (``sampling.draw_key``; else 0), and
+    its LoRA adapter's slot (stages/torch_engine/lora.py; 0: none)."""
 
     tokens: list[int]
     positions: list[int]
@@ -77,6 +78,7 @@ class StepInputs(NamedTuple):
     asked: list[int]
     block: list[int]
     draws: list[int]
+    lora: list[int]
 
 
 class Launched:
@@ -191,9 +193,17 @@ class BatchDecoder:
         # Static inputs of a step (graphs read them from these addresses).
         # One tensor, so a step's inputs go to the device in one copy.
         self._inputs = torch.zeros(len(StepInputs._fields), max_slots, dtype=torch.long, device=self.device)
-        self.tokens, self.positions, self.write_at, self.feed, self.mask_eos, self.asked, self.block, self.draws = (
-            self._inputs
-        )
+        (
+            self.tokens,
+            self.positions,
+            self.write_at,
+            self.feed,
+            self.mask_eos,
+            self.asked,
+            self.block,
+            self.draws,
+            self.lora,
+        ) = self._inputs
         # Each row's chosen token of the last step (argmax), where the next step can feed it from.
         self.sampled = torch.zeros(max_slots, dtype=torch.long, device=self.device)
         # Penalties, logit bias and logprobs in the step, made for the first row that asks for them.
@@ -333,6 +343,7 @@ class BatchDecoder:
         asked: list[int] | None = None,
         block: list[int] | None = None,
         draws: list[int] | None = None,
+        lora: list[int] | None = None,
         extras: bool = False,
         samples: bool = False,
     ) -> torch.Tensor:
@@ -370,6 +381,7 @@ class BatchDecoder:
             (asked or [1] * n) + zeros,
             (block or [-1] * n) + [NULL_BLOCK] * pad,
             (draws or [0] * n) + zeros,
+            (lora or [0] * n) + zeros,
         ]
         self._inputs[:, :bucket].copy_(torch.tensor(rows), non_blocking=True)
         extras = extras or samples
@@ -407,6 +419,13 @@ class BatchDecoder:
             for bucket, extras, samples in counted("decode graphs", graphs, len(graphs)):
                 self._graph(bucket, 0, extras, samples)
         return sizes
+
+    def forget_graphs(self) -> None:
+        """The modules changed (a LoRA adapter wrapped or its stacks remade):
+        graphs captured over the old ones would replay them."""
+        if self._graphs and self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)  # none of them still queued
+        self._graphs.clear()
 
     def _graph(self, bucket: int, span: int, extras: bool = False, samples: bool = False) -> tuple[Any, torch.Tensor]:
         # A step with extras (or samples) is a graph of its own (captured at start with the others).

@@ -20,6 +20,7 @@ import contextlib
 import gc
 import threading
 import time
+import weakref
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -40,6 +41,7 @@ from stages.torch_engine import batch_decoder, metrics, row_sampling
 from stages.torch_engine.batch_decoder import BatchDecoder, Launched, from_blocks, to_blocks
 from stages.torch_engine.block_pool import blocks_for
 from stages.torch_engine.grammar import Grammars
+from stages.torch_engine.lora import LoraSet, read_adapter
 from stages.torch_engine.sampling import greedy_choice, rows_logprobs, select_token, token_logprobs
 from stages.torch_engine.sequence import KvState, Launch, Sequence
 from stages.torch_engine.settings import DecodeSettings, parse_memory
@@ -105,6 +107,10 @@ class TorchEngine:
         self.sleeping = 0
         # The KV pool's event log (KV events), kept across a sleep for the pool made on waking.
         self._pool_log: Any = None
+        # LoRA adapters loaded (``load_lora``), and the sequences made with one
+        # (an adapter a live one uses cannot be unloaded).
+        self._loras = LoraSet()
+        self._lora_seqs: weakref.WeakSet[Sequence] = weakref.WeakSet()
         self._build_decoder(decode)
 
     def _build_decoder(self, decode: DecodeSettings) -> None:
@@ -209,6 +215,69 @@ class TorchEngine:
         # kinds concatenates them.
         return MediaEmbedding(to_device(embeddings, self.device, self.dtype), checked, MediaKind.IMAGE)
 
+    # -- LoRA adapters ------------------------------------------------------
+
+    def load_lora(self, name: str, path: str | Path) -> None:
+        """Load the LoRA adapter at ``path`` (PEFT's ``save_pretrained``
+        directory) as ``name``, for prompts that ask for it (``prefill``'s
+        ``loras``). Again with the same path: nothing to do. InvalidRequest
+        for an adapter this engine cannot apply (stages/torch_engine/lora.py
+        says which), another path under a loaded name, or a worker whose
+        batch decoder runs the fused step (it does not call the modules an
+        adapter wraps)."""
+        if not name:
+            raise InvalidRequest("a LoRA adapter needs a name")
+        loaded = self._loras.adapters.get(name)
+        if loaded is not None:
+            if loaded.path == Path(path).resolve():
+                return
+            raise InvalidRequest(f"LoRA adapter {name!r} is loaded from {loaded.path}; unload it first to load {path}")
+        if self.decoder is not None and self.decoder.fused is not None:
+            raise InvalidRequest(
+                "LoRA adapters run on the model's modules, and this worker's batch decoder runs the fused layer "
+                "step: start the worker with --fused-decode false to serve adapters"
+            )
+        if self.sleeping or self.model is None:
+            raise InvalidRequest(f"the engine is asleep (level {self.sleeping}): wake it up to load an adapter")
+        adapter = read_adapter(name, path, self.model)
+        with self._lock:
+            self._loras.add(adapter)
+            try:
+                self._loras.apply(self.model)
+            except BaseException:
+                self._loras.remove(name)
+                raise
+            if self.decoder is not None:
+                self.decoder.forget_graphs()
+        log.info("lora_loaded", name=name, path=str(adapter.path), modules=len(adapter.modules))
+
+    def unload_lora(self, name: str) -> bool:
+        """Unload adapter ``name`` (False: none of that name); InvalidRequest
+        while a sequence that uses it is not released."""
+        if name not in self._loras.adapters:
+            return False
+        with self._lock:
+            users = [seq for seq in self._lora_seqs if seq.lora_name == name and not seq.released]
+            if users:
+                raise InvalidRequest(f"LoRA adapter {name!r} is in use by {len(users)} running sequences")
+            self._loras.remove(name)
+            if self.model is not None:
+                self._loras.apply(self.model)
+            if self.decoder is not None:
+                self.decoder.forget_graphs()
+        log.info("lora_unloaded", name=name)
+        return True
+
+    def loras(self) -> list[str]:
+        """The names of the adapters loaded."""
+        return self._loras.names()
+
+    def _with_lora(self, seq: Sequence, name: str | None) -> None:
+        # Its steps run the adapter; unload_lora sees it while it lives.
+        if name is not None:
+            seq.lora_name, seq.lora = name, self._loras.slot(name)
+            self._lora_seqs.add(seq)
+
     # -- generation ---------------------------------------------------------
 
     def prefill(
@@ -219,11 +288,15 @@ class TorchEngine:
         emitted: list[list[int]] | None = None,
         defer: bool = False,
         embeds: list[torch.Tensor | None] | None = None,
+        loras: list[str | None] | None = None,
     ) -> list[tuple[Sequence, int]]:
         """Run each prompt; return its sequence state and the next token.
 
         ``embeds[i]``: prompt ``i`` as input embeddings [tokens, hidden] (a
         client's ``prompt_embeds``; its ids then only stand for its places).
+        ``loras[i]``: the LoRA adapter (``load_lora``'s name) prompt ``i``
+        and its sequence run with (None: the model alone); ModelNotFound
+        for one not loaded.
 
         ``defer``: on a GPU, a greedy sequence's next token is not waited for
         (that wait is for everything queued on the device, other requests'
@@ -241,8 +314,13 @@ class TorchEngine:
         if not len(media) == len(sampling) == len(emitted) == n:
             raise ValueError("prefill: prompt_token_ids, media, sampling and emitted differ in length")
         given = embeds if embeds is not None else [None] * n
-        jobs = zip(prompt_token_ids, media, sampling, emitted, given, strict=True)
-        return [self._prefill_one(p, im, s, e, defer, g) for p, im, s, e, g in jobs]
+        adapters = loras if loras is not None else [None] * n
+        if len(adapters) != n:
+            raise ValueError("prefill: prompt_token_ids and loras differ in length")
+        for name in adapters:
+            self._loras.slot(name)  # every name known before any prompt runs
+        jobs = zip(prompt_token_ids, media, sampling, emitted, given, adapters, strict=True)
+        return [self._prefill_one(p, im, s, e, defer, g, a) for p, im, s, e, g, a in jobs]
 
     def chunked(self, expanded_len: int) -> bool:
         """Whether a prompt of this many tokens (media expanded) prefills in chunks."""
@@ -250,7 +328,11 @@ class TorchEngine:
         return 0 < budget < expanded_len
 
     def start_prefill(
-        self, prompt_token_ids: list[int], media: list[MediaEmbedding], sampling: SamplingConfig
+        self,
+        prompt_token_ids: list[int],
+        media: list[MediaEmbedding],
+        sampling: SamplingConfig,
+        lora: str | None = None,
     ) -> Prefilling:
         """A long prompt to prefill chunk by chunk (``prefill_chunk``), one
         engine call each, so that running sequences step between the chunks
@@ -259,12 +341,13 @@ class TorchEngine:
         until the sequence joins the batch decoder."""
         if any(not m.encoded for m in media):
             raise MediaNotEncoded("a chunked prefill looks up no cached prefix: each medium needs encoding")
+        self._loras.slot(lora)
         ids, positions, delta = self._prepare(prompt_token_ids, media, [])
         with self._lock, torch.inference_mode():
             embeds = self.family.embed_prompt(self.model, ids, media)
         # Cached once its blocks hold it (a later turn reuses it); not looked up yet.
-        keys = self._prefix_keys(prompt_token_ids, ids, media)
-        return Prefilling(len(ids), positions, delta, embeds, sampling, keys=keys, ids=ids)
+        keys = self._prefix_keys(prompt_token_ids, ids, media, self._loras.salt(lora))
+        return Prefilling(len(ids), positions, delta, embeds, sampling, keys=keys, ids=ids, lora=lora)
 
     def prefill_chunk(self, prefilling: Prefilling, defer: bool = False) -> tuple[Sequence, int] | None:
         """The next chunk of ``prefilling`` through the model, over the cache
@@ -276,7 +359,8 @@ class TorchEngine:
         if p.done >= p.length:
             raise ValueError("the prompt is prefilled already")
         end = p.length if self.max_num_batched_tokens <= 0 else min(p.length, p.done + self.max_num_batched_tokens)
-        with self._lock, torch.inference_mode():
+        slot = self._loras.slot(p.lora)
+        with self._lock, torch.inference_mode(), self._loras.for_rows([slot], self.device):
             logits, p.cache = self.family.forward(
                 self.model, p.positions[..., p.done : end], p.cache, inputs_embeds=p.embeds[:, p.done : end]
             )
@@ -292,20 +376,22 @@ class TorchEngine:
             prefix_keys=p.keys,
             prefix_ids=p.ids,
         )
+        self._with_lora(seq, p.lora)
         p.cache = p.embeds = None
         return seq, self._select(seq, logits, defer)
 
-    def prompt_logprobs(self, prompt_ids: list[int], top: int) -> list[Logprobs]:
+    def prompt_logprobs(self, prompt_ids: list[int], top: int, lora: str | None = None) -> list[Logprobs]:
         """Each text prompt token's logprob after the first, under the model's
         output at the place before it, and the ``top`` most likely tokens
         there (first index on ties). A forward of the prompt of its own, in
         slices of ``_PROMPT_LOGPROBS_SLICE`` tokens over one cache, so that
         no more than a slice's logits are held at once."""
         out: list[Logprobs] = []
+        slot = self._loras.slot(lora)
         ids = tensor_on([prompt_ids], self.device, torch.long)
         positions, _ = self.family.prompt_positions(prompt_ids, [])
         cache = None
-        with self._lock, torch.inference_mode():
+        with self._lock, torch.inference_mode(), self._loras.for_rows([slot], self.device):
             for start in range(0, len(prompt_ids) - 1, _PROMPT_LOGPROBS_SLICE):
                 end = min(start + _PROMPT_LOGPROBS_SLICE, len(prompt_ids) - 1)
                 logits, cache = self.family.forward(
@@ -353,7 +439,8 @@ class TorchEngine:
                 # value again: idempotent); only the asked ones take a token.
                 extras, samples = self._extras(batched)
                 inputs = self._slots.step_inputs({q.slot for q in batched})
-                logits = self.decoder.step(*inputs, extras=extras, samples=samples)
+                with self._loras.for_step(self.decoder.lora, inputs.lora, self.decoder.use_graphs):
+                    logits = self.decoder.step(*inputs, extras=extras, samples=samples)
                 chosen = self._select_batch(batched, logits, extras)
             return [chosen[id(q)] if q.slot >= 0 else None if self._ever_fits(q) else self._step_one(q) for q in seqs]
 
@@ -393,7 +480,9 @@ class TorchEngine:
             if any(not self._admit(seq) and not self._ever_fits(seq) for seq in seqs):
                 return None
             stepped = self._grown([seq for seq in seqs if seq.slot >= 0])
-            launched = decoder.launch(slots.step_inputs({seq.slot for seq in stepped}), *self._extras(stepped))
+            inputs = slots.step_inputs({seq.slot for seq in stepped})
+            with self._loras.for_step(decoder.lora, inputs.lora, decoder.use_graphs):
+                launched = decoder.launch(inputs, *self._extras(stepped))
             for seq in stepped:
                 seq.inflight += 1
                 seq.feed_row = seq.slot
@@ -569,10 +658,14 @@ class TorchEngine:
         fam = self.family
         return (blocks_for(length, size), fam.num_key_value_heads, size, fam.head_dim)
 
-    def import_kv(self, tensors: list[torch.Tensor], state: KvState, sampling: SamplingConfig) -> Sequence:
+    def import_kv(
+        self, tensors: list[torch.Tensor], state: KvState, sampling: SamplingConfig, lora: str | None = None
+    ) -> Sequence:
         """A sequence from another engine's ``export_kv`` (blocks of any
         size): checked against this model's shape, moved to this engine's
-        device and dtype."""
+        device and dtype. ``lora``: the adapter it was prefilled with (its
+        steps here run it too)."""
+        self._loras.slot(lora)
         from transformers import DynamicCache
 
         layers = self.family.num_hidden_layers
@@ -589,22 +682,28 @@ class TorchEngine:
         length = _cached(state)
         moved = [from_blocks(to_device(t, self.device, self.dtype), length)[None] for t in tensors]
         cache = DynamicCache(ddp_cache_data=list(zip(moved[0::2], moved[1::2], strict=True)))
-        return Sequence(
+        seq = Sequence(
             prompt_len=state.prompt_len,
             output_ids=list(state.output_ids),
             sampling=sampling,
             rope_delta=state.rope_delta,
             cache=cache,
         )
+        self._with_lora(seq, lora)
+        return seq
 
-    def reserve_kv(self, state: KvState, sampling: SamplingConfig) -> tuple[Sequence, list[list[torch.Tensor]]] | None:
+    def reserve_kv(
+        self, state: KvState, sampling: SamplingConfig, lora: str | None = None
+    ) -> tuple[Sequence, list[list[torch.Tensor]]] | None:
         """Blocks of the batch decoder's pool for a sequence whose KV cache is
         still to arrive, and their views (per tensor of ``[k0, v0, k1, v1,
         ...]``, its blocks in order, each [kv_heads, block_size, head_dim])
         for a transport to READ the cache straight into: no copy after the
         transfer. Call ``received`` once it is there, or ``abandon``
         (``tainted`` if a READ into it may still run). None where the
-        sequence would not go to the batch decoder: ``import_kv`` then."""
+        sequence would not go to the batch decoder: ``import_kv`` then.
+        ``lora``: as ``import_kv``'s."""
+        self._loras.slot(lora)
         shape = self.kv_shape(state)
         decoder, slots = self.decoder, self._slots
         if decoder is None or slots is None:
@@ -617,6 +716,7 @@ class TorchEngine:
             cache=None,
             receiving=True,
         )
+        self._with_lora(seq, lora)
         with self._lock:
             if not self._ever_fits(seq) or not slots.can_take(_cached(state), self._spare()):
                 return None
@@ -699,6 +799,7 @@ class TorchEngine:
                 cache=DynamicCache(ddp_cache_data=layers),
                 cached_tokens=src.cached_tokens,
             )
+            self._with_lora(seq, src.lora_name)  # the same prompt through the same adapter
             token = self._select(seq, logits)
         metrics.PREFILL_FORKS.inc()
         return seq, token
@@ -706,16 +807,23 @@ class TorchEngine:
     # -- internals ----------------------------------------------------------
 
     def prefill_together(
-        self, jobs: list[tuple[list[int], list[MediaEmbedding], SamplingConfig]]
+        self,
+        jobs: list[tuple[list[int], list[MediaEmbedding], SamplingConfig]],
+        loras: list[str | None] | None = None,
     ) -> list[tuple[Sequence, int]]:
         """Several new prompts in one forward (``--prefill-batch``): left-padded
         to the longest, padding masked out, each prompt's own positions; then
         each sequence gets its own cache (its rows of the batch's) and token.
         One prompt alone is ``prefill`` exactly; together, the matrix products
-        run over other shapes and can round differently in the last bits."""
+        run over other shapes and can round differently in the last bits.
+        ``loras[i]``: job ``i``'s adapter, as ``prefill``'s."""
+        adapters: list[str | None] = loras if loras is not None else [None] * len(jobs)
+        if len(adapters) != len(jobs):
+            raise ValueError("prefill_together: jobs and loras differ in length")
         if len(jobs) == 1:
             prompt, media, sampling = jobs[0]
-            return self.prefill([prompt], [media], [sampling])
+            return self.prefill([prompt], [media], [sampling], loras=adapters)
+        slots = [self._loras.slot(name) for name in adapters]
         from stages.torch_engine.prefill_together import padded_forward, padded_groups
 
         if any(not m.encoded for _, media, _ in jobs for m in media):
@@ -726,12 +834,14 @@ class TorchEngine:
             for group in padded_groups([len(ids) for ids, _, _ in prepared]):
                 embeds = [self.family.embed_prompt(self.model, prepared[i][0], jobs[i][1]) for i in group]
                 positions = [prepared[i][1] for i in group]
-                logits, caches = padded_forward(self.model, self.family, embeds, positions)
+                with self._loras.for_rows([slots[i] for i in group], self.device):
+                    logits, caches = padded_forward(self.model, self.family, embeds, positions)
                 for i, row, cache in zip(group, logits, caches, strict=True):
                     ids, _, delta = prepared[i]
                     seq = Sequence(
                         prompt_len=len(ids), output_ids=[], sampling=jobs[i][2], rope_delta=delta, cache=cache
                     )
+                    self._with_lora(seq, adapters[i])
                     out[i] = (seq, self._select(seq, row))
         return [o for o in out if o is not None]
 
@@ -767,13 +877,15 @@ class TorchEngine:
         emitted: list[int],
         defer: bool = False,
         given: torch.Tensor | None = None,
+        lora: str | None = None,
     ) -> tuple[Sequence, int]:
         fam = self.family
+        slot = self._loras.slot(lora)
         ids, positions, delta = self._prepare(prompt, media, emitted)
         if given is not None and (given.dim() != 2 or given.shape[0] != len(ids)):
             raise InvalidRequest(f"prompt embeddings of shape {list(given.shape)} for a prompt of {len(ids)} places")
         # Embeddings given have no ids to key a cached prefix by.
-        keys = self._prefix_keys(prompt, ids, media) if not emitted and given is None else []
+        keys = self._prefix_keys(prompt, ids, media, self._loras.salt(lora)) if not emitted and given is None else []
         needed = self._not_encoded_end(prompt, media)
         with self._lock, torch.inference_mode():
             embeds = (
@@ -786,7 +898,8 @@ class TorchEngine:
                 if hit and self.decoder is not None:
                     self.decoder.pool.free(hit)
                 raise MediaNotEncoded(f"the cached prefix no longer holds the first {needed} tokens")
-            if not hit and not emitted:
+            # The graphed prefill runs the fused layers, not the modules an adapter wraps.
+            if not hit and not emitted and not slot:
                 slotted = self._prefill_into_slot(embeds, positions, len(ids), sampling, delta, defer, keys, ids)
                 if slotted is not None:
                     return slotted
@@ -796,9 +909,10 @@ class TorchEngine:
             # bits may differ from one whole pass's.
             cached = len(hit) * self.block_size
             try:
-                logits, cache = fam.forward(
-                    self.model, positions[..., cached:], self._past(hit), inputs_embeds=embeds[:, cached:]
-                )
+                with self._loras.for_rows([slot], self.device):
+                    logits, cache = fam.forward(
+                        self.model, positions[..., cached:], self._past(hit), inputs_embeds=embeds[:, cached:]
+                    )
             except BaseException:
                 if hit and self.decoder is not None:
                     self.decoder.pool.free(hit)
@@ -814,13 +928,14 @@ class TorchEngine:
                 prefix_ids=ids,
                 cached_tokens=cached,
             )
+            self._with_lora(seq, lora)
             if not emitted:
                 return seq, self._select(seq, logits, defer)
             return seq, self._continue(seq, logits, emitted)
 
     # -- prefix caching ---------------------------------------------------
 
-    def prefix_covers(self, prompt: list[int], media: list[MediaEmbedding]) -> bool:
+    def prefix_covers(self, prompt: list[int], media: list[MediaEmbedding], lora: str | None = None) -> bool:
         """Whether the prefix the prompt finds cached now holds every media
         item's tokens (``media``: their digests and sizes, not yet encoded),
         so prefill would compute none of them. Holds nothing: the blocks can
@@ -828,7 +943,9 @@ class TorchEngine:
         if not media or not self.prefix_caching or self.decoder is None:
             return False
         ids, _, _ = self._prepare(prompt, media, [])
-        keys = self._prefix_keys(prompt, ids, media)
+        if lora is not None and lora not in self._loras.slots:
+            return False  # its prefill fails: nothing to skip
+        keys = self._prefix_keys(prompt, ids, media, self._loras.salt(lora))
         cached = len(self.decoder.pool.cached(keys[: (len(ids) - 1) // self.block_size])) * self.block_size
         return cached >= _media_end(prompt, media, set(self.family.placeholder_ids.values()))
 
@@ -840,10 +957,15 @@ class TorchEngine:
             return 0
         return _media_end(prompt, media[: last + 1], set(self.family.placeholder_ids.values()))
 
-    def _prefix_keys(self, prompt: list[int], ids: list[int], media: list[MediaEmbedding]) -> list[int]:
+    def _prefix_keys(
+        self, prompt: list[int], ids: list[int], media: list[MediaEmbedding], salt: str | None = None
+    ) -> list[int]:
         """The content keys of the expanded prompt's full blocks, up to the
         first media item whose content is unknown (no digest: its blocks
-        could not be told from another item's)."""
+        could not be told from another item's). ``salt``: a LoRA adapter's,
+        in the first block's key and so in every key after: blocks computed
+        through an adapter are shared only with prompts of the same adapter
+        (and its same weights), never with the model alone's."""
         if not self.prefix_caching or self._slots is None:
             return []
         spans: list[MediaSpan] = []
@@ -860,7 +982,7 @@ class TorchEngine:
             spans.append(MediaSpan(at, m.num_tokens, m.digest))
             at += m.num_tokens
             item += 1
-        return block_keys(ids, self.block_size, spans)
+        return block_keys(ids, self.block_size, spans, salt)
 
     def _cached_prefix(self, keys: list[int], length: int) -> list[int]:
         """The pool's blocks holding the longest cached run of ``keys``, held
@@ -935,6 +1057,7 @@ class TorchEngine:
             self.decoder, self._slot_prefill, self._slots = None, None, None
             if level == 2:
                 self.model = None
+                self._loras.forget_model()
             elif self.device.type != "cpu":
                 self.model = self.model.to("cpu")
             self.sleeping = level
@@ -956,6 +1079,9 @@ class TorchEngine:
                     model: Any = self.family.model_class.from_pretrained(str(self.model_dir), dtype=self.dtype)
                 self.model = model.eval()
             self.model = self.model.to(self.device)
+            if self._loras.adapters:
+                # A reloaded model has none of the wrappers; kept on the host, they go on again.
+                self._loras.apply(self.model)
             self.family.on_loaded(self.model, self.device, self.dtype)
             decode = self._decode_settings
             if self.device.type == "cuda":
@@ -1033,7 +1159,8 @@ class TorchEngine:
         index = seq.length - 1
         positions = self.family.decode_positions(index + seq.rope_delta)
         input_ids = tensor_on([[seq.output_ids[-1]]], self.device, torch.long)
-        logits, seq.cache = self.family.forward(self.model, positions, seq.cache, input_ids=input_ids)
+        with self._loras.for_rows([seq.lora], self.device):
+            logits, seq.cache = self.family.forward(self.model, positions, seq.cache, input_ids=input_ids)
         return logits
 
     def _select_batch(self, seqs: list[Sequence], logits: torch.Tensor, extras: bool) -> dict[int, int]:
@@ -1141,6 +1268,8 @@ class Prefilling:
     # Content keys of its full blocks (prefix caching), and the ids they cover.
     keys: list[int] = field(default_factory=list)
     ids: list[int] = field(default_factory=list)
+    # Its LoRA adapter's name (None: none).
+    lora: str | None = None
 
 
 def _runs(indices: list[int]) -> list[tuple[int, int]]:

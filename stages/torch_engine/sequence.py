@@ -61,6 +61,10 @@ class Sequence:
     forkable: bool = False
     # Structured output: its grammar's matcher (made at its first mask).
     grammar: GrammarState | None = None
+    # Its LoRA adapter (stages/torch_engine/lora.py): the name it was asked
+    # by, and the adapter's slot in the engine's stacks (0: none).
+    lora_name: str | None = None
+    lora: int = 0
 
     @property
     def length(self) -> int:

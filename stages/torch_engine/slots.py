@@ -164,7 +164,7 @@ class SlotTable:
     def step_inputs(self, asked: set[int] | None = None) -> StepInputs:
         """Each row's inputs to a step (``asked``: the rows whose tokens are
         wanted; default every row)."""
-        inputs = StepInputs([], [], [], [], [], [], [], [])
+        inputs = StepInputs([], [], [], [], [], [], [], [], [])
         size = self.decoder.block_size
         for row, seq in enumerate(self.rows):
             # A prefill token still on its way to the host (prefill(defer=True)) is not in
@@ -184,4 +184,5 @@ class SlotTable:
             inputs.asked.append(int(asked is None or row in asked))
             sampling = seq.sampling
             inputs.draws.append(0 if sampling.greedy else draw_key(sampling.seed, seq.num_generated + seq.inflight))
+            inputs.lora.append(seq.lora)
         return inputs
