@@ -291,7 +291,8 @@ class KvRouter:
         from its encoding), its token count from the encoding or, tried in
         turn, from the lengths the index has seen. None for a prompt given
         as embeddings: its ids are stand-ins, no worker caches it."""
-        if out.request.prompt_embeds is not None:
+        if out.request.prompt_embeds is not None or out.lora:
+            # (An adapter's blocks are keyed apart from the base model's: not indexed here yet.)
             return []
         prompt = out.prompt_token_ids
         encoded = out.encoded.items if out.encoded is not None else None

@@ -238,7 +238,7 @@ class TorchHopEngine:
         return await self.encoder.encode(req, ctx)
 
     async def _prefix_covers(self, req: ProcessedRequest, media: list[MediaEmbedding]) -> bool:
-        return await self.thread.call(self.torch.prefix_covers, req.prompt_token_ids, media)
+        return await self.thread.call(self.torch.prefix_covers, req.prompt_token_ids, media, req.lora or None)
 
     async def send_media(self, media: list[MediaEmbedding], req: ProcessedRequest, ctx: HopContext) -> Carried:
         # Stand-ins come only where this role prefills too.
@@ -259,7 +259,7 @@ class TorchHopEngine:
             try:
                 with ctx.timed("prompt_logprobs", tokens=len(req.prompt_token_ids)):
                     handle.prompt_logprobs = await self.thread.call(
-                        self.torch.prompt_logprobs, req.prompt_token_ids, top
+                        self.torch.prompt_logprobs, req.prompt_token_ids, top, req.lora or None
                     )
             except BaseException:
                 await self.abort(handle)
@@ -337,12 +337,15 @@ class TorchHopEngine:
             if req.request.prompt_embeds is not None or req.lora:
                 # In one piece, alone: embeddings look up no cached prefix, and
                 # neither they nor an adapter's prompt are batched or chunked.
-                if not all(m.encoded for m in media):
-                    # Skipped for the base model's cached prefix, which an adapter's prompt does not read.
-                    assert self.encoder is not None
-                    media = await self.encoder.encode(req, ctx, reuse_prefix=False)
                 embeds = self._embeds(req) if req.request.prompt_embeds is not None else None
-                return TorchPrefilled(await self._prefill_alone(req, media, ctx, embeds))
+                try:
+                    return TorchPrefilled(await self._prefill_alone(req, media, ctx, embeds))
+                except MediaNotEncoded:
+                    # The blocks the encoder skipped media for went since it looked.
+                    assert self.encoder is not None
+                    ctx.trace["encode_skipped"] = 0.0
+                    media = await self.encoder.encode(req, ctx, reuse_prefix=False)
+                    return TorchPrefilled(await self._prefill_alone(req, media, ctx, embeds))
             if not all(m.encoded for m in media):
                 # Only a lone prefill looks the prefix up (not chunks, not a batch).
                 try:
@@ -447,7 +450,7 @@ class TorchHopEngine:
         # cache: those are fed one step each first, which a sequence in the
         # batch decoder cannot take alone.
         def reserve_kv() -> tuple[Sequence, list[list[torch.Tensor]]] | None:
-            return self.torch.reserve_kv(state, sampling(req))
+            return self.torch.reserve_kv(state, sampling(req), lora=req.lora or None)
 
         resumes = client_ahead(state.output_ids, ctx.emitted)
         reserved = None if resumes else await self.thread.call_or_release(self._drop_reserved, reserve_kv)
@@ -459,7 +462,7 @@ class TorchHopEngine:
         tensors = await get_tensors(self.tensors, kv.ref, self.torch.device, ctx)
 
         def import_kv() -> Sequence:
-            return self.torch.import_kv(tensors, state, sampling(req))
+            return self.torch.import_kv(tensors, state, sampling(req), lora=req.lora or None)
 
         seq = await self.thread.call_or_release(self.torch.release, import_kv)
         seq.cached_tokens = kv.cached_tokens
