@@ -540,6 +540,15 @@ class Worker:
         except Exception as exc:
             await msg.respond(encode(LoraState(self.role, self.worker_id, error=f"a bad LoRA command: {exc}")))
             return
+        names = getattr(self.stage, "adapters", None)
+        if isinstance(names, dict):
+            # A processor: it takes the name as a model from now on (or no longer).
+            if command.path:
+                names[command.name] = command.path
+            else:
+                names.pop(command.name, None)
+            await msg.respond(encode(LoraState(self.role, self.worker_id, adapters=sorted(names))))
+            return
         if getattr(self.stage, "load_lora", None) is None:
             await msg.respond(encode(LoraState(self.role, self.worker_id, supported=False)))
             return

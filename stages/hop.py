@@ -74,7 +74,8 @@ class HopStage:
 
     @property
     def models(self) -> list[str]:
-        return [self.served_name]
+        """The model it serves, and the LoRA adapters its engine holds."""
+        return [self.served_name, *(self.loras() if self.loras is not None else [])]
 
     async def start(self) -> None:
         await self.engine.start()

@@ -324,6 +324,10 @@ class Bridge:
         return [r for r in dict.fromkeys(MODES[self.config.mode]) if {"prefill", "decode"} & set(r.split("+"))]
 
     async def _lora_fanout(self, command: LoraCommand) -> list[LoraState]:
+        """``command`` to every worker that runs the language model, and to
+        the processor workers (they take the name as a model at once, not
+        when the bucket's change reaches them)."""
+
         async def one(role: str) -> list[LoraState]:
             workers = await self._workers_of(role)
             if not workers:
@@ -336,7 +340,10 @@ class Bridge:
                 expected=len(workers),
             )
 
-        return [state for answers in await asyncio.gather(*map(one, self._lm_roles())) for state in answers]
+        roles = [*self._lm_roles(), *([] if self.processor is not None else [PROCESSOR])]
+        states = [state for answers in await asyncio.gather(*map(one, roles)) for state in answers]
+        self._workers.clear()  # their models changed
+        return states
 
     async def _lora_body(self, request: web.Request, *fields: str) -> list[str]:
         try:
@@ -364,7 +371,7 @@ class Bridge:
             raise InvalidRequest(f"lora_name {name!r} is the base model's")
         if name in self.loras.adapters:
             raise InvalidRequest(f"The lora adapter '{name}' has already been loaded.")
-        states = await self._lora_fanout(LoraCommand(name, path))
+        states = [s for s in await self._lora_fanout(LoraCommand(name, path)) if s.role != PROCESSOR]
         if not states:
             raise NoWorkers("no worker that runs the language model answered")
         if not any(s.supported for s in states):

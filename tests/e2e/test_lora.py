@@ -1,0 +1,88 @@
+"""LoRA adapters at run time through vLLM's endpoints, on real workers and
+the tiny model: loaded on every worker that runs the language model,
+listed in /v1/models, a request naming one gets transformers + PEFT
+generate()'s tokens (the base model's still its own), in EPD and in E/P/D
+(the decode worker runs the adapter over the KV cache it is handed); a bad
+adapter is a 400 that leaves nothing loaded; unloaded, it is a 404."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import openai
+import pytest
+from transformers import AutoTokenizer
+
+from pipeline.config import PipelineConfig
+from stages.models import ModelSpec
+from stages.torch_engine.reference import reference_generate
+from tests.e2e.conftest import N, client, start_stack
+from tests.stages.test_lora import make_adapter
+
+BASE = "tiny-qwen2-vl"
+PROMPT = "The sea and the mountains are"
+
+
+async def _post(session: aiohttp.ClientSession, url: str, body: dict[str, Any]) -> tuple[int, str]:
+    async with session.post(url, json=body) as response:
+        return response.status, await response.text()
+
+
+async def _complete(c: openai.AsyncOpenAI, model: str) -> str:
+    done = await c.completions.create(
+        model=model, prompt=PROMPT, max_tokens=N, temperature=0, extra_body={"min_tokens": N}
+    )
+    return done.choices[0].text
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize("mode", ["epd", "e-p-d"])
+async def test_an_adapter_loaded_at_run_time_gives_peft_generates_tokens(
+    pipeline_config: PipelineConfig, model_spec: ModelSpec, tmp_path: Path, mode: str
+) -> None:
+    model_dir = model_spec.path
+    tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
+    ids = tokenizer(PROMPT)["input_ids"]
+    peft_model = make_adapter(model_dir, tmp_path / "adapter", seed=3)
+    with_adapter = tokenizer.decode(
+        reference_generate(model_dir, ids, [], N, model=peft_model.get_base_model()), skip_special_tokens=True
+    )
+    (tmp_path / "empty").mkdir()
+    config = PipelineConfig(nats_url=pipeline_config.nats_url, namespace=pipeline_config.namespace, mode=mode)
+    stack, stop = await start_stack(config, model_spec)
+    session = aiohttp.ClientSession()
+    try:
+        async with client(stack) as c:
+            base = await _complete(c, BASE)
+            assert base != with_adapter
+            load = f"{stack.base_url}/v1/load_lora_adapter"
+            status, text = await _post(session, load, {"lora_name": "sea", "lora_path": str(tmp_path / "adapter")})
+            assert (status, text) == (200, "Success: LoRA adapter 'sea' added successfully.")
+            models = {m.id: m for m in (await c.models.list()).data}
+            assert set(models) == {BASE, "sea"}
+            assert models["sea"].model_extra == {"root": str(tmp_path / "adapter"), "parent": BASE}
+            assert await _complete(c, "sea") == with_adapter
+            assert await _complete(c, BASE) == base
+
+            # A bad adapter: a 400 naming why, and no worker keeps it.
+            status, text = await _post(session, load, {"lora_name": "bad", "lora_path": str(tmp_path / "empty")})
+            assert status == 400 and "adapter_config.json" in text
+            status, text = await _post(session, load, {"lora_name": "sea", "lora_path": str(tmp_path / "adapter")})
+            assert status == 400 and "already been loaded" in text
+            assert {m.id for m in (await c.models.list()).data} == {BASE, "sea"}
+            with pytest.raises(openai.NotFoundError):
+                await _complete(c, "bad")
+
+            unload = f"{stack.base_url}/v1/unload_lora_adapter"
+            status, text = await _post(session, unload, {"lora_name": "sea"})
+            assert (status, text) == (200, "Success: LoRA adapter 'sea' removed successfully.")
+            with pytest.raises(openai.NotFoundError):
+                await _complete(c, "sea")
+            status, _ = await _post(session, unload, {"lora_name": "sea"})
+            assert status == 404
+            assert await _complete(c, BASE) == base
+    finally:
+        await session.close()
+        await stop()
