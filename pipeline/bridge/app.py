@@ -328,20 +328,9 @@ class Bridge:
         the processor workers (they take the name as a model at once, not
         when the bucket's change reaches them)."""
 
-        async def one(role: str) -> list[LoraState]:
-            workers = await self._workers_of(role)
-            if not workers:
-                return []
-            return await self._gather(
-                self.subjects.lora(role),
-                encode(command),
-                _LORA_STATE.decode,
-                self.settings.admin_wait_s,
-                expected=len(workers),
-            )
-
         roles = [*self._lm_roles(), *([] if self.processor is not None else [PROCESSOR])]
-        states = [state for answers in await asyncio.gather(*map(one, roles)) for state in answers]
+        asked = [self._ask_role(r, self.subjects.lora(r), encode(command), _LORA_STATE.decode) for r in roles]
+        states = [state for answers in await asyncio.gather(*asked) for state in answers]
         self._workers.clear()  # their models changed
         return states
 
@@ -416,22 +405,19 @@ class Bridge:
     async def _workers_of(self, role: str) -> list[WorkerInfo]:
         return await self._gather(self.subjects.ping(role), b"", _WORKER_INFO.decode, 0.5)
 
+    async def _ask_role(self, role: str, subject: str, payload: bytes, decode: Callable[[bytes], T]) -> list[T]:
+        """``payload`` to every worker of ``role`` on ``subject``: each one's
+        answer, waiting for as many as answer a ping (each may drain first)."""
+        workers = await self._workers_of(role)
+        if not workers:
+            return []
+        return await self._gather(subject, payload, decode, self.settings.admin_wait_s, expected=len(workers))
+
     async def _sleep_roles(self, roles: list[str], level: int) -> list[SleepState]:
         """``Sleep(level)`` to every worker of ``roles`` (0: wake up), each one's answer."""
 
-        async def one(role: str) -> list[SleepState]:
-            workers = await self._workers_of(role)
-            if not workers:
-                return []
-            return await self._gather(
-                self.subjects.sleep(role),
-                encode(Sleep(level)),
-                _SLEEP_STATE.decode,
-                self.settings.admin_wait_s,
-                expected=len(workers),
-            )
-
-        states = [state for answers in await asyncio.gather(*map(one, roles)) for state in answers]
+        asked = [self._ask_role(r, self.subjects.sleep(r), encode(Sleep(level)), _SLEEP_STATE.decode) for r in roles]
+        states = [state for answers in await asyncio.gather(*asked) for state in answers]
         self._workers.clear()  # the live set changed
         if not states:
             raise NoWorkers(f"no worker of {', '.join(roles)} answered")
