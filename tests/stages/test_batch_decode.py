@@ -184,16 +184,21 @@ def test_a_prefill_token_on_its_way_leaves_its_cache_alone_while_others_step(eng
 
 
 def _batched(
-    batched: TorchEngine, prompts: list[Any], samplings: list[SamplingConfig], ahead: bool
+    batched: TorchEngine,
+    prompts: list[Any],
+    samplings: list[SamplingConfig],
+    ahead: bool,
+    loras: list[str | None] | None = None,
 ) -> tuple[dict[int, list[int]], dict[int, Any]]:
     """Each prompt's tokens, all in the batched step together (launched one
-    ahead, or stepped), and its sequence."""
+    ahead, or stepped), and its sequence (``loras``: each one's adapter)."""
     outputs: dict[int, list[int]] = {}
     running: dict[int, Any] = {}
     seqs: dict[int, Any] = {}
     launched: tuple[Any, list[tuple[int, Any]]] | None = None
     for i, ((prompt, media), sampling) in enumerate(zip(prompts, samplings, strict=True)):
-        [(seq, token)] = batched.prefill([prompt], [media], [sampling])
+        lora = [loras[i]] if loras is not None else None
+        [(seq, token)] = batched.prefill([prompt], [media], [sampling], loras=lora)
         outputs[i], running[i], seqs[i] = [token], seq, seq
     while running or launched:
         batch = list(running.items())

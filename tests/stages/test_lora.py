@@ -23,6 +23,7 @@ from stages.torch_engine.lora import LoraLinear
 from stages.torch_engine.reference import load_reference_model, reference_generate
 from stages.torch_engine.settings import DecodeSettings
 from tests.stages.engine_helpers import chat_prompt, engine_on, greedy
+from tests.stages.test_batch_decode import _batched
 
 peft = pytest.importorskip("peft")
 
@@ -153,35 +154,9 @@ def test_rows_of_different_adapters_step_together(
     jobs = _mixed(batched)
     lengths = [N, N - 2, N - 1, N - 3]
     expected = _expected(model_dir, adapters, base_model, jobs, lengths)
-    outputs: dict[int, list[int]] = {}
-    running: dict[int, Any] = {}
-    for i, (prompt, media, _, lora) in enumerate(jobs):
-        [(seq, token)] = batched.prefill([prompt], [media], [greedy(lengths[i])], loras=[lora])
-        outputs[i], running[i] = [token], seq
-    launched: tuple[Any, list[tuple[int, Any]]] | None = None
-    while running or launched:
-        batch = list(running.items())
-        if not ahead:
-            tokens = batched.step([seq for _, seq in batch])
-            assert batched._slots is not None and len(batched._slots) == len(batch)
-            for (i, seq), token in zip(batch, tokens, strict=True):
-                outputs[i].append(token)
-                if len(outputs[i]) == lengths[i]:
-                    batched.release(seq)
-                    del running[i]
-            continue
-        launch = batched.launch([seq for _, seq in batch]) if batch else None
-        assert launch is not None or not batch
-        if launched is not None:
-            was_launch, was = launched
-            for (i, seq), token in zip(was, batched.collect(was_launch), strict=True):
-                if i not in running:
-                    continue
-                outputs[i].append(token)
-                if len(outputs[i]) == lengths[i]:
-                    batched.release(seq)
-                    del running[i]
-        launched = (launch, batch) if launch is not None else None
+    prompts = [(prompt, media) for prompt, media, _, _ in jobs]
+    loras = [lora for _, _, _, lora in jobs]
+    outputs, _ = _batched(batched, prompts, [greedy(k) for k in lengths], ahead, loras)
     assert [outputs[i] for i in range(len(jobs))] == expected
     assert batched._slots is not None and len(batched._slots) == 0
     assert batched.decoder is not None and batched.decoder.pool.num_free == batched.decoder.pool.capacity
