@@ -86,3 +86,34 @@ async def test_an_adapter_loaded_at_run_time_gives_peft_generates_tokens(
     finally:
         await session.close()
         await stop()
+
+
+@pytest.mark.e2e
+async def test_workers_started_later_serve_the_adapters_already_loaded(
+    pipeline_config: PipelineConfig, model_spec: ModelSpec, tmp_path: Path
+) -> None:
+    """Scaling out is starting more workers: a deployment's workers and
+    bridge started after an adapter was loaded find it in the adapters
+    bucket, load it at start and serve it, with no new load call."""
+    model_dir = model_spec.path
+    tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
+    peft_model = make_adapter(model_dir, tmp_path / "adapter", seed=5)
+    expected = tokenizer.decode(
+        reference_generate(model_dir, tokenizer(PROMPT)["input_ids"], [], N, model=peft_model.get_base_model()),
+        skip_special_tokens=True,
+    )
+    first, stop = await start_stack(pipeline_config, model_spec)
+    try:
+        async with aiohttp.ClientSession() as session:
+            body = {"lora_name": "sky", "lora_path": str(tmp_path / "adapter")}
+            status, _ = await _post(session, f"{first.base_url}/v1/load_lora_adapter", body)
+            assert status == 200
+    finally:
+        await stop()
+    later, stop = await start_stack(pipeline_config, model_spec)
+    try:
+        async with client(later) as c:
+            assert "sky" in {m.id for m in (await c.models.list()).data}
+            assert await _complete(c, "sky") == expected
+    finally:
+        await stop()
