@@ -18,6 +18,7 @@ the rest of mmpipe is not installed.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import statistics
 import time
@@ -39,6 +40,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--max-len", type=int, default=0, help="tokens one sequence may hold (default: context + new tokens + 1)"
     )
     p.add_argument("--repeats", type=int, default=3, help="timed runs of each (median)")
+    p.add_argument(
+        "--lora-adapters",
+        type=int,
+        default=4,
+        help="random LoRA adapters (rank 16) spread over the rows for the modules' step with adapters (0: skip)",
+    )
     p.add_argument("--no-cuda-graphs", dest="cuda_graphs", action="store_false")
     p.add_argument("--no-baseline", dest="baseline", action="store_false", help="skip generate()")
     p.add_argument("--output", default="", metavar="FILE", help="also write the results here, as JSON")
@@ -137,6 +144,8 @@ def _preset(preset: str, batches: list[int], args: argparse.Namespace, device: A
         row["extras_overhead"] = row["decoder_extras_step_ms"] / row["decoder_paired_step_ms"] - 1
         row["decoder_sampled_step_ms"] = statistics.median(sampled)
         row["sampling_overhead"] = row["decoder_sampled_step_ms"] / row["decoder_paired_step_ms"] - 1
+        if args.lora_adapters:
+            row.update(_lora_step(model, ids, args, device))
         if args.profile:
             _profile(decoder, ids, args.context)
         row["greedy_agree"] = _agreement(model, decoder, ids[:1], args.new_tokens) if batch == batches[0] else None
@@ -219,6 +228,7 @@ def _decoder_step_ms(
     device: Any,
     ahead: bool,
     extras: str | None = None,
+    lora: tuple[Any, list[int]] | None = None,
 ) -> tuple[float, list[list[int]]]:
     """ms per step of the batch decoder, and the tokens of each step. ``ahead``:
     as the decode loop runs it (TorchEngine.launch/collect), step k+1
@@ -226,7 +236,8 @@ def _decoder_step_ms(
     device; else each step's tokens are read before the next is launched.
     ``extras``: "penalties", every row with penalties, a bias and 5
     logprobs, read as the engine reads them; "sampling", every row drawing
-    its token (temperature, top-k, top-p, its own seed)."""
+    its token (temperature, top-k, top-p, its own seed). ``lora``: the
+    adapters (a LoraSet) and each row's adapter slot, as the engine steps them."""
     from stages.sampling import SamplingConfig
     from stages.torch_engine.batch_decoder import StepInputs
     from stages.torch_engine.sampling import draw_key
@@ -267,11 +278,13 @@ def _decoder_step_ms(
             feed = rows if ahead and step > 0 else none
             block = [blocks[r][lengths[r] // decoder.block_size] for r in rows]
             draws = [draw_key(r, step + 1) for r in rows] if extras == "sampling" else zeros
-            inputs = StepInputs(tokens, lengths, lengths, feed, zeros, ones, block, draws, zeros)
-            previous, launched = (
-                launched,
-                decoder.launch(inputs, extras=extras == "penalties", samples=extras == "sampling"),
-            )
+            slots = lora[1] if lora is not None else zeros
+            inputs = StepInputs(tokens, lengths, lengths, feed, zeros, ones, block, draws, slots)
+            with lora[0].for_step(decoder.lora, slots, decoder.use_graphs) if lora else contextlib.nullcontext():
+                previous, launched = (
+                    launched,
+                    decoder.launch(inputs, extras=extras == "penalties", samples=extras == "sampling"),
+                )
             if not ahead:
                 tokens = read(launched)
                 seen.append(tokens)
@@ -287,6 +300,56 @@ def _decoder_step_ms(
     seen = run()
     _unseat(decoder, blocks)
     return (total - load) / (new - 1), seen
+
+
+# The rank of the random adapters `--lora-adapters` spreads over the rows.
+LORA_RANK = 16
+
+
+def _lora_step(model: Any, ids: Any, args: argparse.Namespace, device: Any) -> dict[str, float]:
+    """The batch decoder's step (on the model's modules: the step adapters
+    run on) with every row running one of ``--lora-adapters`` random
+    adapters (rank 16, on every projection of the language model), against
+    the same step before any adapter was loaded."""
+    from pathlib import Path
+
+    import torch
+
+    from stages.torch_engine.batch_decoder import BatchDecoder
+    from stages.torch_engine.lora import LoraAdapter, LoraLinear, LoraSet, LoraWeights, language_linears
+
+    batch, context = ids.shape
+    max_len = args.max_len or context + args.new_tokens + 1
+    decoder = BatchDecoder(model, max_slots=batch, max_len=max_len, use_graphs=args.cuda_graphs, fused=False)
+    timed = (model, decoder, ids, args.new_tokens, args.repeats, device)
+    plain = _decoder_step_ms(*timed, ahead=True)[0]
+    head = model.get_output_embeddings()
+    targets = {name: m for name, m in language_linears(model).items() if m is not head}
+    generator = torch.Generator().manual_seed(0)
+    loras = LoraSet()
+    for k in range(args.lora_adapters):
+        modules = {
+            name: LoraWeights(
+                torch.randn(LORA_RANK, m.in_features, generator=generator) * 0.01,
+                torch.randn(m.out_features, LORA_RANK, generator=generator) * 0.01,
+                2.0,
+            )
+            for name, m in targets.items()
+        }
+        loras.add(LoraAdapter(f"bench-{k}", Path("."), modules, salt=""))
+    loras.apply(model)
+    decoder.forget_graphs()
+    try:
+        slots = [1 + row % args.lora_adapters for row in range(batch)]
+        with_lora = _decoder_step_ms(*timed, ahead=True, lora=(loras, slots))[0]
+    finally:
+        # The wrappers off again: the model goes on to the next batch size plain.
+        for name, module in list(model.named_modules()):
+            if isinstance(module, LoraLinear):
+                parent, _, child = name.rpartition(".")
+                setattr(model.get_submodule(parent) if parent else model, child, module.base)
+        del decoder
+    return {"decoder_modules_step_ms": plain, "decoder_lora_step_ms": with_lora, "lora_overhead": with_lora / plain - 1}
 
 
 def _seat(decoder: Any, batch: int, tokens: int) -> list[list[int]]:
@@ -356,7 +419,7 @@ def _table(results: dict[str, Any]) -> None:
     print()
     print(
         f"{'preset':<12} {'batch':>5} {'generate ms/step':>17} {'decoder ms/step':>16} {'read each ms':>13} "
-        f"{'speedup':>8} {'extras':>7} {'sampling':>8} "
+        f"{'speedup':>8} {'extras':>7} {'sampling':>8} {'lora':>7} "
         f"{'generate tok/s':>15} {'decoder tok/s':>14} {'roofline ms':>12} {'of roofline':>12} {'greedy agree':>13}"
     )
     for r in results["runs"]:
@@ -364,6 +427,7 @@ def _table(results: dict[str, Any]) -> None:
             f"{r['preset']:<12} {r['batch']:>5} {r.get('generate_step_ms', float('nan')):>17.3f} "
             f"{r['decoder_step_ms']:>16.3f} {r['decoder_sync_step_ms']:>13.3f} {r.get('speedup', float('nan')):>8.2f} "
             f"{r['extras_overhead']:>+7.1%} {r['sampling_overhead']:>+8.1%} "
+            f"{r.get('lora_overhead', float('nan')):>+7.1%} "
             f"{r.get('generate_tok_s', float('nan')):>15.1f} {r['decoder_tok_s']:>14.1f} "
             f"{r.get('roofline_step_ms', float('nan')):>12.3f} {r.get('roofline_fraction', float('nan')):>12.1%} "
             f"{'' if r['greedy_agree'] is None else format(r['greedy_agree'], '.0%'):>13}"
