@@ -209,24 +209,8 @@ class Bridge:
         now = time.monotonic()
         if cached and now - cached[0] < self.settings.worker_cache_s:
             return cached[1]
-        info: WorkerInfo | None = None
-        inbox = self.nc.new_inbox()
-        answers = await self.nc.subscribe(inbox)
-        try:
-            await self.nc.publish(self.subjects.ping(role), b"", reply=inbox)
-            deadline = now + 0.5
-            while (left := deadline - time.monotonic()) > 0:
-                reply = await answers.next_msg(timeout=left)
-                if not reply.data:  # the server's "no responders" status: no worker at all
-                    break
-                answer = _WORKER_INFO.decode(reply.data)
-                if answer.healthy and not answer.sleeping:
-                    info = answer
-                    break
-        except (NatsTimeoutError, TimeoutError):
-            pass
-        finally:
-            await answers.unsubscribe()
+        answers = await self._gather(self.subjects.ping(role), b"", _WORKER_INFO.decode, 0.5, until=_serves)
+        info = next((a for a in answers if _serves(a)), None)
         self._workers[role] = (now, info)
         return info
 
@@ -274,11 +258,18 @@ class Bridge:
         return web.json_response(listed[0])
 
     async def _gather(
-        self, subject: str, payload: bytes, decode: Callable[[bytes], T], wait_s: float, expected: int | None = None
+        self,
+        subject: str,
+        payload: bytes,
+        decode: Callable[[bytes], T],
+        wait_s: float,
+        expected: int | None = None,
+        until: Callable[[T], bool] | None = None,
     ) -> list[T]:
         """The answers of every worker a request reaches: ``expected`` of
-        them within ``wait_s``, or, not knowing how many, those that come
-        before a pause of ``_CACHE_RESET_QUIET_S`` after the first."""
+        them within ``wait_s``, or up to the first that satisfies ``until``,
+        or, not knowing how many, those that come before a pause of
+        ``_CACHE_RESET_QUIET_S`` after the first."""
         inbox = self.nc.new_inbox()
         sub = await self.nc.subscribe(inbox)
         answers: list[T] = []
@@ -288,7 +279,7 @@ class Bridge:
             deadline = loop.time() + wait_s
             while (left := deadline - loop.time()) > 0 and (expected is None or len(answers) < expected):
                 # After the first answer, a pause this long means the rest have answered.
-                wait = min(left, _CACHE_RESET_QUIET_S) if answers and expected is None else left
+                wait = min(left, _CACHE_RESET_QUIET_S) if answers and expected is None and until is None else left
                 try:
                     msg = await sub.next_msg(timeout=wait)
                 except (NatsTimeoutError, TimeoutError):
@@ -296,6 +287,8 @@ class Bridge:
                 if not msg.data:  # the server's "no responders" status
                     break
                 answers.append(decode(msg.data))
+                if until is not None and until(answers[-1]):
+                    break
         finally:
             await sub.unsubscribe()
         return answers
@@ -858,3 +851,8 @@ def _sleep_states(states: list[SleepState]) -> web.Response:
         "workers": [msgspec.structs.asdict(s) for s in sorted(states, key=lambda s: (s.role, s.worker_id))],
     }
     return web.json_response(body, status=status)
+
+
+def _serves(info: WorkerInfo) -> bool:
+    """A ping's answer from a worker that takes work: healthy and awake."""
+    return info.healthy and not info.sleeping
