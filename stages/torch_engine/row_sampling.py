@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 
 from stages.sampling import SamplingConfig
-from stages.torch_engine.sampling import sample_rows, sampling_params
+from stages.torch_engine.sampling import sample_rows, sampling_params, weyl
 
 # The most likely tokens a step reports for each row (OpenAI's and vLLM's cap).
 MAX_TOP = 20
@@ -64,6 +64,8 @@ class RowSampling:
         self._choose = torch.compile(choose, dynamic=True) if compile else choose
         # Apart from ``choose``: a step with no row sampling leaves it out.
         self._sample = torch.compile(sample_rows, dynamic=True) if compile else sample_rows
+        # The draws' per-token hash term, made here once (sampling.weyl says why).
+        self.weyl = weyl(vocab, device)
 
     # Made where a step runs, in inference mode: their tensors are changed in it too.
     @torch.inference_mode()
@@ -130,7 +132,7 @@ class RowSampling:
         )
         if draws is not None:
             assert adjusted is not None and logprobs is not None
-            drawn = self._sample(adjusted, self.sampling[:bucket], draws[:bucket], self.sort_all)
+            drawn = self._sample(adjusted, self.sampling[:bucket], draws[:bucket], self.sort_all, self.weyl)
             sampled = torch.where(asked & (self.sampling[:bucket, 0] > 0), drawn, sampled)
             reports[:, 0] = logprobs.gather(1, sampled[:, None])[:, 0]
         self.reports[:bucket] = reports

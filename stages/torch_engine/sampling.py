@@ -43,13 +43,23 @@ def draw_key(seed: int, index: int) -> int:
 _M32 = 0xFFFFFFFF
 
 
-def gumbel(keys: torch.Tensor, vocab: int) -> torch.Tensor:
+def weyl(vocab: int, device: torch.device | str = "cpu") -> torch.Tensor:
+    """Each token id's term of ``gumbel``'s hash: a Weyl sequence of the
+    ids, int64 holding 32 bits. Made once, outside compiled code: inductor
+    folds ``arange(n) * c`` into an int32 index expression, which Triton
+    refuses for a ``c`` past 2**31 (and which would wrap under a smaller one)."""
+    ids = torch.arange(vocab, dtype=torch.int64, device=device)
+    return (ids * 0x9E3779B9) & _M32
+
+
+def gumbel(keys: torch.Tensor, vocab: int, ids: torch.Tensor | None = None) -> torch.Tensor:
     """Standard Gumbel noise [rows, vocab] in float32, a pure function of
     each row's key and the token id (murmur3's finalizer over the key mixed
-    with a Weyl sequence of the id)."""
-    ids = torch.arange(vocab, dtype=torch.int64, device=keys.device)
+    with a Weyl sequence of the id). ``ids``: ``weyl(vocab)``, made ahead."""
+    if ids is None:
+        ids = weyl(vocab, keys.device)
     # int64 lanes: each product of two 32-bit numbers keeps its low 32 bits under the mask.
-    x = (keys[:, None] ^ (ids * 0x9E3779B9)) & _M32
+    x = (keys[:, None] ^ ids) & _M32
     x = x ^ (x >> 16)
     x = (x * 0x85EBCA6B) & _M32
     x = x ^ (x >> 13)
@@ -106,7 +116,9 @@ def select_token(
 _PREFIX = 1024
 
 
-def sample_rows(logits: torch.Tensor, params: torch.Tensor, keys: torch.Tensor, sort_all: bool) -> torch.Tensor:
+def sample_rows(
+    logits: torch.Tensor, params: torch.Tensor, keys: torch.Tensor, sort_all: bool, ids: torch.Tensor | None = None
+) -> torch.Tensor:
     """One token per row of ``logits`` [rows, vocab] (adjusted and masked
     already), sampled by the row's ``params`` [rows, 4] (temperature > 0,
     top_k (0: all), top_p, min_p) with its draw ``keys`` [rows] (``draw_key``).
@@ -122,7 +134,7 @@ def sample_rows(logits: torch.Tensor, params: torch.Tensor, keys: torch.Tensor, 
     the same token in any batch. ``sort_all``: sort the whole vocabulary
     for top-k and top-p (no branch on the values: what a CUDA graph can
     hold); else the best ``_PREFIX`` first, and all of it only for a row
-    they do not settle.
+    they do not settle. ``ids``: ``weyl(vocab)`` made ahead (compiled code must be given it).
     """
     vocab = logits.shape[1]
     temperature, top_k, top_p, min_p = params.unbind(1)
@@ -144,7 +156,7 @@ def sample_rows(logits: torch.Tensor, params: torch.Tensor, keys: torch.Tensor, 
     # min_p = 0: log 0 = -inf, nothing below it.
     floor = scores.amax(1, keepdim=True) + torch.log(min_p)[:, None]
     scores = torch.where(scores < floor, float("-inf"), scores)
-    return (scores + gumbel(keys, vocab)).argmax(1)
+    return (scores + gumbel(keys, vocab, ids)).argmax(1)
 
 
 def _within(ranked: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:

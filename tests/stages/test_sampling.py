@@ -10,7 +10,7 @@ import math
 import pytest
 import torch
 
-from stages.torch_engine.sampling import draw_key, gumbel, sample_rows, uniform
+from stages.torch_engine.sampling import draw_key, gumbel, sample_rows, uniform, weyl
 
 
 def _params(*rows: tuple[float, float, float, float]) -> torch.Tensor:
@@ -118,3 +118,17 @@ def test_the_noise_is_finite_at_the_ends() -> None:
         for i in range(200)
     }
     assert drawn == {7, 49_000}
+
+
+def test_the_compiled_step_draws_what_the_host_draws() -> None:
+    """The step compiles ``sample_rows`` with the ids' hash term made ahead
+    (on a GPU, inductor cannot fold it into an int32 index: Triton refused
+    the constant); the compiled draw is the eager one, token for token."""
+    compiled = torch.compile(sample_rows, dynamic=True)
+    logits = _logits(len(ROWS), 5000, 2.0, seed=5)
+    params = _params(*ROWS)
+    ids = weyl(5000)
+    for index in range(3):
+        keys = torch.tensor([draw_key(seed, index) for seed in range(len(ROWS))])
+        assert torch.equal(compiled(logits, params, keys, True, ids), sample_rows(logits, params, keys, True))
+    assert torch.equal(gumbel(keys, 5000, ids), gumbel(keys, 5000))
