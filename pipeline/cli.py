@@ -169,6 +169,12 @@ def _bench(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     )
     bench.add_argument("--compare-modes", action="store_true", help="start `mmpipe up` per mode, same load on each")
     bench.add_argument(
+        "--compare-frontend-decode",
+        action="store_true",
+        help="with --compare-modes: each mode once as it is and once with --frontend-decode (the media decoded "
+        "in the bridge); the table adds each process's CPU time per request",
+    )
+    bench.add_argument(
         "--modes", default="epd,e-pd,e-p-d,ep-d", help="with --compare-modes; with --router, its first is the mode"
     )
     bench.add_argument("--transport", choices=("auto", "nixl", "nats"), default="nixl", help="with --compare-modes")

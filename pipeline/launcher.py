@@ -157,6 +157,9 @@ def up(settings: UpProcess, external_nats: bool) -> int:
 
     mode = settings.common.pipeline.mode
     check_mode(settings.worker.engine, mode, settings.up.vllm_encoder)
+    if settings.up.vllm_encoder and settings.worker.media.frontend_decode:
+        # vLLM encoder-only decodes its images itself, from the request's bytes.
+        raise SystemExit("mmpipe: --frontend-decode is for the built-in encoder, not --vllm-encoder")
     data_dir = Path(settings.up.data_dir).resolve()
     worker = settings.worker
     if worker.engine == "vllm" and not worker.vllm_kv.path:
@@ -301,6 +304,9 @@ def bridge_processing(worker: WorkerSettings, counts: dict[str, int]) -> BridgeP
         served_model_name=worker.served_model_name,
         modalities=worker.modalities,
         limits=worker.limits,
+        media=worker.media,
+        transport=worker.transport,
+        tensor_settings=worker.tensor_settings,
     )
 
 

@@ -181,11 +181,19 @@ def build_stage(
         from stages.models.traits import load_traits
         from stages.processor import Processor
 
+        traits = load_traits(spec)
+        frontend = None
+        if settings.media.frontend_decode:
+            from stages.media.frontend import FrontendDecoder
+
+            assert tensors is not None, "--frontend-decode needs a tensor transport"
+            frontend = FrontendDecoder(settings.media, tensors, traits.video_frame_multiple)
         return Processor(
-            load_traits(spec),
+            traits,
             mode=config.mode,
             limits=settings.limits,
             modalities=parse_modalities(settings.modalities),
+            frontend=frontend,
         )
     if role not in HOP_ROLES:
         raise SystemExit(f"unknown role {role!r}; roles: {PROCESSOR}, {', '.join(HOP_ROLES)}")
@@ -198,6 +206,10 @@ def build_stage(
 
     if settings.engine_process:
         from stages.torch_engine.core_client import ProcessHopEngine
+
+        if settings.media.frontend_decode and "encode" in role.split("+"):
+            # The engine core has no tensor transport to read the processor's media from.
+            raise SystemExit("mmpipe: --frontend-decode and --engine-process do not go together")
 
         level = logging.getLevelName(logging.getLogger().getEffectiveLevel())
         build = functools.partial(engine_core_hop_engine, role, settings, spec, str(level))
@@ -361,7 +373,7 @@ async def _serve_role(role: str, config: PipelineConfig, settings: WorkerSetting
     tracing.attach_nats(nc, config.subjects.spans(role))
     tensors: TensorTransport | None = None
     try:
-        if moves_tensors(role):
+        if moves_tensors(role) or reads_decoded_media(role, settings):
             from pipeline.transport import open_transport
 
             # Its bucket is replicated like the streams (a new one; an existing one keeps its own).
@@ -398,6 +410,12 @@ async def _serve_role(role: str, config: PipelineConfig, settings: WorkerSetting
         await shutdown(nc)
 
 
+def reads_decoded_media(role: str, settings: WorkerSettings) -> bool:
+    """With --frontend-decode, the processor hands decoded media on and the
+    role that encodes reads them: both need a tensor transport, EPD too."""
+    return settings.media.frontend_decode and (role == PROCESSOR or "encode" in role.split("+"))
+
+
 async def _freeze_once_ready(worker: Worker) -> None:
     # Once the stage has started (model loaded, graphs captured, warmed up).
     await worker.ready.wait()
@@ -407,10 +425,17 @@ async def _freeze_once_ready(worker: Worker) -> None:
 async def run_bridge(
     config: PipelineConfig, settings: BridgeSettings, processing: BridgeProcessing | None = None
 ) -> None:
-    processor = load_processor(processing or BridgeProcessing(), config.mode)
+    processing = processing or BridgeProcessing()
     nc, js = await connect(config.nats_url, name="mmpipe-bridge")
     tracing.attach_nats(nc, config.subjects.spans("bridge"))
-    bridge = Bridge(nc, js, config, settings, processor)
+    tensors: TensorTransport | None = None
+    if processing.model and processing.media.frontend_decode:
+        from pipeline.transport import open_transport
+
+        tensor_settings = dataclasses.replace(processing.tensor_settings, replicas=config.replicas or 1)
+        tensors = await open_transport(processing.transport, nc, js, config.namespace, tensor_settings, "bridge")
+    processor = load_processor(processing, config.mode, tensors)
+    bridge = Bridge(nc, js, config, settings, processor, tensors)
     runner = web.AppRunner(bridge.app(), handler_cancellation=True, access_log=None)
     await runner.setup()
     site = web.TCPSite(runner, settings.host, settings.port)
@@ -423,4 +448,8 @@ async def run_bridge(
         await stopped.wait()
     finally:
         await runner.cleanup()
+        if processor is not None:
+            await processor.close()
+        if tensors is not None:
+            await tensors.close()
         await shutdown(nc)

@@ -85,7 +85,7 @@ def _for_role(message: ProcessedRequest, role: str) -> bool:
 
 
 def _refs(message: ProcessedRequest) -> list[TensorRef]:
-    return [held.ref for held in (message.encoded, message.kv) if held is not None]
+    return [held.ref for held in (message.decoded, message.encoded, message.kv) if held is not None]
 
 
 def _trace(role: str, trace: dict[str, float]) -> None:

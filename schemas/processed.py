@@ -83,6 +83,38 @@ class KvHandoff(msgspec.Struct, omit_defaults=True, forbid_unknown_fields=True):
     cached_tokens: int = 0
 
 
+class DecodedItem(msgspec.Struct, omit_defaults=True, forbid_unknown_fields=True):
+    """One media item the processor decoded (``--frontend-decode``): what
+    its tensor in ``DecodedMedia.ref`` is, and what else the encoder needs.
+
+    An image is ``uint8 [height, width, 3]`` (RGB); a video ``uint8
+    [frames, height, width, 3]`` with its sampling below; an audio clip
+    ``float32 [samples]`` at ``sampling_rate``."""
+
+    kind: MediaKind
+    # The item's content digest (item_digest of its bytes): the embedding
+    # cache, the prefix cache and a router key the item by it.
+    digest: str
+    # Video: seconds from the first frame, the rate the frames represent,
+    # the source's length, the frames taken (their indices), its frame count and rate.
+    timestamps: list[float] = []
+    fps: float = 0.0
+    duration_s: float = 0.0
+    frame_indices: list[int] = []
+    total_frames: int = 0
+    source_fps: float = 0.0
+    # Audio.
+    sampling_rate: int = 0
+
+
+class DecodedMedia(msgspec.Struct, omit_defaults=True, forbid_unknown_fields=True):
+    """Processor → encode: a request's media decoded (one tensor per item,
+    in prompt order), held by the processor for the encoder to read."""
+
+    ref: TensorRef
+    items: list[DecodedItem]
+
+
 class VllmKv(msgspec.Struct, omit_defaults=True, forbid_unknown_fields=True):
     """Prefill → decode with ``--engine vllm``: the prompt's KV cache moves by
     vLLM's own KV connector, so only what the decode engine hands back to
@@ -136,6 +168,8 @@ class ProcessedRequest(msgspec.Struct, omit_defaults=True, forbid_unknown_fields
     # This message no longer holds its inline media (data: URLs, inline
     # audio): a restart from the first hop is the bridge's to make.
     media_dropped: bool = False
+    # The media decoded by the processor (--frontend-decode), for the hop that encodes them.
+    decoded: DecodedMedia | None = None
     encoded: EncodedMedia | None = None
     kv: KvHandoff | None = None
     vllm_kv: VllmKv | None = None
@@ -193,6 +227,7 @@ class ProcessedRequest(msgspec.Struct, omit_defaults=True, forbid_unknown_fields
             attempt=self.attempt + 1,
             hop_index=0,
             emitted=[],
+            decoded=None,
             encoded=None,
             kv=None,
             vllm_kv=None,

@@ -25,8 +25,9 @@ import structlog
 import torch
 from prometheus_client import Counter
 
-from schemas.processed import MediaItem, MediaKind, ProcessedRequest
-from stages.contract import HopContext
+from schemas.errors import InvalidRequest, TensorGone
+from schemas.processed import DecodedMedia, MediaItem, MediaKind, ProcessedRequest
+from stages.contract import HopContext, TensorStore
 from stages.families.base import Decoded, Grid, Media, MediaEmbedding
 from stages.media import (
     CachedEmbedding,
@@ -44,6 +45,7 @@ from stages.media import (
 )
 from stages.media.decode_pool import DecodePool
 from stages.media.decoded import DecodedMediaCache
+from stages.media.frontend import from_tensor
 from stages.torch_engine.encode_batcher import EncodeBatcher
 from stages.torch_engine.engine import TorchEngine
 from stages.torch_engine.scheduler import EngineThread
@@ -72,8 +74,13 @@ class MediaEncoder:
         fetcher: MediaFetcher,
         policy: MediaPolicy,
         cache: EmbeddingCache | None = None,
+        tensors: TensorStore | None = None,
     ) -> None:
         self.engine = engine
+        # Where media the processor decoded (--frontend-decode) are read from.
+        self.tensors = tensors
+        # Reads of such media no longer needed (a cache hit): done off the request's path.
+        self._reads: set[asyncio.Future[list[Decoded]]] = set()
         self.thread = thread
         self.fetcher = fetcher
         self.policy = policy
@@ -107,6 +114,8 @@ class MediaEncoder:
         items in one call, and one alone can round differently."""
         if not req.media:
             return []
+        if req.decoded is not None:
+            return await self._encode_decoded(req, req.decoded, ctx, reuse_prefix)
         for item in req.media:
             self._options(item)  # a bad sampling request fails before any download
         with ctx.timed("media_fetch", items=len(req.media)):
@@ -118,6 +127,51 @@ class MediaEncoder:
         digests = list(await asyncio.gather(*(_digest(m, d) for m, d in zip(req.media, datas, strict=True))))
         if any(m.embeds for m in req.media):
             return _digested(await self._with_precomputed(req, datas, ctx), digests)
+        return await self._encoded(req, digests, lambda: self._encode_media(req.media, datas, ctx), ctx, reuse_prefix)
+
+    async def _encode_decoded(
+        self, req: ProcessedRequest, decoded: DecodedMedia, ctx: HopContext, reuse_prefix: bool
+    ) -> list[MediaEmbedding]:
+        """Media the processor fetched and decoded (``--frontend-decode``):
+        read from it (the read starts at once, beside the caches' lookups)
+        and encoded as if decoded here."""
+        if [i.kind for i in decoded.items] != [m.kind for m in req.media]:
+            raise InvalidRequest("the decoded media do not match the request's media items")
+        if self.tensors is None:
+            # A worker started without --frontend-decode opens no reader: the
+            # request again as it arrived, which this worker decodes itself.
+            raise TensorGone("this worker reads no media decoded by the processor (start it with --frontend-decode)")
+        read = asyncio.ensure_future(self._read(decoded, ctx))
+
+        async def run() -> list[MediaEmbedding]:
+            return await self._encode_prepared(await read, ctx)
+
+        try:
+            return await self._encoded(req, [i.digest for i in decoded.items], run, ctx, reuse_prefix)
+        finally:
+            if not read.done():
+                # Not needed (a cache hit), but read all the same: a read frees the processor's copy.
+                self._reads.add(read)
+                read.add_done_callback(_read_done(self._reads))
+
+    async def _read(self, decoded: DecodedMedia, ctx: HopContext) -> list[Decoded]:
+        assert self.tensors is not None
+        with ctx.timed("media_get", items=len(decoded.items)):
+            tensors = await self.tensors.get(decoded.ref)
+        if len(tensors) != len(decoded.items):
+            raise InvalidRequest(f"{len(tensors)} decoded tensors for {len(decoded.items)} media items")
+        return [from_tensor(item, t) for item, t in zip(decoded.items, tensors, strict=True)]
+
+    async def _encoded(
+        self,
+        req: ProcessedRequest,
+        digests: list[str],
+        run: Callable[[], Awaitable[list[MediaEmbedding]]],
+        ctx: HopContext,
+        reuse_prefix: bool,
+    ) -> list[MediaEmbedding]:
+        """The media by their digests: stand-ins where the cached prefix
+        holds them, the embedding cache's entry, or ``run``'s encoding."""
         if reuse_prefix and (stand_ins := await self._prefix_covers(req, digests)) is not None:
             ctx.trace["encode_skipped"] = float(len(stand_ins))
             SKIPPED.inc(len(stand_ins))
@@ -126,7 +180,7 @@ class MediaEncoder:
         if self.cache is not None and (hit := self.cache.get(key)) is not None:
             ctx.trace["cache_hit"] = 1.0
             return self._remember(_digested(_unpack(hit, [m.kind for m in req.media]), digests))
-        encoded = await self._encode_media(req.media, datas, ctx)
+        encoded = await run()
         if self.cache is not None:
             ctx.trace["cache_hit"] = 0.0
             self._set_keys[key] = media_set_key(digests)
@@ -233,6 +287,9 @@ class MediaEncoder:
     async def _encode_media(self, items: list[MediaItem], datas: list[bytes], ctx: HopContext) -> list[MediaEmbedding]:
         with ctx.timed("media_decode", items=len(items)):
             decoded = await asyncio.gather(*(self._decoded(m, d) for m, d in zip(items, datas, strict=True)))
+        return await self._encode_prepared(list(decoded), ctx)
+
+    async def _encode_prepared(self, decoded: list[Decoded], ctx: HopContext) -> list[MediaEmbedding]:
         prepared: list[Media] = list(decoded)
         if self.engine.device.type == "cuda":
             # The processor's CPU work on a thread of its own: the engine's
@@ -240,9 +297,9 @@ class MediaEncoder:
             # only the tower. Not on a CPU, where the engine's thread is the
             # compute itself and a second one only competes with it (2 vCPUs,
             # tiny model: 12.7 against 10.8 req/s at 8 clients).
-            with ctx.timed("preprocess", items=len(items)):
+            with ctx.timed("preprocess", items=len(decoded)):
                 prepared = await asyncio.to_thread(self.engine.prepare, prepared)
-        with ctx.timed("encode", items=len(items)):
+        with ctx.timed("encode", items=len(decoded)):
             return await self.batcher.encode(prepared)
 
     async def _with_precomputed(
@@ -296,6 +353,15 @@ async def _digest(item: MediaItem, data: bytes) -> str:
     if len(data) > _THREAD_HASH_BYTES:
         return await asyncio.to_thread(item_digest, item, data)
     return item_digest(item, data)
+
+
+def _read_done(reads: set[asyncio.Future[list[Decoded]]]) -> Callable[[asyncio.Future[list[Decoded]]], None]:
+    def done(read: asyncio.Future[list[Decoded]]) -> None:
+        reads.discard(read)
+        if not read.cancelled() and (exc := read.exception()) is not None:
+            log.info("unneeded_media_read_failed", error=repr(exc))
+
+    return done
 
 
 def _digested(encoded: list[MediaEmbedding], digests: list[str]) -> list[MediaEmbedding]:

@@ -73,6 +73,7 @@ class Carried:
             req,
             hop_index=req.hop_index + 1,
             emitted=req.emitted if emitted is None else emitted,
+            decoded=None,
             encoded=self.encoded,
             kv=self.kv,
             vllm_encoded=self.vllm_encoded,

@@ -7,7 +7,7 @@ import math
 import random
 from collections.abc import AsyncGenerator
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 
@@ -35,6 +35,9 @@ from schemas.routes import HOP_ROLES, route_for
 from schemas.settings import setting
 from stages import structured
 from stages.contract import HopContext, StageOutput
+
+if TYPE_CHECKING:  # the bridge imports this module, and torch only to decode media
+    from stages.media.frontend import FrontendDecoder
 
 _ROLES = ("system", "user", "assistant")
 _MEDIA_SCHEMES = ("data:", "https://", "http://", "file://")
@@ -74,6 +77,8 @@ class ModelTraits:
     min_tokens_per_image: int = 1
     # The language model's input width (what prompt embeddings must have).
     hidden_size: int = 0
+    # A sampled video's frame count is padded to a multiple of this (Qwen-VL: its temporal patch).
+    video_frame_multiple: int = 1
 
 
 class Processor:
@@ -87,9 +92,12 @@ class Processor:
         mode: str = "epd",
         limits: ProcessorLimits | None = None,
         modalities: frozenset[MediaKind] = frozenset({MediaKind.IMAGE}),
+        frontend: FrontendDecoder | None = None,
     ) -> None:
         route_for(mode, True)  # fail at start on an unknown mode
         self.model = model
+        # --frontend-decode: the media fetched and decoded here, for the encoding hop to read.
+        self.frontend = frontend
         self.mode = mode
         self.limits = limits or ProcessorLimits()
         self.modalities = modalities
@@ -105,7 +113,8 @@ class Processor:
         pass
 
     async def close(self) -> None:
-        pass
+        if self.frontend is not None:
+            await self.frontend.close()
 
     def has_room(self) -> bool:
         return True  # holds nothing between requests
@@ -125,7 +134,8 @@ class Processor:
         self, message: GenerateRequest | ProcessedRequest, ctx: HopContext
     ) -> AsyncGenerator[StageOutput, None]:
         assert isinstance(message, GenerateRequest)
-        yield self.process(message)
+        processed = self.process(message)
+        yield processed if self.frontend is None else await self.frontend.decode(processed, ctx)
 
     def process(self, request: GenerateRequest) -> ProcessedRequest:
         lora = ""

@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from pipeline.bench import run_async
+from pipeline.bench.cpu import stack_cpu_s
 from pipeline.bench.load import LoadSpec, run_load, spec_from_args, synthetic_images
 from pipeline.serve import resolve_device
 from schemas.routes import MODES
@@ -34,6 +35,8 @@ BASELINE = "epd"
 HF = "transformers"  # the plain-transformers baseline row (--hf-baseline)
 READY = b"mmpipe ready"
 # The columns compared with the baseline: (summary key, statistic or None for a scalar).
+# --compare-frontend-decode: each mode without, then with, the media decoded where requests are processed.
+VARIANTS = (("", ()), ("+frontend-decode", ("--frontend-decode",)))
 RATIOS = (("ttft_ms", "p50"), ("itl_ms", "p50"), ("e2e_ms", "p50"), ("requests_per_s", None))
 
 
@@ -60,6 +63,21 @@ def mmpipe_up(
     """``mmpipe up`` in ``mode`` (with ``extra`` flags) on a free port; yields the
     OpenAI base URL once it printed its ready line, and stops it with SIGINT
     when the block ends."""
+    with mmpipe_up_process(mode, model, transport, data_dir, api_key, start_timeout_s, extra) as (url, _):
+        yield url
+
+
+@contextmanager
+def mmpipe_up_process(
+    mode: str,
+    model: str,
+    transport: str,
+    data_dir: Path,
+    api_key: str | None = None,
+    start_timeout_s: float = 300,
+    extra: tuple[str, ...] = (),
+) -> Iterator[tuple[str, int]]:
+    """``mmpipe_up``, yielding its process id beside the URL."""
     port = free_port()
     cmd = [sys.executable, "-m", "pipeline.cli", "up", "--mode", mode, "--port", str(port)]
     cmd += ["--data-dir", str(data_dir), "--model", model, "--served-model-name", Path(model).name]
@@ -78,7 +96,7 @@ def mmpipe_up(
             if time.monotonic() > deadline:
                 raise RuntimeError(f"mmpipe up --mode {mode} not ready in {start_timeout_s:.0f}s:\n{_tail(log_path)}")
             time.sleep(0.2)
-        yield f"http://127.0.0.1:{port}/v1"
+        yield f"http://127.0.0.1:{port}/v1", up.pid
     finally:
         if up.poll() is None:
             up.send_signal(signal.SIGINT)
@@ -107,12 +125,15 @@ def compare(
     device: str = "auto",
     up_args: tuple[str, ...] = (),
     hf_baseline: bool = False,
+    variants: tuple[tuple[str, tuple[str, ...]], ...] = (("", ()),),
 ) -> list[dict[str, Any]]:
-    """One row per mode and concurrency: its load summary, and its ratios to
-    the baseline at the same concurrency (plain transformers with
-    ``hf_baseline``, else EPD). Each mode's stack starts once and serves every
-    concurrency; each concurrency gets images of its own (the embedding cache
-    never hits), the same for every mode."""
+    """One row per mode, variant and concurrency: its load summary, the CPU
+    time its stack's processes spent on it (by role, per request), and its
+    ratios to the baseline at the same concurrency (plain transformers with
+    ``hf_baseline``, else EPD). A variant (a suffix of the mode's name and
+    flags of its own) is a stack of its own. Each stack starts once and
+    serves every concurrency; each concurrency gets images of its own (the
+    embedding cache never hits), the same for every mode."""
     levels = concurrencies or [spec.concurrency]
     loads = [(c, replace(spec, concurrency=c, seed=spec.seed + 1000 * i)) for i, c in enumerate(levels)]
     images = {c: synthetic_images(s) for c, s in loads}  # the very same bytes for every mode
@@ -122,13 +143,15 @@ def compare(
     rows: list[dict[str, Any]] = []
     if hf_baseline:
         rows += _hf_rows(spec, loads, images, device)
-    for mode in modes:
-        print(f"mode {mode}: starting mmpipe up ...", file=sys.stderr, flush=True)
+    for mode, (suffix, flags) in ((m, v) for m in modes for v in variants):
+        name = mode + suffix
+        print(f"mode {name}: starting mmpipe up ...", file=sys.stderr, flush=True)
         with tempfile.TemporaryDirectory(prefix=f"mmpipe-bench-{mode}-") as tmp:
             t0 = time.monotonic()
-            with mmpipe_up(mode, spec.model, transport, Path(tmp), api_key, extra=extra) as url:
+            up = mmpipe_up_process(mode, spec.model, transport, Path(tmp), api_key, extra=(*extra, *flags))
+            with up as (url, pid):
                 ready_s = time.monotonic() - t0
-                print(f"mode {mode}: ready in {ready_s:.1f} s, running the load ...", file=sys.stderr, flush=True)
+                print(f"mode {name}: ready in {ready_s:.1f} s, running the load ...", file=sys.stderr, flush=True)
                 for c, load in loads:
                     # `up` serves the model under its directory's (or built-in) name.
                     served = replace(load, url=url, model=Path(spec.model).name)
@@ -136,14 +159,26 @@ def compare(
                     # sets up lazily (CUDA graphs of its size) is not in the numbers.
                     warm = replace(served, requests=c, seed=served.seed + 500)
                     run_async(run_load(warm, synthetic_images(warm)))
+                    before = stack_cpu_s(pid)
                     report = run_async(run_load(served, images[c]))
+                    after = stack_cpu_s(pid)
                     summary = report.summary()
-                    print(f"mode {mode} concurrency {c}: {_progress(summary)}", file=sys.stderr, flush=True)
-                    rows.append({"mode": mode, "concurrency": c, "transport": transport, "summary": summary})
+                    done = max(summary["completed"], 1)
+                    cpu = {role: 1000 * (after[role] - before.get(role, 0.0)) / done for role in after}
+                    print(f"mode {name} concurrency {c}: {_progress(summary)}", file=sys.stderr, flush=True)
+                    rows.append(
+                        {
+                            "mode": name,
+                            "concurrency": c,
+                            "transport": transport,
+                            "summary": summary,
+                            "cpu_ms_per_request": cpu,
+                        }
+                    )
                     if summary["failed"]:
                         # The stack's own log says why; its folder goes when the mode ends.
                         print(
-                            f"mode {mode}: mmpipe up's log ends\n{_tail(Path(tmp) / 'up.log', 6000)}", file=sys.stderr
+                            f"mode {name}: mmpipe up's log ends\n{_tail(Path(tmp) / 'up.log', 6000)}", file=sys.stderr
                         )
     base_mode = HF if hf_baseline else BASELINE
     for row in rows:
@@ -241,10 +276,29 @@ def format_rows(rows: list[dict[str, Any]]) -> str:
                 cell.ljust(w) if i == 0 else cell.rjust(w) for i, (cell, w) in enumerate(zip(line, widths, strict=True))
             )
         )
+    lines += _cpu_lines(rows)
     errors = [(row["mode"], e, n) for row in rows for e, n in row["summary"]["errors"].items()]
     if errors:
         lines += ["", "errors:"] + [f"  {mode}: {n} × {e}" for mode, e, n in errors]
     return "\n".join(lines)
+
+
+def _cpu_lines(rows: list[dict[str, Any]]) -> list[str]:
+    """CPU ms per request of each role's processes (a worker's with its media pool's), row by row."""
+    measured = [row for row in rows if row.get("cpu_ms_per_request")]
+    if not measured:
+        return []
+    roles = sorted({role for row in measured for role in row["cpu_ms_per_request"]} - {"up"})
+    table = [["mode", "conc", *roles]]
+    for row in measured:
+        cpu = row["cpu_ms_per_request"]
+        table.append([row["mode"], str(row["concurrency"]), *(_num(cpu.get(role), ".2f") for role in roles)])
+    widths = [max(len(line[i]) for line in table) for i in range(len(table[0]))]
+    out = ["", "CPU ms per request, by process (user + system, while the load ran):"]
+    for line in table:
+        cells = enumerate(zip(line, widths, strict=True))
+        out.append("  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in cells))
+    return out
 
 
 def main(args: argparse.Namespace) -> int:
@@ -269,6 +323,7 @@ def main(args: argparse.Namespace) -> int:
             args.device,
             tuple(args.up_arg),
             args.hf_baseline,
+            VARIANTS if args.compare_frontend_decode else (("", ()),),
         )
     except RuntimeError as exc:  # a stack that did not start: its log tail says why
         print(f"mmpipe bench --compare-modes: {exc}", file=sys.stderr, flush=True)

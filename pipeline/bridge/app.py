@@ -63,6 +63,7 @@ from schemas.routes import MODES, PROCESSOR
 from schemas.settings import setting
 
 if TYPE_CHECKING:
+    from pipeline.transport.base import TensorTransport
     from stages.processor import Processor
 
 log = structlog.get_logger(__name__)
@@ -116,8 +117,11 @@ class Bridge:
         config: PipelineConfig,
         settings: BridgeSettings,
         processor: Processor | None = None,
+        tensors: TensorTransport | None = None,
     ) -> None:
         self.nc = nc
+        # Where the processor holds the media it decoded (--frontend-decode).
+        self.tensors = tensors
         self.js = js
         self.config = config
         self.settings = settings
@@ -557,6 +561,11 @@ class Bridge:
         finally:
             for sub in subs:
                 await sub.unsubscribe()
+            if self.tensors is not None:
+                # Decoded media no encoder read (the request failed or was
+                # cancelled first) are freed now, not at their TTL.
+                for gen in gens:
+                    await self.tensors.release_owner(gen.request_id)
             structlog.contextvars.unbind_contextvars("request_id", "user")
 
     async def _queueable(
@@ -571,8 +580,10 @@ class Bridge:
         # This bridge holds the request while its client waits: hops past the
         # media's encoding drop the inline bytes, and a restart comes back here.
         processed = msgspec.structs.replace(processed, bridge_restarts=True)
+        # A restart queues the request as it arrived: its first hop decodes the media itself.
+        first = await processing.decoded(self.processor, processed)
         # The id the first hop's message would have had from a processor worker.
-        submit = (self._first_hop(processed), f"{rid}:0:0", self._encode_request(processed))
+        submit = (self._first_hop(first), f"{rid}:0:0", self._encode_request(first))
         return submit, processed.hop, processed
 
     async def _cancel_all(self, gens: list[GenerateRequest]) -> None:

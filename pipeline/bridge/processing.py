@@ -16,12 +16,15 @@ import asyncio
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from pipeline.transport.base import TransportSettings
 from schemas.settings import section, setting
+from stages.media.policy import MediaPolicy
 from stages.processor import ProcessorLimits
 
 if TYPE_CHECKING:
     from schemas.processed import ProcessedRequest
     from schemas.request import GenerateRequest
+    from stages.contract import TensorStore
     from stages.processor import Processor
 
 # A body past this many bytes is processed on a thread: a long prompt's
@@ -43,10 +46,18 @@ class BridgeProcessing:
         "image", help="with --model: media kinds accepted, comma separated: image, video, audio (others get 422)"
     )
     limits: ProcessorLimits = section(ProcessorLimits, "request limits (with --model)")
+    media: MediaPolicy = section(MediaPolicy, "media fetched and decoded here (with --model and --frontend-decode)")
+    transport: str = setting(
+        "auto",
+        choices=("auto", "nixl", "nats"),
+        help="with --frontend-decode: how the decoded media go to the encoding workers (as the workers')",
+    )
+    tensor_settings: TransportSettings = section(TransportSettings, "decoded media held for the encoding workers")
 
 
-def load_processor(processing: BridgeProcessing, mode: str) -> Processor | None:
-    """The processor a bridge runs, or None where it has no model."""
+def load_processor(processing: BridgeProcessing, mode: str, tensors: TensorStore | None = None) -> Processor | None:
+    """The processor a bridge runs, or None where it has no model. With
+    --frontend-decode, ``tensors`` holds the media it decodes."""
     if not processing.model:
         return None
     from pipeline.serve import parse_modalities
@@ -55,8 +66,19 @@ def load_processor(processing: BridgeProcessing, mode: str) -> Processor | None:
     from stages.processor import Processor
 
     spec = resolve_model(processing.model, processing.served_model_name)
+    traits = load_traits(spec)
+    frontend = None
+    if processing.media.frontend_decode:
+        from stages.media.frontend import FrontendDecoder
+
+        assert tensors is not None, "--frontend-decode needs a tensor transport"
+        frontend = FrontendDecoder(processing.media, tensors, traits.video_frame_multiple)
     return Processor(
-        load_traits(spec), mode=mode, limits=processing.limits, modalities=parse_modalities(processing.modalities)
+        traits,
+        mode=mode,
+        limits=processing.limits,
+        modalities=parse_modalities(processing.modalities),
+        frontend=frontend,
     )
 
 
@@ -64,3 +86,13 @@ async def process(processor: Processor, request: GenerateRequest, body_bytes: in
     if body_bytes <= _INLINE_BODY_BYTES:
         return processor.process(request)
     return await asyncio.to_thread(processor.process, request)
+
+
+async def decoded(processor: Processor, processed: ProcessedRequest) -> ProcessedRequest:
+    """With --frontend-decode, ``processed`` with its media decoded and held
+    here; it then travels without the inline bytes (this bridge holds the
+    request as it arrived, for a restart)."""
+    if processor.frontend is None:
+        return processed
+    out = await processor.frontend.decode(processed)
+    return out if out.decoded is None else out.without_inline_media()

@@ -101,6 +101,9 @@ class Family(Protocol):
     @classmethod
     def placeholders_of(cls, config: PretrainedConfig) -> dict[MediaKind, int]: ...
 
+    @classmethod
+    def video_frame_multiple_of(cls, config: PretrainedConfig) -> int: ...
+
     @property
     def model_class(self) -> Any: ...
 
@@ -191,6 +194,11 @@ class LanguageModelFamily:
         """The placeholder token of each kind the adapter runs, read from a
         config alone (the processor has no weights)."""
         return {MediaKind.IMAGE: int(config.image_token_id)}
+
+    @classmethod
+    def video_frame_multiple_of(cls, config: PretrainedConfig) -> int:
+        """``video_frame_multiple`` from a config alone (the processor decodes videos with --frontend-decode)."""
+        return 1
 
     def expand_placeholders(self, token_ids: list[int], media: Sequence[MediaEmbedding]) -> list[int]:
         """Replace the i-th media placeholder with as many copies of it as media[i] has tokens."""

@@ -123,12 +123,16 @@ class Qwen2VLFamily(LanguageModelFamily):
         self.video_processor = _video_frame_processor(model_dir, self.image_processor)
         self.merge_size = int(config.vision_config.spatial_merge_size)
         self.temporal_patch_size = int(config.vision_config.temporal_patch_size)
-        self.video_frame_multiple = self.temporal_patch_size
+        self.video_frame_multiple = self.video_frame_multiple_of(config)
         self._norm: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
 
     @classmethod
     def placeholders_of(cls, config: PretrainedConfig) -> dict[MediaKind, int]:
         return {MediaKind.IMAGE: int(config.image_token_id), MediaKind.VIDEO: int(config.video_token_id)}
+
+    @classmethod
+    def video_frame_multiple_of(cls, config: PretrainedConfig) -> int:
+        return int(config.vision_config.temporal_patch_size)
 
     @property
     def model_class(self) -> Any:

@@ -116,6 +116,14 @@ class MediaPolicy:
         "unset: 4 on a GPU worker, at most a quarter of the cores; threads on a CPU one)",
     )
 
+    # Where media are decoded (stages.media.frontend): give every process of a deployment the same.
+    frontend_decode: bool = setting(
+        False,
+        help="the process that processes requests (the bridge, or processor workers) fetches and decodes their "
+        "media and hands the pixels, frames and samples to the encoding workers by the tensor transport; "
+        "encoding workers read them (give the bridge and every worker the same)",
+    )
+
     def __post_init__(self) -> None:
         if self.decode_processes is not None and self.decode_processes < 0:
             raise ValueError("MediaPolicy.decode_processes must be 0 or more")

@@ -16,7 +16,8 @@ def load_traits(spec: ModelSpec) -> ModelTraits:
 
     config = AutoConfig.from_pretrained(str(spec.path))
     text = config.get_text_config()
-    placeholders = family_for_architecture(config.architectures[0]).placeholders_of(config)
+    family = family_for_architecture(config.architectures[0])
+    placeholders = family.placeholders_of(config)
     return ModelTraits(
         served_name=spec.served_name,
         tokenizer=AutoTokenizer.from_pretrained(str(spec.path)),
@@ -24,6 +25,7 @@ def load_traits(spec: ModelSpec) -> ModelTraits:
         placeholders=placeholders,
         min_tokens_per_image=_min_tokens_per_image(spec, config) if MediaKind.IMAGE in placeholders else 1,
         hidden_size=int(text.hidden_size),
+        video_frame_multiple=family.video_frame_multiple_of(config),
     )
 
 

@@ -123,7 +123,7 @@ class TorchHopEngine:
         policy = media_policy or MediaPolicy()
         self.fetcher = MediaFetcher(policy) if "encode" in steps else None
         self.encoder = (
-            MediaEncoder(engine, self.thread, self.fetcher, policy, embedding_cache)
+            MediaEncoder(engine, self.thread, self.fetcher, policy, embedding_cache, tensors)
             if self.fetcher is not None
             else None
         )

@@ -31,7 +31,7 @@ from typing import Any
 
 import structlog
 
-from schemas.errors import UnsupportedMedia
+from schemas.errors import TensorGone, UnsupportedMedia
 from schemas.processed import MediaKind, ProcessedRequest
 from stages.contract import HopContext
 from stages.families import MediaEmbedding
@@ -85,6 +85,9 @@ class VllmImageEncoder:
     async def encode(self, req: ProcessedRequest, ctx: HopContext) -> list[MediaEmbedding]:
         if not req.media:
             return []
+        if req.decoded is not None:
+            # vLLM decodes the images it encodes from their bytes: the request again as it arrived.
+            raise TensorGone("vLLM's encoder reads no media decoded by the processor (--frontend-decode)")
         for item in req.media:
             if item.kind is not MediaKind.IMAGE or item.embeds:
                 what = "precomputed embeddings" if item.embeds else f"{item.kind.value}s"

@@ -67,7 +67,7 @@ def build_vllm_stage(
 
         torch_engine = TorchEngine(model_dir, device=device, decode=DecodeSettings(batched=False))
         policy = media_policy or MediaPolicy()
-        encoder = MediaEncoder(torch_engine, EngineThread(), MediaFetcher(policy), policy, embedding_cache)
+        encoder = MediaEncoder(torch_engine, EngineThread(), MediaFetcher(policy), policy, embedding_cache, tensors)
     return HopStage(role, VllmHopEngine(role, engine, tensors, encoder, ec_path or None), served_name)
 
 

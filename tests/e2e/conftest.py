@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import contextlib
+import dataclasses
 import io
 import time
 from collections.abc import AsyncIterator
@@ -24,7 +25,7 @@ from pipeline.canary import CanarySettings
 from pipeline.config import PipelineConfig
 from pipeline.connection import connect
 from pipeline.replies import stored_chunks
-from pipeline.serve import WorkerSettings, build_stage, relayed_events
+from pipeline.serve import WorkerSettings, build_stage, reads_decoded_media, relayed_events
 from pipeline.subjects import Subjects
 from pipeline.transport import TransportSettings, open_transport
 from pipeline.worker import Worker
@@ -83,6 +84,8 @@ async def start_stack(
     bridge_processes: bool = False,
     canary: CanarySettings | None = None,
     drain_grace_s: float = 30.0,
+    frontend_decode: bool | tuple[bool, bool] = False,
+    bridge_tensor_ttl_s: float = 60.0,
 ) -> tuple[Stack, Any]:
     """Every role of ``config.mode`` (one worker each unless ``counts`` says
     otherwise), each with its own NATS connection and, where it moves
@@ -90,7 +93,10 @@ async def start_stack(
     ``bridge_processes``: the bridge processes requests, no processor worker.
     ``canary``: every worker's canary health check; ``drain_grace_s``:
     every worker's (how long a draining or sleeping worker lets its
-    requests finish)."""
+    requests finish). ``frontend_decode``: the processor's (bridge's) and
+    the workers' --frontend-decode, one for both or (processor, workers);
+    ``bridge_tensor_ttl_s``: how long the bridge holds what it decoded."""
+    front, behind = frontend_decode if isinstance(frontend_decode, tuple) else (frontend_decode, frontend_decode)
     conns: list[Any] = []
     transports: list[Any] = []
     stack = Stack(base_url="", config=config, spec=spec)
@@ -98,20 +104,22 @@ async def start_stack(
     settings = WorkerSettings(
         model=str(spec.path),
         served_model_name=spec.served_name,
-        media=MediaPolicy(allow_internal=allow_internal),
+        media=MediaPolicy(allow_internal=allow_internal, frontend_decode=behind),
         modalities=modalities,
     )
+    processing = dataclasses.replace(settings, media=dataclasses.replace(settings.media, frontend_decode=front))
 
     async def add_worker(role: str, budget_bytes: int = 64 << 20) -> Worker:
         nc, js = await connect(config.nats_url, f"test-{role}")
         conns.append(nc)
         tensors = None
-        if moves_tensors(role):
+        of_role = processing if role == PROCESSOR else settings
+        if moves_tensors(role) or reads_decoded_media(role, of_role):
             budget = TransportSettings(budget_bytes=budget_bytes, replicas=config.replicas or 1)
             tensors = await open_transport(transport, nc, js, config.namespace, budget, role, "cpu")
             transports.append(tensors)
         # --router kv: a worker that holds KV publishes its events (relayed on NATS).
-        role_settings = relayed_events(role, config, settings)
+        role_settings = relayed_events(role, config, of_role)
         stage = build_stage(role, config, role_settings, spec, tensors=tensors)
         worker = Worker(
             nc,
@@ -160,8 +168,20 @@ async def start_stack(
         nc, js = await connect(config.nats_url, "test-bridge")
         conns.append(nc)
         stack.nc = nc
-        processor = build_stage(PROCESSOR, config, settings, spec) if bridge_processes else None
-        bridge = Bridge(nc, js, config, bridge_settings or BridgeSettings(port=0), processor)  # type: ignore[arg-type]
+        bridge_tensors = None
+        if bridge_processes and front:
+            budget = TransportSettings(ttl_s=bridge_tensor_ttl_s, replicas=config.replicas or 1)
+            bridge_tensors = await open_transport(transport, nc, js, config.namespace, budget, "bridge", "cpu")
+            transports.append(bridge_tensors)
+        processor = build_stage(PROCESSOR, config, processing, spec, bridge_tensors) if bridge_processes else None
+        bridge = Bridge(
+            nc,
+            js,
+            config,
+            bridge_settings or BridgeSettings(port=0),
+            processor,  # type: ignore[arg-type]
+            bridge_tensors,
+        )
         stack.bridge = bridge
         runner = web.AppRunner(bridge.app(), handler_cancellation=True, access_log=None)
         runners.append(runner)
