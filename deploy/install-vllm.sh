@@ -41,7 +41,7 @@ project = tomllib.load(open("pyproject.toml", "rb"))["project"]
 skip = {"torch", "transformers", "nixl-cu13"}
 deps = [d for d in project["dependencies"] if re.split(r"[<>=!~; \[]", d, maxsplit=1)[0] not in skip]
 # What tests/vllm run with (not ruff, mypy or the Kubernetes validators).
-wanted = {"pytest", "pytest-asyncio", "pytest-timeout", "openai", "psutil"}
+wanted = {"pytest", "pytest-asyncio", "pytest-timeout", "openai", "psutil", "peft"}
 deps += [d for d in project["optional-dependencies"]["test"] if re.split(r"[<>=!~; \[]", d, maxsplit=1)[0] in wanted]
 print("\n".join(deps))
 PY

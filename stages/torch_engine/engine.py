@@ -1055,6 +1055,8 @@ class TorchEngine:
                 self.decoder.pool.reset()  # the router hears the prefixes went (AllBlocksCleared)
                 self._pool_log = self.decoder.pool.log
             self.decoder, self._slot_prefill, self._slots = None, None, None
+            # The tower's graphs hold their memory pools (and level 2's weights): made again on waking.
+            self.family.tower_graphs = TowerGraphs(0)
             if level == 2:
                 self.model = None
                 self._loras.forget_model()

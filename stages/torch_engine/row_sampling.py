@@ -11,8 +11,7 @@ The formulas are the host's (stages/torch_engine/sampling.py: ``adjusted``,
 ``sample_rows`` and ``token_logprobs``), element for element, so a row gives
 the same token and logprobs either way. On a GPU the penalties, bias and
 logprobs are one compiled function (its elementwise passes over the rows'
-vocabulary fused) and the draw runs eager after it, both in the step's
-CUDA graph.
+vocabulary fused) and the draw another, both in the step's CUDA graph.
 """
 
 from __future__ import annotations
@@ -64,11 +63,8 @@ class RowSampling:
         self.reports = torch.zeros(max_slots, 1 + 2 * MAX_TOP, dtype=torch.float32, device=device)
         self._choose = torch.compile(choose, dynamic=True) if compile else choose
         # Apart from ``choose``: a step with no row sampling leaves it out.
-        # Not compiled: inductor (torch 2.11, Triton, dynamic shapes) fails to
-        # generate the split scan of top-p's cumulative sum over gathered
-        # probabilities, and a worker died capturing its graphs. Eager, its
-        # kernels are captured in the step's CUDA graph all the same.
-        self._sample = sample_rows
+        # (Top-p's cumulative sum runs eager within it: sampling._within.)
+        self._sample = torch.compile(sample_rows, dynamic=True) if compile else sample_rows
         # The draws' per-token hash term, made here once (sampling.weyl says why).
         self.weyl = weyl(vocab, device)
 

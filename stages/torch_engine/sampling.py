@@ -159,6 +159,9 @@ def sample_rows(
     return (scores + gumbel(keys, vocab, ids)).argmax(1)
 
 
+# Eager inside the compiled step: inductor (torch 2.11, Triton, dynamic
+# shapes) fails to generate this split scan over gathered probabilities.
+@torch.compiler.disable
 def _within(ranked: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
     """How many of each row's best-first probabilities top-p keeps (at least one)."""
     before = torch.cumsum(ranked, dim=1) - ranked

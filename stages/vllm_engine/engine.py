@@ -11,6 +11,7 @@ mmpipe emits (text, stop strings, finish) are the same for both engines.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 import os
 import socket
@@ -22,6 +23,7 @@ from typing import Any
 
 import structlog
 
+from schemas.errors import InvalidRequest, ModelNotFound
 from schemas.request import StructuredOutput
 from stages.families import MediaEmbedding
 from stages.sampling import Logprobs, SamplingConfig
@@ -67,6 +69,8 @@ class VllmEngine:
         config = AutoConfig.from_pretrained(str(self.model_dir))
         # Qwen2.5-VL: video positions by seconds, which video_embeds inputs cannot carry in vLLM 0.32.
         self.timed_video = config.model_type == "qwen2_5_vl"
+        # The width prompt embeddings must have.
+        self.hidden_size = int(config.get_text_config().hidden_size)
         try:
             generation: Any = GenerationConfig.from_pretrained(str(self.model_dir))
         except OSError:
@@ -80,6 +84,9 @@ class VllmEngine:
         # The example connectors' folders this engine writes, pruned of what
         # is older than storage_ttl_s while it runs (storage.py).
         self.pruner = StoragePruner(written_folders(self.args), storage_ttl_s)
+        # LoRA adapters loaded into vLLM (vllm.lora.request.LoRARequest by name), each under an id of its own.
+        self.loras: dict[str, Any] = {}
+        self._lora_ids = itertools.count(1)
 
     async def start(self) -> None:
         """Start vLLM's engine (its engine-core process, the model load and
@@ -130,16 +137,22 @@ class VllmEngine:
         media: list[MediaEmbedding],
         sampling: SamplingConfig,
         kv_transfer_params: dict[str, Any] | None = None,
+        lora: str = "",
+        embeds: Any = None,
     ) -> AsyncGenerator[Delta, None]:
         """One request's new tokens as vLLM makes them. ``prompt_token_ids``
         hold one placeholder per image; vLLM expands each to its embeddings.
         ``kv_transfer_params``: what a prefill engine returned (the KV
-        connector's consumer loads the prompt's cache with them)."""
+        connector's consumer loads the prompt's cache with them). ``lora``:
+        the adapter (``add_lora``'s name) the language model runs with.
+        ``embeds``: the prompt as input embeddings [tokens, hidden] instead
+        of ``prompt_token_ids`` (vLLM's ``enable_prompt_embeds``)."""
         from vllm.sampling_params import RequestOutputKind
 
         assert self._llm is not None, "start() the engine first"
         params = self._params(sampling, RequestOutputKind.DELTA, kv_transfer_params)
-        async for out in self._llm.generate(_prompt(prompt_token_ids, media, self.timed_video), params, request_id):
+        inputs = _prompt(prompt_token_ids, media, self.timed_video) if embeds is None else {"prompt_embeds": embeds}
+        async for out in self._llm.generate(inputs, params, request_id, lora_request=self.lora_request(lora)):
             done = out.outputs[0]
             tokens = [int(t) for t in done.token_ids]
             asked = sampling.logprobs is not None and done.logprobs is not None
@@ -159,7 +172,12 @@ class VllmEngine:
             yield Delta(tokens, bool(out.finished), logprobs, prompt)
 
     async def prefill(
-        self, request_id: str, prompt_token_ids: list[int], media: list[MediaEmbedding], sampling: SamplingConfig
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        media: list[MediaEmbedding],
+        sampling: SamplingConfig,
+        lora: str = "",
     ) -> dict[str, Any]:
         """Prefill the prompt for another engine to decode: one token's
         budget and ``do_remote_decode``, so the KV connector's producer keeps
@@ -179,9 +197,48 @@ class VllmEngine:
         )
         params = self._params(one, RequestOutputKind.FINAL_ONLY, {"do_remote_decode": True})
         got: dict[str, Any] = {}
-        async for out in self._llm.generate(_prompt(prompt_token_ids, media, self.timed_video), params, request_id):
+        prompt = _prompt(prompt_token_ids, media, self.timed_video)
+        async for out in self._llm.generate(prompt, params, request_id, lora_request=self.lora_request(lora)):
             got = dict(out.kv_transfer_params or {})
         return got
+
+    async def add_lora(self, name: str, path: str) -> None:
+        """Load the LoRA adapter at ``path`` (PEFT's format) into vLLM as
+        ``name`` (again from the same path: nothing to do). vLLM must have
+        been started with ``enable_lora`` (and a ``max_lora_rank`` at least
+        the adapter's)."""
+        from vllm.lora.request import LoRARequest
+
+        assert self._llm is not None, "start() the engine first"
+        if not self.args.get("enable_lora"):
+            raise InvalidRequest("LoRA adapters on --engine vllm need vLLM's LoRA: --vllm-arg enable_lora=true")
+        where = _checked_adapter(name, path)
+        loaded = self.loras.get(name)
+        if loaded is not None:
+            if loaded.lora_path == where:
+                return
+            raise InvalidRequest(f"LoRA adapter {name!r} is loaded from {loaded.lora_path}; unload it first")
+        request = LoRARequest(name, next(self._lora_ids), where)
+        try:
+            await self._llm.add_lora(request)
+        except Exception as exc:  # vLLM's own checks (rank, modules) raise what they raise
+            raise InvalidRequest(f"LoRA adapter {name!r}: vLLM refused it: {exc}") from None
+        self.loras[name] = request
+        log.info("vllm_lora_loaded", name=name, path=request.lora_path, lora_id=request.lora_int_id)
+
+    async def remove_lora(self, name: str) -> None:
+        request = self.loras.pop(name, None)
+        if request is not None and self._llm is not None:
+            await self._llm.remove_lora(request.lora_int_id)
+
+    def lora_request(self, name: str) -> Any:
+        """vLLM's LoRARequest of a loaded adapter; None for ""."""
+        if not name:
+            return None
+        try:
+            return self.loras[name]
+        except KeyError:
+            raise ModelNotFound(f"LoRA adapter {name!r} is not loaded on this worker") from None
 
     def _params(self, sampling: SamplingConfig, kind: Any, kv_transfer_params: dict[str, Any] | None) -> Any:
         from vllm import SamplingParams
@@ -246,6 +303,23 @@ def _logprobs(token: int, step: dict[int, Any], top: int) -> Logprobs:
 
 def _prompt(prompt_token_ids: list[int], media: list[MediaEmbedding], timed_video: bool = False) -> dict[str, Any]:
     return mm_prompt(prompt_token_ids, media, timed_video)
+
+
+def _checked_adapter(name: str, given: str) -> str:
+    """The adapter's folder, resolved, once what vLLM reads of it is there
+    (vLLM's own error for a missing file names no adapter)."""
+    path = Path(given).resolve()
+    config = path / "adapter_config.json"
+    if not config.is_file():
+        raise InvalidRequest(f"LoRA adapter {name!r}: no adapter_config.json in {path}")
+    try:
+        if not isinstance(json.loads(config.read_text()), dict):
+            raise InvalidRequest(f"LoRA adapter {name!r}: adapter_config.json is not an object")
+    except (OSError, ValueError) as exc:
+        raise InvalidRequest(f"LoRA adapter {name!r}: adapter_config.json unreadable: {exc}") from None
+    if not any((path / f).is_file() for f in ("adapter_model.safetensors", "adapter_model.bin")):
+        raise InvalidRequest(f"LoRA adapter {name!r}: no adapter_model.safetensors in {path}")
+    return str(path)
 
 
 def _free_port() -> int:

@@ -51,6 +51,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import structlog
+import torch
 
 from schemas.errors import InvalidRequest
 from schemas.processed import EncodedItem, ProcessedRequest, VllmEncoded, VllmKv
@@ -61,6 +62,7 @@ from stages.families import MediaEmbedding
 from stages.hop_engine import Carried, check_context, prompt_len, put_media, receive_embeddings, sampling
 from stages.media import MediaFetcher
 from stages.prefix_keys import PromptMedia
+from stages.prompt_embeds import load_prompt_embeds
 from stages.sampling import Logprobs, SamplingConfig
 from stages.vllm_engine.args import KV_PRODUCER_ROLES, VLLM_ROLES
 from stages.vllm_engine.block_keys import VllmBlockKeys
@@ -100,6 +102,8 @@ class VllmPrefilled:
     yielded: int = 0
     logprobs: dict[int, Logprobs] = field(default_factory=dict)
     prompt_logprobs: list[Logprobs] | None = None
+    # The prompt as input embeddings (``prompt_embeds``), where the request gave them.
+    embeds: torch.Tensor | None = None
 
 
 class VllmHopEngine:
@@ -127,6 +131,8 @@ class VllmHopEngine:
         self.ec_path = ec_path
         # vLLM's block hashes rewritten as mmpipe's keys in the KV events a worker relays.
         self.block_keys = VllmBlockKeys()
+        # LoRA adapters this worker serves (loaded into vLLM where it runs the language model).
+        self._loras: set[str] = set()
 
     @property
     def tokenizer(self) -> Any:
@@ -174,6 +180,37 @@ class VllmHopEngine:
             if not finished:
                 await self.llm.abort(rid)
 
+    def _embeds(self, req: ProcessedRequest, ctx: HopContext) -> torch.Tensor:
+        """The request's prompt embeddings, for vLLM's ``enable_prompt_embeds``."""
+        assert req.request.prompt_embeds is not None
+        if not self.llm.args.get("enable_prompt_embeds"):
+            raise InvalidRequest("prompt_embeds on --engine vllm need vLLM's: --vllm-arg enable_prompt_embeds=true")
+        if self.role in KV_PRODUCER_ROLES:
+            # vLLM's KV connectors key a prompt by its token ids, which embeddings do not have.
+            raise InvalidRequest("prompt_embeds on --engine vllm need a worker that prefills and decodes")
+        if req.request.sampling.prompt_logprobs is not None:
+            raise InvalidRequest("the prompt's logprobs are not given for prompt_embeds on --engine vllm")
+        if ctx.emitted:
+            # vLLM takes a prompt as embeddings or as ids, not both: the tokens a client holds cannot follow it.
+            raise InvalidRequest("a request of prompt_embeds cannot resume on --engine vllm after its first tokens")
+        return load_prompt_embeds(req.request.prompt_embeds, self.llm.hidden_size)
+
+    async def load_lora(self, name: str, path: str) -> None:
+        """Load a LoRA adapter into vLLM (--vllm-arg enable_lora=true) for
+        requests that name it. An encode role runs no language model: it
+        only takes the adapter's requests."""
+        if self.role != "encode":
+            await self.llm.add_lora(name, path)
+        self._loras.add(name)
+
+    async def unload_lora(self, name: str) -> None:
+        self._loras.discard(name)
+        if self.role != "encode":
+            await self.llm.remove_lora(name)
+
+    def loras(self) -> list[str]:
+        return sorted(self._loras)
+
     def has_room(self) -> bool:
         # vLLM's scheduler queues what its KV cache cannot hold yet; the
         # worker's in-flight cap bounds what it is given.
@@ -203,12 +240,10 @@ class VllmHopEngine:
         """Where the role decodes too, vLLM prefills inside the decode
         request; for a decode hop, a one-token prefill whose KV cache vLLM's
         connector keeps for it."""
-        if req.request.prompt_embeds is not None:
-            raise InvalidRequest("prompt_embeds are taken by the built-in engine; --engine vllm does not take them yet")
-        if req.lora:
-            raise InvalidRequest("LoRA adapters are taken by the built-in engine; --engine vllm does not take them yet")
         rid = req.request.request_id
         handle = VllmPrefilled(rid, prompt_len(req, media), [*req.prompt_token_ids, *ctx.emitted], media)
+        if req.request.prompt_embeds is not None:
+            handle.embeds = self._embeds(req, ctx)
         items = zip(req.media, media, strict=True)
         self.block_keys.learn(
             handle.prompt_ids, [PromptMedia(m.placeholder_index, e.num_tokens, e.digest) for m, e in items]
@@ -224,7 +259,7 @@ class VllmHopEngine:
         done = False
         try:
             handle.kv_params = await self.llm.prefill(
-                vllm_id, handle.prompt_ids, media, sampling(req, len(ctx.emitted))
+                vllm_id, handle.prompt_ids, media, sampling(req, len(ctx.emitted)), req.lora
             )
             done = True
         finally:
@@ -282,7 +317,9 @@ class VllmHopEngine:
         # vLLM stops at EOS (unless ignore_eos) and max_tokens itself: is_eos is not needed.
         handle.vllm_id = _vllm_id(handle.request_id)
         params = sampling(req, len(ctx.emitted))
-        stream = self.llm.stream(handle.vllm_id, handle.prompt_ids, handle.media, params, handle.kv_params)
+        stream = self.llm.stream(
+            handle.vllm_id, handle.prompt_ids, handle.media, params, handle.kv_params, req.lora, handle.embeds
+        )
         first = True
         async with contextlib.aclosing(stream) as deltas:
             async for delta in deltas:
