@@ -380,6 +380,8 @@ async def _serve_role(role: str, config: PipelineConfig, settings: WorkerSetting
             tensor_settings = dataclasses.replace(settings.tensor_settings, replicas=config.replicas or 1)
             device = resolve_device(settings.device)
             tensors = await open_transport(settings.transport, nc, js, config.namespace, tensor_settings, role, device)
+        if role == PROCESSOR and settings.media.frontend_decode:
+            _copies_only()
         stage = build_stage(role, config, settings, tensors=tensors)
         worker = Worker(
             nc,
@@ -410,6 +412,16 @@ async def _serve_role(role: str, config: PipelineConfig, settings: WorkerSetting
         await shutdown(nc)
 
 
+def _copies_only() -> None:
+    """A process whose torch work is copies (decoded media into the tensor
+    store) takes one intra-op thread: torch's default, one a core, spins
+    every core after each small op (an H200 host's bridge with
+    --frontend-decode: 122 ms of CPU a request against 12 without)."""
+    import torch
+
+    torch.set_num_threads(1)
+
+
 def reads_decoded_media(role: str, settings: WorkerSettings) -> bool:
     """With --frontend-decode, the processor hands decoded media on and the
     role that encodes reads them: both need a tensor transport, EPD too."""
@@ -430,6 +442,7 @@ async def run_bridge(
     tracing.attach_nats(nc, config.subjects.spans("bridge"))
     tensors: TensorTransport | None = None
     if processing.model and processing.media.frontend_decode:
+        _copies_only()
         from pipeline.transport import open_transport
 
         tensor_settings = dataclasses.replace(processing.tensor_settings, replicas=config.replicas or 1)
