@@ -183,11 +183,11 @@ class VllmHopEngine:
     def _embeds(self, req: ProcessedRequest, ctx: HopContext) -> torch.Tensor:
         """The request's prompt embeddings, for vLLM's ``enable_prompt_embeds``."""
         assert req.request.prompt_embeds is not None
-        if not self.llm.args.get("enable_prompt_embeds"):
-            raise InvalidRequest("prompt_embeds on --engine vllm need vLLM's: --vllm-arg enable_prompt_embeds=true")
         if self.role in KV_PRODUCER_ROLES:
             # vLLM's KV connectors key a prompt by its token ids, which embeddings do not have.
             raise InvalidRequest("prompt_embeds on --engine vllm need a worker that prefills and decodes")
+        if not self.llm.args.get("enable_prompt_embeds"):
+            raise InvalidRequest("prompt_embeds on --engine vllm need vLLM's: --vllm-arg enable_prompt_embeds=true")
         if req.request.sampling.prompt_logprobs is not None:
             raise InvalidRequest("the prompt's logprobs are not given for prompt_embeds on --engine vllm")
         if ctx.emitted:

@@ -666,3 +666,41 @@ def test_mmpipes_kv_events_read_with_vllms_own_types() -> None:
     assert isinstance(removed, vllm_events.BlockRemoved) and removed.block_hashes == [7]
     assert isinstance(cleared, vllm_events.AllBlocksCleared)
     assert (theirs.ts, theirs.data_parallel_rank) == (12.5, 0)
+
+
+@pytest.mark.e2e
+async def test_lora_and_prompt_embeds_without_vllms_own_say_what_to_start_it_with(
+    stack: VllmStack, tmp_path: Path, vllm_model_dir: Path
+) -> None:
+    """A stack started without vLLM's enable_lora and enable_prompt_embeds:
+    loading an adapter, or sending prompt embeddings, is a 400 naming the
+    engine argument; a split prefill worker refuses prompt embeddings
+    whatever it was started with (vLLM's KV connectors key a prompt by its
+    ids). Nothing is kept, and the stack serves on."""
+    import base64
+    import io
+
+    import aiohttp
+    import torch
+    from transformers import AutoConfig
+
+    from tests.stages.test_lora import make_adapter
+
+    make_adapter(vllm_model_dir, tmp_path / "adapter", seed=4)
+    async with aiohttp.ClientSession() as session:
+        body = {"lora_name": "sea", "lora_path": str(tmp_path / "adapter")}
+        async with session.post(f"{stack.base_url}/v1/load_lora_adapter", json=body) as response:
+            assert response.status == 400 and "enable_lora=true" in await response.text()
+    hidden = AutoConfig.from_pretrained(str(vllm_model_dir)).get_text_config().hidden_size
+    buffer = io.BytesIO()
+    torch.save(torch.zeros(4, hidden), buffer)
+    says = "prefills and decodes" if stack.mode in ("e-p-d", "ep-d") else "enable_prompt_embeds=true"
+    async with stack.client() as c:
+        with pytest.raises(openai.BadRequestError, match=says):
+            await c.completions.create(
+                model=MODEL,
+                prompt="",
+                max_tokens=2,
+                extra_body={"prompt_embeds": base64.b64encode(buffer.getvalue()).decode()},
+            )
+        assert {m.id for m in (await c.models.list()).data} == {MODEL}

@@ -2,8 +2,8 @@
 punica kernels here): loaded through the bridge's /v1/load_lora_adapter
 into every worker that runs the language model, listed in /v1/models, a
 request naming one gets transformers + PEFT generate()'s tokens and the
-base model keeps its own; without vLLM's enable_lora a load is a 400 that
-says so; unloaded, the adapter is a 404."""
+base model keeps its own; unloaded, the adapter is a 404. (Without vLLM's
+enable_lora a load is a 400 that says so: test_vllm_engine.py.)"""
 
 from __future__ import annotations
 
@@ -67,18 +67,4 @@ async def test_an_adapter_on_vllm_gives_peft_generates_tokens(
             with pytest.raises(openai.NotFoundError):
                 await _complete(c, "sea")
             assert await _complete(c, MODEL) == base
-    assert_clean_exit(stack)
-
-
-@pytest.mark.e2e
-async def test_without_vllms_lora_a_load_says_what_to_start_it_with(
-    tmp_path: Path, mmpipe_home: Path, vllm_model_dir: Path
-) -> None:
-    make_adapter(vllm_model_dir, tmp_path / "adapter", seed=4)
-    with vllm_up(tmp_path, mmpipe_home, "epd", vllm_model_dir, {}, modalities="image") as stack:
-        async with aiohttp.ClientSession() as session, stack.client() as c:
-            load = f"{stack.base_url}/v1/load_lora_adapter"
-            status, text = await _post(session, load, {"lora_name": "sea", "lora_path": str(tmp_path / "adapter")})
-            assert status == 400 and "enable_lora=true" in text, text
-            assert {m.id for m in (await c.models.list()).data} == {MODEL}
     assert_clean_exit(stack)
