@@ -46,6 +46,7 @@ from stages.media import (
 from stages.media.decode_pool import DecodePool
 from stages.media.decoded import DecodedMediaCache
 from stages.media.frontend import from_tensor
+from stages.media.video import video_options
 from stages.torch_engine.encode_batcher import EncodeBatcher
 from stages.torch_engine.engine import TorchEngine
 from stages.torch_engine.scheduler import EngineThread
@@ -235,21 +236,10 @@ class MediaEncoder:
         task.add_done_callback(stored)
 
     def _cap(self, item: MediaItem) -> int:
-        if item.kind is MediaKind.VIDEO:
-            return self.policy.video_max_bytes
-        if item.kind is MediaKind.AUDIO:
-            return self.policy.audio_max_bytes
-        return self.policy.max_bytes
+        return self.policy.max_bytes_of(item.kind)
 
     def _options(self, item: MediaItem) -> VideoOptions | None:
-        if item.kind is not MediaKind.VIDEO:
-            return None
-        return VideoOptions(
-            num_frames=item.num_frames,
-            fps=item.fps,
-            max_frames=item.max_frames,
-            pad_to_multiple=self.engine.family.video_frame_multiple,
-        )
+        return video_options(item, self.engine.family.video_frame_multiple)
 
     def _decode(self, item: MediaItem, data: bytes) -> Decoded:
         if item.kind is MediaKind.VIDEO:

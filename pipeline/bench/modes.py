@@ -59,25 +59,10 @@ def mmpipe_up(
     api_key: str | None = None,
     start_timeout_s: float = 300,
     extra: tuple[str, ...] = (),
-) -> Iterator[str]:
-    """``mmpipe up`` in ``mode`` (with ``extra`` flags) on a free port; yields the
-    OpenAI base URL once it printed its ready line, and stops it with SIGINT
-    when the block ends."""
-    with mmpipe_up_process(mode, model, transport, data_dir, api_key, start_timeout_s, extra) as (url, _):
-        yield url
-
-
-@contextmanager
-def mmpipe_up_process(
-    mode: str,
-    model: str,
-    transport: str,
-    data_dir: Path,
-    api_key: str | None = None,
-    start_timeout_s: float = 300,
-    extra: tuple[str, ...] = (),
 ) -> Iterator[tuple[str, int]]:
-    """``mmpipe_up``, yielding its process id beside the URL."""
+    """``mmpipe up`` in ``mode`` (with ``extra`` flags) on a free port; yields the
+    OpenAI base URL once it printed its ready line, and its process id; stops
+    it with SIGINT when the block ends."""
     port = free_port()
     cmd = [sys.executable, "-m", "pipeline.cli", "up", "--mode", mode, "--port", str(port)]
     cmd += ["--data-dir", str(data_dir), "--model", model, "--served-model-name", Path(model).name]
@@ -148,7 +133,7 @@ def compare(
         print(f"mode {name}: starting mmpipe up ...", file=sys.stderr, flush=True)
         with tempfile.TemporaryDirectory(prefix=f"mmpipe-bench-{mode}-") as tmp:
             t0 = time.monotonic()
-            up = mmpipe_up_process(mode, spec.model, transport, Path(tmp), api_key, extra=(*extra, *flags))
+            up = mmpipe_up(mode, spec.model, transport, Path(tmp), api_key, extra=(*extra, *flags))
             with up as (url, pid):
                 ready_s = time.monotonic() - t0
                 print(f"mode {name}: ready in {ready_s:.1f} s, running the load ...", file=sys.stderr, flush=True)

@@ -194,7 +194,7 @@ def compare_routers(args: argparse.Namespace, routers: list[str]) -> list[dict[s
         print(f"{label}: starting mmpipe up ...", file=sys.stderr, flush=True)
         with tempfile.TemporaryDirectory(prefix="mmpipe-bench-router-") as tmp:
             extra = (*flags, *args.up_arg)
-            with mmpipe_up(mode, spec.model, args.transport, Path(tmp), spec.api_key, extra=extra) as url:
+            with mmpipe_up(mode, spec.model, args.transport, Path(tmp), spec.api_key, extra=extra) as (url, _):
                 on = dataclasses.replace(spec, url=url, model=Path(spec.model).name)
                 rows.append({"router": label, **run_async(run(on, args.users, args.turns))})
     return rows

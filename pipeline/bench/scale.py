@@ -43,7 +43,7 @@ def _run(
 ) -> dict[str, Any]:
     with tempfile.TemporaryDirectory(prefix="mmpipe-bench-scale-") as tmp:
         started = time.monotonic()
-        with mmpipe_up(mode, spec.model, transport, Path(tmp), spec.api_key, extra=extra) as url:
+        with mmpipe_up(mode, spec.model, transport, Path(tmp), spec.api_key, extra=extra) as (url, _):
             ready_s = time.monotonic() - started
             report = run_async(run_load(replace(spec, url=url, model=Path(spec.model).name), images))
     summary = report.summary()

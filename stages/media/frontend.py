@@ -34,7 +34,7 @@ from stages.media.decode_pool import DecodePool, decode_item
 from stages.media.decoded import Decoded, DecodedMediaCache
 from stages.media.fetch import MediaFetcher
 from stages.media.policy import MediaPolicy
-from stages.media.video import DecodedVideo, VideoOptions
+from stages.media.video import DecodedVideo, VideoOptions, video_options
 
 # Hashing a large item runs off the event loop (hashlib lets go of the GIL).
 _THREAD_HASH_BYTES = 64 << 10
@@ -104,21 +104,10 @@ class FrontendDecoder:
         return await asyncio.to_thread(decode_item, item.kind, data, self.policy, options, fmt)
 
     def _cap(self, item: MediaItem) -> int:
-        if item.kind is MediaKind.VIDEO:
-            return self.policy.video_max_bytes
-        if item.kind is MediaKind.AUDIO:
-            return self.policy.audio_max_bytes
-        return self.policy.max_bytes
+        return self.policy.max_bytes_of(item.kind)
 
     def _options(self, item: MediaItem) -> VideoOptions | None:
-        if item.kind is not MediaKind.VIDEO:
-            return None
-        return VideoOptions(
-            num_frames=item.num_frames,
-            fps=item.fps,
-            max_frames=item.max_frames,
-            pad_to_multiple=self.video_frame_multiple,
-        )
+        return video_options(item, self.video_frame_multiple)
 
 
 def as_tensor(media: Decoded, digest: str) -> tuple[torch.Tensor, DecodedItem]:

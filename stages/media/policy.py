@@ -18,6 +18,7 @@ from pathlib import Path
 from yarl import URL
 
 from schemas.errors import UrlNotAllowed
+from schemas.processed import MediaKind
 from schemas.settings import setting
 
 IPAddress = ipaddress.IPv4Address | ipaddress.IPv6Address
@@ -169,6 +170,14 @@ class MediaPolicy:
     def local_roots(self) -> tuple[Path, ...]:
         # Resolved once so a symlinked root (e.g. /tmp -> /private/tmp) compares against real paths.
         return tuple(Path(d).resolve() for d in self.allowed_local_dirs)
+
+    def max_bytes_of(self, kind: MediaKind) -> int:
+        """Bytes one item of ``kind`` may have, inline or fetched."""
+        if kind is MediaKind.VIDEO:
+            return self.video_max_bytes
+        if kind is MediaKind.AUDIO:
+            return self.audio_max_bytes
+        return self.max_bytes
 
     def formats_text(self) -> str:
         return ", ".join(sorted(self.allowed_formats))

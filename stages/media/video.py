@@ -30,6 +30,7 @@ import numpy as np
 from PIL import Image
 
 from schemas.errors import InvalidMedia, InvalidRequest, MmpipeError, TooLarge, UnsupportedMedia
+from schemas.processed import MediaItem, MediaKind
 from stages.media.image import sniff_format
 from stages.media.policy import MediaPolicy
 
@@ -111,6 +112,16 @@ class VideoOptions:
         if self.pad_to_multiple < 1:
             # Set by the server from the model config, never by a client.
             raise ValueError(f"VideoOptions.pad_to_multiple must be >= 1, got {self.pad_to_multiple}")
+
+
+def video_options(item: MediaItem, pad_to_multiple: int) -> VideoOptions | None:
+    """How a video item is sampled, as its request asks (None: not a video).
+    Raises InvalidRequest for sampling that cannot be (before any download)."""
+    if item.kind is not MediaKind.VIDEO:
+        return None
+    return VideoOptions(
+        num_frames=item.num_frames, fps=item.fps, max_frames=item.max_frames, pad_to_multiple=pad_to_multiple
+    )
 
 
 @dataclasses.dataclass(frozen=True)

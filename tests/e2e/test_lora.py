@@ -25,12 +25,12 @@ BASE = "tiny-qwen2-vl"
 PROMPT = "The sea and the mountains are"
 
 
-async def _post(session: aiohttp.ClientSession, url: str, body: dict[str, Any]) -> tuple[int, str]:
+async def post_json(session: aiohttp.ClientSession, url: str, body: dict[str, Any]) -> tuple[int, str]:
     async with session.post(url, json=body) as response:
         return response.status, await response.text()
 
 
-async def _complete(c: openai.AsyncOpenAI, model: str) -> str:
+async def complete_text(c: openai.AsyncOpenAI, model: str) -> str:
     done = await c.completions.create(
         model=model, prompt=PROMPT, max_tokens=N, temperature=0, extra_body={"min_tokens": N}
     )
@@ -55,34 +55,34 @@ async def test_an_adapter_loaded_at_run_time_gives_peft_generates_tokens(
     session = aiohttp.ClientSession()
     try:
         async with client(stack) as c:
-            base = await _complete(c, BASE)
+            base = await complete_text(c, BASE)
             assert base != with_adapter
             load = f"{stack.base_url}/v1/load_lora_adapter"
-            status, text = await _post(session, load, {"lora_name": "sea", "lora_path": str(tmp_path / "adapter")})
+            status, text = await post_json(session, load, {"lora_name": "sea", "lora_path": str(tmp_path / "adapter")})
             assert (status, text) == (200, "Success: LoRA adapter 'sea' added successfully.")
             models = {m.id: m for m in (await c.models.list()).data}
             assert set(models) == {BASE, "sea"}
             assert models["sea"].model_extra == {"root": str(tmp_path / "adapter"), "parent": BASE}
-            assert await _complete(c, "sea") == with_adapter
-            assert await _complete(c, BASE) == base
+            assert await complete_text(c, "sea") == with_adapter
+            assert await complete_text(c, BASE) == base
 
             # A bad adapter: a 400 naming why, and no worker keeps it.
-            status, text = await _post(session, load, {"lora_name": "bad", "lora_path": str(tmp_path / "empty")})
+            status, text = await post_json(session, load, {"lora_name": "bad", "lora_path": str(tmp_path / "empty")})
             assert status == 400 and "adapter_config.json" in text
-            status, text = await _post(session, load, {"lora_name": "sea", "lora_path": str(tmp_path / "adapter")})
+            status, text = await post_json(session, load, {"lora_name": "sea", "lora_path": str(tmp_path / "adapter")})
             assert status == 400 and "already been loaded" in text
             assert {m.id for m in (await c.models.list()).data} == {BASE, "sea"}
             with pytest.raises(openai.NotFoundError):
-                await _complete(c, "bad")
+                await complete_text(c, "bad")
 
             unload = f"{stack.base_url}/v1/unload_lora_adapter"
-            status, text = await _post(session, unload, {"lora_name": "sea"})
+            status, text = await post_json(session, unload, {"lora_name": "sea"})
             assert (status, text) == (200, "Success: LoRA adapter 'sea' removed successfully.")
             with pytest.raises(openai.NotFoundError):
-                await _complete(c, "sea")
-            status, _ = await _post(session, unload, {"lora_name": "sea"})
+                await complete_text(c, "sea")
+            status, _ = await post_json(session, unload, {"lora_name": "sea"})
             assert status == 404
-            assert await _complete(c, BASE) == base
+            assert await complete_text(c, BASE) == base
     finally:
         await session.close()
         await stop()
@@ -106,7 +106,7 @@ async def test_workers_started_later_serve_the_adapters_already_loaded(
     try:
         async with aiohttp.ClientSession() as session:
             body = {"lora_name": "sky", "lora_path": str(tmp_path / "adapter")}
-            status, _ = await _post(session, f"{first.base_url}/v1/load_lora_adapter", body)
+            status, _ = await post_json(session, f"{first.base_url}/v1/load_lora_adapter", body)
             assert status == 200
     finally:
         await stop()
@@ -114,6 +114,6 @@ async def test_workers_started_later_serve_the_adapters_already_loaded(
     try:
         async with client(later) as c:
             assert "sky" in {m.id for m in (await c.models.list()).data}
-            assert await _complete(c, "sky") == expected
+            assert await complete_text(c, "sky") == expected
     finally:
         await stop()

@@ -45,6 +45,15 @@ async def _complete(c: openai.AsyncOpenAI, embeds: str | list[str], **kw: Any) -
     )
 
 
+def off_token_embeds(model: Any, tokenizer: Any, text: str = "The sea and the mountains are") -> torch.Tensor:
+    """The model's own embeddings of ``text``, moved off any token's: no ids stand behind them."""
+    ids = torch.tensor(tokenizer(text)["input_ids"])
+    hidden = model.config.get_text_config().hidden_size
+    with torch.inference_mode():
+        noise = 0.05 * torch.randn(len(ids), hidden, generator=torch.Generator().manual_seed(1))
+        return model.get_input_embeddings()(ids) + noise
+
+
 @pytest.mark.e2e
 @pytest.mark.parametrize("mode", ["epd", "e-p-d"])
 async def test_prompt_embeds_give_generates_tokens(
@@ -53,13 +62,8 @@ async def test_prompt_embeds_give_generates_tokens(
     model_dir = model_spec.path
     model = load_reference_model(model_dir)
     tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
-    ids = torch.tensor(tokenizer("The sea and the mountains are")["input_ids"])
-    hidden = model.config.get_text_config().hidden_size
-    with torch.inference_mode():
-        # The model's own embeddings of a prompt, moved off any token's: no ids stand behind them.
-        embeds = model.get_input_embeddings()(ids) + 0.05 * torch.randn(
-            len(ids), hidden, generator=torch.Generator().manual_seed(1)
-        )
+    embeds = off_token_embeds(model, tokenizer)
+    tokens, hidden = embeds.shape
     halves = embeds.to(torch.bfloat16)
     expected = reference_generate_embeds(model_dir, embeds, N, model=model)
     expected_halves = reference_generate_embeds(model_dir, halves.float(), N, model=model)
@@ -69,7 +73,7 @@ async def test_prompt_embeds_give_generates_tokens(
         async with client(stack) as c:
             done = await _complete(c, _torch_saved(embeds))
             assert done.choices[0].text == tokenizer.decode(expected, skip_special_tokens=True)
-            assert done.usage is not None and (done.usage.prompt_tokens, done.usage.completion_tokens) == (len(ids), N)
+            assert done.usage is not None and (done.usage.prompt_tokens, done.usage.completion_tokens) == (tokens, N)
             # A list of them, streamed; one in bfloat16 as safetensors, [1, tokens, hidden].
             pieces: dict[int, str] = {}
             async for chunk in await _complete(c, [_safetensors(halves[None]), _torch_saved(embeds)], stream=True):

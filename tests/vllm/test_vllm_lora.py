@@ -8,7 +8,6 @@ enable_lora a load is a 400 that says so: test_vllm_engine.py.)"""
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
 
 import aiohttp
 import openai
@@ -16,23 +15,11 @@ import pytest
 from transformers import AutoTokenizer
 
 from stages.torch_engine.reference import reference_generate
+from tests.e2e.test_lora import PROMPT, complete_text, post_json
 from tests.stages.test_lora import make_adapter
 from tests.vllm.test_vllm_engine import MODEL, N, assert_clean_exit, vllm_up
 
-PROMPT = "The sea and the mountains are"
 LORA_ARGS = {"enable_lora": True, "max_lora_rank": 8}
-
-
-async def _post(session: aiohttp.ClientSession, url: str, body: dict[str, Any]) -> tuple[int, str]:
-    async with session.post(url, json=body) as response:
-        return response.status, await response.text()
-
-
-async def _complete(c: openai.AsyncOpenAI, model: str) -> str:
-    done = await c.completions.create(
-        model=model, prompt=PROMPT, max_tokens=N, temperature=0, extra_body={"min_tokens": N}
-    )
-    return done.choices[0].text
 
 
 @pytest.mark.e2e
@@ -51,20 +38,20 @@ async def test_an_adapter_on_vllm_gives_peft_generates_tokens(
     with vllm_up(tmp_path, mmpipe_home, mode, vllm_model_dir, LORA_ARGS, modalities="image") as stack:
         async with aiohttp.ClientSession() as session, stack.client() as c:
             load = f"{stack.base_url}/v1/load_lora_adapter"
-            status, text = await _post(session, load, {"lora_name": "sea", "lora_path": str(tmp_path / "adapter")})
+            status, text = await post_json(session, load, {"lora_name": "sea", "lora_path": str(tmp_path / "adapter")})
             assert (status, text) == (200, "Success: LoRA adapter 'sea' added successfully."), text
             assert {m.id for m in (await c.models.list()).data} == {MODEL, "sea"}
-            assert await _complete(c, "sea") == with_adapter
-            assert await _complete(c, MODEL) == base
+            assert await complete_text(c, "sea") == with_adapter
+            assert await complete_text(c, MODEL) == base
 
-            status, text = await _post(session, load, {"lora_name": "bad", "lora_path": str(tmp_path / "empty")})
+            status, text = await post_json(session, load, {"lora_name": "bad", "lora_path": str(tmp_path / "empty")})
             assert status == 400 and "adapter_config.json" in text
             assert {m.id for m in (await c.models.list()).data} == {MODEL, "sea"}
 
             unload = f"{stack.base_url}/v1/unload_lora_adapter"
-            status, text = await _post(session, unload, {"lora_name": "sea"})
+            status, text = await post_json(session, unload, {"lora_name": "sea"})
             assert status == 200, text
             with pytest.raises(openai.NotFoundError):
-                await _complete(c, "sea")
-            assert await _complete(c, MODEL) == base
+                await complete_text(c, "sea")
+            assert await complete_text(c, MODEL) == base
     assert_clean_exit(stack)

@@ -17,6 +17,7 @@ import torch
 from transformers import AutoTokenizer
 
 from stages.torch_engine.reference import load_reference_model, reference_generate_embeds
+from tests.e2e.test_prompt_embeds import off_token_embeds
 from tests.vllm.test_vllm_engine import MODEL, N, assert_clean_exit, vllm_up
 
 
@@ -36,12 +37,7 @@ def _embeds(model_dir: Path) -> tuple[torch.Tensor, str]:
     """A prompt's embeddings moved off any token's, and generate()'s text for them."""
     model = load_reference_model(model_dir)
     tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
-    ids = torch.tensor(tokenizer("The sea and the mountains are")["input_ids"])
-    hidden = model.config.get_text_config().hidden_size
-    with torch.inference_mode():
-        embeds = model.get_input_embeddings()(ids) + 0.05 * torch.randn(
-            len(ids), hidden, generator=torch.Generator().manual_seed(1)
-        )
+    embeds = off_token_embeds(model, tokenizer)
     expected = reference_generate_embeds(model_dir, embeds, N, model=model)
     return embeds, tokenizer.decode(expected, skip_special_tokens=True)
 
