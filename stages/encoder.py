@@ -15,7 +15,6 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import itertools
-import json
 import os
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable
@@ -39,10 +38,10 @@ from stages.media import (
     decode_audio,
     decode_image,
     decode_video,
-    item_digest,
     media_set_key,
     parse_embeddings,
 )
+from stages.media.cache import decoded_key, item_digest_off_loop
 from stages.media.decode_pool import DecodePool
 from stages.media.decoded import DecodedMediaCache
 from stages.media.frontend import from_tensor
@@ -52,11 +51,6 @@ from stages.torch_engine.engine import TorchEngine
 from stages.torch_engine.scheduler import EngineThread
 
 log = structlog.get_logger(__name__)
-
-# Hashing runs at about 1 GB/s and hashlib lets go of the GIL: beyond this much
-# (about a thread hop's cost), hash off the event loop. A 448×448 PNG hashed on
-# the loop, twice, was 17% of a worker loop's CPU under 64 clients (H100 host).
-_THREAD_HASH_BYTES = 64 << 10
 
 # Layouts remembered (a few dozen bytes each): far more media than a KV pool holds.
 _LAYOUTS = 8192
@@ -125,7 +119,9 @@ class MediaEncoder:
             )
         # Each item's content digest: what the prefix cache keys the KV blocks
         # showing it by, and (together) the embedding cache's key.
-        digests = list(await asyncio.gather(*(_digest(m, d) for m, d in zip(req.media, datas, strict=True))))
+        digests = list(
+            await asyncio.gather(*(item_digest_off_loop(m, d) for m, d in zip(req.media, datas, strict=True)))
+        )
         if any(m.embeds for m in req.media):
             return _digested(await self._with_precomputed(req, datas, ctx), digests)
         return await self._encoded(req, digests, lambda: self._encode_media(req.media, datas, ctx), ctx, reuse_prefix)
@@ -252,8 +248,7 @@ class MediaEncoder:
         """The item decoded, from the decoded-media cache when these bytes were read this way before."""
         if self.decoded_cache is None:
             return await self._decode_off_loop(item, data)
-        options = json.dumps([item.kind.value, item.num_frames, item.fps, item.max_frames, item.format])
-        key = await _content_key(data, model="", kind="decoded", options=options)
+        key = await decoded_key(item, data)
         if (hit := self.decoded_cache.get(key)) is not None:
             return hit
         media = await self._decode_off_loop(item, data)
@@ -337,14 +332,6 @@ def decode_processes(policy: MediaPolicy, device: torch.device) -> int:
     return min(4, max(1, (os.cpu_count() or 1) // 4))
 
 
-async def _digest(item: MediaItem, data: bytes) -> str:
-    """An item's content: its bytes, and how they are read (its kind, a
-    video's sampling, an audio's declared format, embeddings sent as such)."""
-    if len(data) > _THREAD_HASH_BYTES:
-        return await asyncio.to_thread(item_digest, item, data)
-    return item_digest(item, data)
-
-
 def _read_done(reads: set[asyncio.Future[list[Decoded]]]) -> Callable[[asyncio.Future[list[Decoded]]], None]:
     def done(read: asyncio.Future[list[Decoded]]) -> None:
         reads.discard(read)
@@ -356,12 +343,6 @@ def _read_done(reads: set[asyncio.Future[list[Decoded]]]) -> Callable[[asyncio.F
 
 def _digested(encoded: list[MediaEmbedding], digests: list[str]) -> list[MediaEmbedding]:
     return [dataclasses.replace(e, digest=d) for e, d in zip(encoded, digests, strict=True)]
-
-
-async def _content_key(data: bytes, model: str, kind: str, options: str) -> str:
-    if len(data) > _THREAD_HASH_BYTES:
-        return await asyncio.to_thread(content_key, data, model=model, kind=kind, options=options)
-    return content_key(data, model=model, kind=kind, options=options)
 
 
 def _pack(encoded: list[MediaEmbedding]) -> CachedEmbedding:

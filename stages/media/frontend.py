@@ -17,8 +17,6 @@ itself.
 from __future__ import annotations
 
 import asyncio
-import json
-from collections.abc import Callable
 
 import msgspec
 import numpy as np
@@ -29,15 +27,12 @@ from schemas.errors import InvalidMedia
 from schemas.processed import DecodedItem, DecodedMedia, MediaItem, MediaKind, ProcessedRequest
 from stages.contract import HopContext, TensorStore
 from stages.media.audio import DecodedAudio
-from stages.media.cache import content_key, item_digest
+from stages.media.cache import decoded_key, item_digest_off_loop
 from stages.media.decode_pool import DecodePool, decode_item
 from stages.media.decoded import Decoded, DecodedMediaCache
 from stages.media.fetch import MediaFetcher
 from stages.media.policy import MediaPolicy
 from stages.media.video import DecodedVideo, VideoOptions, video_options
-
-# Hashing a large item runs off the event loop (hashlib lets go of the GIL).
-_THREAD_HASH_BYTES = 64 << 10
 
 
 class FrontendDecoder:
@@ -67,7 +62,7 @@ class FrontendDecoder:
                 await asyncio.gather(*(self.fetcher.fetch(req.media_url(m), max_bytes=self._cap(m)) for m in req.media))
             )
         pairs = list(zip(req.media, datas, strict=True))
-        digests = list(await asyncio.gather(*(_hashed(item_digest, m, d) for m, d in pairs)))
+        digests = list(await asyncio.gather(*(item_digest_off_loop(m, d) for m, d in pairs)))
         with ctx.timed("media_decode", items=len(req.media)):
             decoded = await asyncio.gather(
                 *(self._decoded(m, d, o) for m, d, o in zip(req.media, datas, options, strict=True))
@@ -89,8 +84,7 @@ class FrontendDecoder:
     async def _decoded(self, item: MediaItem, data: bytes, options: VideoOptions | None) -> Decoded:
         if self.cache is None:
             return await self._decode(item, data, options)
-        how = json.dumps([item.kind.value, item.num_frames, item.fps, item.max_frames, item.format])
-        key = await _hashed(lambda _, d: content_key(d, model="", kind="decoded", options=how), item, data)
+        key = await decoded_key(item, data)
         if (hit := self.cache.get(key)) is not None:
             return hit
         media = await self._decode(item, data, options)
@@ -160,9 +154,3 @@ def from_tensor(item: DecodedItem, tensor: torch.Tensor) -> Decoded:
 
 def _rgb(image: Image.Image) -> Image.Image:
     return image if image.mode == "RGB" else image.convert("RGB")
-
-
-async def _hashed(digest: Callable[[MediaItem, bytes], str], item: MediaItem, data: bytes) -> str:
-    if len(data) > _THREAD_HASH_BYTES:
-        return await asyncio.to_thread(digest, item, data)
-    return digest(item, data)
