@@ -41,7 +41,7 @@ from stages.media import (
     media_set_key,
     parse_embeddings,
 )
-from stages.media.cache import decoded_key, item_digest_off_loop
+from stages.media.cache import item_digest_off_loop
 from stages.media.decode_pool import DecodePool
 from stages.media.decoded import DecodedMediaCache
 from stages.media.frontend import from_tensor
@@ -248,12 +248,7 @@ class MediaEncoder:
         """The item decoded, from the decoded-media cache when these bytes were read this way before."""
         if self.decoded_cache is None:
             return await self._decode_off_loop(item, data)
-        key = await decoded_key(item, data)
-        if (hit := self.decoded_cache.get(key)) is not None:
-            return hit
-        media = await self._decode_off_loop(item, data)
-        self.decoded_cache.put(key, media)
-        return media
+        return await self.decoded_cache.get_or_decode(item, data, lambda: self._decode_off_loop(item, data))
 
     async def _decode_off_loop(self, item: MediaItem, data: bytes) -> Decoded:
         if self.decode_pool is None or self.thread.quiet:

@@ -13,12 +13,16 @@ Event-loop only, like the embedding cache.
 
 from __future__ import annotations
 
+import builtins
+from collections.abc import Awaitable, Callable
 from typing import Final
 
 from PIL import Image
 from prometheus_client import Counter
 
+from schemas.processed import MediaItem
 from stages.media.audio import DecodedAudio
+from stages.media.cache import decoded_key
 from stages.media.lru import ByteLRU
 from stages.media.video import DecodedVideo
 
@@ -63,3 +67,14 @@ class DecodedMediaCache:
         # The key names the content and how it was read: one already held is the same media.
         if key not in self._lru:
             self._lru.put(key, media)
+
+    async def get_or_decode(
+        self, item: MediaItem, data: builtins.bytes, decode: Callable[[], Awaitable[Decoded]]
+    ) -> Decoded:
+        """The item as these bytes were decoded before (read this way), or ``decode()``'s, kept."""
+        key = await decoded_key(item, data)
+        if (hit := self.get(key)) is not None:
+            return hit
+        media = await decode()
+        self.put(key, media)
+        return media

@@ -27,7 +27,7 @@ from schemas.errors import InvalidMedia
 from schemas.processed import DecodedItem, DecodedMedia, MediaItem, MediaKind, ProcessedRequest
 from stages.contract import HopContext, TensorStore
 from stages.media.audio import DecodedAudio
-from stages.media.cache import decoded_key, item_digest_off_loop
+from stages.media.cache import item_digest_off_loop
 from stages.media.decode_pool import DecodePool, decode_item
 from stages.media.decoded import Decoded, DecodedMediaCache
 from stages.media.fetch import MediaFetcher
@@ -84,12 +84,7 @@ class FrontendDecoder:
     async def _decoded(self, item: MediaItem, data: bytes, options: VideoOptions | None) -> Decoded:
         if self.cache is None:
             return await self._decode(item, data, options)
-        key = await decoded_key(item, data)
-        if (hit := self.cache.get(key)) is not None:
-            return hit
-        media = await self._decode(item, data, options)
-        self.cache.put(key, media)
-        return media
+        return await self.cache.get_or_decode(item, data, lambda: self._decode(item, data, options))
 
     async def _decode(self, item: MediaItem, data: bytes, options: VideoOptions | None) -> Decoded:
         fmt = item.format or None
