@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from schemas.chunk import FinishReason, PromptLogprobs, TokenChunk, TokenLogprob, TopLogprob, Usage
@@ -26,7 +27,7 @@ class ChunkEmitter:
         req: ProcessedRequest,
         prompt_len: int,
         emitted: list[int],
-        cached_tokens: int = 0,
+        cached_tokens: Callable[[], int] = lambda: 0,
     ) -> None:
         self._eos = engine.eos_token_ids
         self._ignore_eos = req.request.sampling.ignore_eos
@@ -34,6 +35,7 @@ class ChunkEmitter:
         self._max_tokens = req.max_tokens
         self._rid = req.request.request_id
         self._prompt_len = prompt_len
+        # Read as each usage goes out: an engine may learn its prefix cache's hits only with its first token.
         self._cached_tokens = cached_tokens
         self._tokenizer = engine.tokenizer
         self._detok = IncrementalDetokenizer(engine.tokenizer)
@@ -94,5 +96,5 @@ class ChunkEmitter:
         # The first chunk carries the prompt's size too: a relay can then
         # report usage with every chunk (continuous_usage_stats).
         counted = finish is not None or seq == 0
-        usage = Usage(self._prompt_len, seq + len(tokens), self._cached_tokens) if counted else None
+        usage = Usage(self._prompt_len, seq + len(tokens), self._cached_tokens()) if counted else None
         return TokenChunk(request_id=self._rid, seq=seq, token_ids=tokens, text=text, finish_reason=finish, usage=usage)

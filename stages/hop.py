@@ -137,7 +137,7 @@ class HopStage:
         emitted = ctx.emitted
         first = self.engine.first_token(handle)
         if first is not None:
-            emitter = ChunkEmitter(self.engine, req, handle.prompt_len, emitted, handle.cached_tokens)
+            emitter = ChunkEmitter(self.engine, req, handle.prompt_len, emitted, lambda: handle.cached_tokens)
             chunk = (
                 emitter.finish_now()
                 if len(emitted) >= req.max_tokens
@@ -153,7 +153,7 @@ class HopStage:
 
     async def _decode(self, req: ProcessedRequest, handle: Any, ctx: HopContext) -> AsyncGenerator[TokenChunk, None]:
         emitted = ctx.emitted
-        emitter = ChunkEmitter(self.engine, req, handle.prompt_len, emitted, handle.cached_tokens)
+        emitter = ChunkEmitter(self.engine, req, handle.prompt_len, emitted, lambda: handle.cached_tokens)
         if len(emitted) >= req.max_tokens:
             yield emitter.finish_now()
             return

@@ -46,6 +46,9 @@ class Delta:
     logprobs: list[Logprobs] | None = None
     # On the first delta, where asked for: each prompt token's after the first.
     prompt_logprobs: list[Logprobs] | None = None
+    # Prompt tokens vLLM found in its prefix cache (a decode engine: the
+    # prefill engine's, which its KV connector passes on); None: not told.
+    cached_tokens: int | None = None
 
 
 class VllmEngine:
@@ -169,7 +172,8 @@ class VllmEngine:
                 # vLLM's first entry is None: nothing comes before the first token.
                 steps = zip(prompt_token_ids[1:], out.prompt_logprobs[1:], strict=True)
                 prompt = [_logprobs(t, step, sampling.prompt_logprobs) for t, step in steps]
-            yield Delta(tokens, bool(out.finished), logprobs, prompt)
+            cached = getattr(out, "num_cached_tokens", None)
+            yield Delta(tokens, bool(out.finished), logprobs, prompt, int(cached) if cached is not None else None)
 
     async def prefill(
         self,

@@ -87,7 +87,7 @@ class VllmPrefilled:
     # The prompt vLLM gets: the processor's ids plus what the client holds.
     prompt_ids: list[int]
     media: list[MediaEmbedding]
-    # vLLM's own prefix cache hits are not read back yet: reported as none.
+    # vLLM's prefix cache hits, as its first output tells them.
     cached_tokens: int = 0
     # When the prefill (or, on a decode hop, the decode) began: prefill_s
     # runs from here to the first token.
@@ -326,6 +326,8 @@ class VllmHopEngine:
                 handle.finished = delta.finished
                 if delta.prompt_logprobs is not None:
                     handle.prompt_logprobs = delta.prompt_logprobs
+                if delta.cached_tokens is not None:
+                    handle.cached_tokens = delta.cached_tokens
                 if first and delta.token_ids:
                     ctx.trace["prefill_s"] = time.monotonic() - handle.started
                     first = False

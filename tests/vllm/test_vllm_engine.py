@@ -547,6 +547,38 @@ async def test_metrics_show_where_the_prompt_came_from(stack: VllmStack, referen
         assert last["external_kv_transfer"] == 0 and last["local_compute"] == total, delta
 
 
+async def test_usage_counts_the_prompt_tokens_vllms_prefix_cache_held(stack: VllmStack) -> None:
+    """``usage.prompt_tokens_details.cached_tokens`` is vLLM's own count (its
+    first output's ``num_cached_tokens``; apart, the prefill engine's, which
+    the KV connector passes on): none the first time a prompt is seen, its
+    full blocks the second, streamed or not."""
+    text = f"{stack.mode} cached: " + "The river runs past the mill and under the old stone bridge. " * 8
+    block = CPU_DEFAULTS["block_size"]
+
+    async def ask(stream: bool) -> tuple[int, int]:
+        kw: dict[str, Any] = {
+            "model": MODEL,
+            "messages": [{"role": "user", "content": text}],
+            "max_tokens": 2,
+            "temperature": 0,
+        }
+        async with stack.client() as c:
+            if stream:
+                chunks = await c.chat.completions.create(stream=True, stream_options={"include_usage": True}, **kw)
+                usage = [chunk async for chunk in chunks][-1].usage
+            else:
+                usage = (await c.chat.completions.create(**kw)).usage
+        assert usage is not None and usage.prompt_tokens_details is not None
+        return usage.prompt_tokens, int(usage.prompt_tokens_details.cached_tokens or 0)
+
+    prompt_tokens, cached = await ask(stream=False)
+    assert prompt_tokens > 3 * block and cached == 0
+    for stream in (False, True):
+        again, cached = await ask(stream)
+        assert again == prompt_tokens
+        assert cached % block == 0 and prompt_tokens - block <= cached < prompt_tokens, (cached, prompt_tokens)
+
+
 @pytest.mark.e2e
 async def test_vllms_own_kv_events_publisher_is_configured_by_mmpipes_flag(
     tmp_path: Path, mmpipe_home: Path, vllm_model_dir: Path
