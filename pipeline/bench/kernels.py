@@ -9,7 +9,13 @@ token, through the engine's own methods, as a worker runs them:
 - ``encode``: one image through preprocessing and the vision tower (its
   CUDA graph, captured on the image's second sight: two warm-ups first);
 - ``prefill``: that image's prompt (the placeholder and a line of text)
-  into the batch decoder's blocks, and its sequence released after.
+  into the batch decoder's blocks, and its sequence released after;
+- ``cached``: a later turn of a conversation that showed the image and
+  some thousand words: its prefix found in the prefix cache, a question's
+  few tokens prefilled past it (on a GPU, the graphed prefill over the
+  prefix's blocks), and ``cached (modules)``, the same through the
+  model's modules (the prefix's blocks read out of the pool, the rest's
+  cache written back), as the engine ran it before: the baseline.
 
 Each call is timed on the GPU (CUDA events around ``--repeats`` calls in a
 row: the device's time per call, the host's launches overlapped with it)
@@ -22,6 +28,7 @@ then run the same code.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import gc
 import tempfile
 import time
@@ -106,7 +113,8 @@ def _calls(engine: Any, image: Any, device: str, args: argparse.Namespace) -> di
     placeholder = engine.family.placeholder_ids[MediaKind.IMAGE]
     prompt = [placeholder, *engine.tokenizer("Describe the picture in three words, please.")["input_ids"]]
     greedy = SamplingConfig(temperature=0.0, max_tokens=1)
-    [media] = engine.encode([image])
+    # A digest, as the encoder gives media: blocks showing an item are cached by its content.
+    [media] = [dataclasses.replace(m, digest="bench-image") for m in engine.encode([image])]
 
     def encode() -> None:
         engine.encode([image])
@@ -115,11 +123,48 @@ def _calls(engine: Any, image: Any, device: str, args: argparse.Namespace) -> di
         [(seq, _)] = engine.prefill([prompt], [[media]], [greedy])
         engine.release(seq)
 
+    history = [*prompt, *engine.tokenizer(" The river runs past the mill and under the bridge." * 90)["input_ids"]]
+    turn = [*history, *engine.tokenizer(" What colour is the sky there?")["input_ids"]]
+    [(seq, _)] = engine.prefill([history], [[media]], [greedy])
+    engine.step([seq])  # into the pool (and the prefix cache) wherever it prefilled
+    engine.release(seq)
+    cached_tokens = 0
+
+    def cached() -> None:
+        nonlocal cached_tokens
+        [(seq, _)] = engine.prefill([turn], [[media]], [greedy])
+        cached_tokens = seq.cached_tokens
+        engine.release(seq)
+
+    graphed = engine._slot_prefill
+
+    def through_modules(call: Callable[[], None]) -> Callable[[], None]:
+        def modules() -> None:
+            if graphed is not None:
+                graphed.past = False  # hits take the modules again
+            try:
+                call()
+            finally:
+                if graphed is not None:
+                    graphed.past = True
+
+        return modules
+
     calls = {}
-    for name, call in (("encode", encode), ("prefill", prefill)):
+    runs = (("encode", encode), ("prefill", prefill), ("cached", cached), ("cached (modules)", through_modules(cached)))
+    for name, call in runs:
         calls[name] = {"ms": _per_call_ms(call, args.repeats, device), **_kernels(call, device, args.top)}
+    if not cached_tokens:
+        raise SystemExit("mmpipe bench kernels: the later turn found no cached prefix (is prefix caching off?)")
     tokens = len(engine._prepare(prompt, [media], [])[0])
-    return {"prompt_tokens": tokens, "image_tokens": engine.family.num_tokens(media), "calls": calls}
+    turn_tokens = len(engine._prepare(turn, [media], [])[0])
+    return {
+        "prompt_tokens": tokens,
+        "image_tokens": engine.family.num_tokens(media),
+        "turn_tokens": turn_tokens,
+        "cached_tokens": cached_tokens,
+        "calls": calls,
+    }
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -162,14 +207,15 @@ def format_result(r: dict[str, Any]) -> str:
     lines = [
         f"mmpipe bench kernels  device={r['device']}  torch={r['torch']}  transformers={r['transformers']}",
         f"model={r['model']}  one {r['image_size']} image, a prompt of {compiled['prompt_tokens']} tokens, "
-        f"{r['repeats']} calls in a row each",
+        f"{r['repeats']} calls in a row each; cached: a turn of {compiled['turn_tokens']} tokens, "
+        f"{compiled['cached_tokens']} of them cached",
         "",
-        f"{'call':<10}{'uncompiled ms':>15}{'kernels':>9}{'compiled ms':>13}{'kernels':>9}{'×':>7}",
+        f"{'call':<18}{'uncompiled ms':>15}{'kernels':>9}{'compiled ms':>13}{'kernels':>9}{'×':>7}",
     ]
-    for call in ("encode", "prefill"):
+    for call in eager["calls"]:
         a, b = eager["calls"][call], compiled["calls"][call]
         lines.append(
-            f"{call:<10}{a['ms']:>15.3f}{cell(a['kernels'], 'd'):>9}{b['ms']:>13.3f}{cell(b['kernels'], 'd'):>9}"
+            f"{call:<18}{a['ms']:>15.3f}{cell(a['kernels'], 'd'):>9}{b['ms']:>13.3f}{cell(b['kernels'], 'd'):>9}"
             f"{a['ms'] / b['ms']:>7.2f}"
         )
     lines.append(f"engine built in {eager['built_s']:.1f} s uncompiled, {compiled['built_s']:.1f} s compiled")

@@ -139,7 +139,9 @@ class TorchEngine:
         self._slot_prefill: SlotPrefill | None = None
         if self.decoder is not None and self.decoder.fused is not None and decode.graph_prefill_len > 0:
             compiled = decode.torch_compile and self.device.type == "cuda"
-            self._slot_prefill = SlotPrefill(self.decoder, decode.cuda_graphs, decode.graph_prefill_len, compiled)
+            self._slot_prefill = SlotPrefill(
+                self.decoder, decode.cuda_graphs, decode.graph_prefill_len, compiled, past=decode.prefix_caching
+            )
         if not decode.decodes and self._slot_prefill is None:
             self.decoder = None  # a role that ends at prefill would never use it
         self._slots = SlotTable(self.decoder) if self.decoder is not None else None
@@ -899,8 +901,8 @@ class TorchEngine:
                     self.decoder.pool.free(hit)
                 raise MediaNotEncoded(f"the cached prefix no longer holds the first {needed} tokens")
             # The graphed prefill runs the fused layers, not the modules an adapter wraps.
-            if not hit and not emitted and not slot:
-                slotted = self._prefill_into_slot(embeds, positions, len(ids), sampling, delta, defer, keys, ids)
+            if not emitted and not slot:
+                slotted = self._prefill_into_slot(embeds, positions, len(ids), sampling, delta, defer, keys, ids, hit)
                 if slotted is not None:
                     return slotted
             # Past a cached prefix (``hit``'s blocks, held), the rest through the
@@ -939,14 +941,23 @@ class TorchEngine:
         """Whether the prefix the prompt finds cached now holds every media
         item's tokens (``media``: their digests and sizes, not yet encoded),
         so prefill would compute none of them. Holds nothing: the blocks can
-        go before the prefill, which then raises ``MediaNotEncoded``."""
-        if not media or not self.prefix_caching or self.decoder is None:
+        go before the prefill, which then raises ``MediaNotEncoded``.
+
+        Off the engine's thread and lock (under load a look waited there
+        behind steps and prefills): it reads the pool's maps while a step
+        may change them, which can only make the answer stale, and a stale
+        answer is advice that prefill checks again."""
+        decoder = self.decoder
+        if not media or not self.prefix_caching or decoder is None:
             return False
-        ids, _, _ = self._prepare(prompt, media, [])
         if lora is not None and lora not in self._loras.slots:
             return False  # its prefill fails: nothing to skip
+        try:
+            ids = self.family.expand_placeholders(prompt, media)
+        except ValueError:
+            return False  # prefill refuses it, with the reason
         keys = self._prefix_keys(prompt, ids, media, self._loras.salt(lora))
-        cached = len(self.decoder.pool.cached(keys[: (len(ids) - 1) // self.block_size])) * self.block_size
+        cached = len(decoder.pool.cached(keys[: (len(ids) - 1) // self.block_size])) * self.block_size
         return cached >= _media_end(prompt, media, set(self.family.placeholder_ids.values()))
 
     def _not_encoded_end(self, prompt: list[int], media: list[MediaEmbedding]) -> int:
@@ -1120,19 +1131,33 @@ class TorchEngine:
         defer: bool = False,
         keys: list[int] | None = None,
         ids: list[int] | None = None,
+        hit: list[int] | None = None,
     ) -> tuple[Sequence, int] | None:
         """The graphed prefill straight into the batch decoder's blocks, where
-        the prompt fits a graph and the sequence the pool (else None: the
-        modules)."""
+        the prompt (past a cached prefix: ``hit``'s blocks, held, which the
+        sequence then holds) fits a graph and the sequence the pool (else
+        None: the modules, the prefix still held)."""
         prefill, slots = self._slot_prefill, self._slots
-        seq = Sequence(prompt_len=length, output_ids=[], sampling=sampling, rope_delta=delta, cache=None)
-        if prefill is None or slots is None or not prefill.fits(length) or not self._ever_fits(seq):
+        held = list(hit or [])
+        cached = len(held) * self.block_size
+        seq = Sequence(
+            prompt_len=length,
+            output_ids=[],
+            sampling=sampling,
+            rope_delta=delta,
+            cache=None,
+            blocks=held,
+            cached_tokens=cached,
+        )
+        if prefill is None or slots is None or not prefill.fits(length - cached) or not self._ever_fits(seq):
             return None
-        if not slots.can_take(length, self._spare()):
+        if held and not prefill.past:
+            return None
+        if not slots.can_take(length, self._spare(), held=held):
             return None
         slots.take(seq, length)
         try:
-            logits = prefill.run(embeds[0], positions, seq.blocks)
+            logits = prefill.run(embeds[0, cached:], positions[..., cached:], seq.blocks, start=cached)
         except BaseException:
             slots.free(seq)
             raise

@@ -238,7 +238,7 @@ class TorchHopEngine:
         return await self.encoder.encode(req, ctx)
 
     async def _prefix_covers(self, req: ProcessedRequest, media: list[MediaEmbedding]) -> bool:
-        return await self.thread.call(self.torch.prefix_covers, req.prompt_token_ids, media, req.lora or None)
+        return self.torch.prefix_covers(req.prompt_token_ids, media, req.lora or None)
 
     async def send_media(self, media: list[MediaEmbedding], req: ProcessedRequest, ctx: HopContext) -> Carried:
         # Stand-ins come only where this role prefills too.

@@ -22,7 +22,9 @@ def test_bench_kernels_measures_both_engines_and_writes_them(
     result = json.loads(out.read_text())
     assert [run["compiled"] for run in result["runs"]] == [False, True]
     for run in result["runs"]:
-        assert set(run["calls"]) == {"encode", "prefill"}
+        assert set(run["calls"]) == {"encode", "prefill", "cached", "cached (modules)"}
+        # The later turn found all of the conversation's full blocks before its question.
+        assert run["turn_tokens"] - 32 < run["cached_tokens"] < run["turn_tokens"] and run["cached_tokens"] % 16 == 0
         assert all(call["ms"] > 0 and call["kernels"] is None for call in run["calls"].values())
         # A 56×84 image: 4×6 patches of 14 pixels, merged 2×2 into 6 tokens, in place of its placeholder.
         assert run["image_tokens"] == 6 and run["prompt_tokens"] > 6
