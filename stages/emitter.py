@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from typing import Any
 
 from schemas.chunk import FinishReason, PromptLogprobs, TokenChunk, TokenLogprob, TopLogprob, Usage
 from schemas.processed import ProcessedRequest
+from schemas.request import SamplingParams
 from stages.detokenizer import IncrementalDetokenizer, StopStringMatcher
 from stages.sampling import Logprobs
 
@@ -29,8 +30,7 @@ class ChunkEmitter:
         emitted: list[int],
         cached_tokens: Callable[[], int] = lambda: 0,
     ) -> None:
-        self._eos = engine.eos_token_ids
-        self._ignore_eos = req.request.sampling.ignore_eos
+        self._is_eos = eos_check(engine.eos_token_ids, req.request.sampling)
         self._stop_ids = frozenset(req.request.sampling.stop_token_ids)
         self._max_tokens = req.max_tokens
         self._rid = req.request.request_id
@@ -48,7 +48,7 @@ class ChunkEmitter:
     def is_eos(self, token: int) -> bool:
         """Whether ``token`` ends the sequence: the model's EOS (unless
         ignore_eos) or one of the request's stop_token_ids."""
-        return (token in self._eos and not self._ignore_eos) or token in self._stop_ids
+        return self._is_eos(token)
 
     def push(
         self, token: int, logprobs: Logprobs | None = None, prompt_logprobs: list[Logprobs] | None = None
@@ -98,3 +98,11 @@ class ChunkEmitter:
         counted = finish is not None or seq == 0
         usage = Usage(self._prompt_len, seq + len(tokens), self._cached_tokens()) if counted else None
         return TokenChunk(request_id=self._rid, seq=seq, token_ids=tokens, text=text, finish_reason=finish, usage=usage)
+
+
+def eos_check(eos_token_ids: Collection[int], sampling: SamplingParams) -> Callable[[int], bool]:
+    """Whether a token ends a request's sequence: the model's EOS (unless
+    ``ignore_eos``) or one of its ``stop_token_ids``."""
+    eos = frozenset(() if sampling.ignore_eos else eos_token_ids)
+    stops = frozenset(sampling.stop_token_ids)
+    return lambda token: token in eos or token in stops

@@ -101,6 +101,9 @@ class Launched:
         self._event = torch.cuda.Event(blocking=blocking) if pinned else None
         if self._event is not None:
             self._event.record()
+        # The reports on the host as lists, made once: a row at a time cost a
+        # tensor index and a copy each.
+        self._report_rows: list[list[float]] | None = None
 
     def tokens(self) -> list[int]:
         if self._event is not None:
@@ -110,7 +113,9 @@ class Launched:
     def logprobs(self, row: int, top: int) -> Logprobs:
         """Row ``row``'s chosen token's logprob and the ``top`` best (after ``tokens()``)."""
         assert self._reports is not None, "a step launched without its reports"
-        chosen, *rest = self._reports[row].tolist()
+        if self._report_rows is None:
+            self._report_rows = self._reports.tolist()
+        chosen, *rest = self._report_rows[row]
         ids, values = rest[:MAX_TOP][:top], rest[MAX_TOP:][:top]
         return Logprobs(chosen, tuple(zip(map(int, ids), values, strict=True)))
 
@@ -204,8 +209,12 @@ class BatchDecoder:
             self.draws,
             self.lora,
         ) = self._inputs
-        # Each row's chosen token of the last step (argmax), where the next step can feed it from.
-        self.sampled = torch.zeros(max_slots, dtype=torch.long, device=self.device)
+        # Each row's chosen token of the last step, where the next step can
+        # feed it from; past them, a cell per row for a prefill's token
+        # (``hold_first``): a sequence whose prefill's token has not reached
+        # the host yet can take a step, fed that token from here.
+        self.sampled = torch.zeros(2 * max_slots, dtype=torch.long, device=self.device)
+        self._free_cells = list(range(max_slots, 2 * max_slots))
         # Penalties, logit bias and logprobs in the step, made for the first row that asks for them.
         self.row_sampling: RowSampling | None = None
         eos = sorted(set(eos_ids))
@@ -269,6 +278,26 @@ class BatchDecoder:
             vocab = int(self.model.get_output_embeddings().weight.shape[0])
             eos = [] if self._eos is None else self._eos.tolist()
             self.row_sampling = RowSampling(self.max_slots, vocab, self.device, eos, self._compile_extras)
+
+    def hold_first(self, token: torch.Tensor) -> int:
+        """A prefill's token (one, on the device) kept for a step to feed:
+        the ``feed`` index that reads it (-1: no cell free). A cell is the
+        sequence's until ``free_first``: rows move, cells do not, so a later
+        prefill never writes over a token a step has yet to read."""
+        if not self._free_cells:
+            return -1
+        cell = self._free_cells.pop()
+        self.sampled[cell : cell + 1].copy_(token.reshape(1))
+        return cell
+
+    def is_cell(self, feed: int) -> bool:
+        return feed >= self.max_slots
+
+    def free_first(self, feed: int) -> None:
+        """A cell ``hold_first`` gave back (a step launched after now that
+        reads it runs after every one queued before: stream order)."""
+        if self.is_cell(feed):
+            self._free_cells.append(feed)
 
     def clear_row(self, row: int) -> None:
         self.tables[row].fill_(NULL_BLOCK)

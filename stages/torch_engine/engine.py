@@ -98,6 +98,11 @@ class TorchEngine:
         # One forward at a time per engine: torch releases the GIL, and the
         # model's modules are not meant for concurrent calls.
         self._lock = threading.Lock()
+        # A prefill's token settles on whichever thread waits for it first
+        # (the hop's, or the engine's in ``collect``); a step's inputs read
+        # each sequence's tokens and write position under it, never halfway
+        # through a settle.
+        self._settle_lock = threading.Lock()
         # A KV hand-off travels in blocks of this many tokens.
         self.block_size = decode.block_size
         self.max_num_batched_tokens = decode.max_num_batched_tokens
@@ -404,14 +409,18 @@ class TorchEngine:
 
     def settle(self, seq: Sequence) -> int:
         """The token ``prefill(defer=True)`` chose for ``seq``, once it is on
-        the host (waits for it; any thread), appended to the sequence."""
+        the host (waits for it; any thread), appended to the sequence. A
+        step may have taken the sequence meanwhile (fed that token on the
+        device) and ``collect`` settled it first: the same token."""
         pending = seq.pending
-        if pending is None:
-            return seq.output_ids[-1]
-        [token] = pending.tokens()
-        seq.output_ids.append(token)
-        seq.pending = None
-        return token
+        if pending is not None:
+            [token] = pending.tokens()
+            with self._settle_lock:
+                if seq.pending is pending:
+                    seq.output_ids.append(token)
+                    seq.pending = None
+        # Deferred only for a prompt's first token (nothing resumed after it).
+        return seq.output_ids[0]
 
     def step(self, seqs: list[Sequence]) -> list[int | None]:
         """One decode step: each sequence gets one new token, appended to it.
@@ -425,22 +434,25 @@ class TorchEngine:
         for seq in seqs:
             if seq.released:
                 raise ValueError("step on a released sequence")
-            if seq.pending is not None:
-                raise ValueError("step on a sequence whose prefill token is not settled")
             if seq.inflight:
                 raise ValueError("step on a sequence whose launched step is not collected")
+        for seq in seqs:
+            if seq.pending is not None:
+                self.settle(seq)  # from the host here: the step feeds the last of its tokens
+            self._drop_cell(seq)
             if seq.length >= self.max_model_len:
                 raise ContextLengthExceeded(f"sequence reached the model's context of {self.max_model_len} tokens")
         _drop_prompt_logits(seqs)
         with self._lock, torch.inference_mode():
-            batched = self._grown([seq for seq in seqs if self._admit(seq)])
+            with self._settle_lock:
+                batched = self._grown([seq for seq in seqs if self._admit(seq)])
+                inputs = self._slots.step_inputs({q.slot for q in batched}) if batched and self._slots else None
             chosen: dict[int, int] = {}
             if batched:
-                assert self.decoder is not None and self._slots is not None
+                assert self.decoder is not None and inputs is not None
                 # Every row steps (a row not asked for writes the same key and
                 # value again: idempotent); only the asked ones take a token.
                 extras, samples = self._extras(batched)
-                inputs = self._slots.step_inputs({q.slot for q in batched})
                 with self._loras.for_step(self.decoder.lora, inputs.lora, self.decoder.use_graphs):
                     logits = self.decoder.step(*inputs, extras=extras, samples=samples)
                 chosen = self._select_batch(batched, logits, extras)
@@ -470,23 +482,27 @@ class TorchEngine:
         for seq in seqs:
             if seq.released:
                 raise ValueError("launch on a released sequence")
-            if seq.pending is not None:
+            # Its prefill's token may still be on its way to the host where a
+            # step can feed it from the device (a cell, or a launched step's row).
+            if seq.pending is not None and seq.feed_row < 0:
                 raise ValueError("launch on a sequence whose prefill token is not settled")
             if not self._in_batch(seq):
                 return None
-            wanted = seq.num_generated + seq.inflight < seq.sampling.max_tokens
-            if wanted and seq.length + seq.inflight >= self.max_model_len:
+            wanted = seq.generated_ahead < seq.sampling.max_tokens
+            if wanted and seq.ahead + 1 >= self.max_model_len:
                 raise ContextLengthExceeded(f"sequence reached the model's context of {self.max_model_len} tokens")
         _drop_prompt_logits(seqs)
         with self._lock, torch.inference_mode():
             if any(not self._admit(seq) and not self._ever_fits(seq) for seq in seqs):
                 return None
-            stepped = self._grown([seq for seq in seqs if seq.slot >= 0])
-            inputs = slots.step_inputs({seq.slot for seq in stepped})
+            with self._settle_lock:
+                stepped = self._grown([seq for seq in seqs if seq.slot >= 0])
+                inputs = slots.step_inputs({seq.slot for seq in stepped})
             with self._loras.for_step(decoder.lora, inputs.lora, decoder.use_graphs):
                 launched = decoder.launch(inputs, *self._extras(stepped))
             for seq in stepped:
                 seq.inflight += 1
+                decoder.free_first(seq.feed_row)  # read by this step, and by no later one
                 seq.feed_row = seq.slot
             return Launch([(seq, seq.slot) for seq in seqs], launched)
 
@@ -503,6 +519,8 @@ class TorchEngine:
                 seq.inflight -= 1
                 if not seq.inflight:
                     seq.feed_row = -1
+                if seq.pending is not None:
+                    self.settle(seq)  # its prefill's token comes before this step's (and is on the host by now)
                 if not seq.released:
                     if seq.sampling.logprobs is not None:
                         seq.logprobs[seq.num_generated] = launch.launched.logprobs(row, seq.sampling.logprobs)
@@ -583,7 +601,14 @@ class TorchEngine:
         decoder = self.decoder
         return decoder is not None and decoder.blocks_for(_budget(seq)) <= decoder.blocks_per_seq
 
+    def _drop_cell(self, seq: Sequence) -> None:
+        """Its prefill's token no longer fed from a cell (the host has it, or it is gone)."""
+        if self.decoder is not None and self.decoder.is_cell(seq.feed_row):
+            self.decoder.free_first(seq.feed_row)
+            seq.feed_row = -1
+
     def release(self, seq: Sequence) -> None:
+        self._drop_cell(seq)
         seq.cache = None
         seq.swapped = None
         seq.prompt_logits = None
@@ -937,28 +962,35 @@ class TorchEngine:
 
     # -- prefix caching ---------------------------------------------------
 
-    def prefix_covers(self, prompt: list[int], media: list[MediaEmbedding], lora: str | None = None) -> bool:
-        """Whether the prefix the prompt finds cached now holds every media
-        item's tokens (``media``: their digests and sizes, not yet encoded),
-        so prefill would compute none of them. Holds nothing: the blocks can
-        go before the prefill, which then raises ``MediaNotEncoded``.
+    def prefix_cached(self, prompt: list[int], media: list[MediaEmbedding], lora: str | None = None) -> int:
+        """How many of the prompt's tokens (media expanded) the prefix cache
+        holds now: a look that holds nothing (the blocks can go before a
+        prefill takes them).
 
         Off the engine's thread and lock (under load a look waited there
         behind steps and prefills): it reads the pool's maps while a step
         may change them, which can only make the answer stale, and a stale
         answer is advice that prefill checks again."""
         decoder = self.decoder
-        if not media or not self.prefix_caching or decoder is None:
-            return False
+        if not self.prefix_caching or decoder is None:
+            return 0
         if lora is not None and lora not in self._loras.slots:
-            return False  # its prefill fails: nothing to skip
+            return 0  # its prefill fails: nothing to reuse
         try:
             ids = self.family.expand_placeholders(prompt, media)
         except ValueError:
-            return False  # prefill refuses it, with the reason
+            return 0  # prefill refuses it, with the reason
         keys = self._prefix_keys(prompt, ids, media, self._loras.salt(lora))
-        cached = len(decoder.pool.cached(keys[: (len(ids) - 1) // self.block_size])) * self.block_size
-        return cached >= _media_end(prompt, media, set(self.family.placeholder_ids.values()))
+        return len(decoder.pool.cached(keys[: (len(ids) - 1) // self.block_size])) * self.block_size
+
+    def prefix_covers(self, prompt: list[int], media: list[MediaEmbedding], lora: str | None = None) -> bool:
+        """Whether the prefix the prompt finds cached now holds every media
+        item's tokens (``media``: their digests and sizes, not yet encoded),
+        so prefill would compute none of them (``prefix_cached``'s look)."""
+        if not media:
+            return False
+        end = _media_end(prompt, media, set(self.family.placeholder_ids.values()))
+        return self.prefix_cached(prompt, media, lora) >= end
 
     def _not_encoded_end(self, prompt: list[int], media: list[MediaEmbedding]) -> int:
         """Where the last item the encoder skipped ends in the expanded
@@ -1235,9 +1267,12 @@ class TorchEngine:
             # The prefill's: what a choice of the same prompt forks from
             # (``fork``). A copy: a graphed prefill's output is overwritten by the next.
             seq.prompt_logits = logits.detach().clone()
-        if defer and logits.is_cuda and seq.sampling.on_device:
+        if defer and logits.is_cuda and seq.sampling.on_device and not seq.output_ids:
             chosen = greedy_choice(logits.float(), seq.sampling, seq.num_generated, self._eos_tensor)
             seq.pending = Launched(chosen.reshape(1), 1, blocking=True)
+            if seq.slot >= 0 and self.decoder is not None:
+                # A step can take it before the host has its token (``launch``): fed from a cell.
+                seq.feed_row = self.decoder.hold_first(chosen)
             return -1
         if seq.sampling.structured is not None and not masked:
             logits = logits.float().clone()[None]

@@ -28,6 +28,7 @@ from schemas.request import ChoiceGroup
 from schemas.routes import moves_tensors
 from schemas.tensors import TensorRef
 from stages.contract import HopContext, TensorStore, step_span
+from stages.emitter import eos_check
 from stages.encoder import MediaEncoder
 from stages.families import MediaEmbedding
 from stages.hop_engine import (
@@ -45,7 +46,7 @@ from stages.prompt_embeds import load_prompt_embeds
 from stages.sampling import Logprobs, SamplingConfig
 from stages.torch_engine.call_batcher import CallBatcher
 from stages.torch_engine.engine import MediaNotEncoded, TorchEngine
-from stages.torch_engine.scheduler import DecodeScheduler, EngineThread
+from stages.torch_engine.scheduler import DecodeScheduler, EngineThread, Running
 from stages.torch_engine.sequence import KvState, Sequence
 
 # A new prompt to prefill: its ids (a placeholder per media item), its media, its sampling.
@@ -82,6 +83,8 @@ class TorchPrefilled:
     prompt_logprobs: list[Logprobs] | None = None
     # Its prompt's other choices fork from it (its group's id, while they may).
     source_of: str = ""
+    # The decode batch took it before its first token reached the host (``_join_early``).
+    joined: Running | None = None
 
     @property
     def prompt_len(self) -> int:
@@ -330,38 +333,74 @@ class TorchHopEngine:
             source.prompt_logits = None
 
     async def _prefill_own(self, req: ProcessedRequest, media: list[MediaEmbedding], ctx: HopContext) -> TorchPrefilled:
+        with ctx.timed("prefill", tokens=len(req.prompt_token_ids)):
+            handle = TorchPrefilled(await self._prefilled(req, media, ctx))
+            if handle.seq.pending is not None:
+                handle.joined = self._join_early(handle.seq, req, ctx)
+                if handle.joined is not None:
+                    handle.owned = False  # the decode loop frees it
+                    ctx.trace["joined_early"] = 1.0
+                await self._settle(handle)
+        return handle
+
+    async def _prefilled(self, req: ProcessedRequest, media: list[MediaEmbedding], ctx: HopContext) -> Sequence:
+        """The prompt's sequence, its first token perhaps still on its way to the host (``pending``)."""
         engine = self.torch
         # Placeholders expanded: each media item's one id becomes its tokens.
         expanded = len(req.prompt_token_ids) + sum(m.num_tokens - 1 for m in media)
-        with ctx.timed("prefill", tokens=len(req.prompt_token_ids)):
-            if req.request.prompt_embeds is not None or req.lora:
-                # In one piece, alone: embeddings look up no cached prefix, and
-                # neither they nor an adapter's prompt are batched or chunked.
-                embeds = self._embeds(req) if req.request.prompt_embeds is not None else None
-                try:
-                    return TorchPrefilled(await self._prefill_alone(req, media, ctx, embeds))
-                except MediaNotEncoded:
-                    # The blocks the encoder skipped media for went since it looked.
-                    assert self.encoder is not None
-                    ctx.trace["encode_skipped"] = 0.0
-                    media = await self.encoder.encode(req, ctx, reuse_prefix=False)
-                    return TorchPrefilled(await self._prefill_alone(req, media, ctx, embeds))
-            if not all(m.encoded for m in media):
-                # Only a lone prefill looks the prefix up (not chunks, not a batch).
-                try:
-                    return TorchPrefilled(await self._prefill_alone(req, media, ctx))
-                except MediaNotEncoded:
-                    # Its blocks went between the encoder's look and now.
-                    assert self.encoder is not None
-                    ctx.trace["encode_skipped"] = 0.0
-                    media = await self.encoder.encode(req, ctx, reuse_prefix=False)
-            if not ctx.emitted and engine.chunked(expanded):
-                seq = await self._prefill_in_chunks(req, media, ctx)
-            elif self.prefills.max_items > 1 and not ctx.emitted:
-                seq, _ = await self.prefills.submit((req.prompt_token_ids, media, sampling(req)))
-            else:
-                seq = await self._prefill_alone(req, media, ctx)
-        return TorchPrefilled(seq)
+        if req.request.prompt_embeds is not None or req.lora:
+            # In one piece, alone: embeddings look up no cached prefix, and
+            # neither they nor an adapter's prompt are batched or chunked.
+            embeds = self._embeds(req) if req.request.prompt_embeds is not None else None
+            try:
+                return await self._prefill_alone(req, media, ctx, embeds)
+            except MediaNotEncoded:
+                # The blocks the encoder skipped media for went since it looked.
+                assert self.encoder is not None
+                ctx.trace["encode_skipped"] = 0.0
+                media = await self.encoder.encode(req, ctx, reuse_prefix=False)
+                return await self._prefill_alone(req, media, ctx, embeds)
+        if not all(m.encoded for m in media):
+            # Only a lone prefill looks the prefix up (not chunks, not a batch).
+            try:
+                return await self._prefill_alone(req, media, ctx)
+            except MediaNotEncoded:
+                # Its blocks went between the encoder's look and now.
+                assert self.encoder is not None
+                ctx.trace["encode_skipped"] = 0.0
+                media = await self.encoder.encode(req, ctx, reuse_prefix=False)
+        # Only a lone prefill looks the prefix up: a prompt that finds one
+        # goes alone (its rest in chunks only where the rest is long).
+        cached = 0 if ctx.emitted else engine.prefix_cached(req.prompt_token_ids, media)
+        if not ctx.emitted and engine.chunked(expanded - cached):
+            return await self._prefill_in_chunks(req, media, ctx)
+        if self.prefills.max_items > 1 and not ctx.emitted and not cached:
+            seq, _ = await self.prefills.submit((req.prompt_token_ids, media, sampling(req)))
+            return seq
+        return await self._prefill_alone(req, media, ctx)
+
+    def _join_early(self, seq: Sequence, req: ProcessedRequest, ctx: HopContext) -> Running | None:
+        """The decode batch takes a sequence whose prefill's token is still on
+        its way to the host, where its first step can feed that token from
+        the device: the step launched next, not the one after the token's
+        wait (the loop runs a step ahead: one that joined after the wait
+        got its second token three step intervals after its first; H200,
+        64 clients, 2026-11-28). Not a prompt whose choices fork from it,
+        nor one that asks for the prompt's logprobs (both read its prefill
+        before it steps), nor one whose first token is its last."""
+        decoder, scheduler, asked = self.torch.decoder, self.scheduler, req.request
+        if scheduler is None or decoder is None or not decoder.is_cell(seq.feed_row):
+            return None
+        if ctx.emitted or req.max_tokens < 2 or asked.sampling.prompt_logprobs is not None:
+            return None
+        if asked.group is not None and asked.group.size > 1:
+            return None
+        try:
+            scheduler.check()
+        except RuntimeError:
+            return None  # decode() says so
+        is_eos = eos_check(self.eos_token_ids, asked.sampling)
+        return scheduler.join(seq, lambda token: is_eos(token) or seq.num_generated >= req.max_tokens)
 
     def _embeds(self, req: ProcessedRequest) -> torch.Tensor:
         assert req.request.prompt_embeds is not None
@@ -377,8 +416,6 @@ class TorchHopEngine:
             return engine.prefill(*job, defer=True, embeds=[embeds], loras=[req.lora or None])[0]
 
         seq, _ = await self.thread.call_or_release(lambda out: engine.release(out[0]), prefill_one)
-        if seq.pending is not None:
-            await self._settle(seq)
         return seq
 
     async def _prefill_in_chunks(self, req: ProcessedRequest, media: list[MediaEmbedding], ctx: HopContext) -> Sequence:
@@ -401,18 +438,15 @@ class TorchHopEngine:
             if out is not None:
                 break
         ctx.trace["prefill_chunks"] = float(chunks)
-        seq = out[0]
-        if seq.pending is not None:
-            await self._settle(seq)
-        return seq
+        return out[0]
 
-    async def _settle(self, seq: Sequence) -> None:
+    async def _settle(self, handle: TorchPrefilled) -> None:
         """Wait for the prefill's token off the engine's thread, which goes
         on with other requests' work meanwhile."""
         try:
-            await asyncio.to_thread(self.torch.settle, seq)
+            await asyncio.to_thread(self.torch.settle, handle.seq)
         except BaseException:
-            self.thread.submit(self.torch.release, seq)
+            self._drop(handle)
             raise
 
     # Chosen on the host for a request that asks (TorchEngine._select).
@@ -491,8 +525,10 @@ class TorchHopEngine:
         self, handle: TorchPrefilled, req: ProcessedRequest, ctx: HopContext, is_eos: Callable[[int], bool]
     ) -> AsyncGenerator[int, None]:
         assert self.scheduler is not None, f"role {self.role} does not decode"
-        seq, emitted = handle.seq, ctx.emitted
-        if client_ahead(seq.output_ids, emitted):
+        seq, emitted, joined = handle.seq, ctx.emitted, handle.joined
+        if joined is not None:
+            first = seq.output_ids[:1]  # the steps' tokens after it come from the loop
+        elif client_ahead(seq.output_ids, emitted):
             first = [await self.thread.call(self.torch.resume, seq, emitted)]
         else:
             first = seq.output_ids[len(emitted) :]
@@ -505,13 +541,17 @@ class TorchHopEngine:
         if first and is_last(first[-1]):
             for token in first:
                 yield token
-            return  # the hop's abort frees it
+            return  # the hop's abort frees it (or takes it out of the batch)
         scheduler = self.scheduler
-        scheduler.check()  # a dead loop would take the sequence and never free it
-        # The batch takes it before its first token goes out: that token's way
-        # to the client and the sequence's first step overlap.
-        handle.owned = False  # from here on the decode loop frees it
-        joined = scheduler.join(seq, is_last)
+        if joined is not None:
+            handle.joined = None  # left below
+            joined.is_last = is_last
+        else:
+            scheduler.check()  # a dead loop would take the sequence and never free it
+            # The batch takes it before its first token goes out: that token's way
+            # to the client and the sequence's first step overlap.
+            handle.owned = False  # from here on the decode loop frees it
+            joined = scheduler.join(seq, is_last)
         # Until the decode loop's first token for it: joining the batch and one step.
         first_step: Span | None = step_span("first_step")
         try:
@@ -534,6 +574,14 @@ class TorchHopEngine:
             if choices is not None and choices.source.done() and choices.source.result() is handle.seq:
                 self._forget(handle.source_of, choices)
             handle.source_of = ""
+        self._drop(handle)
+
+    def _drop(self, handle: TorchPrefilled) -> None:
+        """Its sequence goes: freed, or out of the decode batch that took it early."""
+        if handle.joined is not None:
+            assert self.scheduler is not None
+            self.scheduler.leave(handle.joined)
+            handle.joined = None
         if handle.owned:
             handle.owned = False
             self.thread.submit(self.torch.release, handle.seq)

@@ -278,7 +278,7 @@ _BLOCKED_POLL_S = 0.05
 
 
 @dataclass
-class _Running:
+class Running:
     seq: Any
     # Decided on the loop, before the next step: a finished sequence never
     # takes a step (or a cache slot) it has no use for.
@@ -296,14 +296,14 @@ class DecodeScheduler:
         self._engine = engine
         self._thread = thread
         self._max_batch = max_batch
-        self._running: list[_Running] = []
-        self._waiting: list[_Running] = []
+        self._running: list[Running] = []
+        self._waiting: list[Running] = []
         self._wake = asyncio.Event()
         self._loop_task: asyncio.Task[None] | None = None
         self._closing = False
         self._pipelined = hasattr(engine, "launch") and hasattr(engine, "collect")
         # The launched step whose tokens are not handed out yet, and its batch.
-        self._ahead: tuple[Any, list[_Running]] | None = None
+        self._ahead: tuple[Any, list[Running]] | None = None
         # Finished sequences whose release goes with the loop's next engine
         # call (one call, and one wait for the GIL, fewer per request). Taken
         # by the call when it runs: one cancelled before it ran leaves them here.
@@ -371,18 +371,18 @@ class DecodeScheduler:
         finally:
             self.leave(entry)
 
-    def join(self, seq: Any, is_last: Callable[[int], bool]) -> _Running:
+    def join(self, seq: Any, is_last: Callable[[int], bool]) -> Running:
         """``seq`` joins the batch at the loop's next step; its tokens come
         through ``tokens``, until ``leave``. (Apart from ``stream`` so a hop
         can join before it hands out the token prefill made: the sequence's
         first step then does not wait for that token's way to the client.)"""
         self.check()
-        entry = _Running(seq, is_last)
+        entry = Running(seq, is_last)
         self._waiting.append(entry)
         self._wake.set()
         return entry
 
-    async def tokens(self, entry: _Running) -> AsyncGenerator[int, None]:
+    async def tokens(self, entry: Running) -> AsyncGenerator[int, None]:
         while True:
             item = await entry.queue.get()
             if item is _END:
@@ -391,7 +391,7 @@ class DecodeScheduler:
                 raise item
             yield item
 
-    def leave(self, entry: _Running) -> None:
+    def leave(self, entry: Running) -> None:
         """The sequence wants no more tokens: the loop drops and releases it."""
         entry.done = True
         self._wake.set()
@@ -409,7 +409,7 @@ class DecodeScheduler:
             self._waiting.remove(entry)
         self._running += joining
 
-    def _set_aside(self, batch: list[_Running], taken: list[bool]) -> None:
+    def _set_aside(self, batch: list[Running], taken: list[bool]) -> None:
         """Sequences a step did not take (their blocks were not free) wait
         again, ahead of those that came after them."""
         left = [e for e, took in zip(batch, taken, strict=True) if not took and e in self._running]
@@ -461,7 +461,7 @@ class DecodeScheduler:
             # before the next step.
             await asyncio.sleep(0)
 
-    async def _advance(self, batch: list[_Running]) -> bool:
+    async def _advance(self, batch: list[Running]) -> bool:
         """Launch the batch's step, then hand out the previous launch's
         tokens. False where the batch must ``step`` instead (the engine would
         not launch it), with nothing launched left over."""
@@ -506,13 +506,13 @@ class DecodeScheduler:
         # Not launched: step it, unless tokens were just handed out (the batch may have changed).
         return launched is not None or ahead is not None
 
-    def _fail(self, batch: list[_Running], exc: BaseException) -> None:
+    def _fail(self, batch: list[Running], exc: BaseException) -> None:
         log.error("decode_step_failed", batch=len(batch), error=repr(exc), exc_info=exc)
         for entry in batch:
             entry.queue.put_nowait(exc)
             entry.done = True
 
-    def _hand_out(self, batch: list[_Running], tokens: list[int | None]) -> None:
+    def _hand_out(self, batch: list[Running], tokens: list[int | None]) -> None:
         now = time.perf_counter()
         if self._handed_out_at is not None:
             STEP_INTERVAL.observe(now - self._handed_out_at)

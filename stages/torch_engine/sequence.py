@@ -75,6 +75,20 @@ class Sequence:
         return len(self.output_ids)
 
     @property
+    def ahead(self) -> int:
+        """Where its next step writes: the positions its cache holds, and
+        those of steps launched for it. (Its last token is not in the cache
+        yet, unless it is a prefill's token on its way to the host, not yet
+        in ``output_ids``.) Read with ``pending`` settled or not, never as
+        it settles: the engine's settle lock."""
+        return self.length - (self.pending is None) + self.inflight
+
+    @property
+    def generated_ahead(self) -> int:
+        """Tokens generated, a pending one and those of launched steps counted."""
+        return self.num_generated + (self.pending is not None) + self.inflight
+
+    @property
     def output_token_ids(self) -> list[int]:
         return self.output_ids
 

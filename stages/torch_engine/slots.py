@@ -111,7 +111,7 @@ class SlotTable:
         pool, size = self.decoder.pool, self.decoder.block_size
         preempted: list[Sequence] = []
         for seq in sorted(seqs, key=lambda q: q.admitted):
-            while seq.slot >= 0 and len(seq.blocks) <= (seq.length - 1 + seq.inflight) // size:
+            while seq.slot >= 0 and len(seq.blocks) <= seq.ahead // size:
                 if pool.can_allocate(1):
                     seq.blocks += pool.allocate(1)
                     continue
@@ -170,8 +170,8 @@ class SlotTable:
             # A prefill token still on its way to the host (prefill(defer=True)) is not in
             # output_ids yet, and its prompt fills the cache: a step it takes no part in
             # writes past it (not over the prompt's last position).
-            settled = seq.pending is None
-            ahead = seq.length - settled + seq.inflight
+            # (A prefill's token fed from its cell on the device writes its key and value where its first step will.)
+            settled, ahead, generated = seq.pending is None, seq.ahead, seq.generated_ahead
             # A row not asked (nor grown) past its blocks writes where its table says: the null block.
             index = ahead // size
             inputs.block.append(seq.blocks[index] if index < len(seq.blocks) else -1)
@@ -180,9 +180,9 @@ class SlotTable:
             inputs.positions.append(ahead + seq.rope_delta)
             inputs.write_at.append(ahead)
             inputs.feed.append(seq.feed_row if fed else -1)
-            inputs.mask_eos.append(int(seq.num_generated + seq.inflight < seq.sampling.min_tokens))
+            inputs.mask_eos.append(int(generated < seq.sampling.min_tokens))
             inputs.asked.append(int(asked is None or row in asked))
             sampling = seq.sampling
-            inputs.draws.append(0 if sampling.greedy else draw_key(sampling.seed, seq.num_generated + seq.inflight))
+            inputs.draws.append(0 if sampling.greedy else draw_key(sampling.seed, generated))
             inputs.lora.append(seq.lora)
         return inputs

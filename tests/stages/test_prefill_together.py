@@ -87,6 +87,46 @@ async def test_the_hop_stage_prefills_waiting_prompts_in_one_call(tiny_model_dir
         await stage.close()
 
 
+@pytest.mark.parametrize("budget", [0, 32])
+async def test_a_prompt_that_finds_its_prefix_cached_prefills_alone_past_it(tiny_model_dir: Path, budget: int) -> None:
+    """With --prefill-batch (and --max-num-batched-tokens: a prompt longer
+    than it goes in chunks), only a lone prefill looks the prefix up: a later
+    turn whose conversation is cached goes alone, prefills only its rest
+    (not in chunks where the rest is short), and still gives generate()'s
+    tokens."""
+    decode = DecodeSettings(slots=4, max_num_batched_tokens=budget)
+    engine = TorchHopEngine("encode+prefill+decode", TorchEngine(tiny_model_dir, decode=decode), prefill_batch=4)
+    stage = HopStage("encode+prefill+decode", engine, "tiny")
+    processor = Processor(load_traits(resolve_model(str(tiny_model_dir), "tiny")))
+    history = [ChatMessage("user", "Tell me about the sea " * 10), ChatMessage("assistant", "It is wide and deep.")]
+
+    def turn(rid: str, messages: list[ChatMessage]) -> object:
+        return processor.process(GenerateRequest(rid, "tiny", messages, SamplingParams(6, 0.0, min_tokens=6)))
+
+    first, later = turn("t1", history), turn("t2", [*history, ChatMessage("user", "And the sky?")])
+    await stage.start()
+    try:
+        runs = []
+        for req in (first, later):
+            ctx = HopContext()
+            chunks = [c async for c in stage.run(req, ctx)]  # type: ignore[arg-type]
+            runs.append((req, ctx, chunks))
+    finally:
+        await stage.close()
+    for req, _, chunks in runs:
+        tokens = [t for c in chunks for t in c.token_ids]
+        assert tokens == reference_generate(tiny_model_dir, req.prompt_token_ids, [], 6)  # type: ignore[attr-defined]
+    (_, first_ctx, first_chunks), (later_req, later_ctx, later_chunks) = runs
+    assert first_chunks[-1].usage.cached_tokens == 0
+    cached = later_chunks[-1].usage.cached_tokens
+    pairs = zip(first.prompt_token_ids, later_req.prompt_token_ids, strict=False)  # type: ignore[attr-defined]
+    shared = next(i for i, (a, b) in enumerate(pairs) if a != b)
+    assert cached == shared // 16 * 16 > 48  # every full block of the turns they share
+    if budget:
+        assert first_ctx.trace["prefill_chunks"] > 1  # the first turn in chunks
+        assert len(later_req.prompt_token_ids) - cached <= budget and "prefill_chunks" not in later_ctx.trace  # type: ignore[attr-defined]
+
+
 def test_groups_keep_padded_forwards_within_the_budget() -> None:
     from stages.torch_engine.prefill_together import padded_groups
 

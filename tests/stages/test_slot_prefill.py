@@ -12,10 +12,16 @@ import pytest
 import torch
 
 from schemas.processed import MediaKind
-from stages.models import builtin_path
+from schemas.request import ChatMessage, GenerateRequest, SamplingParams
+from stages.contract import HopContext
+from stages.hop import HopStage
+from stages.models import builtin_path, resolve_model
+from stages.models.traits import load_traits
+from stages.processor import Processor
 from stages.sampling import SamplingConfig
 from stages.torch_engine.batch_decoder import from_blocks
 from stages.torch_engine.engine import TorchEngine
+from stages.torch_engine.hop_engine import TorchHopEngine
 from stages.torch_engine.settings import DecodeSettings
 from stages.torch_engine.slot_prefill import SlotPrefill
 from tests.e2e.conftest import gradient
@@ -208,9 +214,11 @@ def test_a_deferred_prefill_token_is_settled_to_the_token_waited_for(
     mmpipe_home: Path, engine_device: str, graph_prefill_len: int
 ) -> None:
     """prefill(defer=True) on a GPU leaves the greedy token on its way to
-    the host (nothing may step the sequence before ``settle``); the token
-    and the tokens after it are those of a prefill that waited. On the CPU
-    it waits as before."""
+    the host. A sequence prefilled into its slot can take steps before then
+    (``launch``): the first is fed that token from the device, and
+    ``collect`` settles it before the step's own; one prefilled through the
+    modules cannot, and ``step`` settles it first. Either way the tokens
+    are those of a prefill that waited. On the CPU it waits as before."""
     engine = _engine(engine_device, graph_prefill_len=graph_prefill_len)
     greedy = SamplingConfig(temperature=0.0, max_tokens=8, min_tokens=8)
     prompt = engine.tokenizer("Count from one to ten:")["input_ids"]
@@ -218,21 +226,74 @@ def test_a_deferred_prefill_token_is_settled_to_the_token_waited_for(
     for defer in (False, True):
         [(seq, first)] = engine.prefill([prompt], [[]], [greedy], defer=defer)
         assert (seq.slot >= 0) == (graph_prefill_len > 0)
+        tokens: list[int] = []
         if defer and engine_device != "cpu":
             assert first == -1 and seq.pending is not None and seq.output_ids == []
             with pytest.raises(ValueError, match="not settled"):
-                engine.step([seq])
-            with pytest.raises(ValueError, match="not settled"):
                 engine.export_kv(seq)
-            first = engine.settle(seq)
-        assert seq.pending is None and seq.output_ids == [first]
-        assert engine.settle(seq) == first  # settled once; asking again is the same token
-        tokens = [first]
+            if graph_prefill_len:
+                # Two steps queued before anyone waits for the prefill's token.
+                launches = [engine.launch([seq]), engine.launch([seq])]
+                assert all(launch is not None for launch in launches)
+                second = [engine.collect(launch)[0] for launch in launches if launch is not None]
+                assert seq.pending is None and seq.output_ids[1:] == second
+                tokens = [engine.settle(seq), *second]  # settled by collect: the same token again
+            else:
+                with pytest.raises(ValueError, match="not settled"):
+                    engine.launch([seq])
+                tokens = engine.step([seq])  # settles it first
+                tokens = [seq.output_ids[0], *tokens]
+        else:
+            assert seq.pending is None and seq.output_ids == [first]
+            assert engine.settle(seq) == first  # settled once; asking again is the same token
+            tokens = [first]
         while len(tokens) < 8:
             tokens += engine.step([seq])
         engine.release(seq)
         runs.append(tokens)
     assert runs[0] == runs[1]
+    assert engine.decoder is not None and len(engine.decoder._free_cells) == engine.decoder.max_slots  # none kept
+
+
+async def test_the_decode_batch_takes_a_sequence_before_its_first_token_reaches_the_host(
+    mmpipe_home: Path, engine_device: str
+) -> None:
+    """Through the hop, on a GPU: a prompt prefilled into its slot joins the
+    decode loop's next step as its first token is still on its way to the
+    host (fed from the device), and streams the tokens of the engine alone;
+    on the CPU it joins once its token is in, as before."""
+    engine = _engine(engine_device)
+    stage = HopStage("encode+prefill+decode", TorchHopEngine("encode+prefill+decode", engine), "tiny")
+    processor = Processor(load_traits(resolve_model(str(builtin_path("tiny-qwen2-vl")), "tiny")))
+    requests = [
+        processor.process(
+            GenerateRequest(
+                f"early-{i}",
+                "tiny",
+                [ChatMessage("user", f"Count to {i}, slowly.")],
+                SamplingParams(max_tokens=8, min_tokens=8, temperature=0.0),
+            )
+        )
+        for i in range(3)
+    ]
+    await stage.start()
+    try:
+        streamed, contexts = [], []
+        for req in requests:  # one at a time: each a batch of one, as the engine alone runs it
+            ctx = HopContext()
+            streamed.append([t async for chunk in stage.run(req, ctx) for t in chunk.token_ids])  # type: ignore[union-attr]
+            contexts.append(ctx)
+    finally:
+        await stage.close()
+    greedy = SamplingConfig(temperature=0.0, max_tokens=8, min_tokens=8)
+    for req, tokens, ctx in zip(requests, streamed, contexts, strict=True):
+        [(seq, first)] = engine.prefill([req.prompt_token_ids], [[]], [greedy])
+        expected = [first]
+        while len(expected) < 8:
+            expected += engine.step([seq])
+        engine.release(seq)
+        assert tokens == expected
+        assert ctx.trace.get("joined_early") == (1.0 if engine_device != "cpu" else None)
 
 
 def test_the_compiled_prefill_gives_the_uncompiled_ones_logits_and_cache(mmpipe_home: Path, engine_device: str) -> None:
