@@ -29,6 +29,7 @@ from pipeline.serve import WorkerSettings
 from pipeline.settings import BridgeProcess, UpProcess, WorkerProcess, handed_env
 from pipeline.settings.kinds import NatsServerSettings, UpSettings
 from schemas.routes import MODES, PROCESSOR, ROLES, holds_kv
+from stages.sglang_engine import SGLANG_ROLES
 from stages.vllm_engine.args import VLLM_ROLES
 
 log = structlog.get_logger(__name__)
@@ -83,8 +84,18 @@ def _device(name: str) -> str:
 
 
 def check_mode(engine: str, mode: str, vllm_encoder: bool = False) -> None:
-    """``mmpipe up --engine vllm``: every hop of the mode is an encode hop
-    (built in) or one vLLM runs."""
+    """``mmpipe up --engine vllm`` (or ``sglang``): every hop of the mode is
+    an encode hop (built in) or one that engine runs."""
+    if engine == "sglang":
+        if vllm_encoder:
+            raise SystemExit("mmpipe: --vllm-encoder needs --engine vllm")
+        other = [hop for hop in MODES[mode] if hop != "encode" and hop not in SGLANG_ROLES]
+        if other:
+            raise SystemExit(
+                f"mmpipe: --engine sglang serves the modes whose hops are encode or {' / '.join(SGLANG_ROLES)} "
+                f"(epd, e-pd) so far; {mode} has {', '.join(other)}"
+            )
+        return
     if engine != "vllm":
         if vllm_encoder:
             raise SystemExit("mmpipe: --vllm-encoder needs --engine vllm")
@@ -323,6 +334,8 @@ def role_settings(
     # health are there to read (logged as worker_health_port at start).
     health_port = health_port or _free_port(worker.health.host)
     engine = "vllm" if vllm and (role in VLLM_ROLES or (role == "encode" and up.vllm_encoder)) else "torch"
+    if worker.engine == "sglang" and role in SGLANG_ROLES:
+        engine = "sglang"
     kv = dataclasses.replace(worker.vllm_kv, port=0, path=worker.vllm_kv.path or str(_kv_folder(data_dir)))
     ec_path = (worker.vllm_ec_path or str(data_dir / "vllm-ec")) if vllm and up.vllm_encoder else ""
     return dataclasses.replace(

@@ -46,7 +46,7 @@ if TYPE_CHECKING:
 log = structlog.get_logger(__name__)
 
 
-ENGINES = ("torch", "vllm")
+ENGINES = ("torch", "vllm", "sglang")
 
 
 @dataclass(frozen=True)
@@ -106,7 +106,15 @@ class WorkerSettings:
     engine: str = setting(
         "torch",
         choices=ENGINES,
-        help="torch: the built-in engine; vllm: vLLM for the roles that prefill and decode (needs the vllm extra)",
+        help="torch: the built-in engine; vllm: vLLM for the roles that prefill and decode (needs the vllm extra); "
+        "sglang: SGLang for the roles that prefill and decode in one worker (needs the sglang extra)",
+    )
+    sglang_args: dict[str, Any] = setting(
+        flag="sglang-arg",
+        factory=dict,
+        metavar="KEY=VALUE",
+        help="an SGLang engine argument (sglang.Engine's, as its server's flags), e.g. context_length=4096 "
+        "(repeatable; JSON values)",
     )
     vllm_args: dict[str, Any] = setting(
         flag="vllm-arg",
@@ -197,6 +205,10 @@ def build_stage(
         )
     if role not in HOP_ROLES:
         raise SystemExit(f"unknown role {role!r}; roles: {PROCESSOR}, {', '.join(HOP_ROLES)}")
+    if settings.engine == "sglang":
+        if settings.engine_process:
+            raise SystemExit("mmpipe: --engine-process is the built-in engine's (--engine torch)")
+        return _sglang_stage(role, settings, spec, tensors)
     if settings.engine == "vllm":
         if settings.engine_process:
             # vLLM runs its engine core in a process of its own already.
@@ -278,6 +290,37 @@ def engine_core_hop_engine(role: str, settings: WorkerSettings, spec: ModelSpec,
 
     mm_logging.configure(log_level)
     return build_torch_hop_engine(role, settings, spec)
+
+
+def _sglang_stage(role: str, settings: WorkerSettings, spec: ModelSpec, tensors: TensorStore | None) -> Stage:
+    from stages.hop import HopStage
+
+    try:
+        from stages.sglang_engine import SGLANG_ROLES
+        from stages.sglang_engine.hop_engine import SglangHopEngine
+    except ImportError as exc:  # SGLang's own imports
+        raise SystemExit(f"--engine sglang needs SGLang (bash deploy/install-sglang.sh): {exc}") from None
+    if role not in SGLANG_ROLES:
+        raise SystemExit(f"--engine sglang runs the roles {', '.join(SGLANG_ROLES)} so far, not {role}")
+    from stages.sglang_engine.engine import SglangEngine
+
+    device = resolve_device(settings.device)
+    engine = SglangEngine(Path(spec.path), settings.sglang_args, device=device)
+    encoder = None
+    if role.startswith("encode"):
+        from stages.encoder import MediaEncoder
+        from stages.media import MediaFetcher
+        from stages.torch_engine.engine import TorchEngine
+        from stages.torch_engine.scheduler import EngineThread
+
+        # mmpipe's encoder on a torch copy of the checkpoint, as beside vLLM.
+        tower = TorchEngine(Path(spec.path), device=device, decode=DecodeSettings(batched=False))
+        cache = EmbeddingCache(settings.embedding_cache_bytes, name=role)
+        encoder = MediaEncoder(tower, EngineThread(), MediaFetcher(settings.media), settings.media, cache, tensors)
+    try:
+        return HopStage(role, SglangHopEngine(role, engine, tensors, encoder), spec.served_name)
+    except ValueError as exc:
+        raise SystemExit(f"mmpipe: {exc}") from None
 
 
 def _vllm_stage(role: str, settings: WorkerSettings, spec: ModelSpec, tensors: TensorStore | None) -> Stage:

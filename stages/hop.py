@@ -109,7 +109,7 @@ class HopStage:
         engine = self.engine
         asked = req.request.sampling
         if (asked.logprobs is not None or asked.prompt_logprobs is not None) and not engine.supports_logprobs:
-            raise InvalidRequest("logprobs are not available with --engine-process")
+            raise InvalidRequest(f"logprobs are not available with {getattr(engine, 'engine_flag', 'this engine')}")
         if self.steps.encode or self.steps.prefill:
             media = await (engine.encode(req, ctx) if self.steps.encode else engine.receive_media(req, ctx))
             if not self.steps.prefill:

@@ -284,6 +284,7 @@ class ProcessHopEngine:
 
     # The engine core's tokens come over its pipe without their logprobs.
     supports_logprobs = False
+    engine_flag = "--engine-process"  # named in what it refuses
 
     def logprobs(self, handle: RemotePrefilled, index: int) -> Logprobs | None:
         return None

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -84,6 +85,34 @@ def test_up_takes_every_mode_with_vllm() -> None:
     for mode in ("epd", "e-pd", "e-p-d", "ep-d"):
         check_mode("vllm", mode)
         check_mode("torch", mode)
+
+
+def test_sglang_runs_the_roles_that_prefill_and_decode_in_one_worker(tmp_path: Path) -> None:
+    for mode in ("epd", "e-pd"):
+        check_mode("sglang", mode)
+    for mode, hops in (("e-p-d", "prefill, decode"), ("ep-d", "encode\\+prefill, decode")):
+        with pytest.raises(SystemExit, match=f"--engine sglang serves .*; {mode} has {hops}$"):
+            check_mode("sglang", mode)
+    worker = _worker("prefill+decode", "--engine", "sglang", "--sglang-arg", "context_length=512")
+    assert worker.sglang_args == {"context_length": 512}
+    up = UpSettings()
+    for role in ("prefill+decode", "encode+prefill+decode"):
+        assert role_settings(role, worker, up, tmp_path, 0).engine == "sglang", role
+    # mmpipe's own encode worker and processor beside it.
+    assert role_settings("encode", worker, up, tmp_path, 0).engine == "torch"
+    assert role_settings("processor", worker, up, tmp_path, 0).engine == "torch"
+
+
+def test_engine_sglang_without_sglang_fails_at_start_naming_what_to_install(
+    tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setitem(sys.modules, "sglang", None)  # its import fails, installed or not
+    spec = resolve_model(str(tiny_model_dir), "tiny-qwen2-vl")
+    settings = WorkerSettings(engine="sglang")
+    with pytest.raises(SystemExit, match=r"deploy/install-sglang.sh.*mmpipe\[sglang\]"):
+        build_stage("prefill+decode", PipelineConfig(), settings, spec)
+    with pytest.raises(SystemExit, match="--engine sglang runs the roles encode\\+prefill\\+decode, prefill\\+decode"):
+        build_stage("decode", PipelineConfig(), settings, spec)
 
 
 def test_kv_connector_settings_reach_the_prefill_and_decode_roles(tmp_path: Path) -> None:

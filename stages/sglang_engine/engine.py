@@ -1,0 +1,207 @@
+"""SGLang's offline engine (``sglang.Engine``) inside an mmpipe worker.
+
+The worker gives SGLang the processor's prompt ids with each media item's
+placeholder expanded to its embeddings' length, and the embeddings mmpipe's
+encoder made (its own vision tower on torch), as SGLang's
+``processor_output`` input: ``precomputed_embeddings`` beside
+``image_grid_thw``, from which SGLang places Qwen-VL's M-RoPE positions.
+Checked on the CPU with the tiny Qwen2-VL: transformers' ``generate()``
+tokens exactly, for text and images (an image given to SGLang as pixels
+gives them too, but E/PD's prefill worker has only embeddings, and one
+encoder for every engine keeps the embedding cache and its digests).
+
+SGLang takes and gives token ids; the hop's emitter detokenizes, as for
+the other engines. Its own tokenizer still loads (``skip_tokenizer_init``
+would refuse ``min_new_tokens``: SGLang reads EOS from its tokenizer).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+from collections.abc import AsyncGenerator
+from dataclasses import dataclass
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import structlog
+import torch
+
+from schemas.errors import InvalidRequest
+from schemas.processed import MediaKind
+from stages.families import MediaEmbedding
+from stages.sampling import SamplingConfig
+
+log = structlog.get_logger(__name__)
+
+# SGLang's arguments on a CPU host (its torch attention, no CUDA graphs, a
+# small KV pool: on the CPU its fraction is of the host's memory).
+CPU_DEFAULTS: dict[str, Any] = {
+    "device": "cpu",
+    "attention_backend": "torch_native",
+    "disable_cuda_graph": True,
+    "mem_fraction_static": 0.05,
+}
+
+
+def require_sglang() -> None:
+    try:
+        import sglang  # noqa: F401
+    except ImportError as exc:
+        raise SystemExit(
+            "--engine sglang needs SGLang: bash deploy/install-sglang.sh (a CPU venv, .venv-sglang), "
+            "or pip install 'mmpipe[sglang]' on a GPU host"
+        ) from exc
+
+
+@dataclass(frozen=True)
+class Delta:
+    """New tokens of one request, and whether SGLang has finished it."""
+
+    token_ids: list[int]
+    finished: bool
+    # Prompt tokens SGLang's prefix cache (RadixAttention) held, as it tells them.
+    cached_tokens: int | None = None
+
+
+class SglangEngine:
+    def __init__(self, model_dir: Path, args: dict[str, Any] | None = None, device: str = "cpu") -> None:
+        require_sglang()
+        from transformers import AutoConfig, AutoTokenizer, GenerationConfig
+
+        from stages.torch_engine.engine import _eos_ids
+
+        self.model_dir = Path(model_dir)
+        defaults = CPU_DEFAULTS if device == "cpu" else {"device": device}
+        self.args: dict[str, Any] = {
+            "model_path": str(self.model_dir),
+            "log_level": "warning",
+            **defaults,
+            **(args or {}),
+        }
+        self.tokenizer = AutoTokenizer.from_pretrained(str(self.model_dir))
+        config = AutoConfig.from_pretrained(str(self.model_dir))
+        vision = getattr(config, "vision_config", None)
+        if vision is not None and hasattr(vision, "in_channels") and "json_model_override_args" not in self.args:
+            # transformers 5 names it in_channels; SGLang's Qwen-VL towers read in_chans.
+            override = {"vision_config": {"in_chans": int(vision.in_channels)}}
+            self.args["json_model_override_args"] = json.dumps(override)
+        self.hidden_size = int(config.get_text_config().hidden_size)
+        try:
+            generation: Any = GenerationConfig.from_pretrained(str(self.model_dir))
+        except OSError:
+            generation = None
+        self.eos_token_ids: frozenset[int] = frozenset(_eos_ids(SimpleNamespace(generation_config=generation), config))
+        self.max_model_len = 0
+        self._engine: Any = None
+
+    async def start(self) -> None:
+        """Start SGLang's engine: its scheduler and detokenizer processes, the
+        model load (tens of seconds). Its tokenizer manager then runs on this
+        worker's event loop."""
+        import sglang
+
+        # Its own info lines (every server argument, at each start) only at debug.
+        if logging.getLogger().getEffectiveLevel() > logging.DEBUG:
+            logging.getLogger("sglang").setLevel(logging.WARNING)
+        engine = await asyncio.to_thread(lambda: sglang.Engine(**self.args))
+        self._engine = engine
+        self.max_model_len = int(engine.tokenizer_manager.context_len)
+        log.info("sglang_engine_started", model=str(self.model_dir), max_model_len=self.max_model_len, args=self.args)
+
+    def close(self) -> None:
+        engine, self._engine = self._engine, None
+        if engine is not None:
+            engine.shutdown()
+
+    async def check_health(self) -> None:
+        """Raises where one of SGLang's processes is gone."""
+        if self._engine is None:
+            raise RuntimeError("the SGLang engine is not running")
+        for pid in self._engine.get_all_child_pids():
+            try:
+                os.kill(pid, 0)
+            except ProcessLookupError:
+                raise RuntimeError(f"SGLang's process {pid} is gone") from None
+
+    async def stream(
+        self, request_id: str, prompt_ids: list[int], media: list[MediaEmbedding], sampling: SamplingConfig
+    ) -> AsyncGenerator[Delta, None]:
+        """One request's new tokens as SGLang makes them. ``prompt_ids`` hold
+        each media item's placeholders already expanded to its tokens."""
+        assert self._engine is not None, "start() the engine first"
+        gen = await self._engine.async_generate(
+            input_ids=prompt_ids,
+            image_data=_image_data(media),
+            sampling_params=sampling_params(sampling),
+            stream=True,
+            rid=request_id,
+        )
+        seen = 0
+        try:
+            first = await anext(gen)
+        except StopAsyncIteration:
+            return
+        except ValueError as exc:
+            # SGLang's checks of a request (its context, its parameters) raise ValueError before it runs.
+            raise InvalidRequest(f"SGLang refused the request: {exc}") from None
+        async for out in _chain(first, gen):
+            ids = [int(t) for t in out["output_ids"]]  # the whole output so far
+            meta = out.get("meta_info") or {}
+            cached = meta.get("cached_tokens")
+            yield Delta(ids[seen:], meta.get("finish_reason") is not None, int(cached) if cached is not None else None)
+            seen = len(ids)
+
+    def abort(self, request_id: str) -> None:
+        if self._engine is not None:
+            self._engine.tokenizer_manager.abort_request(request_id)
+
+
+def sampling_params(config: SamplingConfig) -> dict[str, Any]:
+    """SGLang's sampling parameters for one request."""
+    if config.logit_bias or config.structured is not None or config.logprobs is not None:
+        raise InvalidRequest("logit_bias, structured output and logprobs are not passed to --engine sglang yet")
+    params: dict[str, Any] = {
+        "temperature": config.temperature,
+        "top_p": config.top_p,
+        "min_p": config.min_p,
+        "max_new_tokens": config.max_tokens,
+        "min_new_tokens": config.min_tokens,
+        "ignore_eos": config.ignore_eos,
+        "presence_penalty": config.presence_penalty,
+        "frequency_penalty": config.frequency_penalty,
+        "repetition_penalty": config.repetition_penalty,
+    }
+    if config.top_k > 0:
+        params["top_k"] = config.top_k
+    if config.stop_token_ids:
+        params["stop_token_ids"] = sorted(config.stop_token_ids)
+    if not config.greedy:
+        params["sampling_seed"] = config.seed
+    return params
+
+
+def _image_data(media: list[MediaEmbedding]) -> list[dict[str, Any]] | None:
+    """The request's images as SGLang's ``processor_output`` (one entry for
+    them all, as it takes precomputed inputs): their embeddings in prompt
+    order and each one's grid."""
+    if not media:
+        return None
+    if any(m.kind is not MediaKind.IMAGE for m in media):
+        raise InvalidRequest("--engine sglang takes images so far, not video or audio")
+    return [
+        {
+            "format": "processor_output",
+            "precomputed_embeddings": torch.cat([m.embeddings.cpu() for m in media]),
+            "image_grid_thw": torch.tensor([list(m.grid_thw) for m in media]),
+        }
+    ]
+
+
+async def _chain(first: Any, rest: AsyncGenerator[Any, None]) -> AsyncGenerator[Any, None]:
+    yield first
+    async for item in rest:
+        yield item

@@ -1,0 +1,222 @@
+"""``--engine sglang`` end to end: ``mmpipe up`` (embedded nats-server, the
+processor, the workers of the mode as OS processes, the bridge) with SGLang
+running the role that prefills and decodes, the official openai client
+against the bridge. EPD: one worker encodes (mmpipe's encoder) and hands
+SGLang the embeddings in memory; E/PD: mmpipe's own encode worker sends them
+over the tensor transport. Every answer is exactly transformers
+``generate()``'s tokens on the same float32 checkpoint, streamed or not,
+text or images; a client that goes away aborts the SGLang request; what
+SGLang is not given yet is a 400 with a stable code. One engine start per
+mode (a module-scoped stack per mode)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import re
+import signal
+import socket
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import openai
+import pytest
+
+from pipeline.connection import connect
+from pipeline.subjects import Subjects
+from tests.e2e.conftest import finished_reply, gradient, make_reference, png_data_url
+from tests.e2e.processes import Proc, Processes
+from tests.polling import eventually
+
+N = 10
+MODEL = "tiny-qwen2-vl"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@dataclass
+class SglangStack:
+    mode: str
+    base_url: str
+    up: Proc
+    nats_url: str = ""
+    metrics: dict[str, str] = field(default_factory=dict)
+    code: int | None = None
+
+    def client(self) -> openai.AsyncOpenAI:
+        return openai.AsyncOpenAI(base_url=f"{self.base_url}/v1", api_key="none", max_retries=0)
+
+
+@contextlib.contextmanager
+def sglang_up(tmp: Path, mmpipe_home: Path, mode: str, *flags: str) -> Iterator[SglangStack]:
+    """``mmpipe up --engine sglang`` of ``mode`` until the block ends (SIGINT; its exit code in ``code``)."""
+    port = _free_port()
+    procs = Processes(tmp, mmpipe_home)
+    up = procs.start(
+        "up", "--mode", mode, "--engine", "sglang", "--model", MODEL, "--port", str(port),
+        "--data-dir", str(tmp / "data"), "--transport", "nats", "--log-level", "INFO", *flags,
+    )  # fmt: skip
+    stack = SglangStack(mode, f"http://127.0.0.1:{port}", up)
+    try:
+        up.wait_for("mmpipe ready", timeout_s=300)
+        nats_url = re.search(r"nats=(\S+)", up.text())
+        assert nats_url is not None
+        stack.nats_url = nats_url.group(1)
+        for line in up.text().splitlines():
+            if '"worker_health_port"' in line:
+                event = json.loads(line[line.index("{") :])
+                stack.metrics[event["role"]] = event["metrics"]
+        yield stack
+    finally:
+        stack.code = up.stop(signal.SIGINT, timeout_s=90)
+        procs.stop_all()
+
+
+@pytest.fixture(scope="module")
+def reference(mmpipe_home: Path) -> Any:
+    from stages.models import builtin_path
+
+    return make_reference(builtin_path(MODEL))
+
+
+@pytest.fixture(scope="module", params=["epd", "e-pd"])
+def stack(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory, mmpipe_home: Path
+) -> Iterator[SglangStack]:
+    with sglang_up(tmp_path_factory.mktemp(f"sglang-{request.param}"), mmpipe_home, request.param) as stack:
+        yield stack
+    assert stack.code == 0, stack.up.text()[-3000:]
+
+
+async def _ask(stack: SglangStack, content: Any, stream: bool, n: int = N) -> tuple[list[int], str]:
+    """(token ids as the reply stream holds them, text) of one greedy request of n tokens."""
+    kw: dict[str, Any] = {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": content}],
+        "max_tokens": n,
+        "temperature": 0,
+        "extra_body": {"min_tokens": n},
+    }
+    async with stack.client() as c:
+        if stream:
+            raw = await c.chat.completions.with_raw_response.create(stream=True, **kw)
+            chunks = [chunk async for chunk in raw.parse()]
+            text = "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices)
+            assert [ch.choices[0].finish_reason for ch in chunks if ch.choices][-1] == "length"
+        else:
+            raw = await c.chat.completions.with_raw_response.create(**kw)
+            reply = raw.parse()
+            text = reply.choices[0].message.content or ""
+            assert reply.usage is not None and reply.usage.completion_tokens == n
+    return await _tokens(stack, raw.headers["x-request-id"]), text
+
+
+async def _tokens(stack: SglangStack, request_id: str) -> list[int]:
+    nc, js = await connect(stack.nats_url, name="test-reader")
+    try:
+        chunks = await finished_reply(js, Subjects("default"), request_id)
+    finally:
+        await nc.close()
+    return [t for c in chunks for t in getattr(c, "token_ids", [])]
+
+
+def _image(seed: int) -> Any:
+    return gradient(56 + 8 * seed, 48 + 16 * seed, seed)
+
+
+def _image_content(image: Any, text: str = "What is in the picture?") -> list[dict[str, Any]]:
+    return [{"type": "image_url", "image_url": {"url": png_data_url(image)}}, {"type": "text", "text": text}]
+
+
+async def test_text_streamed_and_not_equals_generate(stack: SglangStack, reference: Any) -> None:
+    tokens, text = reference("Say something about the sea.", [], N)
+    for stream in (True, False):
+        assert await _ask(stack, "Say something about the sea.", stream) == (tokens, text)
+
+
+async def test_an_image_streamed_and_not_equals_generate(stack: SglangStack, reference: Any) -> None:
+    one = _image(1)
+    tokens, text = reference(_image_content(one), [one], N)
+    assert len(set(tokens)) > 1
+    for stream in (True, False):
+        assert await _ask(stack, _image_content(one), stream) == (tokens, text)
+
+
+async def test_two_images_and_concurrent_requests(stack: SglangStack, reference: Any) -> None:
+    """At once, streamed and not: a prompt of two images, one of the second
+    alone, and one of text; each gets generate()'s tokens."""
+    first, second = _image(2), _image(3)
+    two = [
+        {"type": "text", "text": "Compare"},
+        {"type": "image_url", "image_url": {"url": png_data_url(first)}},
+        {"type": "text", "text": "and"},
+        {"type": "image_url", "image_url": {"url": png_data_url(second)}},
+    ]
+    contents: list[Any] = [two, _image_content(second, "And this?"), "Tell me a joke."]
+    media = [[first, second], [second], []]
+    expected = [reference(c, m, N) for c, m in zip(contents, media, strict=True)]
+    got = await asyncio.gather(*(_ask(stack, c, stream=i % 2 == 0) for i, c in enumerate(contents)))
+    assert got == expected
+
+
+async def test_usage_counts_the_prompt_tokens_sglangs_prefix_cache_held(stack: SglangStack) -> None:
+    """``usage.prompt_tokens_details.cached_tokens`` is SGLang's own count
+    (RadixAttention, token by token): the first time a prompt is seen only
+    what it shares with earlier prompts (the chat template's start), the
+    second time nearly all of it (streamed, with the usage asked for)."""
+    text = f"{stack.mode} cached: " + "The river runs past the mill and under the old stone bridge. " * 8
+
+    async def ask() -> tuple[int, int]:
+        async with stack.client() as c:
+            chunks = await c.chat.completions.create(
+                model=MODEL,
+                messages=[{"role": "user", "content": text}],
+                max_tokens=2,
+                temperature=0,
+                stream=True,
+                stream_options={"include_usage": True},
+            )
+            usage = [chunk async for chunk in chunks][-1].usage
+        assert usage is not None and usage.prompt_tokens_details is not None
+        return usage.prompt_tokens, int(usage.prompt_tokens_details.cached_tokens or 0)
+
+    prompt_tokens, first = await ask()
+    assert prompt_tokens > 64 and first < prompt_tokens // 2
+    again, second = await ask()
+    assert again == prompt_tokens and prompt_tokens - 2 <= second < prompt_tokens
+
+
+async def test_a_client_going_away_aborts_the_sglang_request(stack: SglangStack) -> None:
+    async with stack.client() as c:
+        chunks = await c.chat.completions.create(
+            model=MODEL,
+            messages=[{"role": "user", "content": "Go on and on."}],
+            max_tokens=2000,
+            temperature=0,
+            extra_body={"ignore_eos": True},
+            stream=True,
+        )
+        await anext(aiter(chunks))
+        await chunks.close()
+    await eventually(lambda: "sglang_request_aborted" in stack.up.text(), within=30)
+    # The worker serves on after it.
+    ids, _ = await _ask(stack, "Still there?", stream=False, n=2)
+    assert len(ids) == 2
+
+
+async def test_what_sglang_is_not_given_yet_is_a_400_with_a_code(stack: SglangStack) -> None:
+    async with stack.client() as c:
+        with pytest.raises(openai.BadRequestError) as caught:
+            await c.chat.completions.create(
+                model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=2, logprobs=True
+            )
+    body = caught.value.body
+    assert isinstance(body, dict) and body.get("code") == "invalid_request"
+    assert re.search(r"logprobs .*--engine sglang", str(body.get("message")))
