@@ -24,7 +24,6 @@ import os
 from collections.abc import AsyncGenerator
 from dataclasses import dataclass
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Any
 
 import structlog
@@ -70,9 +69,9 @@ class Delta:
 class SglangEngine:
     def __init__(self, model_dir: Path, args: dict[str, Any] | None = None, device: str = "cpu") -> None:
         require_sglang()
-        from transformers import AutoConfig, AutoTokenizer, GenerationConfig
+        from transformers import AutoConfig, AutoTokenizer
 
-        from stages.torch_engine.engine import _eos_ids
+        from stages.torch_engine.engine import checkpoint_eos_ids
 
         self.model_dir = Path(model_dir)
         defaults = CPU_DEFAULTS if device == "cpu" else {"device": device}
@@ -90,11 +89,7 @@ class SglangEngine:
             override = {"vision_config": {"in_chans": int(vision.in_channels)}}
             self.args["json_model_override_args"] = json.dumps(override)
         self.hidden_size = int(config.get_text_config().hidden_size)
-        try:
-            generation: Any = GenerationConfig.from_pretrained(str(self.model_dir))
-        except OSError:
-            generation = None
-        self.eos_token_ids: frozenset[int] = frozenset(_eos_ids(SimpleNamespace(generation_config=generation), config))
+        self.eos_token_ids = checkpoint_eos_ids(self.model_dir, config)
         self.max_model_len = 0
         self._engine: Any = None
 

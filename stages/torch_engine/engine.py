@@ -24,6 +24,7 @@ import weakref
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import structlog
@@ -1379,6 +1380,18 @@ def _quiet_progress_bars() -> Iterator[None]:
     finally:
         if enabled:
             hf_logging.enable_progress_bar()
+
+
+def checkpoint_eos_ids(model_dir: Path, config: Any) -> frozenset[int]:
+    """The EOS ids ``_eos_ids`` finds, from a checkpoint's generation config
+    read alone (an engine that does not load the model here: vLLM, SGLang)."""
+    from transformers import GenerationConfig
+
+    try:
+        generation: Any = GenerationConfig.from_pretrained(str(model_dir))
+    except OSError:
+        generation = None
+    return frozenset(_eos_ids(SimpleNamespace(generation_config=generation), config))
 
 
 def _eos_ids(model: Any, config: Any) -> set[int]:

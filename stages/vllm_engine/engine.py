@@ -18,7 +18,6 @@ import socket
 from collections.abc import AsyncGenerator
 from dataclasses import dataclass
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Any
 
 import structlog
@@ -61,9 +60,9 @@ class VllmEngine:
         storage_ttl_s: float = STORAGE_TTL_S,
     ) -> None:
         require_vllm()
-        from transformers import AutoConfig, AutoTokenizer, GenerationConfig
+        from transformers import AutoConfig, AutoTokenizer
 
-        from stages.torch_engine.engine import _eos_ids
+        from stages.torch_engine.engine import checkpoint_eos_ids
 
         self.model_dir = Path(model_dir)
         # mmpipe passes image embeddings (its encoder's) to vLLM: enable_mm_embeds.
@@ -74,11 +73,7 @@ class VllmEngine:
         self.timed_video = config.model_type == "qwen2_5_vl"
         # The width prompt embeddings must have.
         self.hidden_size = int(config.get_text_config().hidden_size)
-        try:
-            generation: Any = GenerationConfig.from_pretrained(str(self.model_dir))
-        except OSError:
-            generation = None
-        self.eos_token_ids: frozenset[int] = frozenset(_eos_ids(SimpleNamespace(generation_config=generation), config))
+        self.eos_token_ids = checkpoint_eos_ids(self.model_dir, config)
         self.role = role
         self.kv = kv or KvConnectorSettings()
         self.max_model_len = 0
