@@ -321,3 +321,13 @@ async def finished_reply(js: Any, subjects: Subjects, request_id: str, within: f
         if time.monotonic() > deadline:
             return chunks
         await asyncio.sleep(0.05)
+
+
+async def reply_tokens(nats_url: str, request_id: str) -> list[int]:
+    """The token ids of a request as its reply stream holds them (a stack's namespace: default)."""
+    nc, js = await connect(nats_url, name="test-reader")
+    try:
+        chunks = await finished_reply(js, Subjects("default"), request_id)
+    finally:
+        await nc.close()
+    return [t for c in chunks for t in getattr(c, "token_ids", [])]

@@ -3,7 +3,9 @@ watched through their logs, stopped with a signal or killed outright."""
 
 from __future__ import annotations
 
+import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -28,6 +30,20 @@ class Proc:
             assert self.popen.poll() is None, f"exited with {self.popen.returncode}:\n{self.text()[-3000:]}"
             assert time.monotonic() < deadline, f"no {needle!r} within {timeout_s}s:\n{self.text()[-3000:]}"
             time.sleep(0.1)
+
+    def up_ready(self, timeout_s: float = 300.0) -> tuple[str, dict[str, str]]:
+        """``mmpipe up`` ready: its embedded nats-server's URL and each worker
+        role's /metrics URL (its health beside it), as its log tells them."""
+        self.wait_for("mmpipe ready", timeout_s=timeout_s)
+        text = self.text()
+        nats_url = re.search(r"nats=(\S+)", text)
+        assert nats_url is not None, text[-3000:]
+        metrics = {}
+        for line in text.splitlines():
+            if '"worker_health_port"' in line:
+                event = json.loads(line[line.index("{") :])
+                metrics[event["role"]] = event["metrics"]
+        return nats_url.group(1), metrics
 
     def stop(self, sig: int = signal.SIGTERM, timeout_s: float = 60.0) -> int:
         if self.popen.poll() is None:

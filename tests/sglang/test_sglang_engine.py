@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import re
 import signal
 import socket
@@ -25,9 +24,7 @@ from typing import Any
 import openai
 import pytest
 
-from pipeline.connection import connect
-from pipeline.subjects import Subjects
-from tests.e2e.conftest import finished_reply, gradient, make_reference, png_data_url
+from tests.e2e.conftest import gradient, make_reference, png_data_url, reply_tokens
 from tests.e2e.processes import Proc, Processes
 from tests.polling import eventually
 
@@ -65,14 +62,7 @@ def sglang_up(tmp: Path, mmpipe_home: Path, mode: str, *flags: str) -> Iterator[
     )  # fmt: skip
     stack = SglangStack(mode, f"http://127.0.0.1:{port}", up)
     try:
-        up.wait_for("mmpipe ready", timeout_s=300)
-        nats_url = re.search(r"nats=(\S+)", up.text())
-        assert nats_url is not None
-        stack.nats_url = nats_url.group(1)
-        for line in up.text().splitlines():
-            if '"worker_health_port"' in line:
-                event = json.loads(line[line.index("{") :])
-                stack.metrics[event["role"]] = event["metrics"]
+        stack.nats_url, stack.metrics = up.up_ready()
         yield stack
     finally:
         stack.code = up.stop(signal.SIGINT, timeout_s=90)
@@ -115,16 +105,7 @@ async def _ask(stack: SglangStack, content: Any, stream: bool, n: int = N) -> tu
             reply = raw.parse()
             text = reply.choices[0].message.content or ""
             assert reply.usage is not None and reply.usage.completion_tokens == n
-    return await _tokens(stack, raw.headers["x-request-id"]), text
-
-
-async def _tokens(stack: SglangStack, request_id: str) -> list[int]:
-    nc, js = await connect(stack.nats_url, name="test-reader")
-    try:
-        chunks = await finished_reply(js, Subjects("default"), request_id)
-    finally:
-        await nc.close()
-    return [t for c in chunks for t in getattr(c, "token_ids", [])]
+    return await reply_tokens(stack.nats_url, raw.headers["x-request-id"]), text
 
 
 def _image(seed: int) -> Any:

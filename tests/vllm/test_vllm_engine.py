@@ -20,7 +20,6 @@ import asyncio
 import contextlib
 import inspect
 import json
-import re
 import signal
 import socket
 import time
@@ -41,7 +40,7 @@ from schemas.codec import CONTENT_TYPE, MSGPACK, encode
 from schemas.request import ChatMessage, GenerateRequest, ImagePart, ImageURL, SamplingParams, TextPart
 from schemas.routes import MODES
 from stages.vllm_engine.args import CPU_DEFAULTS
-from tests.e2e.conftest import finished_reply, gradient, make_reference, png_data_url
+from tests.e2e.conftest import finished_reply, gradient, make_reference, png_data_url, reply_tokens
 from tests.e2e.processes import Proc, Processes
 from tests.vllm.references import video_request
 
@@ -120,14 +119,7 @@ def vllm_up(
     )  # fmt: skip
     stack = VllmStack(mode, f"http://127.0.0.1:{port}", "", up, {})
     try:
-        up.wait_for("mmpipe ready", timeout_s=300)
-        nats_url = re.search(r"nats=(\S+)", up.text())
-        assert nats_url is not None
-        stack.nats_url = nats_url.group(1)
-        for line in up.text().splitlines():
-            if '"worker_health_port"' in line:
-                event = json.loads(line[line.index("{") :])
-                stack.metrics[event["role"]] = event["metrics"]
+        stack.nats_url, stack.metrics = up.up_ready()
         yield stack
     finally:
         stack.code = up.stop(signal.SIGINT, timeout_s=90)
@@ -162,16 +154,6 @@ def stack(
     assert_clean_exit(stack)
 
 
-async def _tokens(stack: VllmStack, request_id: str) -> list[int]:
-    """The token ids of a request as its reply stream holds them."""
-    nc, js = await connect(stack.nats_url, name="test-reader")
-    try:
-        chunks = await finished_reply(js, Subjects("default"), request_id)
-    finally:
-        await nc.close()
-    return [t for c in chunks for t in getattr(c, "token_ids", [])]
-
-
 async def _ask(stack: VllmStack, content: Any, stream: bool, n: int = N, model: str = MODEL) -> tuple[str, list[int]]:
     """(text, token ids) of one greedy request of n tokens."""
     kw: dict[str, Any] = {
@@ -192,7 +174,7 @@ async def _ask(stack: VllmStack, content: Any, stream: bool, n: int = N, model: 
             reply = await _parsed(raw)
             text = reply.choices[0].message.content or ""
             assert reply.usage is not None and reply.usage.completion_tokens == n
-    return text, await _tokens(stack, raw.headers["x-request-id"])
+    return text, await reply_tokens(stack.nats_url, raw.headers["x-request-id"])
 
 
 async def _parsed(raw: Any) -> Any:
@@ -463,9 +445,9 @@ async def test_client_going_away_aborts_the_vllm_request(stack: VllmStack) -> No
         await asyncio.sleep(0.1)
     assert aborted, stack.up.text()[-3000:]
     assert aborted["unfinished"] == 0  # vLLM holds no request any more
-    stored = len(await _tokens(stack, request_id))
+    stored = len(await reply_tokens(stack.nats_url, request_id))
     await asyncio.sleep(1.0)
-    assert len(await _tokens(stack, request_id)) == stored < 1500  # nothing more is generated
+    assert len(await reply_tokens(stack.nats_url, request_id)) == stored < 1500  # nothing more is generated
 
 
 @pytest.mark.e2e
