@@ -305,7 +305,7 @@ def _sglang_stage(role: str, settings: WorkerSettings, spec: ModelSpec, tensors:
     from stages.sglang_engine.engine import SglangEngine
 
     device = resolve_device(settings.device)
-    engine = SglangEngine(Path(spec.path), settings.sglang_args, device=device)
+    engine = SglangEngine(Path(spec.path), settings.sglang_args, device=device, role=role)
     encoder = None
     if role.startswith("encode"):
         from stages.encoder import MediaEncoder

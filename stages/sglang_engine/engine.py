@@ -33,16 +33,26 @@ from schemas.errors import InvalidRequest
 from schemas.processed import MediaKind
 from stages.families import MediaEmbedding
 from stages.sampling import SamplingConfig
+from stages.sglang_engine import metrics
 
 log = structlog.get_logger(__name__)
 
-# SGLang's arguments on a CPU host (its torch attention, no CUDA graphs, a
-# small KV pool: on the CPU its fraction is of the host's memory).
+# SGLang's arguments on a CPU host: float32, its torch attention, no CUDA
+# graphs, and a KV pool sized by tokens. On the CPU SGLang sizes the pool from the
+# host's free memory before and after its weights load, less a slack of
+# (1 - mem_fraction_static) of the first figure: at 0.05, other processes
+# starting beside it (a second engine) left it "no memory for the KV cache".
+# A wide slack and a cap in tokens keep the pool small and the start sure.
 CPU_DEFAULTS: dict[str, Any] = {
     "device": "cpu",
+    # The built-in engine's dtype on a CPU: generate()'s float32 tokens.
+    # SGLang's "auto" runs a float32 checkpoint in float16: short greedy
+    # answers still matched, a 300-token one parted from generate()'s.
+    "dtype": "float32",
     "attention_backend": "torch_native",
     "disable_cuda_graph": True,
-    "mem_fraction_static": 0.05,
+    "mem_fraction_static": 0.3,
+    "max_total_tokens": 65536,
 }
 
 
@@ -67,7 +77,12 @@ class Delta:
 
 
 class SglangEngine:
-    def __init__(self, model_dir: Path, args: dict[str, Any] | None = None, device: str = "cpu") -> None:
+    # How often SGLang's load is read into the metrics while it runs.
+    load_interval_s = 1.0
+
+    def __init__(
+        self, model_dir: Path, args: dict[str, Any] | None = None, device: str = "cpu", role: str = "sglang"
+    ) -> None:
         require_sglang()
         from transformers import AutoConfig, AutoTokenizer
 
@@ -91,7 +106,9 @@ class SglangEngine:
         self.hidden_size = int(config.get_text_config().hidden_size)
         self.eos_token_ids = checkpoint_eos_ids(self.model_dir, config)
         self.max_model_len = 0
+        self.role = role
         self._engine: Any = None
+        self._load_reader: asyncio.Task[None] | None = None
 
     async def start(self) -> None:
         """Start SGLang's engine: its scheduler and detokenizer processes, the
@@ -105,9 +122,22 @@ class SglangEngine:
         engine = await asyncio.to_thread(lambda: sglang.Engine(**self.args))
         self._engine = engine
         self.max_model_len = int(engine.tokenizer_manager.context_len)
+        metrics.declare(self.role)
+        self._load_reader = asyncio.create_task(self._read_loads(engine))
         log.info("sglang_engine_started", model=str(self.model_dir), max_model_len=self.max_model_len, args=self.args)
 
+    async def _read_loads(self, engine: Any) -> None:
+        while True:
+            try:
+                metrics.record_load(self.role, await engine.tokenizer_manager.get_loads())
+            except Exception as exc:  # a stat, not the service: logged, never fatal
+                log.warning("sglang_load_unread", error=repr(exc))
+            await asyncio.sleep(self.load_interval_s)
+
     def close(self) -> None:
+        if self._load_reader is not None:
+            self._load_reader.cancel()
+            self._load_reader = None
         engine, self._engine = self._engine, None
         if engine is not None:
             engine.shutdown()
@@ -143,12 +173,18 @@ class SglangEngine:
         except ValueError as exc:
             # SGLang's checks of a request (its context, its parameters) raise ValueError before it runs.
             raise InvalidRequest(f"SGLang refused the request: {exc}") from None
-        async for out in _chain(first, gen):
-            ids = [int(t) for t in out["output_ids"]]  # the whole output so far
-            meta = out.get("meta_info") or {}
-            cached = meta.get("cached_tokens")
-            yield Delta(ids[seen:], meta.get("finish_reason") is not None, int(cached) if cached is not None else None)
-            seen = len(ids)
+        meta: dict[str, Any] = {}
+        try:
+            async for out in _chain(first, gen):
+                ids = [int(t) for t in out["output_ids"]]  # the whole output so far
+                meta = out.get("meta_info") or {}
+                cached = meta.get("cached_tokens")
+                finished = meta.get("finish_reason") is not None
+                yield Delta(ids[seen:], finished, int(cached) if cached is not None else None)
+                seen = len(ids)
+        finally:
+            if meta:  # finished, or left early (aborted): what it cost so far
+                metrics.record_request(self.role, meta)
 
     def abort(self, request_id: str) -> None:
         if self._engine is not None:

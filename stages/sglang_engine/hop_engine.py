@@ -22,6 +22,7 @@ GPU and RDMA): not here yet.
 
 from __future__ import annotations
 
+import contextlib
 import uuid
 from collections.abc import AsyncGenerator, Callable
 from dataclasses import dataclass, field
@@ -180,14 +181,22 @@ class SglangHopEngine:
         # SGLang stops at EOS (unless ignore_eos), its stop ids and max_tokens itself.
         handle.sglang_id = f"{handle.request_id}-{uuid.uuid4().hex[:8]}"
         config = sampling(req, len(ctx.emitted))
+        log.info(
+            "sglang_decode_started",
+            request_id=handle.request_id,
+            sglang_request_id=handle.sglang_id,
+            resumed=len(ctx.emitted),
+        )
         first = True
-        async for delta in self.engine.stream(handle.sglang_id, handle.prompt_ids, handle.media, config):
-            handle.finished = delta.finished
-            if first and delta.cached_tokens is not None:
-                handle.cached_tokens = delta.cached_tokens
-                first = False
-            for token in delta.token_ids:
-                yield token
+        stream = self.engine.stream(handle.sglang_id, handle.prompt_ids, handle.media, config)
+        async with contextlib.aclosing(stream) as deltas:
+            async for delta in deltas:
+                handle.finished = delta.finished
+                if first and delta.cached_tokens is not None:
+                    handle.cached_tokens = delta.cached_tokens
+                    first = False
+                for token in delta.token_ids:
+                    yield token
 
     async def abort(self, handle: SglangPrefilled) -> None:
         if handle.sglang_id is not None and not handle.finished:

@@ -16,6 +16,7 @@ import contextlib
 import re
 import signal
 import socket
+import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -23,10 +24,11 @@ from typing import Any
 
 import openai
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from tests.e2e.conftest import gradient, make_reference, png_data_url, reply_tokens
 from tests.e2e.processes import Proc, Processes
-from tests.polling import eventually
+from tests.polling import eventually, eventually_true
 
 N = 10
 MODEL = "tiny-qwen2-vl"
@@ -201,3 +203,68 @@ async def test_what_sglang_is_not_given_yet_is_a_400_with_a_code(stack: SglangSt
     body = caught.value.body
     assert isinstance(body, dict) and body.get("code") == "invalid_request"
     assert re.search(r"logprobs .*--engine sglang", str(body.get("message")))
+
+
+def _sglang_metrics(url: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    """The mmpipe_sglang_* samples on a worker's /metrics, by name and labels."""
+    text = urllib.request.urlopen(url, timeout=5).read().decode()
+    return {
+        (sample.name, tuple(sorted(sample.labels.items()))): sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+        if sample.name.startswith("mmpipe_sglang_")
+    }
+
+
+async def test_the_worker_metrics_count_sglangs_tokens_and_show_its_load(stack: SglangStack) -> None:
+    """A request's prompt tokens (computed and RadixAttention's), its
+    generated tokens and SGLang's load (its snapshots) on the worker's
+    /metrics, by role."""
+    role = "encode+prefill+decode" if stack.mode == "epd" else "prefill+decode"
+    url = stack.metrics[role]
+    labels = (("role", role),)
+
+    def value(metrics: dict[tuple[str, tuple[tuple[str, str], ...]], float], name: str, **extra: str) -> float:
+        return metrics.get((name, tuple(sorted([*labels, *extra.items()]))), 0.0)
+
+    before = await asyncio.to_thread(_sglang_metrics, url)
+    assert ("mmpipe_sglang_kv_cache_usage", labels) in before
+    prompt = f"{stack.mode} metrics: " + "Count the boats on the lake, one by one. " * 4
+    async with stack.client() as c:
+        reply = await c.chat.completions.create(
+            model=MODEL,
+            messages=[{"role": "user", "content": prompt}],
+            max_tokens=N,
+            temperature=0,
+            extra_body={"min_tokens": N},
+        )
+    assert reply.usage is not None
+    after = await asyncio.to_thread(_sglang_metrics, url)
+    generated = value(after, "mmpipe_sglang_generation_tokens_total") - value(
+        before, "mmpipe_sglang_generation_tokens_total"
+    )
+    assert generated >= N
+    prompt_tokens = sum(
+        value(after, "mmpipe_sglang_prompt_tokens_total", source=source)
+        - value(before, "mmpipe_sglang_prompt_tokens_total", source=source)
+        for source in ("local_compute", "local_cache_hit")
+    )
+    assert prompt_tokens >= reply.usage.prompt_tokens
+    # The load gauges follow SGLang's snapshots: a request running shows.
+    async with stack.client() as c:
+        chunks = await c.chat.completions.create(
+            model=MODEL,
+            messages=[{"role": "user", "content": "Go on and on about the boats."}],
+            max_tokens=2000,
+            temperature=0,
+            extra_body={"ignore_eos": True},
+            stream=True,
+        )
+        await anext(aiter(chunks))
+
+        async def running() -> bool:
+            metrics = await asyncio.to_thread(_sglang_metrics, url)
+            return value(metrics, "mmpipe_sglang_running_requests") >= 1
+
+        await eventually_true(running, within=30, what="SGLang's running request in the metrics")
+        await chunks.close()

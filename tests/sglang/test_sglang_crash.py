@@ -1,0 +1,116 @@
+"""A SGLang worker killed mid-stream (E/PD): the prefill+decode worker and
+SGLang's scheduler and detokenizer processes under it are SIGKILLed after
+the client got a few tokens. The other prefill+decode worker takes the
+request over once the message's ack wait runs out (the image's embeddings
+went with the dead worker's read: the request restarts from its encode hop,
+and the new prompt is the old one plus the tokens the client holds) and the
+reply stream ends with exactly generate()'s tokens, each once, seq in order.
+
+Workers started one by one (``mmpipe up`` stops the whole deployment when
+one of its children dies)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+import time
+from pathlib import Path
+from typing import Any
+
+import psutil
+import pytest
+
+from pipeline.connection import connect
+from pipeline.replies import stored_chunks
+from pipeline.subjects import Subjects
+from schemas.chunk import TokenChunk
+from schemas.codec import CONTENT_TYPE, MSGPACK, encode
+from schemas.request import ChatMessage, GenerateRequest, ImagePart, ImageURL, SamplingParams, TextPart
+from tests.e2e.conftest import gradient, make_reference, png_data_url
+from tests.e2e.processes import Proc, Processes
+
+N = 300
+MODEL = "tiny-qwen2-vl"
+PROMPT = "What is in the picture?"
+
+
+def _kill_tree(proc: Proc) -> None:
+    """SIGKILL a worker and SGLang's processes under it, as a container's death would."""
+    parent = psutil.Process(proc.popen.pid)
+    for child in parent.children(recursive=True):
+        child.kill()
+    proc.kill()
+
+
+def _decode_starts(proc: Proc, rid: str) -> list[dict[str, Any]]:
+    """The worker's sglang_decode_started events of request ``rid``."""
+    events = [json.loads(line) for line in proc.text().splitlines() if line.startswith("{") and "sglang_decode" in line]
+    return [e for e in events if e.get("event") == "sglang_decode_started" and e.get("request_id") == rid]
+
+
+@pytest.mark.e2e
+@pytest.mark.timeout(600)  # four workers, two SGLang engines, started within the test
+async def test_killed_sglang_worker_request_completes_on_the_other_exactly_once(
+    tmp_path: Path, mmpipe_home: Path
+) -> None:
+    procs = Processes(tmp_path, mmpipe_home)
+    try:
+        nats = procs.start("nats", "--data-dir", str(tmp_path / "data"), "--port", "0")
+        await asyncio.to_thread(nats.wait_for, "nats-server ready", 60)
+        found = re.search(r"nats-server ready: (\S+)", nats.text())
+        assert found is not None
+        nats_url = found.group(1)
+        # A short ack wait: the dead worker's message goes to the other one in
+        # seconds; a short drain: nothing is in flight at the end.
+        common = ["--mode", "e-pd", "--nats-url", nats_url, "--model", MODEL, "--transport", "nats"]
+        common += ["--ack-wait", "6", "--drain-grace", "2"]
+        workers = [procs.start("worker", role, *common) for role in ("processor", "encode")]
+        engines = [procs.start("worker", "prefill+decode", *common, "--engine", "sglang") for _ in range(2)]
+        for proc in [*workers, *engines]:
+            await asyncio.to_thread(proc.wait_for, "worker_started", 300)
+
+        image = gradient(64, 48, 5)
+        rid = "killed-sglang-worker"
+        request = GenerateRequest(
+            request_id=rid,
+            model=MODEL,
+            messages=[ChatMessage(role="user", content=[ImagePart(ImageURL(png_data_url(image))), TextPart(PROMPT)])],
+            sampling=SamplingParams(max_tokens=N, temperature=0, min_tokens=N),
+        )
+        subjects = Subjects("default")
+        nc, js = await connect(nats_url, name="test-sglang-crash")
+        try:
+            await js.publish(subjects.requests, encode(request), headers={CONTENT_TYPE: MSGPACK, "Nats-Msg-Id": rid})
+            held: list[TokenChunk] = []
+            deadline = time.monotonic() + 240
+            while len(held) < 3 and time.monotonic() < deadline:
+                await asyncio.sleep(0.02)
+                held = [c for c in await stored_chunks(js, subjects, rid) if isinstance(c, TokenChunk)]
+            assert len(held) >= 3, [e.text()[-2000:] for e in engines]
+            first = next(e for e in engines if _decode_starts(e, rid))
+            _kill_tree(first)
+            other = engines[1 - engines.index(first)]
+            assert len(held) < N  # killed mid-stream
+            chunks: list[TokenChunk] = []
+            deadline = time.monotonic() + 300
+            while not (chunks and chunks[-1].finish_reason is not None) and time.monotonic() < deadline:
+                await asyncio.sleep(0.1)
+                chunks = [c for c in await stored_chunks(js, subjects, rid) if isinstance(c, TokenChunk)]
+        finally:
+            await nc.close()
+        assert [c.seq for c in chunks] == list(range(N))  # each token once, in order
+        content = [{"type": "image_url", "image_url": {"url": ""}}, {"type": "text", "text": PROMPT}]
+        from stages.models import builtin_path
+
+        expected, _ = make_reference(builtin_path(MODEL))(content, [image], N)
+        resumed = [e["resumed"] for e in _decode_starts(other, rid)]
+        got = [t for c in chunks for t in c.token_ids]
+        assert got == expected, (len(held), resumed, got[:12], expected[:12])
+        # The other worker went on after the tokens the client held.
+        assert any(e["resumed"] >= len(held) for e in _decode_starts(other, rid)), other.text()[-3000:]
+    finally:
+        for proc in procs.procs:  # all at once: each SGLang engine takes seconds to stop
+            if proc.popen.poll() is None:
+                proc.popen.terminate()
+        await asyncio.to_thread(procs.stop_all)
