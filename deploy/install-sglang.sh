@@ -17,7 +17,9 @@
 #   (pinned to other torch releases) are left out.
 # - A few `sgl_kernel` ops its CPU paths call: plain-torch stand-ins
 #   (stages/sglang_engine/cpu_shim/sgl_kernel), on the venv's path through a
-#   .pth file. A test shim for this CPU venv, never installed on a GPU host.
+#   .pth file, and a patch that lets SGLang's NIXL transfer engine register
+#   the KV pool as host memory (prefill and decode apart on a CPU). A test
+#   shim for this CPU venv, never installed on a GPU host.
 # deploy/test-sglang.sh runs tests/sglang there with the environment SGLang
 # wants on a CPU.
 set -euo pipefail
@@ -82,5 +84,8 @@ pip_quiet install "${own[@]}"
 # dependencies, which would pull another torch.
 pip_quiet install --no-deps "${NIXL_CU13_SPEC:-nixl-cu13==1.5.1}" "${NIXL_SPEC:-nixl==1.5.1}"
 site=$("$VENV/bin/python" -c 'import sysconfig; print(sysconfig.get_path("purelib"))')
-echo "$PWD/stages/sglang_engine/cpu_shim" > "$site/mmpipe_sglang_cpu_shim.pth"
+# The shim's folder on the path, and its patches for SGLang's PD
+# disaggregation on a CPU (an import line of a .pth runs at every start,
+# so SGLang's spawned scheduler processes get them too).
+printf '%s\nimport mmpipe_sglang_cpu_patches\n' "$PWD/stages/sglang_engine/cpu_shim" > "$site/mmpipe_sglang_cpu_shim.pth"
 "$VENV/bin/python" -c "import sglang, transformers, torch; print('sglang', sglang.__version__, 'transformers', transformers.__version__, 'torch', torch.__version__)"

@@ -92,8 +92,8 @@ def check_mode(engine: str, mode: str, vllm_encoder: bool = False) -> None:
         other = [hop for hop in MODES[mode] if hop != "encode" and hop not in SGLANG_ROLES]
         if other:
             raise SystemExit(
-                f"mmpipe: --engine sglang serves the modes whose hops are encode or {' / '.join(SGLANG_ROLES)} "
-                f"(epd, e-pd) so far; {mode} has {', '.join(other)}"
+                f"mmpipe: --engine sglang serves the modes whose hops are encode or {' / '.join(SGLANG_ROLES)}; "
+                f"{mode} has {', '.join(other)}"
             )
         return
     if engine != "vllm":

@@ -107,7 +107,7 @@ class WorkerSettings:
         "torch",
         choices=ENGINES,
         help="torch: the built-in engine; vllm: vLLM for the roles that prefill and decode (needs the vllm extra); "
-        "sglang: SGLang for the roles that prefill and decode in one worker (needs the sglang extra)",
+        "sglang: SGLang for the roles that prefill or decode (needs the sglang extra)",
     )
     sglang_args: dict[str, Any] = setting(
         flag="sglang-arg",

@@ -731,6 +731,7 @@ class Worker:
         # first token.
         redelivered = deliveries > 1 or (isinstance(message, ProcessedRequest) and message.redelivered)
         taken_over = redelivered or (isinstance(message, ProcessedRequest) and message.attempt > 0)
+        ctx.redelivered = deliveries > 1
         if isinstance(message, ProcessedRequest) and self.stage.resumes_stream:
             # What an earlier hop of this run streamed (its prefill's token);
             # the reply stream, read below on a takeover, can only hold more.

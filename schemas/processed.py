@@ -129,6 +129,21 @@ class VllmKv(msgspec.Struct, omit_defaults=True, forbid_unknown_fields=True):
     resumed: int = 0
 
 
+class SglangKv(msgspec.Struct, omit_defaults=True, forbid_unknown_fields=True):
+    """Prefill → decode with ``--engine sglang``: SGLang's PD disaggregation
+    moves the prompt's KV cache itself (its transfer engine, NIXL here), the
+    decode engine pulling it from the prefill engine it finds by the
+    prefill's bootstrap server and the request's room. Only those travel."""
+
+    # The prefill engine's bootstrap server, as the decode worker reaches it.
+    bootstrap_host: str
+    bootstrap_port: int
+    # The request's room: the one link between SGLang's two sides.
+    room: int
+    # Tokens a client already held when prefill ran (part of the prefilled prompt).
+    resumed: int = 0
+
+
 class VllmEncoded(msgspec.Struct, omit_defaults=True, forbid_unknown_fields=True):
     """Encode → prefill when vLLM encoder-only encoded (``--engine vllm`` on
     ``encode``): the embeddings wait in vLLM's encoder-cache connector
@@ -174,6 +189,7 @@ class ProcessedRequest(msgspec.Struct, omit_defaults=True, forbid_unknown_fields
     kv: KvHandoff | None = None
     vllm_kv: VllmKv | None = None
     vllm_encoded: VllmEncoded | None = None
+    sglang_kv: SglangKv | None = None
     # The LoRA adapter (its name) the language model runs with; "": none.
     lora: str = ""
 
@@ -232,6 +248,7 @@ class ProcessedRequest(msgspec.Struct, omit_defaults=True, forbid_unknown_fields
             kv=None,
             vllm_kv=None,
             vllm_encoded=None,
+            sglang_kv=None,
         )
 
 

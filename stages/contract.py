@@ -30,6 +30,9 @@ class HopContext:
     # Tokens an earlier attempt already streamed to the client (read back from
     # the reply stream on a takeover): generation resumes after them.
     emitted: list[int] = field(default_factory=list)
+    # This hop's message came again (its first worker died or let it lapse):
+    # what that run started elsewhere (an engine's KV hand-off) may be gone.
+    redelivered: bool = False
     # What the stage did, for the request's trace line: tensor bytes and
     # seconds moved in and out, step times.
     trace: dict[str, float] = field(default_factory=dict)

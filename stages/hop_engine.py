@@ -10,7 +10,10 @@ done stays behind it:
   ``TensorStore``;
 - vLLM (``VllmHopEngine``, stages/vllm_engine/hop_engine.py): ``AsyncLLM``,
   the KV cache moved by vLLM's own connector (``VllmKv`` in the message),
-  images encoded by mmpipe's encoder or by vLLM encoder-only.
+  images encoded by mmpipe's encoder or by vLLM encoder-only;
+- SGLang (``SglangHopEngine``, stages/sglang_engine/hop_engine.py): its
+  offline ``Engine``, the KV cache moved by its own PD disaggregation (the
+  room and bootstrap in ``SglangKv``), images encoded by mmpipe's encoder.
 
 A hop calls, in order: ``encode`` or ``receive_media``; then ``send_media``
 (a role that only encodes), or ``prefill``; or, on a role that starts at
@@ -31,7 +34,7 @@ import msgspec
 import torch
 
 from schemas.errors import ContextLengthExceeded, InvalidRequest
-from schemas.processed import EncodedItem, EncodedMedia, KvHandoff, ProcessedRequest, VllmEncoded, VllmKv
+from schemas.processed import EncodedItem, EncodedMedia, KvHandoff, ProcessedRequest, SglangKv, VllmEncoded, VllmKv
 from schemas.tensors import TensorRef
 from stages.contract import HopContext, TensorStore
 from stages.families import MediaEmbedding
@@ -66,6 +69,7 @@ class Carried:
     kv: KvHandoff | None = None
     vllm_encoded: VllmEncoded | None = None
     vllm_kv: VllmKv | None = None
+    sglang_kv: SglangKv | None = None
 
     def next_hop(self, req: ProcessedRequest, emitted: list[int] | None = None) -> ProcessedRequest:
         """``emitted``: the tokens the client holds now, where this hop streamed some."""
@@ -78,6 +82,7 @@ class Carried:
             kv=self.kv,
             vllm_encoded=self.vllm_encoded,
             vllm_kv=self.vllm_kv,
+            sglang_kv=self.sglang_kv,
         )
 
 

@@ -7,5 +7,19 @@ on it. Only imported where SGLang is installed (``.venv-sglang``,
 deploy/install-sglang.sh, or ``pip install 'mmpipe[sglang]'`` on a GPU host).
 """
 
-# The roles SGLang runs: those that prefill and decode in one worker.
-SGLANG_ROLES = ("encode+prefill+decode", "prefill+decode")
+# The roles SGLang runs: every role that prefills or decodes. Prefill and
+# decode apart (E/P/D, EP/D) move the KV cache by SGLang's own PD
+# disaggregation.
+SGLANG_ROLES = ("encode+prefill+decode", "prefill+decode", "encode+prefill", "prefill", "decode")
+
+
+def disaggregation_of(role: str) -> str | None:
+    """SGLang's ``disaggregation_mode`` for a role: ``prefill`` where the role
+    ends at prefill, ``decode`` where it starts at decode, None where one
+    engine does both."""
+    steps = role.split("+")
+    if "prefill" in steps and "decode" not in steps:
+        return "prefill"
+    if "decode" in steps and "prefill" not in steps:
+        return "decode"
+    return None

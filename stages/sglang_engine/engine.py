@@ -21,6 +21,7 @@ import asyncio
 import json
 import logging
 import os
+import socket
 from collections.abc import AsyncGenerator
 from dataclasses import dataclass
 from pathlib import Path
@@ -30,10 +31,10 @@ import structlog
 import torch
 
 from schemas.errors import InvalidRequest
-from schemas.processed import MediaKind
+from schemas.processed import MediaKind, SglangKv
 from stages.families import MediaEmbedding
 from stages.sampling import SamplingConfig
-from stages.sglang_engine import metrics
+from stages.sglang_engine import disaggregation_of, metrics
 
 log = structlog.get_logger(__name__)
 
@@ -66,6 +67,12 @@ def require_sglang() -> None:
         ) from exc
 
 
+# SGLang's KV transfer engine between a prefill and a decode engine: NIXL
+# (UCX), which mmpipe installs anyway; --sglang-arg
+# disaggregation_transfer_backend=mooncake takes Mooncake's.
+TRANSFER_BACKEND = "nixl"
+
+
 @dataclass(frozen=True)
 class Delta:
     """New tokens of one request, and whether SGLang has finished it."""
@@ -74,6 +81,9 @@ class Delta:
     finished: bool
     # Prompt tokens SGLang's prefix cache (RadixAttention) held, as it tells them.
     cached_tokens: int | None = None
+    # Why SGLang ended the request itself ("abort" finishes: a failed KV
+    # transfer, its own checks), where it did.
+    aborted: str | None = None
 
 
 class SglangEngine:
@@ -89,11 +99,23 @@ class SglangEngine:
         from stages.torch_engine.engine import checkpoint_eos_ids
 
         self.model_dir = Path(model_dir)
+        self.device = device
         defaults = CPU_DEFAULTS if device == "cpu" else {"device": device}
+        # Prefill and decode apart: SGLang's own PD disaggregation.
+        self.disaggregation = disaggregation_of(role)
+        pd: dict[str, Any] = {}
+        if self.disaggregation is not None:
+            pd = {"disaggregation_mode": self.disaggregation, "disaggregation_transfer_backend": TRANSFER_BACKEND}
+            if self.disaggregation == "prefill":
+                pd["disaggregation_bootstrap_port"] = _free_port()
+            elif device == "cpu":
+                # Its default backup of retracted requests pins host memory through CUDA.
+                pd["disaggregation_decode_retraction_backup"] = "cpu_tensor"
         self.args: dict[str, Any] = {
             "model_path": str(self.model_dir),
             "log_level": "warning",
             **defaults,
+            **pd,
             **(args or {}),
         }
         self.tokenizer = AutoTokenizer.from_pretrained(str(self.model_dir))
@@ -116,6 +138,9 @@ class SglangEngine:
         worker's event loop."""
         import sglang
 
+        if self.disaggregation == "prefill" and self.device == "cpu":
+            # Sending a cached prefix's KV early records a CUDA event: off on a CPU.
+            os.environ.setdefault("SGLANG_DISAGG_PREFILL_EARLY_SEND_CACHED_PREFIX", "0")
         # Its own info lines (every server argument, at each start) only at debug.
         if logging.getLogger().getEffectiveLevel() > logging.DEBUG:
             logging.getLogger("sglang").setLevel(logging.WARNING)
@@ -142,6 +167,14 @@ class SglangEngine:
         if engine is not None:
             engine.shutdown()
 
+    def bootstrap(self, room: int, resumed: int) -> SglangKv:
+        """Where a decode engine finds this prefill engine's KV of ``room``."""
+        assert self.disaggregation == "prefill", "only a prefill engine has a bootstrap server"
+        host = str(self.args.get("host") or "127.0.0.1")
+        if host in ("0.0.0.0", "::"):  # bound everywhere: tell the others this host's own address
+            host = socket.gethostbyname(socket.gethostname())
+        return SglangKv(host, int(self.args["disaggregation_bootstrap_port"]), room, resumed)
+
     async def check_health(self) -> None:
         """Raises where one of SGLang's processes is gone."""
         if self._engine is None:
@@ -153,17 +186,28 @@ class SglangEngine:
                 raise RuntimeError(f"SGLang's process {pid} is gone") from None
 
     async def stream(
-        self, request_id: str, prompt_ids: list[int], media: list[MediaEmbedding], sampling: SamplingConfig
+        self,
+        request_id: str,
+        prompt_ids: list[int],
+        media: list[MediaEmbedding],
+        sampling: SamplingConfig,
+        kv: SglangKv | None = None,
     ) -> AsyncGenerator[Delta, None]:
         """One request's new tokens as SGLang makes them. ``prompt_ids`` hold
-        each media item's placeholders already expanded to its tokens."""
+        each media item's placeholders already expanded to its tokens. With
+        prefill and decode apart, ``kv`` names the prefill engine's bootstrap
+        server and the request's room, on both sides."""
         assert self._engine is not None, "start() the engine first"
+        pd: dict[str, Any] = {}
+        if kv is not None:
+            pd = {"bootstrap_host": kv.bootstrap_host, "bootstrap_port": kv.bootstrap_port, "bootstrap_room": kv.room}
         gen = await self._engine.async_generate(
             input_ids=prompt_ids,
             image_data=_image_data(media),
             sampling_params=sampling_params(sampling),
             stream=True,
             rid=request_id,
+            **pd,
         )
         seen = 0
         try:
@@ -179,8 +223,11 @@ class SglangEngine:
                 ids = [int(t) for t in out["output_ids"]]  # the whole output so far
                 meta = out.get("meta_info") or {}
                 cached = meta.get("cached_tokens")
-                finished = meta.get("finish_reason") is not None
-                yield Delta(ids[seen:], finished, int(cached) if cached is not None else None)
+                finish = meta.get("finish_reason")
+                aborted = None
+                if isinstance(finish, dict) and finish.get("type") == "abort":
+                    aborted = str(finish.get("message") or "aborted")
+                yield Delta(ids[seen:], finish is not None, int(cached) if cached is not None else None, aborted)
                 seen = len(ids)
         finally:
             if meta:  # finished, or left early (aborted): what it cost so far
@@ -236,3 +283,9 @@ async def _chain(first: Any, rest: AsyncGenerator[Any, None]) -> AsyncGenerator[
     yield first
     async for item in rest:
         yield item
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("", 0))
+        return int(s.getsockname()[1])

@@ -15,14 +15,25 @@ roles that prefill and decode in one worker:
 - A cancel, a stop string or a client gone aborts the SGLang request:
   ``abort()`` after every hop.
 
-Prefill and decode apart (E/P/D, EP/D) would move the KV cache by SGLang's
-own PD disaggregation (its Mooncake or NIXL transfer engines, which need a
-GPU and RDMA): not here yet.
+Prefill and decode apart (E/P/D's ``prefill``, EP/D's ``encode+prefill``,
+then ``decode``) move the KV cache by SGLang's own PD disaggregation: the
+prefill worker's SGLang runs in ``prefill`` mode with a bootstrap server,
+the decode worker's in ``decode`` mode, and one request goes to both with
+the same room. SGLang's prefill waits until the decode engine asks for the
+KV, so the prefill hop starts its request, hands the room to the decode
+hop at once and lets the request run on past its own end (at most
+``hand_off_ttl_s``). The decode engine makes every token, the first
+included. What the decode hop cannot trust to be there (a redelivered
+message, a takeover after tokens the prefill did not cover, a transfer
+SGLang gave up on) sends the request back to its first hop (TensorGone),
+whose prefill covers the prompt plus the tokens the client holds.
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
+import random
 import uuid
 from collections.abc import AsyncGenerator, Callable
 from dataclasses import dataclass, field
@@ -31,8 +42,8 @@ from typing import Any
 
 import structlog
 
-from schemas.errors import InvalidRequest
-from schemas.processed import ProcessedRequest
+from schemas.errors import InvalidRequest, TensorGone
+from schemas.processed import ProcessedRequest, SglangKv
 from schemas.routes import moves_tensors
 from stages.contract import HopContext, TensorStore
 from stages.encoder import MediaEncoder
@@ -59,9 +70,19 @@ class SglangPrefilled:
     sglang_id: str | None = None
     finished: bool = False
     logprobs: dict[int, Logprobs] = field(default_factory=dict)
+    # Prefill and decode apart: the prefill engine's bootstrap and the room.
+    kv: SglangKv | None = None
+    # A prefill hop's SGLang request, running on until the decode engine
+    # has pulled its KV; set once the room went to the decode hop.
+    prefill_task: asyncio.Task[None] | None = None
+    handed_off: bool = False
 
 
 class SglangHopEngine:
+    # How long a prefill hop's SGLang request waits for the decode engine to
+    # pull its KV before it is aborted (the tensor transport's TTL).
+    hand_off_ttl_s = 60.0
+
     def __init__(
         self,
         role: str,
@@ -79,6 +100,8 @@ class SglangHopEngine:
         self.engine = engine
         self.tensors = tensors
         self.encoder = encoder
+        # Prefill requests handed off and still running (kept referenced).
+        self._handed_off: set[asyncio.Task[None]] = set()
         from transformers import AutoConfig
 
         config = AutoConfig.from_pretrained(str(engine.model_dir))
@@ -102,6 +125,8 @@ class SglangHopEngine:
         await self.engine.start()
 
     async def close(self) -> None:
+        for task in list(self._handed_off):
+            task.cancel()
         if self.encoder is not None:
             await self.encoder.fetcher.close()
             self.encoder.close()
@@ -110,6 +135,11 @@ class SglangHopEngine:
 
     async def health(self) -> None:
         await self.engine.check_health()
+
+    @property
+    def canary_runs(self) -> bool:
+        # SGLang's prefill or decode engine alone takes only requests with a room.
+        return self.engine.disaggregation is None
 
     async def canary(self) -> None:
         """A tiny request through SGLang (a worker's canary health check)."""
@@ -164,16 +194,71 @@ class SglangHopEngine:
             expanded = self.family.expand_placeholders(req.prompt_token_ids, media)
         except ValueError as exc:
             raise InvalidRequest(str(exc)) from None
-        return SglangPrefilled(req.request.request_id, length, [*expanded, *ctx.emitted], media)
+        handle = SglangPrefilled(req.request.request_id, length, [*expanded, *ctx.emitted], media)
+        if self.engine.disaggregation == "prefill":
+            # SGLang's prefill runs once the decode engine asks for its KV:
+            # started here, it runs on past this hop (hand_off, abort).
+            handle.kv = self.engine.bootstrap(random.getrandbits(63), len(ctx.emitted))
+            handle.sglang_id = f"{handle.request_id}-p{uuid.uuid4().hex[:8]}"
+            handle.prefill_task = asyncio.create_task(self._prefill(handle, sampling(req, len(ctx.emitted))))
+        return handle
+
+    async def _prefill(self, handle: SglangPrefilled, config: SamplingConfig) -> None:
+        """A prefill hop's SGLang request, to its end: its one token (the
+        decode engine makes it again) is dropped; SGLang ends the request
+        once the decode engine has pulled the KV."""
+        assert handle.sglang_id is not None and handle.kv is not None
+        try:
+            async with asyncio.timeout(self.hand_off_ttl_s):
+                stream = self.engine.stream(handle.sglang_id, handle.prompt_ids, handle.media, config, handle.kv)
+                async with contextlib.aclosing(stream) as deltas:
+                    async for delta in deltas:
+                        handle.finished = delta.finished
+                        if delta.cached_tokens is not None:
+                            handle.cached_tokens = delta.cached_tokens
+                        if delta.aborted is not None:
+                            log.warning("sglang_prefill_aborted", request_id=handle.request_id, why=delta.aborted)
+        except TimeoutError:
+            log.warning("sglang_prefill_unclaimed", request_id=handle.request_id, room=handle.kv.room)
+        except InvalidRequest as exc:
+            log.warning("sglang_prefill_refused", request_id=handle.request_id, error=exc.message)
+        finally:
+            if not handle.finished:
+                handle.finished = True
+                self.engine.abort(handle.sglang_id)
 
     def first_token(self, handle: SglangPrefilled) -> int | None:
         return None  # decode() gives every token, the first included
 
     async def hand_off(self, handle: SglangPrefilled, req: ProcessedRequest, ctx: HopContext) -> Carried:
-        raise InvalidRequest("prefill and decode apart are not run on --engine sglang yet")
+        """The room and the prefill's bootstrap, and the media the decode
+        engine needs again (SGLang places Qwen-VL's positions by them)."""
+        assert handle.kv is not None and handle.prefill_task is not None, f"role {self.role} does not hand off"
+        if handle.prefill_task.done():
+            # Refused or failed before any decode engine could ask: nothing to hand on.
+            raise InvalidRequest(f"SGLang's prefill of {handle.request_id} ended before its hand-off")
+        encoded = await put_media(self.tensors, handle.media, req, ctx) if handle.media else None
+        handle.handed_off = True
+        self._handed_off.add(handle.prefill_task)
+        handle.prefill_task.add_done_callback(self._handed_off.discard)
+        return Carried(encoded=encoded, sglang_kv=handle.kv)
 
     async def receive_prefilled(self, req: ProcessedRequest, ctx: HopContext) -> SglangPrefilled:
-        raise InvalidRequest("prefill and decode apart are not run on --engine sglang yet")
+        kv = req.sglang_kv
+        if kv is None:
+            raise InvalidRequest(f"a request reached {self.role} without SGLang's prefill hand-off")
+        rid = req.request.request_id
+        if ctx.redelivered or kv.resumed != len(ctx.emitted):
+            # The room's KV may be pulled already, or cover fewer tokens than
+            # the client holds: only a new prefill is sure.
+            raise TensorGone(f"{rid}: SGLang's prefill KV (room {kv.room}) cannot be reused after a takeover")
+        media = await self.receive_media(req, ctx)
+        length = check_context(req, media, self.max_model_len)
+        try:
+            expanded = self.family.expand_placeholders(req.prompt_token_ids, media)
+        except ValueError as exc:
+            raise InvalidRequest(str(exc)) from None
+        return SglangPrefilled(rid, length, [*expanded, *ctx.emitted], media, kv=kv)
 
     async def decode(
         self, handle: SglangPrefilled, req: ProcessedRequest, ctx: HopContext, is_eos: Callable[[int], bool]
@@ -188,17 +273,26 @@ class SglangHopEngine:
             resumed=len(ctx.emitted),
         )
         first = True
-        stream = self.engine.stream(handle.sglang_id, handle.prompt_ids, handle.media, config)
+        yielded = 0
+        stream = self.engine.stream(handle.sglang_id, handle.prompt_ids, handle.media, config, handle.kv)
         async with contextlib.aclosing(stream) as deltas:
             async for delta in deltas:
                 handle.finished = delta.finished
                 if first and delta.cached_tokens is not None:
                     handle.cached_tokens = delta.cached_tokens
                     first = False
+                if delta.aborted is not None and handle.kv is not None and not yielded and not delta.token_ids:
+                    # The KV never came (its prefill worker gone, the room unclaimed too long).
+                    raise TensorGone(f"{handle.request_id}: SGLang's KV transfer failed: {delta.aborted}")
                 for token in delta.token_ids:
+                    yielded += 1
                     yield token
 
     async def abort(self, handle: SglangPrefilled) -> None:
+        if handle.prefill_task is not None:
+            if not handle.handed_off:  # the hop ended before the room went on
+                handle.prefill_task.cancel()
+            return
         if handle.sglang_id is not None and not handle.finished:
             handle.finished = True
             self.engine.abort(handle.sglang_id)

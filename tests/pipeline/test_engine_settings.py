@@ -24,6 +24,7 @@ from schemas.codec import encode
 from schemas.processed import ProcessedRequest, VllmKv
 from schemas.request import ChatMessage, GenerateRequest, SamplingParams
 from stages.models import resolve_model
+from stages.sglang_engine import disaggregation_of
 from stages.torch_engine.settings import intra_op_threads, step_priority_s
 from stages.vllm_engine.args import CPU_DEFAULTS, KvConnectorSettings, kv_transfer_config
 
@@ -87,17 +88,19 @@ def test_up_takes_every_mode_with_vllm() -> None:
         check_mode("torch", mode)
 
 
-def test_sglang_runs_the_roles_that_prefill_and_decode_in_one_worker(tmp_path: Path) -> None:
-    for mode in ("epd", "e-pd"):
+def test_sglang_runs_every_role_that_prefills_or_decodes(tmp_path: Path) -> None:
+    for mode in ("epd", "e-pd", "e-p-d", "ep-d"):
         check_mode("sglang", mode)
-    for mode, hops in (("e-p-d", "prefill, decode"), ("ep-d", "encode\\+prefill, decode")):
-        with pytest.raises(SystemExit, match=f"--engine sglang serves .*; {mode} has {hops}$"):
-            check_mode("sglang", mode)
+    with pytest.raises(SystemExit, match="--vllm-encoder needs --engine vllm"):
+        check_mode("sglang", "e-pd", vllm_encoder=True)
     worker = _worker("prefill+decode", "--engine", "sglang", "--sglang-arg", "context_length=512")
     assert worker.sglang_args == {"context_length": 512}
     up = UpSettings()
-    for role in ("prefill+decode", "encode+prefill+decode"):
+    for role in ("prefill+decode", "encode+prefill+decode", "encode+prefill", "prefill", "decode"):
         assert role_settings(role, worker, up, tmp_path, 0).engine == "sglang", role
+    # SGLang's own PD disaggregation where prefill and decode are apart.
+    assert [disaggregation_of(r) for r in ("encode+prefill+decode", "prefill+decode")] == [None, None]
+    assert [disaggregation_of(r) for r in ("encode+prefill", "prefill", "decode")] == ["prefill", "prefill", "decode"]
     # mmpipe's own encode worker and processor beside it.
     assert role_settings("encode", worker, up, tmp_path, 0).engine == "torch"
     assert role_settings("processor", worker, up, tmp_path, 0).engine == "torch"
@@ -111,8 +114,8 @@ def test_engine_sglang_without_sglang_fails_at_start_naming_what_to_install(
     settings = WorkerSettings(engine="sglang")
     with pytest.raises(SystemExit, match=r"deploy/install-sglang.sh.*mmpipe\[sglang\]"):
         build_stage("prefill+decode", PipelineConfig(), settings, spec)
-    with pytest.raises(SystemExit, match="--engine sglang runs the roles encode\\+prefill\\+decode, prefill\\+decode"):
-        build_stage("decode", PipelineConfig(), settings, spec)
+    with pytest.raises(SystemExit, match=r"--engine sglang runs the roles encode\+prefill\+decode, .*, not encode"):
+        build_stage("encode", PipelineConfig(), settings, spec)
 
 
 def test_kv_connector_settings_reach_the_prefill_and_decode_roles(tmp_path: Path) -> None:

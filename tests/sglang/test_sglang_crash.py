@@ -1,9 +1,10 @@
-"""A SGLang worker killed mid-stream (E/PD): the prefill+decode worker and
-SGLang's scheduler and detokenizer processes under it are SIGKILLed after
-the client got a few tokens. The other prefill+decode worker takes the
-request over once the message's ack wait runs out (the image's embeddings
-went with the dead worker's read: the request restarts from its encode hop,
-and the new prompt is the old one plus the tokens the client holds) and the
+"""A SGLang worker killed mid-stream: E/PD's prefill+decode worker, or
+E/P/D's decode worker, with SGLang's scheduler and detokenizer processes
+under it, SIGKILLed after the client got a few tokens. The other worker of
+that role takes the request over once the message's ack wait runs out: the
+image's embeddings went with the dead worker's read (and in E/P/D the
+prefill engine's KV with its room), so the request restarts from its encode
+hop, the new prompt being the old one plus the tokens the client holds; the
 reply stream ends with exactly generate()'s tokens, each once, seq in order.
 
 Workers started one by one (``mmpipe up`` stops the whole deployment when
@@ -50,9 +51,10 @@ def _decode_starts(proc: Proc, rid: str) -> list[dict[str, Any]]:
 
 
 @pytest.mark.e2e
-@pytest.mark.timeout(600)  # four workers, two SGLang engines, started within the test
+@pytest.mark.timeout(600)  # four or five workers, two or three SGLang engines, started within the test
+@pytest.mark.parametrize(("mode", "role"), [("e-pd", "prefill+decode"), ("e-p-d", "decode")])
 async def test_killed_sglang_worker_request_completes_on_the_other_exactly_once(
-    tmp_path: Path, mmpipe_home: Path
+    tmp_path: Path, mmpipe_home: Path, mode: str, role: str
 ) -> None:
     procs = Processes(tmp_path, mmpipe_home)
     try:
@@ -63,10 +65,12 @@ async def test_killed_sglang_worker_request_completes_on_the_other_exactly_once(
         nats_url = found.group(1)
         # A short ack wait: the dead worker's message goes to the other one in
         # seconds; a short drain: nothing is in flight at the end.
-        common = ["--mode", "e-pd", "--nats-url", nats_url, "--model", MODEL, "--transport", "nats"]
+        common = ["--mode", mode, "--nats-url", nats_url, "--model", MODEL, "--transport", "nats"]
         common += ["--ack-wait", "6", "--drain-grace", "2"]
-        workers = [procs.start("worker", role, *common) for role in ("processor", "encode")]
-        engines = [procs.start("worker", "prefill+decode", *common, "--engine", "sglang") for _ in range(2)]
+        workers = [procs.start("worker", other, *common) for other in ("processor", "encode")]
+        if role == "decode":
+            workers.append(procs.start("worker", "prefill", *common, "--engine", "sglang"))
+        engines = [procs.start("worker", role, *common, "--engine", "sglang") for _ in range(2)]
         for proc in [*workers, *engines]:
             await asyncio.to_thread(proc.wait_for, "worker_started", 300)
 

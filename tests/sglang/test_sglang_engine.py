@@ -78,7 +78,7 @@ def reference(mmpipe_home: Path) -> Any:
     return make_reference(builtin_path(MODEL))
 
 
-@pytest.fixture(scope="module", params=["epd", "e-pd"])
+@pytest.fixture(scope="module", params=["epd", "e-pd", "e-p-d", "ep-d"])
 def stack(
     request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory, mmpipe_home: Path
 ) -> Iterator[SglangStack]:
@@ -220,7 +220,7 @@ async def test_the_worker_metrics_count_sglangs_tokens_and_show_its_load(stack: 
     """A request's prompt tokens (computed and RadixAttention's), its
     generated tokens and SGLang's load (its snapshots) on the worker's
     /metrics, by role."""
-    role = "encode+prefill+decode" if stack.mode == "epd" else "prefill+decode"
+    role = {"epd": "encode+prefill+decode", "e-pd": "prefill+decode"}.get(stack.mode, "decode")
     url = stack.metrics[role]
     labels = (("role", role),)
 
