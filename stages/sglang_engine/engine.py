@@ -32,8 +32,9 @@ import torch
 
 from schemas.errors import InvalidRequest
 from schemas.processed import MediaKind, SglangKv
+from stages.engine_health import watch_engine
 from stages.families import MediaEmbedding
-from stages.sampling import SamplingConfig
+from stages.sampling import Logprobs, SamplingConfig
 from stages.sglang_engine import disaggregation_of, metrics
 
 log = structlog.get_logger(__name__)
@@ -52,6 +53,9 @@ CPU_DEFAULTS: dict[str, Any] = {
     "dtype": "float32",
     "attention_backend": "torch_native",
     "disable_cuda_graph": True,
+    # Its overlap scheduler counted a token for the penalties one step late
+    # (checked on the CPU: generate()'s tokens with the overlap off).
+    "disable_overlap_schedule": True,
     "mem_fraction_static": 0.3,
     "max_total_tokens": 65536,
 }
@@ -84,6 +88,8 @@ class Delta:
     # Why SGLang ended the request itself ("abort" finishes: a failed KV
     # transfer, its own checks), where it did.
     aborted: str | None = None
+    # Each new token's logprob and its step's best (where asked for).
+    logprobs: list[Logprobs] | None = None
 
 
 class SglangEngine:
@@ -131,6 +137,7 @@ class SglangEngine:
         self.role = role
         self._engine: Any = None
         self._load_reader: asyncio.Task[None] | None = None
+        self._watch: asyncio.Task[None] | None = None
 
     async def start(self) -> None:
         """Start SGLang's engine: its scheduler and detokenizer processes, the
@@ -138,6 +145,9 @@ class SglangEngine:
         worker's event loop."""
         import sglang
 
+        # Logprobs as the model gave them (vLLM's default, the built-in
+        # engine's), not after a sampled row's temperature and top-p.
+        os.environ.setdefault("SGLANG_RETURN_ORIGINAL_LOGPROB", "1")
         if self.disaggregation == "prefill" and self.device == "cpu":
             # Sending a cached prefix's KV early records a CUDA event: off on a CPU.
             os.environ.setdefault("SGLANG_DISAGG_PREFILL_EARLY_SEND_CACHED_PREFIX", "0")
@@ -149,6 +159,8 @@ class SglangEngine:
         self.max_model_len = int(engine.tokenizer_manager.context_len)
         metrics.declare(self.role)
         self._load_reader = asyncio.create_task(self._read_loads(engine))
+        # The worker stops once one of SGLang's processes is gone.
+        self._watch = asyncio.create_task(watch_engine(self, "sglang"))
         log.info("sglang_engine_started", model=str(self.model_dir), max_model_len=self.max_model_len, args=self.args)
 
     async def _read_loads(self, engine: Any) -> None:
@@ -160,9 +172,10 @@ class SglangEngine:
             await asyncio.sleep(self.load_interval_s)
 
     def close(self) -> None:
-        if self._load_reader is not None:
-            self._load_reader.cancel()
-            self._load_reader = None
+        for task in (self._load_reader, self._watch):
+            if task is not None:
+                task.cancel()
+        self._load_reader = self._watch = None
         engine, self._engine = self._engine, None
         if engine is not None:
             engine.shutdown()
@@ -201,6 +214,8 @@ class SglangEngine:
         pd: dict[str, Any] = {}
         if kv is not None:
             pd = {"bootstrap_host": kv.bootstrap_host, "bootstrap_port": kv.bootstrap_port, "bootstrap_room": kv.room}
+        if sampling.logprobs is not None:
+            pd |= {"return_logprob": True, "top_logprobs_num": sampling.logprobs, "logprob_start_len": -1}
         gen = await self._engine.async_generate(
             input_ids=prompt_ids,
             image_data=_image_data(media),
@@ -227,7 +242,10 @@ class SglangEngine:
                 aborted = None
                 if isinstance(finish, dict) and finish.get("type") == "abort":
                     aborted = str(finish.get("message") or "aborted")
-                yield Delta(ids[seen:], finish is not None, int(cached) if cached is not None else None, aborted)
+                logprobs = _logprobs(meta, seen, len(ids)) if sampling.logprobs is not None else None
+                yield Delta(
+                    ids[seen:], finish is not None, int(cached) if cached is not None else None, aborted, logprobs
+                )
                 seen = len(ids)
         finally:
             if meta:  # finished, or left early (aborted): what it cost so far
@@ -239,9 +257,10 @@ class SglangEngine:
 
 
 def sampling_params(config: SamplingConfig) -> dict[str, Any]:
-    """SGLang's sampling parameters for one request."""
-    if config.logit_bias or config.structured is not None or config.logprobs is not None:
-        raise InvalidRequest("logit_bias, structured output and logprobs are not passed to --engine sglang yet")
+    """SGLang's sampling parameters for one request. Structured output goes
+    as the EBNF of the grammar mmpipe's own engine compiles (xgrammar's, as
+    SGLang's default grammar backend reads it), so every kind (vLLM's
+    choice and compact JSON included) means the same on each engine."""
     params: dict[str, Any] = {
         "temperature": config.temperature,
         "top_p": config.top_p,
@@ -259,7 +278,25 @@ def sampling_params(config: SamplingConfig) -> dict[str, Any]:
         params["stop_token_ids"] = sorted(config.stop_token_ids)
     if not config.greedy:
         params["sampling_seed"] = config.seed
+    if config.logit_bias:
+        params["logit_bias"] = {str(token): float(bias) for token, bias in config.logit_bias}
+    if config.structured is not None:
+        from stages import structured
+
+        params["ebnf"] = str(structured.grammar(config.structured))
     return params
+
+
+def _logprobs(meta: dict[str, Any], start: int, end: int) -> list[Logprobs]:
+    """Tokens start..end's logprobs from SGLang's ``meta_info`` (its lists
+    hold every token so far: (logprob, id, text) each, the best first)."""
+    chosen = meta.get("output_token_logprobs") or []
+    tops = meta.get("output_top_logprobs") or []
+    out = []
+    for i in range(start, end):
+        top = tops[i] if i < len(tops) and tops[i] else []
+        out.append(Logprobs(float(chosen[i][0]), tuple((int(t), float(lp)) for lp, t, *_ in top)))
+    return out
 
 
 def _image_data(media: list[MediaEmbedding]) -> list[dict[str, Any]] | None:

@@ -158,12 +158,12 @@ class SglangHopEngine:
         # worker's in-flight cap bounds what it is given.
         return True
 
-    # Logprobs are not passed to SGLang yet (sampling refuses them).
-    supports_logprobs = False
+    # SGLang's own (return_logprob), by generated index on the handle.
+    supports_logprobs = True
     engine_flag = "--engine sglang"  # named in what it refuses
 
     def logprobs(self, handle: SglangPrefilled, index: int) -> Logprobs | None:
-        return None
+        return handle.logprobs.get(index)
 
     def prompt_logprobs(self, handle: SglangPrefilled) -> list[Logprobs] | None:
         return None
@@ -284,7 +284,9 @@ class SglangHopEngine:
                 if delta.aborted is not None and handle.kv is not None and not yielded and not delta.token_ids:
                     # The KV never came (its prefill worker gone, the room unclaimed too long).
                     raise TensorGone(f"{handle.request_id}: SGLang's KV transfer failed: {delta.aborted}")
-                for token in delta.token_ids:
+                for i, token in enumerate(delta.token_ids):
+                    if delta.logprobs is not None and i < len(delta.logprobs):
+                        handle.logprobs[len(ctx.emitted) + yielded] = delta.logprobs[i]
                     yielded += 1
                     yield token
 

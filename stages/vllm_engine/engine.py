@@ -24,10 +24,10 @@ import structlog
 
 from schemas.errors import InvalidRequest, ModelNotFound
 from schemas.request import StructuredOutput
+from stages.engine_health import watch_engine
 from stages.families import MediaEmbedding
 from stages.sampling import Logprobs, SamplingConfig
 from stages.vllm_engine.args import STORAGE_TTL_S, KvConnectorSettings, require_vllm
-from stages.vllm_engine.health import watch_engine
 from stages.vllm_engine.media import mm_prompt
 from stages.vllm_engine.metrics import stat_logger_factory
 from stages.vllm_engine.storage import StoragePruner, written_folders
@@ -104,7 +104,8 @@ class VllmEngine:
             os.environ["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(port)
         self._llm = AsyncLLM.from_engine_args(engine_args, stat_loggers=[stat_logger_factory(self.role)])
         self.max_model_len = int(self._llm.model_config.max_model_len)
-        self._watch = asyncio.create_task(watch_engine(self))  # the worker stops once vLLM's engine core is dead
+        # The worker stops once vLLM's engine core is dead.
+        self._watch = asyncio.create_task(watch_engine(self, "vllm"))
         self.pruner.start()
         log.info(
             "vllm_engine_started",

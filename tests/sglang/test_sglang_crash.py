@@ -8,7 +8,8 @@ hop, the new prompt being the old one plus the tokens the client holds; the
 reply stream ends with exactly generate()'s tokens, each once, seq in order.
 
 Workers started one by one (``mmpipe up`` stops the whole deployment when
-one of its children dies)."""
+one of its children dies). Last, SGLang's own processes killed under a
+worker: it reports engine_dead and stops."""
 
 from __future__ import annotations
 
@@ -16,6 +17,8 @@ import asyncio
 import json
 import re
 import time
+import urllib.error
+import urllib.request
 from pathlib import Path
 from typing import Any
 
@@ -30,6 +33,7 @@ from schemas.codec import CONTENT_TYPE, MSGPACK, encode
 from schemas.request import ChatMessage, GenerateRequest, ImagePart, ImageURL, SamplingParams, TextPart
 from tests.e2e.conftest import gradient, make_reference, png_data_url
 from tests.e2e.processes import Proc, Processes
+from tests.sglang.test_sglang_engine import sglang_up
 
 N = 300
 MODEL = "tiny-qwen2-vl"
@@ -118,3 +122,45 @@ async def test_killed_sglang_worker_request_completes_on_the_other_exactly_once(
             if proc.popen.poll() is None:
                 proc.popen.terminate()
         await asyncio.to_thread(procs.stop_all)
+
+
+def _probe(url: str) -> tuple[int, dict[str, Any]]:
+    try:
+        with urllib.request.urlopen(url, timeout=5) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as exc:
+        return exc.code, json.loads(exc.read())
+
+
+@pytest.mark.e2e
+@pytest.mark.timeout(300)
+async def test_sglang_processes_killed_fail_readiness_and_stop_the_worker(tmp_path: Path, mmpipe_home: Path) -> None:
+    """SGLang's scheduler and detokenizer (the worker's child processes)
+    SIGKILLed: the worker's readiness says engine_dead (503) from then on,
+    the worker stops rather than take work it would fail, and ``mmpipe up``
+    stops the deployment with it."""
+    with sglang_up(tmp_path, mmpipe_home, "epd") as stack:
+        role = "encode+prefill+decode"
+        url = stack.metrics[role].replace("/metrics", "/health/ready")
+        assert (await asyncio.to_thread(_probe, url))[0] == 200
+        worker = next(p for p in psutil.Process(stack.up.popen.pid).children() if role in p.cmdline())
+        children = worker.children(recursive=True)
+        assert children
+        for child in children:
+            child.kill()
+        seen: list[tuple[int, str]] = []
+        deadline = time.monotonic() + 60
+        while worker.is_running() and worker.status() != psutil.STATUS_ZOMBIE and time.monotonic() < deadline:
+            try:
+                status, body = await asyncio.to_thread(_probe, url)
+                seen.append((status, body.get("status", "")))
+            except (urllib.error.URLError, ConnectionError):
+                pass  # the worker has stopped listening
+            await asyncio.sleep(0.05)
+        dead = next(i for i, (status, _) in enumerate(seen) if status == 503)
+        assert all(status == 503 for status, _ in seen[dead:]), seen
+        assert {status for _, status in seen[dead:]} <= {"engine_dead", "draining"}, seen
+        assert not worker.is_running() or worker.status() == psutil.STATUS_ZOMBIE
+        assert '"sglang_engine_dead"' in stack.up.text()
+        # mmpipe up stops the deployment when a worker exits.
+        assert await asyncio.to_thread(stack.up.popen.wait, 60) == 1

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import re
 import signal
 import socket
@@ -72,10 +73,15 @@ def sglang_up(tmp: Path, mmpipe_home: Path, mode: str, *flags: str) -> Iterator[
 
 
 @pytest.fixture(scope="module")
-def reference(mmpipe_home: Path) -> Any:
+def model_dir(mmpipe_home: Path) -> Path:
     from stages.models import builtin_path
 
-    return make_reference(builtin_path(MODEL))
+    return Path(builtin_path(MODEL))
+
+
+@pytest.fixture(scope="module")
+def reference(model_dir: Path) -> Any:
+    return make_reference(model_dir)
 
 
 @pytest.fixture(scope="module", params=["epd", "e-pd", "e-p-d", "ep-d"])
@@ -197,12 +203,108 @@ async def test_a_client_going_away_aborts_the_sglang_request(stack: SglangStack)
 async def test_what_sglang_is_not_given_yet_is_a_400_with_a_code(stack: SglangStack) -> None:
     async with stack.client() as c:
         with pytest.raises(openai.BadRequestError) as caught:
-            await c.chat.completions.create(
-                model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=2, logprobs=True
-            )
+            await c.completions.create(model=MODEL, prompt="hi", max_tokens=2, echo=True, logprobs=1)
     body = caught.value.body
     assert isinstance(body, dict) and body.get("code") == "invalid_request"
-    assert re.search(r"logprobs .*--engine sglang", str(body.get("message")))
+    assert re.search(r"prompt's logprobs .*--engine sglang", str(body.get("message")))
+
+
+async def test_logprobs_penalties_bias_and_stop_ids_are_passed_to_sglang(stack: SglangStack, model_dir: Path) -> None:
+    """SGLang's own logprobs (raw, as generate()'s logits give them),
+    presence and frequency penalties with a logit bias, a repetition
+    penalty and a stop token id, asked through mmpipe: generate()'s tokens
+    with the same logits processors."""
+    from transformers import AutoTokenizer
+
+    from stages.torch_engine.reference import (
+        load_reference_model,
+        reference_logprobs,
+        reference_penalized,
+        reference_stopped,
+    )
+
+    tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
+    model = load_reference_model(model_dir)
+    prompt = "The sea and the mountains are"
+    ids = tokenizer(prompt)["input_ids"]
+    tokens, want, top2 = reference_logprobs(model_dir, ids, N, 2, model=model)
+    async with stack.client() as c:
+        for stream in (False, True):
+            kw: dict[str, Any] = {"model": MODEL, "prompt": prompt, "max_tokens": N, "temperature": 0, "logprobs": 2}
+            kw["extra_body"] = {"min_tokens": N}
+            if stream:
+                parts = [chunk async for chunk in await c.completions.create(stream=True, **kw)]
+                token_logprobs = [lp for p in parts if p.choices and p.choices[0].logprobs
+                                  for lp in p.choices[0].logprobs.token_logprobs or []]  # fmt: skip
+                assert token_logprobs == pytest.approx(want, abs=1e-3)
+                continue
+            done = await c.completions.create(**kw)
+            lp = done.choices[0].logprobs
+            assert lp is not None and lp.tokens == [tokenizer.decode([t]) for t in tokens]
+            assert lp.token_logprobs == pytest.approx(want, abs=1e-3)
+            assert lp.top_logprobs is not None
+            assert [list(top) for top in lp.top_logprobs] == [[tokenizer.decode([t]) for t in ts] for ts in top2]
+    count = 24
+    penalized = reference_penalized(model_dir, ids, count, -2.0, -1.0, bias={ids[-1]: 2.0}, model=model)
+    repeated = reference_penalized(model_dir, ids, count, repetition=1.3, model=model)
+    unstopped = reference_stopped(model_dir, ids, count, [], model=model)
+    stop = next(t for i, t in enumerate(unstopped[:-1]) if i and t not in unstopped[:i])  # not a final EOS
+    stopped = reference_stopped(model_dir, ids, count, [stop], model=model)
+    async with stack.client() as c:
+        base: dict[str, Any] = {"model": MODEL, "prompt": prompt, "max_tokens": count, "temperature": 0}
+        done = await c.completions.create(
+            **base,
+            presence_penalty=-2.0,
+            frequency_penalty=-1.0,
+            extra_body={"min_tokens": count, "logit_bias": {str(ids[-1]): 2.0}},
+        )
+        assert done.choices[0].text == tokenizer.decode(penalized, skip_special_tokens=True)
+        done = await c.completions.create(**base, extra_body={"min_tokens": count, "repetition_penalty": 1.3})
+        assert done.choices[0].text == tokenizer.decode(repeated, skip_special_tokens=True)
+        done = await c.completions.create(**base, extra_body={"stop_token_ids": [stop]})
+    assert (done.choices[0].text, done.choices[0].finish_reason) == (
+        tokenizer.decode(stopped[:-1], skip_special_tokens=True),
+        "stop",
+    )
+
+
+async def test_structured_output_is_passed_to_sglang(stack: SglangStack, model_dir: Path) -> None:
+    """mmpipe's grammar of each kind (a regex, vLLM's choice, a JSON schema)
+    as SGLang's EBNF: greedy, generate()'s tokens under xgrammar's own
+    processor; the JSON answer parses and validates."""
+    import jsonschema
+    from transformers import AutoTokenizer
+
+    from schemas.request import StructuredOutput
+    from stages.torch_engine.reference import load_reference_model, reference_structured
+
+    tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
+    model = load_reference_model(model_dir)
+    prompt = "An answer in the form asked for:"
+    ids = tokenizer(prompt)["input_ids"]
+    regex = r"[a-z]{3}-[0-9]{2}"
+    schema = {
+        "type": "object",
+        "properties": {"name": {"type": "string", "maxLength": 8}, "n": {"type": "integer", "maximum": 99}},
+        "required": ["name", "n"],
+    }
+    kinds: list[tuple[dict[str, Any], StructuredOutput]] = [
+        ({"structured_outputs": {"regex": regex}}, StructuredOutput("regex", regex)),
+        ({"guided_choice": ["sea", "sky"]}, StructuredOutput("choice", json.dumps(["sea", "sky"]))),
+        (
+            {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": schema}}},
+            StructuredOutput("json", json.dumps(schema)),
+        ),
+    ]
+    async with stack.client() as c:
+        for extra, spec in kinds:
+            want = reference_structured(model_dir, ids, 64, spec, model=model)
+            done = await c.completions.create(
+                model=MODEL, prompt=prompt, max_tokens=64, temperature=0, extra_body=extra
+            )
+            assert done.choices[0].text == tokenizer.decode(want, skip_special_tokens=True), extra
+            if spec.kind == "json" and done.choices[0].finish_reason == "stop":
+                jsonschema.validate(json.loads(done.choices[0].text), schema)
 
 
 def _sglang_metrics(url: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
