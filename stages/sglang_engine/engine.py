@@ -21,6 +21,7 @@ import asyncio
 import json
 import logging
 import os
+import signal
 import socket
 from collections.abc import AsyncGenerator
 from dataclasses import dataclass
@@ -138,6 +139,8 @@ class SglangEngine:
         self._engine: Any = None
         self._load_reader: asyncio.Task[None] | None = None
         self._watch: asyncio.Task[None] | None = None
+        # Why SGLang is known dead (its SIGQUIT), where it is.
+        self._dead = ""
 
     async def start(self) -> None:
         """Start SGLang's engine: its scheduler and detokenizer processes, the
@@ -156,12 +159,35 @@ class SglangEngine:
             logging.getLogger("sglang").setLevel(logging.WARNING)
         engine = await asyncio.to_thread(lambda: sglang.Engine(**self.args))
         self._engine = engine
+        # SGLang's tokenizer manager puts signal handlers on the loop it runs
+        # on (this worker's) as it first serves: SIGTERM to drain SGLang
+        # alone, and SIGQUIT (a child process failed) to kill the whole
+        # process tree, the worker with it. Registered now, and ours: the
+        # worker's own stop, which drains mmpipe's work first.
+        engine.tokenizer_manager.signal_handler_class = self._signal_handlers
+        engine.tokenizer_manager.auto_create_handle_loop()
         self.max_model_len = int(engine.tokenizer_manager.context_len)
         metrics.declare(self.role)
         self._load_reader = asyncio.create_task(self._read_loads(engine))
         # The worker stops once one of SGLang's processes is gone.
         self._watch = asyncio.create_task(watch_engine(self, "sglang"))
         log.info("sglang_engine_started", model=str(self.model_dir), max_model_len=self.max_model_len, args=self.args)
+
+    def _signal_handlers(self, tokenizer_manager: Any) -> Any:
+        """Stands in for SGLang's ``SignalHandler`` on the worker's loop."""
+        engine = self
+
+        class Handlers:
+            def sigterm_handler(self, signum: Any = None, frame: Any = None) -> None:
+                # The worker stops on SIGINT as on SIGTERM; SGLang took SIGTERM's handler.
+                os.kill(os.getpid(), signal.SIGINT)
+
+            def running_phase_sigquit_handler(self, signum: Any = None, frame: Any = None) -> None:
+                engine._dead = "a process of SGLang's failed (SIGQUIT from it)"
+                log.error("sglang_engine_dead", error=engine._dead, pid=os.getpid())
+                os.kill(os.getpid(), signal.SIGINT)
+
+        return Handlers()
 
     async def _read_loads(self, engine: Any) -> None:
         while True:
@@ -192,11 +218,18 @@ class SglangEngine:
         """Raises where one of SGLang's processes is gone."""
         if self._engine is None:
             raise RuntimeError("the SGLang engine is not running")
+        if self._dead:
+            raise RuntimeError(self._dead)
+        import psutil  # SGLang's own dependency
+
         for pid in self._engine.get_all_child_pids():
             try:
-                os.kill(pid, 0)
-            except ProcessLookupError:
-                raise RuntimeError(f"SGLang's process {pid} is gone") from None
+                # A killed child stays a zombie until its parent reaps it.
+                gone = psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+            except psutil.NoSuchProcess:
+                gone = True
+            if gone:
+                raise RuntimeError(f"SGLang's process {pid} is gone")
 
     async def stream(
         self,

@@ -266,6 +266,15 @@ async def test_logprobs_penalties_bias_and_stop_ids_are_passed_to_sglang(stack: 
         tokenizer.decode(stopped[:-1], skip_special_tokens=True),
         "stop",
     )
+    # A stop string (mmpipe's, on the text) ends the answer before it and
+    # aborts the SGLang request that would have gone on.
+    whole = tokenizer.decode(unstopped, skip_special_tokens=True)
+    word = whole[len(whole) // 2 : len(whole) // 2 + 3]
+    aborted = stack.up.text().count('"sglang_request_aborted"')
+    async with stack.client() as c:
+        done = await c.completions.create(**base, stop=[word])
+    assert (done.choices[0].text, done.choices[0].finish_reason) == (whole[: whole.index(word)], "stop")
+    await eventually(lambda: stack.up.text().count('"sglang_request_aborted"') > aborted, within=30)
 
 
 async def test_structured_output_is_passed_to_sglang(stack: SglangStack, model_dir: Path) -> None:
@@ -341,17 +350,22 @@ async def test_the_worker_metrics_count_sglangs_tokens_and_show_its_load(stack: 
             extra_body={"min_tokens": N},
         )
     assert reply.usage is not None
-    after = await asyncio.to_thread(_sglang_metrics, url)
-    generated = value(after, "mmpipe_sglang_generation_tokens_total") - value(
-        before, "mmpipe_sglang_generation_tokens_total"
-    )
-    assert generated >= N
-    prompt_tokens = sum(
-        value(after, "mmpipe_sglang_prompt_tokens_total", source=source)
-        - value(before, "mmpipe_sglang_prompt_tokens_total", source=source)
-        for source in ("local_compute", "local_cache_hit")
-    )
-    assert prompt_tokens >= reply.usage.prompt_tokens
+    prompt_tokens = reply.usage.prompt_tokens
+
+    async def counted() -> bool:
+        # Counted as SGLang's request ends, which may be just after the
+        # answer's last chunk went out.
+        after = await asyncio.to_thread(_sglang_metrics, url)
+        name = "mmpipe_sglang_generation_tokens_total"
+        generated = value(after, name) - value(before, name)
+        prompt = sum(
+            value(after, "mmpipe_sglang_prompt_tokens_total", source=source)
+            - value(before, "mmpipe_sglang_prompt_tokens_total", source=source)
+            for source in ("local_compute", "local_cache_hit")
+        )
+        return generated >= N and prompt >= prompt_tokens
+
+    await eventually_true(counted, within=30, what="the request's tokens in SGLang's metrics")
     # The load gauges follow SGLang's snapshots: a request running shows.
     async with stack.client() as c:
         chunks = await c.chat.completions.create(
