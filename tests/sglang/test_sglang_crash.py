@@ -14,44 +14,20 @@ worker: it reports engine_dead and stops."""
 from __future__ import annotations
 
 import asyncio
-import json
-import re
-import time
-import urllib.error
-import urllib.request
 from pathlib import Path
-from typing import Any
 
 import psutil
 import pytest
 
-from pipeline.connection import connect
-from pipeline.replies import stored_chunks
-from pipeline.subjects import Subjects
-from schemas.chunk import TokenChunk
-from schemas.codec import CONTENT_TYPE, MSGPACK, encode
 from schemas.request import ChatMessage, GenerateRequest, ImagePart, ImageURL, SamplingParams, TextPart
 from tests.e2e.conftest import gradient, make_reference, png_data_url
+from tests.e2e.engine_crash import events, killed_mid_stream, probe, readiness_until_gone, start_nats, stop_at_once
 from tests.e2e.processes import Proc, Processes
 from tests.sglang.test_sglang_engine import sglang_up
 
 N = 300
 MODEL = "tiny-qwen2-vl"
 PROMPT = "What is in the picture?"
-
-
-def _kill_tree(proc: Proc) -> None:
-    """SIGKILL a worker and SGLang's processes under it, as a container's death would."""
-    parent = psutil.Process(proc.popen.pid)
-    for child in parent.children(recursive=True):
-        child.kill()
-    proc.kill()
-
-
-def _decode_starts(proc: Proc, rid: str) -> list[dict[str, Any]]:
-    """The worker's sglang_decode_started events of request ``rid``."""
-    events = [json.loads(line) for line in proc.text().splitlines() if line.startswith("{") and "sglang_decode" in line]
-    return [e for e in events if e.get("event") == "sglang_decode_started" and e.get("request_id") == rid]
 
 
 @pytest.mark.e2e
@@ -62,11 +38,7 @@ async def test_killed_sglang_worker_request_completes_on_the_other_exactly_once(
 ) -> None:
     procs = Processes(tmp_path, mmpipe_home)
     try:
-        nats = procs.start("nats", "--data-dir", str(tmp_path / "data"), "--port", "0")
-        await asyncio.to_thread(nats.wait_for, "nats-server ready", 60)
-        found = re.search(r"nats-server ready: (\S+)", nats.text())
-        assert found is not None
-        nats_url = found.group(1)
+        nats_url = await start_nats(procs, str(tmp_path / "data"))
         # A short ack wait: the dead worker's message goes to the other one in
         # seconds; a short drain: nothing is in flight at the end.
         common = ["--mode", mode, "--nats-url", nats_url, "--model", MODEL, "--transport", "nats"]
@@ -86,50 +58,24 @@ async def test_killed_sglang_worker_request_completes_on_the_other_exactly_once(
             messages=[ChatMessage(role="user", content=[ImagePart(ImageURL(png_data_url(image))), TextPart(PROMPT)])],
             sampling=SamplingParams(max_tokens=N, temperature=0, min_tokens=N),
         )
-        subjects = Subjects("default")
-        nc, js = await connect(nats_url, name="test-sglang-crash")
-        try:
-            await js.publish(subjects.requests, encode(request), headers={CONTENT_TYPE: MSGPACK, "Nats-Msg-Id": rid})
-            held: list[TokenChunk] = []
-            deadline = time.monotonic() + 240
-            while len(held) < 3 and time.monotonic() < deadline:
-                await asyncio.sleep(0.02)
-                held = [c for c in await stored_chunks(js, subjects, rid) if isinstance(c, TokenChunk)]
-            assert len(held) >= 3, [e.text()[-2000:] for e in engines]
-            first = next(e for e in engines if _decode_starts(e, rid))
-            _kill_tree(first)
-            other = engines[1 - engines.index(first)]
-            assert len(held) < N  # killed mid-stream
-            chunks: list[TokenChunk] = []
-            deadline = time.monotonic() + 300
-            while not (chunks and chunks[-1].finish_reason is not None) and time.monotonic() < deadline:
-                await asyncio.sleep(0.1)
-                chunks = [c for c in await stored_chunks(js, subjects, rid) if isinstance(c, TokenChunk)]
-        finally:
-            await nc.close()
+
+        def started(proc: Proc) -> bool:
+            return bool(events(proc, "sglang_decode_started", rid))
+
+        held, chunks, first = await killed_mid_stream(nats_url, request, engines, started)
+        other = engines[1 - engines.index(first)]
+        assert len(held) < N  # killed mid-stream
         assert [c.seq for c in chunks] == list(range(N))  # each token once, in order
         content = [{"type": "image_url", "image_url": {"url": ""}}, {"type": "text", "text": PROMPT}]
         from stages.models import builtin_path
 
         expected, _ = make_reference(builtin_path(MODEL))(content, [image], N)
-        resumed = [e["resumed"] for e in _decode_starts(other, rid)]
-        got = [t for c in chunks for t in c.token_ids]
-        assert got == expected, (len(held), resumed, got[:12], expected[:12])
+        assert [t for c in chunks for t in c.token_ids] == expected
         # The other worker went on after the tokens the client held.
-        assert any(e["resumed"] >= len(held) for e in _decode_starts(other, rid)), other.text()[-3000:]
+        resumed = [e["resumed"] for e in events(other, "sglang_decode_started", rid)]
+        assert any(r >= len(held) for r in resumed), other.text()[-3000:]
     finally:
-        for proc in procs.procs:  # all at once: each SGLang engine takes seconds to stop
-            if proc.popen.poll() is None:
-                proc.popen.terminate()
-        await asyncio.to_thread(procs.stop_all)
-
-
-def _probe(url: str) -> tuple[int, dict[str, Any]]:
-    try:
-        with urllib.request.urlopen(url, timeout=5) as r:
-            return r.status, json.loads(r.read())
-    except urllib.error.HTTPError as exc:
-        return exc.code, json.loads(exc.read())
+        await stop_at_once(procs)
 
 
 @pytest.mark.e2e
@@ -142,21 +88,13 @@ async def test_sglang_processes_killed_fail_readiness_and_stop_the_worker(tmp_pa
     with sglang_up(tmp_path, mmpipe_home, "epd") as stack:
         role = "encode+prefill+decode"
         url = stack.metrics[role].replace("/metrics", "/health/ready")
-        assert (await asyncio.to_thread(_probe, url))[0] == 200
+        assert (await asyncio.to_thread(probe, url))[0] == 200
         worker = next(p for p in psutil.Process(stack.up.popen.pid).children() if role in p.cmdline())
         children = worker.children(recursive=True)
         assert children
         for child in children:
             child.kill()
-        seen: list[tuple[int, str]] = []
-        deadline = time.monotonic() + 60
-        while worker.is_running() and worker.status() != psutil.STATUS_ZOMBIE and time.monotonic() < deadline:
-            try:
-                status, body = await asyncio.to_thread(_probe, url)
-                seen.append((status, body.get("status", "")))
-            except (urllib.error.URLError, ConnectionError, TimeoutError):
-                pass  # the worker has stopped listening, or is stopping
-            await asyncio.sleep(0.05)
+        seen = await readiness_until_gone(worker, url)
         # Not ready once the worker has seen SGLang's processes gone (probes in
         # the moment before it still pass); then gone rather than left serving errors.
         dead = next((i for i, (status, _) in enumerate(seen) if status == 503), None)

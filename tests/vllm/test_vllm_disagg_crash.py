@@ -13,34 +13,18 @@ from __future__ import annotations
 
 import asyncio
 import json
-import re
-import time
 from pathlib import Path
 from typing import Any
 
-import psutil
 import pytest
 
-from pipeline.connection import connect
-from pipeline.replies import stored_chunks
-from pipeline.subjects import Subjects
-from schemas.chunk import TokenChunk
-from schemas.codec import CONTENT_TYPE, MSGPACK, encode
 from tests.e2e.conftest import gradient, make_reference
+from tests.e2e.engine_crash import events, killed_mid_stream, start_nats, stop_at_once
 from tests.e2e.processes import Proc, Processes
 from tests.vllm.test_vllm_engine import ENGINE_ARGS, MODEL, image_request
 
 N = 300
 MODE = "e-p-d"
-
-
-def _kill_tree(proc: Proc) -> None:
-    """SIGKILL a worker and vLLM's engine-core processes under it, as a
-    container's death would."""
-    parent = psutil.Process(proc.popen.pid)
-    for child in parent.children(recursive=True):
-        child.kill()
-    proc.kill()
 
 
 @pytest.mark.e2e
@@ -52,11 +36,7 @@ async def test_killed_vllm_decode_worker_request_completes_on_the_other(
     args_file = tmp_path / "engine-args.json"
     args_file.write_text(json.dumps(ENGINE_ARGS))
     try:
-        nats = procs.start("nats", "--data-dir", str(tmp_path / "data"), "--port", "0")
-        await asyncio.to_thread(nats.wait_for, "nats-server ready", 60)
-        found = re.search(r"nats-server ready: (\S+)", nats.text())
-        assert found is not None
-        nats_url = found.group(1)
+        nats_url = await start_nats(procs, str(tmp_path / "data"))
         common = ["--mode", MODE, "--nats-url", nats_url, "--model", str(vllm_model_dir)]
         # A short ack wait: the dead worker's message goes to the other one in
         # seconds; a short drain: nothing is in flight at the end.
@@ -71,30 +51,13 @@ async def test_killed_vllm_decode_worker_request_completes_on_the_other(
 
         image = gradient(64, 48, 5)
         rid = "killed-vllm-decode"
-        request = image_request(rid, image, N)
-        subjects = Subjects("default")
-        nc, js = await connect(nats_url, name="test-crash")
-        try:
-            await js.publish(subjects.requests, encode(request), headers={CONTENT_TYPE: MSGPACK, "Nats-Msg-Id": rid})
-            # Deadlines, not counts: a fresh vLLM engine's first forward on a
-            # busy 2-core machine took over 20 s.
-            held: list[TokenChunk] = []
-            deadline = time.monotonic() + 240
-            while len(held) < 3 and time.monotonic() < deadline:
-                await asyncio.sleep(0.02)
-                held = [c for c in await stored_chunks(js, subjects, rid) if isinstance(c, TokenChunk)]
-            assert len(held) >= 3, [d.text()[-2000:] for d in decoders]
-            first = next(d for d in decoders if _decode_starts(d, rid))
-            _kill_tree(first)
-            other = decoders[1 - decoders.index(first)]
-            assert len(held) < N  # killed mid-stream
-            chunks: list[TokenChunk] = []
-            deadline = time.monotonic() + 300
-            while not (chunks and chunks[-1].finish_reason is not None) and time.monotonic() < deadline:
-                await asyncio.sleep(0.1)
-                chunks = [c for c in await stored_chunks(js, subjects, rid) if isinstance(c, TokenChunk)]
-        finally:
-            await nc.close()
+
+        def started(proc: Proc) -> bool:
+            return bool(events(proc, "vllm_decode_started", rid))
+
+        held, chunks, first = await killed_mid_stream(nats_url, image_request(rid, image, N), decoders, started)
+        other = decoders[1 - decoders.index(first)]
+        assert len(held) < N  # killed mid-stream
         assert [c.seq for c in chunks] == list(range(N))  # each token once, in order
         content: list[dict[str, Any]] = [
             {"type": "image_url", "image_url": {"url": ""}},
@@ -103,15 +66,7 @@ async def test_killed_vllm_decode_worker_request_completes_on_the_other(
         expected, _ = make_reference(vllm_model_dir)(content, [image], N)
         assert [t for c in chunks for t in c.token_ids] == expected
         # The other worker continued after the tokens the client held.
-        assert any(e["resumed"] >= len(held) for e in _decode_starts(other, rid)), other.text()[-3000:]
+        resumed = [e["resumed"] for e in events(other, "vllm_decode_started", rid)]
+        assert any(r >= len(held) for r in resumed), other.text()[-3000:]
     finally:
-        for proc in procs.procs:  # all at once: each vLLM engine takes seconds to stop
-            if proc.popen.poll() is None:
-                proc.popen.terminate()
-        await asyncio.to_thread(procs.stop_all)
-
-
-def _decode_starts(proc: Proc, rid: str) -> list[dict[str, Any]]:
-    """The worker's vllm_decode_started events of request ``rid``."""
-    events = [json.loads(line) for line in proc.text().splitlines() if line.startswith("{") and "vllm_decode" in line]
-    return [e for e in events if e.get("event") == "vllm_decode_started" and e.get("request_id") == rid]
+        await stop_at_once(procs)

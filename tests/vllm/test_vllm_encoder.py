@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import time
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
@@ -35,6 +34,7 @@ from transformers import AutoTokenizer
 
 from schemas.routes import MODES
 from tests.e2e.conftest import make_reference
+from tests.e2e.engine_crash import probe, readiness_until_gone
 from tests.vllm.references import video_content
 from tests.vllm.test_vllm_engine import (
     ENGINE_ARGS,
@@ -149,14 +149,6 @@ async def test_video_is_refused_by_the_vllm_encoder(all_vllm: Any) -> None:
     assert body.get("code") == "unsupported_media", body
 
 
-def _probe(url: str) -> tuple[int, dict[str, Any]]:
-    try:
-        with urllib.request.urlopen(url, timeout=5) as r:
-            return r.status, json.loads(r.read())
-    except urllib.error.HTTPError as exc:
-        return exc.code, json.loads(exc.read())
-
-
 def _pruned(url: str) -> dict[str, float]:
     """mmpipe_vllm_storage_pruned_total by folder on a worker's /metrics."""
     with urllib.request.urlopen(url, timeout=10) as response:
@@ -197,7 +189,7 @@ async def test_engine_core_killed_fails_readiness_and_stops_the_worker(all_vllm:
     stack, _, state = all_vllm
     role = MODES[stack.mode][-1]
     url = stack.metrics[role].replace("/metrics", "/health/ready")
-    assert (await asyncio.to_thread(_probe, url))[0] == 200
+    assert (await asyncio.to_thread(probe, url))[0] == 200
     up = psutil.Process(stack.up.popen.pid)
     worker = next(p for p in up.children() if role in p.cmdline())
     cores = [p for p in worker.children(recursive=True) if "EngineCore" in p.name() + " ".join(p.cmdline())]
@@ -205,15 +197,7 @@ async def test_engine_core_killed_fails_readiness_and_stops_the_worker(all_vllm:
     state["engine_killed"] = True
     for core in cores:
         core.kill()
-    seen: list[tuple[int, str]] = []
-    deadline = time.monotonic() + 60
-    while worker.is_running() and worker.status() != psutil.STATUS_ZOMBIE and time.monotonic() < deadline:
-        try:
-            status, body = await asyncio.to_thread(_probe, url)
-            seen.append((status, body.get("status", "")))
-        except (urllib.error.URLError, ConnectionError):
-            pass  # the worker has stopped listening
-        await asyncio.sleep(0.05)
+    seen = await readiness_until_gone(worker, url)
     # Not ready once vLLM has seen its engine core die (probes in the moment
     # before it has still pass): engine_dead, then draining once the worker
     # has closed its engine; then gone rather than left serving errors.
