@@ -100,6 +100,13 @@ class SglangEngine:
     def __init__(
         self, model_dir: Path, args: dict[str, Any] | None = None, device: str = "cpu", role: str = "sglang"
     ) -> None:
+        if device == "cpu":
+            # What SGLang wants on a CPU, read by its scheduler processes as
+            # they start: its CPU engine (else it imports vLLM for the
+            # rotary), no inductor compile of the vision rotary (21 s, the
+            # same tokens).
+            os.environ.setdefault("SGLANG_USE_CPU_ENGINE", "1")
+            os.environ.setdefault("TORCH_COMPILE_DISABLE", "1")
         require_sglang()
         from transformers import AutoConfig, AutoTokenizer
 
