@@ -251,18 +251,22 @@ class SglangEngine:
         prefill and decode apart, ``kv`` names the prefill engine's bootstrap
         server and the request's room, on both sides."""
         assert self._engine is not None, "start() the engine first"
-        pd: dict[str, Any] = {}
+        extra: dict[str, Any] = {}
         if kv is not None:
-            pd = {"bootstrap_host": kv.bootstrap_host, "bootstrap_port": kv.bootstrap_port, "bootstrap_room": kv.room}
+            extra = {
+                "bootstrap_host": kv.bootstrap_host,
+                "bootstrap_port": kv.bootstrap_port,
+                "bootstrap_room": kv.room,
+            }
         if sampling.logprobs is not None:
-            pd |= {"return_logprob": True, "top_logprobs_num": sampling.logprobs, "logprob_start_len": -1}
+            extra |= {"return_logprob": True, "top_logprobs_num": sampling.logprobs, "logprob_start_len": -1}
         gen = await self._engine.async_generate(
             input_ids=prompt_ids,
             image_data=_image_data(media),
             sampling_params=sampling_params(sampling),
             stream=True,
             rid=request_id,
-            **pd,
+            **extra,
         )
         seen = 0
         try:

@@ -190,11 +190,7 @@ class SglangHopEngine:
             raise InvalidRequest("the prompt's logprobs are not given on --engine sglang yet")
         sampling_params(sampling(req, len(ctx.emitted)))  # what SGLang cannot take: refused before anything runs
         length = check_context(req, media, self.max_model_len)
-        try:
-            expanded = self.family.expand_placeholders(req.prompt_token_ids, media)
-        except ValueError as exc:
-            raise InvalidRequest(str(exc)) from None
-        handle = SglangPrefilled(req.request.request_id, length, [*expanded, *ctx.emitted], media)
+        handle = SglangPrefilled(req.request.request_id, length, self._prompt_ids(req, media, ctx), media)
         if self.engine.disaggregation == "prefill":
             # SGLang's prefill runs once the decode engine asks for its KV:
             # started here, it runs on past this hop (hand_off, abort).
@@ -254,11 +250,16 @@ class SglangHopEngine:
             raise TensorGone(f"{rid}: SGLang's prefill KV (room {kv.room}) cannot be reused after a takeover")
         media = await self.receive_media(req, ctx)
         length = check_context(req, media, self.max_model_len)
+        return SglangPrefilled(rid, length, self._prompt_ids(req, media, ctx), media, kv=kv)
+
+    def _prompt_ids(self, req: ProcessedRequest, media: list[MediaEmbedding], ctx: HopContext) -> list[int]:
+        """What SGLang gets: the prompt with each media item's placeholders
+        expanded, then the tokens the client already holds."""
         try:
             expanded = self.family.expand_placeholders(req.prompt_token_ids, media)
         except ValueError as exc:
             raise InvalidRequest(str(exc)) from None
-        return SglangPrefilled(rid, length, [*expanded, *ctx.emitted], media, kv=kv)
+        return [*expanded, *ctx.emitted]
 
     async def decode(
         self, handle: SglangPrefilled, req: ProcessedRequest, ctx: HopContext, is_eos: Callable[[int], bool]
