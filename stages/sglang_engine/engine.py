@@ -91,6 +91,8 @@ class Delta:
     aborted: str | None = None
     # Each new token's logprob and its step's best (where asked for).
     logprobs: list[Logprobs] | None = None
+    # The prompt's, each token's after the first (where asked for; once).
+    prompt_logprobs: list[Logprobs] | None = None
 
 
 class SglangEngine:
@@ -258,8 +260,11 @@ class SglangEngine:
                 "bootstrap_port": kv.bootstrap_port,
                 "bootstrap_room": kv.room,
             }
-        if sampling.logprobs is not None:
-            extra |= {"return_logprob": True, "top_logprobs_num": sampling.logprobs, "logprob_start_len": -1}
+        if sampling.logprobs is not None or sampling.prompt_logprobs is not None:
+            # One top count for the prompt's and the new tokens' (each list cut to its own).
+            top = max(sampling.logprobs or 0, sampling.prompt_logprobs or 0)
+            start = -1 if sampling.prompt_logprobs is None else 0  # 0: from the prompt's first token
+            extra |= {"return_logprob": True, "top_logprobs_num": top, "logprob_start_len": start}
         gen = await self._engine.async_generate(
             input_ids=prompt_ids,
             image_data=_image_data(media),
@@ -286,9 +291,21 @@ class SglangEngine:
                 aborted = None
                 if isinstance(finish, dict) and finish.get("type") == "abort":
                     aborted = str(finish.get("message") or "aborted")
-                logprobs = _logprobs(meta, seen, len(ids)) if sampling.logprobs is not None else None
+                logprobs = None
+                if sampling.logprobs is not None:
+                    logprobs = _logprobs(meta, "output", seen, len(ids), sampling.logprobs)
+                prompt = None
+                if sampling.prompt_logprobs is not None and not seen and meta.get("input_token_logprobs"):
+                    # Its first entry has no logprob: nothing comes before the first token.
+                    count = len(meta["input_token_logprobs"])
+                    prompt = _logprobs(meta, "input", 1, count, sampling.prompt_logprobs)
                 yield Delta(
-                    ids[seen:], finish is not None, int(cached) if cached is not None else None, aborted, logprobs
+                    ids[seen:],
+                    finish is not None,
+                    int(cached) if cached is not None else None,
+                    aborted,
+                    logprobs,
+                    prompt,
                 )
                 seen = len(ids)
         finally:
@@ -331,15 +348,16 @@ def sampling_params(config: SamplingConfig) -> dict[str, Any]:
     return params
 
 
-def _logprobs(meta: dict[str, Any], start: int, end: int) -> list[Logprobs]:
-    """Tokens start..end's logprobs from SGLang's ``meta_info`` (its lists
+def _logprobs(meta: dict[str, Any], side: str, start: int, end: int, top: int) -> list[Logprobs]:
+    """Tokens start..end's logprobs and their ``top`` best from SGLang's
+    ``meta_info``, ``side`` ``input`` (the prompt) or ``output`` (its lists
     hold every token so far: (logprob, id, text) each, the best first)."""
-    chosen = meta.get("output_token_logprobs") or []
-    tops = meta.get("output_top_logprobs") or []
+    chosen = meta.get(f"{side}_token_logprobs") or []
+    tops = meta.get(f"{side}_top_logprobs") or []
     out = []
     for i in range(start, end):
-        top = tops[i] if i < len(tops) and tops[i] else []
-        out.append(Logprobs(float(chosen[i][0]), tuple((int(t), float(lp)) for lp, t, *_ in top)))
+        best = (tops[i] if i < len(tops) and tops[i] else [])[:top]
+        out.append(Logprobs(float(chosen[i][0]), tuple((int(t), float(lp)) for lp, t, *_ in best)))
     return out
 
 

@@ -70,6 +70,7 @@ class SglangPrefilled:
     sglang_id: str | None = None
     finished: bool = False
     logprobs: dict[int, Logprobs] = field(default_factory=dict)
+    prompt_logprobs: list[Logprobs] | None = None
     # Prefill and decode apart: the prefill engine's bootstrap and the room.
     kv: SglangKv | None = None
     # A prefill hop's SGLang request, running on until the decode engine
@@ -166,7 +167,7 @@ class SglangHopEngine:
         return handle.logprobs.get(index)
 
     def prompt_logprobs(self, handle: SglangPrefilled) -> list[Logprobs] | None:
-        return None
+        return handle.prompt_logprobs
 
     # -- encode ---------------------------------------------------------------
 
@@ -186,8 +187,10 @@ class SglangHopEngine:
         """SGLang prefills inside the decode request: here only what it gets."""
         if req.request.prompt_embeds is not None or req.lora:
             raise InvalidRequest("prompt_embeds and LoRA adapters are not passed to --engine sglang yet")
-        if req.request.sampling.prompt_logprobs is not None:
-            raise InvalidRequest("the prompt's logprobs are not given on --engine sglang yet")
+        if req.request.sampling.prompt_logprobs is not None and self.engine.disaggregation is not None:
+            raise InvalidRequest(
+                "the prompt's logprobs (echo with logprobs) on --engine sglang need a worker that prefills and decodes"
+            )
         sampling_params(sampling(req, len(ctx.emitted)))  # what SGLang cannot take: refused before anything runs
         length = check_context(req, media, self.max_model_len)
         handle = SglangPrefilled(req.request.request_id, length, self._prompt_ids(req, media, ctx), media)
@@ -282,6 +285,8 @@ class SglangHopEngine:
                 if first and delta.cached_tokens is not None:
                     handle.cached_tokens = delta.cached_tokens
                     first = False
+                if delta.prompt_logprobs is not None:  # asked for only before any token went out
+                    handle.prompt_logprobs = delta.prompt_logprobs
                 if delta.aborted is not None and handle.kv is not None and not yielded and not delta.token_ids:
                     # The KV never came (its prefill worker gone, the room unclaimed too long).
                     raise TensorGone(f"{handle.request_id}: SGLang's KV transfer failed: {delta.aborted}")

@@ -200,13 +200,54 @@ async def test_a_client_going_away_aborts_the_sglang_request(stack: SglangStack)
     assert len(ids) == 2
 
 
-async def test_what_sglang_is_not_given_yet_is_a_400_with_a_code(stack: SglangStack) -> None:
+async def test_what_sglang_is_not_given_yet_is_a_400_with_a_code(stack: SglangStack, model_dir: Path) -> None:
+    """Prompt embeddings are refused with the stable code, naming the engine;
+    the prompt's logprobs (echo with logprobs) are SGLang's own where one
+    worker prefills and decodes (generate()'s raw ones), a 400 where
+    prefill and decode are apart."""
+    import base64
+    import io
+
+    import torch
+    from transformers import AutoConfig, AutoTokenizer
+
+    from stages.torch_engine.reference import reference_prompt_logprobs
+
+    hidden = AutoConfig.from_pretrained(str(model_dir)).get_text_config().hidden_size
+    embeds = io.BytesIO()
+    torch.save(torch.zeros(3, hidden), embeds)
     async with stack.client() as c:
         with pytest.raises(openai.BadRequestError) as caught:
-            await c.completions.create(model=MODEL, prompt="hi", max_tokens=2, echo=True, logprobs=1)
+            await c.completions.create(
+                model=MODEL,
+                prompt="",
+                max_tokens=2,
+                extra_body={"prompt_embeds": base64.b64encode(embeds.getvalue()).decode()},
+            )
     body = caught.value.body
     assert isinstance(body, dict) and body.get("code") == "invalid_request"
-    assert re.search(r"prompt's logprobs .*--engine sglang", str(body.get("message")))
+    assert re.search(r"prompt_embeds .*--engine sglang", str(body.get("message")))
+
+    prompt = "The sea and the mountains are"
+    tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
+    ids = tokenizer(prompt)["input_ids"]
+    said, top = reference_prompt_logprobs(model_dir, ids, 1)
+    echoed: dict[str, Any] = {"model": MODEL, "prompt": prompt, "max_tokens": 2, "temperature": 0}
+    echoed |= {"echo": True, "logprobs": 1}
+    async with stack.client() as c:
+        if stack.mode in ("epd", "e-pd"):
+            done = await c.completions.create(**echoed)
+            lp = done.choices[0].logprobs
+            assert lp is not None and lp.token_logprobs is not None and lp.token_logprobs[0] is None
+            assert lp.token_logprobs[1 : len(ids)] == pytest.approx(said, abs=1e-3)
+            assert lp.top_logprobs is not None
+            assert [list(best or {}) for best in lp.top_logprobs[1 : len(ids)]] == [
+                [tokenizer.decode([t]) for t in ts] for ts in top
+            ]
+            assert done.choices[0].text.startswith(prompt)
+        else:
+            with pytest.raises(openai.BadRequestError, match="prefills and decodes"):
+                await c.completions.create(**echoed)
 
 
 async def test_logprobs_penalties_bias_and_stop_ids_are_passed_to_sglang(stack: SglangStack, model_dir: Path) -> None:
