@@ -28,6 +28,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests.e2e.conftest import gradient, make_reference, png_data_url, reply_tokens
+from tests.e2e.engine_cases import GREEDY_KINDS, JSON_SCHEMA_BODY, SCHEMA, STRUCTURED_PROMPT, assert_echoed
 from tests.e2e.processes import Proc, Processes
 from tests.polling import eventually, eventually_true
 
@@ -237,14 +238,12 @@ async def test_what_sglang_is_not_given_yet_is_a_400_with_a_code(stack: SglangSt
     async with stack.client() as c:
         if stack.mode in ("epd", "e-pd"):
             done = await c.completions.create(**echoed)
+            assert_echoed(done, prompt, ids, said)
             lp = done.choices[0].logprobs
-            assert lp is not None and lp.token_logprobs is not None and lp.token_logprobs[0] is None
-            assert lp.token_logprobs[1 : len(ids)] == pytest.approx(said, abs=1e-3)
-            assert lp.top_logprobs is not None
+            assert lp is not None and lp.top_logprobs is not None
             assert [list(best or {}) for best in lp.top_logprobs[1 : len(ids)]] == [
                 [tokenizer.decode([t]) for t in ts] for ts in top
             ]
-            assert done.choices[0].text.startswith(prompt)
         else:
             with pytest.raises(openai.BadRequestError, match="prefills and decodes"):
                 await c.completions.create(**echoed)
@@ -330,31 +329,17 @@ async def test_structured_output_is_passed_to_sglang(stack: SglangStack, model_d
 
     tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
     model = load_reference_model(model_dir)
-    prompt = "An answer in the form asked for:"
-    ids = tokenizer(prompt)["input_ids"]
-    regex = r"[a-z]{3}-[0-9]{2}"
-    schema = {
-        "type": "object",
-        "properties": {"name": {"type": "string", "maxLength": 8}, "n": {"type": "integer", "maximum": 99}},
-        "required": ["name", "n"],
-    }
-    kinds: list[tuple[dict[str, Any], StructuredOutput]] = [
-        ({"structured_outputs": {"regex": regex}}, StructuredOutput("regex", regex)),
-        ({"guided_choice": ["sea", "sky"]}, StructuredOutput("choice", json.dumps(["sea", "sky"]))),
-        (
-            {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": schema}}},
-            StructuredOutput("json", json.dumps(schema)),
-        ),
-    ]
+    ids = tokenizer(STRUCTURED_PROMPT)["input_ids"]
+    kinds = [*GREEDY_KINDS, (JSON_SCHEMA_BODY, StructuredOutput("json", json.dumps(SCHEMA)))]
     async with stack.client() as c:
         for extra, spec in kinds:
             want = reference_structured(model_dir, ids, 64, spec, model=model)
             done = await c.completions.create(
-                model=MODEL, prompt=prompt, max_tokens=64, temperature=0, extra_body=extra
+                model=MODEL, prompt=STRUCTURED_PROMPT, max_tokens=64, temperature=0, extra_body=extra
             )
             assert done.choices[0].text == tokenizer.decode(want, skip_special_tokens=True), extra
             if spec.kind == "json" and done.choices[0].finish_reason == "stop":
-                jsonschema.validate(json.loads(done.choices[0].text), schema)
+                jsonschema.validate(json.loads(done.choices[0].text), SCHEMA)
 
 
 def _sglang_metrics(url: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:

@@ -41,6 +41,7 @@ from schemas.request import ChatMessage, GenerateRequest, ImagePart, ImageURL, S
 from schemas.routes import MODES
 from stages.vllm_engine.args import CPU_DEFAULTS
 from tests.e2e.conftest import finished_reply, gradient, make_reference, png_data_url, reply_tokens
+from tests.e2e.engine_cases import GREEDY_KINDS, JSON_SCHEMA_BODY, SCHEMA, STRUCTURED_PROMPT, assert_echoed
 from tests.e2e.processes import Proc, Processes
 from tests.vllm.references import video_request
 
@@ -304,10 +305,7 @@ async def test_a_completion_equals_generate(stack: VllmStack, vllm_model_dir: Pa
     async with stack.client() as c:
         if stack.mode in ("epd", "e-pd"):
             done = await c.completions.create(**echoed)
-            lp = done.choices[0].logprobs
-            assert lp is not None and lp.token_logprobs is not None and lp.token_logprobs[0] is None
-            assert lp.token_logprobs[1 : len(ids)] == pytest.approx(said, abs=1e-3)
-            assert done.choices[0].text.startswith(prompt)
+            assert_echoed(done, prompt, ids, said)
         else:
             with pytest.raises(openai.BadRequestError, match="prefills and decodes"):
                 await c.completions.create(**echoed)
@@ -333,35 +331,20 @@ async def test_structured_output_is_passed_to_vllm(stack: VllmStack, vllm_model_
     import jsonschema
     from transformers import AutoTokenizer
 
-    from schemas.request import StructuredOutput
     from stages.torch_engine.reference import load_reference_model, reference_structured
 
     tokenizer = AutoTokenizer.from_pretrained(str(vllm_model_dir))
     model = load_reference_model(vllm_model_dir)
-    prompt = "An answer in the form asked for:"
-    ids = tokenizer(prompt)["input_ids"]
-    regex = r"[a-z]{3}-[0-9]{2}"
-    schema = {
-        "type": "object",
-        "properties": {"name": {"type": "string", "maxLength": 8}, "n": {"type": "integer", "maximum": 99}},
-        "required": ["name", "n"],
-    }
+    ids = tokenizer(STRUCTURED_PROMPT)["input_ids"]
     async with stack.client() as c:
-        for extra, spec in [
-            ({"structured_outputs": {"regex": regex}}, StructuredOutput("regex", regex)),
-            ({"guided_choice": ["sea", "sky"]}, StructuredOutput("choice", json.dumps(["sea", "sky"]))),
-        ]:
+        for extra, spec in GREEDY_KINDS:
             want = reference_structured(vllm_model_dir, ids, 64, spec, model=model)
             done = await c.completions.create(
-                model=MODEL, prompt=prompt, max_tokens=64, temperature=0, extra_body=extra
+                model=MODEL, prompt=STRUCTURED_PROMPT, max_tokens=64, temperature=0, extra_body=extra
             )
             assert done.choices[0].text == tokenizer.decode(want, skip_special_tokens=True), extra
         done = await c.completions.create(
-            model=MODEL,
-            prompt=prompt,
-            max_tokens=200,
-            temperature=0,
-            extra_body={"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": schema}}},
+            model=MODEL, prompt=STRUCTURED_PROMPT, max_tokens=200, temperature=0, extra_body=JSON_SCHEMA_BODY
         )
     text = done.choices[0].text
     if done.choices[0].finish_reason == "length":
@@ -372,7 +355,7 @@ async def test_structured_output_is_passed_to_vllm(stack: VllmStack, vllm_model_
     else:
         # strict=False: vLLM's xgrammar lets raw control characters into length-bounded
         # strings (mmpipe's own engine mends its grammar: stages/structured.py).
-        jsonschema.validate(json.loads(text, strict=False), schema)
+        jsonschema.validate(json.loads(text, strict=False), SCHEMA)
 
 
 @pytest.mark.e2e
