@@ -35,6 +35,7 @@ from schemas.errors import InvalidRequest
 from schemas.processed import MediaKind, SglangKv
 from stages.engine_health import watch_engine
 from stages.families import MediaEmbedding
+from stages.ports import free_port
 from stages.sampling import Logprobs, SamplingConfig
 from stages.sglang_engine import disaggregation_of, metrics
 
@@ -123,7 +124,7 @@ class SglangEngine:
         if self.disaggregation is not None:
             pd = {"disaggregation_mode": self.disaggregation, "disaggregation_transfer_backend": TRANSFER_BACKEND}
             if self.disaggregation == "prefill":
-                pd["disaggregation_bootstrap_port"] = _free_port()
+                pd["disaggregation_bootstrap_port"] = free_port()
             elif device == "cpu":
                 # Its default backup of retracted requests pins host memory through CUDA.
                 pd["disaggregation_decode_retraction_backup"] = "cpu_tensor"
@@ -382,9 +383,3 @@ async def _chain(first: Any, rest: AsyncGenerator[Any, None]) -> AsyncGenerator[
     yield first
     async for item in rest:
         yield item
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("", 0))
-        return int(s.getsockname()[1])

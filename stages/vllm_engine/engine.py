@@ -14,7 +14,6 @@ import asyncio
 import itertools
 import json
 import os
-import socket
 from collections.abc import AsyncGenerator
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,6 +25,7 @@ from schemas.errors import InvalidRequest, ModelNotFound
 from schemas.request import StructuredOutput
 from stages.engine_health import watch_engine
 from stages.families import MediaEmbedding
+from stages.ports import free_port
 from stages.sampling import Logprobs, SamplingConfig
 from stages.vllm_engine.args import STORAGE_TTL_S, KvConnectorSettings, require_vllm
 from stages.vllm_engine.media import mm_prompt
@@ -100,7 +100,7 @@ class VllmEngine:
         if connector == "NixlConnector":
             # vLLM reads its NIXL side channel from the environment (its
             # engine-core child inherits it): a port of this worker's own.
-            port = self.kv.port or int(os.environ.get("VLLM_NIXL_SIDE_CHANNEL_PORT") or 0) or _free_port()
+            port = self.kv.port or int(os.environ.get("VLLM_NIXL_SIDE_CHANNEL_PORT") or 0) or free_port()
             os.environ["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(port)
         self._llm = AsyncLLM.from_engine_args(engine_args, stat_loggers=[stat_logger_factory(self.role)])
         self.max_model_len = int(self._llm.model_config.max_model_len)
@@ -320,9 +320,3 @@ def _checked_adapter(name: str, given: str) -> str:
     if not any((path / f).is_file() for f in ("adapter_model.safetensors", "adapter_model.bin")):
         raise InvalidRequest(f"LoRA adapter {name!r}: no adapter_model.safetensors in {path}")
     return str(path)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("", 0))
-        return int(s.getsockname()[1])
