@@ -58,12 +58,16 @@ class WorkerSettings:
         None, help="the model name clients send (unset: the built-in name, or the checkpoint folder's)"
     )
     device: str = setting("auto", help="auto (CUDA when torch sees a GPU, else CPU), cpu, cuda or cuda:N")
-    # Until the KV cache is paged, a decoding worker holds what its batch
-    # decoder can run together: more in flight would only queue in it.
     max_inflight: int | None = setting(
-        None, help="requests one worker runs at once; it fetches only into free slots (unset: --max-batch)"
+        None,
+        help="requests one worker runs at once; it fetches only while its KV pool has room (unset: --max-num-seqs)",
     )
-    max_batch: int = setting(32, help="sequences decoded together in one step (the batch decoder's slots)")
+    # vLLM's name and default: a cap, not a size; what runs is what the pool holds.
+    max_num_seqs: int = setting(
+        256,
+        help="sequences one worker decodes together at most (its batch decoder's rows; one CUDA graph per "
+        "power of two up to it); below it the KV pool's room decides how many run",
+    )
     torch_threads: int | None = setting(
         None,
         help="torch's CPU threads (intra-op) in a built-in engine's worker (unset: 1 on a GPU worker, whose CPU "
@@ -141,7 +145,7 @@ class WorkerSettings:
     def __post_init__(self) -> None:
         if self.torch_threads is not None and self.torch_threads < 1:
             raise ValueError("torch-threads must be at least 1")
-        for name in ("max_batch", "prefill_batch"):
+        for name in ("max_num_seqs", "prefill_batch"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name.replace('_', '-')} must be at least 1")
         if self.max_inflight is not None and self.max_inflight < 1:
@@ -149,7 +153,7 @@ class WorkerSettings:
 
     @property
     def inflight(self) -> int:
-        return self.max_inflight or self.max_batch
+        return self.max_inflight or self.max_num_seqs
 
     def engine_args(self) -> dict[str, Any]:
         """vLLM's engine arguments: this host's defaults, the file's over
@@ -247,7 +251,7 @@ def build_torch_hop_engine(
         batched=settings.decode.batched and ("decode" in steps or "prefill" in steps),
         decodes="decode" in steps,
         encodes="encode" in steps,
-        slots=settings.max_batch,
+        slots=settings.max_num_seqs,
     )
     device = resolve_device(settings.device)
     threads = intra_op_threads(settings.torch_threads, device)
@@ -262,7 +266,7 @@ def build_torch_hop_engine(
         engine,
         tensors,
         media_policy=settings.media,
-        max_batch=settings.max_batch,
+        max_batch=settings.max_num_seqs,
         embedding_cache=cache,
         prefill_batch=settings.prefill_batch,
         step_priority_s=step_priority_s(decode.step_priority_ms, str(engine.device)),

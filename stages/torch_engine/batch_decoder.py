@@ -51,6 +51,8 @@ from stages.torch_engine.row_sampling import MAX_TOP, RowSampling
 
 # Batch sizes a step is padded up to (each a captured graph on CUDA).
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128)
+# Sequences of the longest length the pool holds when its memory is not given.
+DEFAULT_POOL_SEQUENCES = 32
 # The masked attention reads the cache up to the next multiple of this (at
 # least): the padding is work, each multiple a graph to capture.
 LENGTH_QUANTUM = 128
@@ -184,7 +186,8 @@ class BatchDecoder:
         self.block_size = block_size
         self.blocks_per_seq = blocks_for(max_len, block_size)
         if num_blocks is None:
-            num_blocks = max_slots * self.blocks_per_seq + 1
+            # Rows are a cap (vLLM's max_num_seqs, 256): the pool, not the rows, sizes memory.
+            num_blocks = min(max_slots, DEFAULT_POOL_SEQUENCES) * self.blocks_per_seq + 1
         self.pool = BlockPool(num_blocks)
         s = self.shape
         size = (s.layers, num_blocks, s.kv_heads, block_size, s.head_dim)

@@ -18,7 +18,7 @@ class DecodeSettings:
     batched: bool = setting(
         True, flag="batch-decode", help="decode every running sequence in one step (off: each on its own)"
     )
-    # The worker's --max-batch.
+    # The worker's --max-num-seqs: the batch decoder's rows.
     slots: int = 32
     # The role decodes. A role that ends at prefill keeps the decoder only
     # where prefill goes straight into its slots (the fused step, on a GPU),
@@ -33,7 +33,8 @@ class DecodeSettings:
         None,
         help="memory for the KV cache's blocks: a fraction of the device memory free once the weights are loaded "
         "(0.5; on CPU of the host's free memory), or bytes (8GiB, 512MiB, 1000000); one sequence of "
-        "--decode-max-len tokens at least. Unset: room for --max-batch sequences of --decode-max-len tokens",
+        "--decode-max-len tokens at least. Unset: room for 32 sequences of --decode-max-len tokens (--max-num-seqs "
+        "if fewer)",
     )
     prefix_caching: bool = setting(
         True,

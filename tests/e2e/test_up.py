@@ -162,14 +162,14 @@ async def test_a_setting_from_each_source_reaches_the_worker(
     procs = Processes(tmp_path, mmpipe_home)
     flags = ["--port", str(_free_port()), "--data-dir", str(tmp_path / "data"), "--model", str(tiny_model_dir)]
     if source == "flag":
-        flags += ["--max-inflight", "32", "--max-batch", "8"]
+        flags += ["--max-inflight", "32", "--max-num-seqs", "8"]
     elif source == "variable":
-        procs.env |= {"MMPIPE_MAX_INFLIGHT": "32", "MMPIPE_MAX_BATCH": "8"}
+        procs.env |= {"MMPIPE_MAX_INFLIGHT": "32", "MMPIPE_MAX_NUM_SEQS": "8"}
     elif source == "config file":
-        (tmp_path / "mmpipe.toml").write_text("max_inflight = 32\nmax-batch = 8\n")
+        (tmp_path / "mmpipe.toml").write_text("max_inflight = 32\nmax-num-seqs = 8\n")
         flags += ["--config", str(tmp_path / "mmpipe.toml")]
     else:
-        flags += ["--max-batch", "24"]
+        flags += ["--max-num-seqs", "24"]
     up = procs.start("up", *flags)
     try:
         up.wait_for("mmpipe ready")

@@ -148,7 +148,7 @@ def test_every_setting_from_a_config_file(kind: str, tmp_path: Path) -> None:
 
 def test_flags_beat_the_environment_beat_the_file_beat_defaults(tmp_path: Path) -> None:
     config = tmp_path / "mmpipe.toml"
-    config.write_text("max-inflight = 4\nmax-batch = 6\n")
+    config.write_text("max-inflight = 4\nmax-num-seqs = 6\n")
 
     def inflight(flags: list[str], environ: dict[str, str]) -> int:
         args = parser().parse_args(["worker", "decode", *flags])
@@ -160,8 +160,8 @@ def test_flags_beat_the_environment_beat_the_file_beat_defaults(tmp_path: Path) 
     assert inflight(file, {"MMPIPE_MAX_INFLIGHT": "8"}) == 8
     assert inflight(file, {}) == 4
     # Unset, a worker runs as many requests as its batch decoder holds.
-    assert inflight([], {}) == WorkerSettings().max_batch == 32
-    assert inflight(["--max-batch", "48"], {}) == 48
+    assert inflight([], {}) == WorkerSettings().max_num_seqs == 256
+    assert inflight(["--max-num-seqs", "48"], {}) == 48
 
 
 def test_up_hands_every_setting_to_the_children_that_use_it(tmp_path: Path) -> None:
@@ -236,13 +236,13 @@ def test_a_config_key_no_kind_takes_is_refused_and_one_of_another_kind_skipped(t
 
 
 def test_bad_values_name_their_setting_and_source(capsys: pytest.CaptureFixture[str]) -> None:
-    with pytest.raises(SettingError, match=r"\$MMPIPE_MAX_BATCH: max-batch: 'many'"):
-        load_kind("worker", parser().parse_args(["worker", "decode"]), {"MMPIPE_MAX_BATCH": "many"})
+    with pytest.raises(SettingError, match=r"\$MMPIPE_MAX_NUM_SEQS: max-num-seqs: 'many'"):
+        load_kind("worker", parser().parse_args(["worker", "decode"]), {"MMPIPE_MAX_NUM_SEQS": "many"})
     with pytest.raises(SystemExit):
-        parser().parse_args(["worker", "decode", "--max-batch", "many"])
-    assert "argument --max-batch: 'many': Expected `int`" in capsys.readouterr().err
-    with pytest.raises(SettingError, match="max-batch must be at least 1"):
-        load_kind("worker", parser().parse_args(["worker", "decode", "--max-batch", "0"]), {})
+        parser().parse_args(["worker", "decode", "--max-num-seqs", "many"])
+    assert "argument --max-num-seqs: 'many': Expected `int`" in capsys.readouterr().err
+    with pytest.raises(SettingError, match="max-num-seqs must be at least 1"):
+        load_kind("worker", parser().parse_args(["worker", "decode", "--max-num-seqs", "0"]), {})
     with pytest.raises(SettingError, match="mode: 'p-d' is not one of epd, e-pd, e-p-d, ep-d"):
         load_kind("bridge", parser().parse_args(["bridge"]), {"MMPIPE_MODE": "p-d"})
 
@@ -260,12 +260,12 @@ def test_log_level_takes_any_case_and_version_prints(capsys: pytest.CaptureFixtu
 
 
 def test_handed_settings_are_taken_whole_and_only_by_their_kind() -> None:
-    worker = load_kind("worker", parser().parse_args(["worker", "decode", "--max-batch", "5"]), {}).settings
-    env = {**handed_env("worker", worker), "MMPIPE_MAX_BATCH": "7"}
+    worker = load_kind("worker", parser().parse_args(["worker", "decode", "--max-num-seqs", "5"]), {}).settings
+    env = {**handed_env("worker", worker), "MMPIPE_MAX_NUM_SEQS": "7"}
     # The parent resolved the variables already: the handed settings win over them, flags over both.
-    assert load_kind("worker", parser().parse_args(["worker", "decode"]), env).settings.worker.max_batch == 5
-    flagged = parser().parse_args(["worker", "decode", "--max-batch", "9"])
-    assert load_kind("worker", flagged, env).settings.worker.max_batch == 9
+    assert load_kind("worker", parser().parse_args(["worker", "decode"]), env).settings.worker.max_num_seqs == 5
+    flagged = parser().parse_args(["worker", "decode", "--max-num-seqs", "9"])
+    assert load_kind("worker", flagged, env).settings.worker.max_num_seqs == 9
     # A bridge started with a worker's handed settings in its environment reads its own sources.
     assert SETTINGS_ENV in env
     assert load_kind("bridge", parser().parse_args(["bridge"]), env).settings.bridge.port == 8000
