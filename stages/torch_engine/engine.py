@@ -155,7 +155,7 @@ class TorchEngine:
             started = time.monotonic()
             capturing = self.device.type == "cuda" and decode.cuda_graphs
             if capturing:
-                log.info("cuda_graphs_capturing", compile=decode.torch_compile, max_num_seqs=decode.slots)
+                log.info("cuda_graphs_capturing", compile=decode.torch_compile, max_batch=decode.slots)
             sizes = self.decoder.capture() if decode.decodes else []
             lengths = self._slot_prefill.capture() if self._slot_prefill is not None else []
             if sizes or lengths:
@@ -345,57 +345,17 @@ class TorchEngine:
         """A long prompt to prefill chunk by chunk (``prefill_chunk``), one
         engine call each, so that running sequences step between the chunks
         instead of waiting for the whole prompt (``--max-num-batched-tokens``).
-        Where the graphed prefill runs (a GPU's fused layers), the prompt's
-        blocks are taken now and each chunk runs from its graphs over the
-        chunks before it in the pool (``SlotPrefill.run(start=...)``); the
-        sequence holds a promised row, not a row, until its last chunk, so
-        no step runs for it before. Else it holds no KV blocks until its
-        last chunk: its cache is the model's own until the sequence joins
-        the batch decoder. ``drop_prefill`` gives back what one abandoned
-        part way holds."""
+        Holds no KV blocks until its last chunk: its cache is the model's own
+        until the sequence joins the batch decoder."""
         if any(not m.encoded for m in media):
             raise MediaNotEncoded("a chunked prefill looks up no cached prefix: each medium needs encoding")
-        slot = self._loras.slot(lora)
+        self._loras.slot(lora)
         ids, positions, delta = self._prepare(prompt_token_ids, media, [])
         with self._lock, torch.inference_mode():
             embeds = self.family.embed_prompt(self.model, ids, media)
-            # Cached once its blocks hold it (a later turn reuses it); not looked up yet.
-            keys = self._prefix_keys(prompt_token_ids, ids, media, self._loras.salt(lora))
-            p = Prefilling(len(ids), positions, delta, embeds, sampling, keys=keys, ids=ids, lora=lora)
-            # The graphed prefill runs the fused layers, not the modules an adapter wraps.
-            if not slot:
-                p.seq = self._hold_for_chunks(p)
-        return p
-
-    def _chunk_len(self) -> int:
-        """Tokens a graphed chunk takes: the budget, whole blocks (a chunk
-        past the first starts on a block), within the prefill's graphs."""
-        prefill = self._slot_prefill
-        assert prefill is not None
-        size = self.block_size
-        return min(self.max_num_batched_tokens, prefill.max_tokens) // size * size
-
-    def _hold_for_chunks(self, p: Prefilling) -> Sequence | None:
-        """The prompt's blocks and a promised row for chunks through the
-        graphed prefill, where it runs and the pool has room (else None:
-        chunks through the modules)."""
-        prefill, slots = self._slot_prefill, self._slots
-        if prefill is None or slots is None or not prefill.past or self._chunk_len() <= 0:
-            return None
-        seq = Sequence(
-            prompt_len=p.length, output_ids=[], sampling=p.sampling, rope_delta=p.delta, cache=None, receiving=True
-        )
-        if not self._ever_fits(seq) or not slots.can_take(p.length, self._spare()):
-            return None
-        slots.hold(seq, p.length)
-        return seq
-
-    def drop_prefill(self, prefilling: Prefilling) -> None:
-        """A chunked prefill abandoned before its last chunk: its blocks back."""
-        seq = prefilling.seq
-        if seq is not None and prefilling.done < prefilling.length:
-            self.release(seq)
-        prefilling.cache = prefilling.embeds = prefilling.seq = None
+        # Cached once its blocks hold it (a later turn reuses it); not looked up yet.
+        keys = self._prefix_keys(prompt_token_ids, ids, media, self._loras.salt(lora))
+        return Prefilling(len(ids), positions, delta, embeds, sampling, keys=keys, ids=ids, lora=lora)
 
     def prefill_chunk(self, prefilling: Prefilling, defer: bool = False) -> tuple[Sequence, int] | None:
         """The next chunk of ``prefilling`` through the model, over the cache
@@ -406,8 +366,6 @@ class TorchEngine:
         p = prefilling
         if p.done >= p.length:
             raise ValueError("the prompt is prefilled already")
-        if p.seq is not None:
-            return self._graphed_chunk(p, defer)
         end = p.length if self.max_num_batched_tokens <= 0 else min(p.length, p.done + self.max_num_batched_tokens)
         slot = self._loras.slot(p.lora)
         with self._lock, torch.inference_mode(), self._loras.for_rows([slot], self.device):
@@ -429,25 +387,6 @@ class TorchEngine:
         self._with_lora(seq, p.lora)
         p.cache = p.embeds = None
         return seq, self._select(seq, logits, defer)
-
-    def _graphed_chunk(self, p: Prefilling, defer: bool) -> tuple[Sequence, int] | None:
-        """The next chunk of a prefill ``_hold_for_chunks`` placed: into its
-        blocks from the graphs, over the chunks before it; after the last,
-        the sequence takes its row."""
-        seq, prefill, slots = p.seq, self._slot_prefill, self._slots
-        assert seq is not None and prefill is not None and slots is not None
-        end = min(p.length, p.done + self._chunk_len())
-        with self._lock, torch.inference_mode():
-            logits = prefill.run(p.embeds[0, p.done : end], p.positions[..., p.done : end], seq.blocks, start=p.done)
-            p.done = end
-            if end < p.length:
-                return None
-            seq.prefix_keys, seq.prefix_ids = p.keys, p.ids
-            self._register_prefix(seq)
-            slots.place(seq)
-            seq.receiving = False
-            p.embeds = p.seq = None
-            return seq, self._select(seq, logits, defer)
 
     def prompt_logprobs(self, prompt_ids: list[int], top: int, lora: str | None = None) -> list[Logprobs]:
         """Each text prompt token's logprob after the first, under the model's
@@ -1394,9 +1333,6 @@ class Prefilling:
     ids: list[int] = field(default_factory=list)
     # Its LoRA adapter's name (None: none).
     lora: str | None = None
-    # Chunks through the graphed prefill: the sequence whose blocks (taken
-    # at the start, a row promised) they fill (None: chunks through the modules).
-    seq: Sequence | None = None
 
 
 def _runs(indices: list[int]) -> list[tuple[int, int]]:

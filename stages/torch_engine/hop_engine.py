@@ -432,17 +432,11 @@ class TorchHopEngine:
                 engine.release(out[0])
 
         chunks = 0
-        try:
-            while True:
-                out = await self.thread.call_or_release(release, prefill_chunk)
-                chunks += 1
-                if out is not None:
-                    break
-        except BaseException:
-            # After any chunk still running (the thread takes calls in order).
-            with contextlib.suppress(RuntimeError):  # the thread is closed: the engine goes with it
-                self.thread.submit(engine.drop_prefill, prefilling)
-            raise
+        while True:
+            out = await self.thread.call_or_release(release, prefill_chunk)
+            chunks += 1
+            if out is not None:
+                break
         ctx.trace["prefill_chunks"] = float(chunks)
         return out[0]
 

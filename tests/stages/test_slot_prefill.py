@@ -6,7 +6,6 @@ in bf16 under CUDA graphs."""
 
 from __future__ import annotations
 
-import dataclasses
 from pathlib import Path
 
 import pytest
@@ -320,65 +319,3 @@ def test_the_compiled_prefill_gives_the_uncompiled_ones_logits_and_cache(mmpipe_
     exact = {"atol": 0, "rtol": 0} if engine_device == "cpu" else {"atol": 5e-2, "rtol": 5e-2}
     torch.testing.assert_close(got.float(), want.float(), **exact)
     torch.testing.assert_close(decoder.keys[:, blocks].float(), want_keys.float(), **exact)
-
-
-@pytest.mark.parametrize("with_image", [False, True])
-def test_a_long_prompt_in_chunks_through_the_graphs_gives_one_passes_cache_and_tokens(
-    mmpipe_home: Path, engine_device: str, with_image: bool
-) -> None:
-    """--max-num-batched-tokens where the graphed prefill runs: the prompt's
-    blocks are taken at its start and each chunk runs from the graphs over
-    the chunks before it in the pool; no step runs for it before its last
-    chunk (a row promised, not given); its cache and tokens are those of
-    the prompt in one pass. Abandoned part way, its blocks go back."""
-    chunked = _engine(engine_device, graph_prefill_len=32, max_num_batched_tokens=16)
-    whole = _engine(engine_device, graph_prefill_len=128, max_num_batched_tokens=0)
-    decoder, slots = chunked.decoder, chunked._slots
-    assert decoder is not None and slots is not None
-    greedy = SamplingConfig(temperature=0.0, max_tokens=8, min_tokens=8)
-    filler = " ".join(["colour"] * 40)
-    prompt = chunked.tokenizer(f"Describe the picture in many words: {filler}")["input_ids"]
-    media = []
-    if with_image:
-        # Its content hash keys the blocks its placeholders cover.
-        media = [dataclasses.replace(m, digest="gradient-60x44") for m in chunked.encode([gradient(60, 44, 3)])]
-        prompt = [chunked.family.placeholder_ids[MediaKind.IMAGE], *prompt]
-    n = len(chunked._prepare(prompt, media, [])[0])
-    assert n > 32 and chunked.chunked(n)  # longer than any graph: only chunks go through them
-    free = decoder.pool.num_free
-
-    prefilling = chunked.start_prefill(prompt, media, greedy)
-    held = prefilling.seq
-    assert held is not None and held.slot < 0 and len(held.blocks) == decoder.blocks_for(n)
-    assert slots.promised == 1
-    chunks = 1
-    while (out := chunked.prefill_chunk(prefilling)) is None:
-        assert held.slot < 0
-        chunks += 1
-    seq, first = out
-    assert seq is held and chunks == -(-n // 16)
-    assert seq.slot >= 0 and slots.promised == 0 and seq.cache is None
-
-    [(alone, token)] = whole.prefill([prompt], [media], [greedy])
-    assert alone.slot >= 0 and whole.decoder is not None
-    other = whole.decoder
-    for i in range(decoder.keys.shape[0]):
-        for mine, theirs in ((decoder.keys[i], other.keys[i]), (decoder.values[i], other.values[i])):
-            _close(from_blocks(mine[seq.blocks], n), from_blocks(theirs[alone.blocks], n), engine_device)
-    tokens, expected = [first], [token]
-    while len(tokens) < 8:
-        tokens += chunked.step([seq])
-        expected += whole.step([alone])
-    chunked.release(seq)
-    whole.release(alone)
-    assert tokens == expected if engine_device == "cpu" else tokens[:1] == expected[:1]
-    assert decoder.pool.num_free == free
-    assert chunked.prefix_cached(prompt, media) == (n - 1) // 16 * 16  # its full blocks cached for a later turn
-
-    # Dropped after one chunk: its blocks and promised row go back.
-    before = decoder.pool.num_free
-    prefilling = chunked.start_prefill(prompt, media, greedy)
-    assert decoder.pool.num_free < before and slots.promised == 1
-    assert chunked.prefill_chunk(prefilling) is None
-    chunked.drop_prefill(prefilling)
-    assert decoder.pool.num_free == before and slots.promised == 0 and not slots.rows
