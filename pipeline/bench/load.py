@@ -42,6 +42,7 @@ import argparse
 import asyncio
 import base64
 import io
+import itertools
 import json
 import math
 import multiprocessing
@@ -57,6 +58,8 @@ if TYPE_CHECKING:
     import openai
 
 PROMPT = "Describe the picture."
+# Numbers the long prompts of --filler-words (with the process id: one a client process).
+_DOCUMENTS = itertools.count()
 PERCENTILES = (50, 90, 99)
 # Streams one client process takes by default (64 in one were its whole core).
 STREAMS_PER_PROCESS = 16
@@ -204,7 +207,10 @@ async def one_request(
     """One streamed chat completion, timed from before the call to the end of
     the stream; ``traced``: sent with a traceparent asking for that."""
     content: list[dict[str, Any]] = [{"type": "image_url", "image_url": {"url": url}} for url in image_urls]
-    content.append({"type": "text", "text": PROMPT + " the" * spec.filler_words})
+    # Long prompts of distinct documents: a number first, so that they share
+    # no cached prefix past the chat template (--workload multiturn measures reuse).
+    text = f"({os.getpid()}.{next(_DOCUMENTS)}) {PROMPT}{' the' * spec.filler_words}" if spec.filler_words else PROMPT
+    content.append({"type": "text", "text": text})
     messages: Any = [{"role": "user", "content": content}]
     first: float | None = None
     last = 0.0

@@ -155,7 +155,7 @@ class TorchEngine:
             started = time.monotonic()
             capturing = self.device.type == "cuda" and decode.cuda_graphs
             if capturing:
-                log.info("cuda_graphs_capturing", compile=decode.torch_compile, max_batch=decode.slots)
+                log.info("cuda_graphs_capturing", compile=decode.torch_compile, max_num_seqs=decode.slots)
             sizes = self.decoder.capture() if decode.decodes else []
             lengths = self._slot_prefill.capture() if self._slot_prefill is not None else []
             if sizes or lengths:
