@@ -169,6 +169,31 @@ def _bench(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     )
     bench.add_argument("--compare-modes", action="store_true", help="start `mmpipe up` per mode, same load on each")
     bench.add_argument(
+        "--compare-deployments",
+        action="store_true",
+        help="start `mmpipe up` per deployment on the same cards, same load on each: one EPD worker a card "
+        "(replicas, the baseline), then splits of the roles over the cards (--deployment, or a default set)",
+    )
+    bench.add_argument(
+        "--deployment",
+        action="append",
+        default=[],
+        help="with --compare-deployments: NAME=MODE:WORKERS (WORKERS as `mmpipe up --workers` takes them), "
+        "repeatable; in place of the default splits",
+    )
+    bench.add_argument(
+        "--deploy-devices",
+        default="",
+        help="with --compare-deployments: the cards, comma separated (default: every CUDA device)",
+    )
+    bench.add_argument(
+        "--probes",
+        type=int,
+        default=4,
+        help="with --compare-deployments: greedy requests, one at a time, after each deployment's load, whose "
+        "answers are compared with the replicas'",
+    )
+    bench.add_argument(
         "--compare-frontend-decode",
         action="store_true",
         help="with --compare-modes: each mode once as it is and once with --frontend-decode (the media decoded "

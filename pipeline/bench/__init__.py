@@ -57,6 +57,10 @@ def main(args: argparse.Namespace) -> int:
         from pipeline.bench.multiturn import main as multiturn_main
 
         return multiturn_main(args)
+    if args.compare_deployments:
+        from pipeline.bench.deployments import main as deployments_main
+
+        return deployments_main(args)
     if args.compare_modes:
         from pipeline.bench.modes import main as modes_main
 

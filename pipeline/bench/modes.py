@@ -27,7 +27,7 @@ from typing import Any
 
 from pipeline.bench import run_async
 from pipeline.bench.cpu import stack_cpu_s
-from pipeline.bench.load import LoadSpec, run_load, spec_from_args, synthetic_images
+from pipeline.bench.load import PROMPT, LoadSpec, run_load, spec_from_args, synthetic_images
 from pipeline.serve import resolve_device
 from schemas.routes import MODES
 
@@ -101,6 +101,10 @@ def ratios(summary: dict[str, Any], baseline: dict[str, Any]) -> dict[str, float
     return out
 
 
+# A stack ``compare_stacks`` starts: its name in the table, its mode, and flags of its own for `mmpipe up`.
+StackSpec = tuple[str, str, tuple[str, ...]]
+
+
 def compare(
     modes: list[str],
     spec: LoadSpec,
@@ -112,24 +116,45 @@ def compare(
     hf_baseline: bool = False,
     variants: tuple[tuple[str, tuple[str, ...]], ...] = (("", ()),),
 ) -> list[dict[str, Any]]:
-    """One row per mode, variant and concurrency: its load summary, the CPU
-    time its stack's processes spent on it (by role, per request), and its
-    ratios to the baseline at the same concurrency (plain transformers with
-    ``hf_baseline``, else EPD). A variant (a suffix of the mode's name and
-    flags of its own) is a stack of its own. Each stack starts once and
-    serves every concurrency; each concurrency gets images of its own (the
-    embedding cache never hits), the same for every mode."""
+    """One row per mode, variant and concurrency (``compare_stacks``), the
+    ratios to plain transformers with ``hf_baseline``, else to EPD. A
+    variant (a suffix of the mode's name and flags of its own) is a stack
+    of its own."""
+    stacks = [(mode + suffix, mode, flags) for mode in modes for suffix, flags in variants]
+    return compare_stacks(stacks, spec, transport, api_key, concurrencies, device, up_args, hf_baseline)
+
+
+def compare_stacks(
+    stacks: list[StackSpec],
+    spec: LoadSpec,
+    transport: str,
+    api_key: str | None = None,
+    concurrencies: list[int] | None = None,
+    device: str = "auto",
+    up_args: tuple[str, ...] = (),
+    hf_baseline: bool = False,
+    baseline: str = BASELINE,
+    probes: int = 0,
+) -> list[dict[str, Any]]:
+    """One row per stack and concurrency: its load summary, the CPU time its
+    stack's processes spent on it (by role, per request), and its ratios to
+    the baseline at the same concurrency (plain transformers with
+    ``hf_baseline``, else the stack named ``baseline``, else the first).
+    Each stack starts once and serves every concurrency; each concurrency
+    gets images of its own (the embedding cache never hits), the same for
+    every stack. ``probes``: that many greedy requests, one at a time,
+    after a stack's load; their answers are on its rows (``answers``), and
+    how many equal the baseline stack's (``same_answers``)."""
     levels = concurrencies or [spec.concurrency]
     loads = [(c, replace(spec, concurrency=c, seed=spec.seed + 1000 * i)) for i, c in enumerate(levels)]
-    images = {c: synthetic_images(s) for c, s in loads}  # the very same bytes for every mode
+    images = {c: synthetic_images(s) for c, s in loads}  # the very same bytes for every stack
     # The baseline runs where the workers do.
     device = resolve_device(device)
     extra = ("--device", device, *up_args)
     rows: list[dict[str, Any]] = []
     if hf_baseline:
         rows += _hf_rows(spec, loads, images, device)
-    for mode, (suffix, flags) in ((m, v) for m in modes for v in variants):
-        name = mode + suffix
+    for name, mode, flags in stacks:
         print(f"mode {name}: starting mmpipe up ...", file=sys.stderr, flush=True)
         with tempfile.TemporaryDirectory(prefix=f"mmpipe-bench-{mode}-") as tmp:
             t0 = time.monotonic()
@@ -165,7 +190,15 @@ def compare(
                         print(
                             f"mode {name}: mmpipe up's log ends\n{_tail(Path(tmp) / 'up.log', 6000)}", file=sys.stderr
                         )
-    base_mode = HF if hf_baseline else BASELINE
+                if probes:
+                    # Images no load sent: no stack answers from its prefix cache.
+                    fresh = replace(loads[0][1], url=url, model=Path(spec.model).name, seed=spec.seed + 700)
+                    answers = run_async(greedy_answers(fresh, probes))
+                    for row in rows:
+                        if row["mode"] == name:
+                            row["answers"] = answers
+    names = [name for name, _, _ in stacks]
+    base_mode = HF if hf_baseline else baseline if baseline in names else names[0]
     for row in rows:
         base = next(
             (r for r in rows if r["mode"] == base_mode and r["concurrency"] == row["concurrency"]),
@@ -173,7 +206,41 @@ def compare(
         )
         row["baseline"] = base["mode"]
         row["ratios"] = ratios(row["summary"], base["summary"])
+    if probes:
+        want: list[str] = next(
+            (r["answers"] for r in rows if r["mode"] == (baseline if baseline in names else names[0])), []
+        )
+        for row in rows:
+            if "answers" in row:
+                row["same_answers"] = sum(a == b for a, b in zip(row["answers"], want, strict=True))
     return rows
+
+
+async def greedy_answers(spec: LoadSpec, n: int) -> list[str]:
+    """The text of ``n`` greedy answers of exactly ``spec.max_tokens``
+    tokens, one request at a time (no batch shapes of their own): the
+    load's first ``n`` requests, images and all."""
+    import openai
+
+    client = openai.AsyncOpenAI(base_url=spec.url, api_key=spec.api_key or "unused", timeout=spec.timeout_s)
+    _, sets = synthetic_images(spec)
+    out = []
+    try:
+        for urls in sets[:n]:
+            content: list[dict[str, Any]] = [{"type": "image_url", "image_url": {"url": url}} for url in urls]
+            content.append({"type": "text", "text": PROMPT})
+            messages: Any = [{"role": "user", "content": content}]
+            reply = await client.chat.completions.create(
+                model=spec.model,
+                messages=messages,
+                max_tokens=spec.max_tokens,
+                temperature=0,
+                extra_body={"min_tokens": spec.max_tokens},
+            )
+            out.append(reply.choices[0].message.content or "")
+    finally:
+        await client.close()
+    return out
 
 
 def _hf_rows(
@@ -217,13 +284,13 @@ def _num(value: float | None, fmt: str) -> str:
     return "-" if value is None else format(value, fmt)
 
 
-def format_rows(rows: list[dict[str, Any]]) -> str:
+def format_rows(rows: list[dict[str, Any]], command: str = "--compare-modes") -> str:
     c = rows[0]["summary"]["config"]
     images = f"{c['images_per_request']}×{c['image_size']}" if c["images_per_request"] else "none"
     base = rows[0]["baseline"]
     levels = sorted({row["concurrency"] for row in rows})
     head = (
-        f"mmpipe bench --compare-modes  transport={rows[-1]['transport']}  model={c['model']}  "
+        f"mmpipe bench {command}  transport={rows[-1]['transport']}  model={c['model']}  "
         f"concurrency={','.join(map(str, levels))}  requests={c['requests']}  max_tokens={c['max_tokens']}  "
         f"images={images}"
     )
