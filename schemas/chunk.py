@@ -71,6 +71,30 @@ class TokenChunk(msgspec.Struct, tag="token", tag_field="kind", omit_defaults=Tr
         return self.seq + len(self.token_ids)
 
 
+class ImageChunk(msgspec.Struct, tag="image", tag_field="kind", omit_defaults=True, forbid_unknown_fields=True):
+    """One image an image-generation stage drew, encoded (``media_type``):
+    the ``index``-th of the request's ``count``. Inline up to
+    ``MAX_INLINE_IMAGE`` bytes, never more."""
+
+    request_id: str
+    index: int
+    count: int
+    data: bytes
+    media_type: str = "image/png"
+    width: int = 0
+    height: int = 0
+    # The generator's seed: the same seed, prompt and size draw the same image.
+    seed: int = 0
+
+    @property
+    def last(self) -> bool:
+        return self.index == self.count - 1
+
+
+# The most bytes an image rides inline in a reply chunk.
+MAX_INLINE_IMAGE = 1 << 20
+
+
 class ErrorChunk(msgspec.Struct, tag="error", tag_field="kind", omit_defaults=True, forbid_unknown_fields=True):
     request_id: str
     code: ErrorCode

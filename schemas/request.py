@@ -123,6 +123,22 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, forbid_unknown_fields=T
     prompt_logprobs: int | None = None
 
 
+class ImageParams(msgspec.Struct, frozen=True, omit_defaults=True, forbid_unknown_fields=True):
+    """What an image-generation stage draws (OpenAI's images API, and the
+    stage of a multi-stage route): ``prompt`` (empty: the text the stage
+    before it wrote), ``n`` images from one seeded generator, their size
+    (0: the model's own), denoising steps (0: the server's default) and
+    classifier-free guidance (0: the server's default)."""
+
+    prompt: str = ""
+    n: int = 1
+    width: int = 0
+    height: int = 0
+    steps: int = 0
+    guidance: float = 0.0
+    seed: int | None = None
+
+
 # The most choices one request may ask for (``n`` times its prompts).
 MAX_CHOICES = 128
 
@@ -160,3 +176,5 @@ class GenerateRequest(msgspec.Struct, omit_defaults=True, forbid_unknown_fields=
     # the bytes of a torch-saved or safetensors [tokens, hidden] tensor, in
     # place of ``prompt`` (stages/prompt_embeds.py).
     prompt_embeds: bytes | None = None
+    # An image to draw (a route with an image-generation stage).
+    image: ImageParams | None = None

@@ -13,6 +13,8 @@ HOP_ROLES = (
     "encode+prefill+decode",
 )
 ROLES = (PROCESSOR, *HOP_ROLES)
+# The image-generation stage's role (a diffusion pipeline; stages/image_engine).
+GENERATE_IMAGE = "generate-image"
 
 MODES: dict[str, tuple[str, ...]] = {
     "epd": ("encode+prefill+decode",),

@@ -491,7 +491,7 @@ def builtin_path(name: str) -> Path:
     if name not in _BUILDERS:
         raise KeyError(f"unknown built-in model {name!r}; built-ins: {', '.join(BUILTIN_MODELS)}")
     marker = {"name": name, "builder_version": BUILDER_VERSION}
-    return _cached_dir(mmpipe_home() / "models" / name, marker, lambda d: build_builtin(name, d))
+    return cached_dir(mmpipe_home() / "models" / name, marker, lambda d: build_builtin(name, d))
 
 
 def _tokenizer_cache_dir(model_max_length: int) -> Path:
@@ -502,7 +502,7 @@ def _tokenizer_cache_dir(model_max_length: int) -> Path:
         write_qwen2_vl_tokenizer(d, model_max_length=model_max_length)
         (d / MARKER_FILE).write_text(json.dumps(marker) + "\n")
 
-    return _cached_dir(dest, marker, build)
+    return cached_dir(dest, marker, build)
 
 
 def copy_qwen_tokenizer(out_dir: Path, model_max_length: int) -> None:
@@ -544,7 +544,7 @@ def _file_lock(path: Path) -> Iterator[None]:
             fcntl.flock(handle.fileno(), fcntl.LOCK_UN)
 
 
-def _cached_dir(dest: Path, marker: dict[str, object], build: Callable[[Path], object]) -> Path:
+def cached_dir(dest: Path, marker: dict[str, object], build: Callable[[Path], object]) -> Path:
     """Return dest once it holds a complete build whose marker equals `marker`.
 
     The build runs in a temporary directory beside dest and is renamed into
@@ -562,8 +562,8 @@ def _cached_dir(dest: Path, marker: dict[str, object], build: Callable[[Path], o
             build(tmp)
             # mkdtemp (and safetensors) make private files; the cache is meant to be shared.
             os.chmod(tmp, 0o755)
-            for file in tmp.iterdir():
-                os.chmod(file, 0o644)
+            for path in tmp.rglob("*"):  # a pipeline's parts are folders of their own
+                os.chmod(path, 0o755 if path.is_dir() else 0o644)
             if dest.exists():
                 # A stale version (older builder): move it aside, then delete.
                 stale = Path(tempfile.mkdtemp(prefix=f".{dest.name}.old-", dir=dest.parent))

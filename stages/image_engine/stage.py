@@ -1,0 +1,79 @@
+"""The image-generation stage (``generate-image``): a hop that takes a
+processed request and streams back its images, one ``ImageChunk`` each.
+
+One drawing at a time per worker (a diffusion call fills its device): the
+worker fetches another message only once the last one's images are done
+(``has_room``). A request whose client goes stops at the next denoising
+step."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import AsyncGenerator
+
+from schemas.chunk import MAX_INLINE_IMAGE, ImageChunk
+from schemas.errors import InvalidRequest, TooLarge
+from schemas.processed import ProcessedRequest
+from schemas.request import GenerateRequest
+from schemas.routes import GENERATE_IMAGE
+from stages.contract import HopContext
+from stages.image_engine.engine import ImageEngine
+
+
+class ImageStage:
+    role = GENERATE_IMAGE
+    input_type = ProcessedRequest
+    # Images are whole: a takeover draws them again from the same seed.
+    resumes_stream = False
+
+    def __init__(self, engine: ImageEngine, served_name: str) -> None:
+        self.engine = engine
+        self.served_name = served_name
+        self._drawing: asyncio.Future[list[bytes]] | None = None
+
+    @property
+    def models(self) -> list[str]:
+        return [self.served_name]
+
+    async def start(self) -> None:
+        pass
+
+    async def close(self) -> None:
+        if self._drawing is not None:
+            await asyncio.wait([self._drawing])
+
+    def has_room(self) -> bool:
+        return self._drawing is None
+
+    async def run(
+        self, message: GenerateRequest | ProcessedRequest, ctx: HopContext
+    ) -> AsyncGenerator[ImageChunk, None]:
+        if not isinstance(message, ProcessedRequest):
+            raise InvalidRequest(f"{self.role} takes a processed request")
+        params = message.request.image
+        if params is None:
+            raise InvalidRequest(f"the request asks for no image, and its route has {self.role}")
+        # The processor's seed unless the client gave one: a takeover draws the same images.
+        seed = params.seed if params.seed is not None else message.seed
+        job = self.engine.drawing(params, seed)
+        if self._drawing is not None:
+            raise RuntimeError("one drawing at a time: the worker fetched past has_room")
+        cancelled = threading.Event()
+        drawing = asyncio.ensure_future(asyncio.to_thread(self.engine.draw, job, cancelled))
+        self._drawing = drawing
+        drawing.add_done_callback(lambda _: setattr(self, "_drawing", None))
+        try:
+            with ctx.timed("generate_image", images=job.n, steps=job.steps):
+                # The thread runs on past a cancel until its next step: the room comes back then.
+                images = await asyncio.shield(drawing)
+        except asyncio.CancelledError:
+            cancelled.set()
+            raise
+        sizes = [len(data) for data in images]
+        if max(sizes) > MAX_INLINE_IMAGE:
+            raise TooLarge(f"an image of {max(sizes)} bytes; at most {MAX_INLINE_IMAGE} ride in a reply")
+        ctx.trace["image_bytes"] = float(sum(sizes))
+        rid = message.request.request_id
+        for index, data in enumerate(images):
+            yield ImageChunk(rid, index, job.n, data, width=job.width, height=job.height, seed=seed)

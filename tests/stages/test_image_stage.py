@@ -1,0 +1,142 @@
+"""The image-generation stage (stages/image_engine) on the built-in tiny
+text-to-image pipeline, against diffusers' own pipeline called directly on
+the same checkpoint: the same seed draws the same PNG bytes on this CPU in
+float32; bad sizes, counts and prompts are refused before any drawing; a
+cancelled request stops at its next step."""
+
+from __future__ import annotations
+
+import asyncio
+import io
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from PIL import Image
+
+import stages.image_engine.stage as stage_module
+from schemas.chunk import ImageChunk
+from schemas.errors import InvalidRequest, TooLarge
+from schemas.processed import ProcessedRequest
+from schemas.request import GenerateRequest, ImageParams
+from schemas.routes import GENERATE_IMAGE
+from stages.contract import HopContext
+from stages.image_engine.checkpoint import TINY_TEXT_TO_IMAGE, image_model_path
+from stages.image_engine.engine import ImageEngine, ImageLimits
+from stages.image_engine.stage import ImageStage
+from tests.polling import eventually
+
+
+def _request(params: ImageParams, seed: int = 11) -> ProcessedRequest:
+    asked = GenerateRequest("img-1", TINY_TEXT_TO_IMAGE, [], image=params)
+    return ProcessedRequest(asked, [], [], [GENERATE_IMAGE], max_tokens=0, seed=seed)
+
+
+async def _draw(stage: ImageStage, params: ImageParams, seed: int = 11) -> list[ImageChunk]:
+    return [chunk async for chunk in stage.run(_request(params, seed), HopContext())]
+
+
+def _reference(path: Path, params: ImageParams, seed: int) -> list[bytes]:
+    """diffusers alone: the checkpoint's pipeline called with the same arguments, PNGs by PIL."""
+    from diffusers import StableDiffusionPipeline
+
+    pipeline: Any = StableDiffusionPipeline.from_pretrained(str(path), dtype=torch.float32)
+    pipeline.set_progress_bar_config(disable=True)
+    out = pipeline(
+        params.prompt,
+        num_images_per_prompt=params.n,
+        width=params.width,
+        height=params.height,
+        num_inference_steps=params.steps,
+        guidance_scale=params.guidance,
+        generator=torch.Generator("cpu").manual_seed(seed),
+    )
+    files = []
+    for image in out.images:
+        buf = io.BytesIO()
+        image.save(buf, format="PNG")
+        files.append(buf.getvalue())
+    return files
+
+
+@pytest.fixture
+def stage(mmpipe_home: Path) -> ImageStage:
+    return ImageStage(ImageEngine(image_model_path(TINY_TEXT_TO_IMAGE), limits=ImageLimits(max_steps=400)), "tiny-sd")
+
+
+async def test_a_seed_draws_the_pipelines_own_bytes(stage: ImageStage, mmpipe_home: Path) -> None:
+    path = image_model_path(TINY_TEXT_TO_IMAGE)
+    assert (path / "model_index.json").is_file()
+    params = ImageParams(prompt="a red cat on a blue mat", n=2, width=64, height=48, steps=3, guidance=7.5)
+    chunks = await _draw(stage, params, seed=11)
+    assert [(c.index, c.count, c.seed, c.media_type) for c in chunks] == [
+        (0, 2, 11, "image/png"),
+        (1, 2, 11, "image/png"),
+    ]
+    assert [c.data for c in chunks] == _reference(path, params, 11)
+    assert chunks[0].data != chunks[1].data  # two draws of one generator
+    with Image.open(io.BytesIO(chunks[0].data)) as image:
+        assert (image.size, image.mode) == ((64, 48), "RGB")
+    # The client's seed beats the processor's; another seed, another image.
+    again = await _draw(stage, ImageParams(prompt=params.prompt, width=64, height=48, steps=3, seed=5), seed=11)
+    assert again[0].seed == 5 and again[0].data != chunks[0].data
+    assert again[0].data == _reference(path, ImageParams(params.prompt, 1, 64, 48, 3, 7.5), 5)[0]
+    assert image_model_path(TINY_TEXT_TO_IMAGE) == path  # built once, then found
+
+
+@pytest.mark.parametrize(
+    ("params", "says"),
+    [
+        (ImageParams(prompt=""), "needs a prompt"),
+        (ImageParams(prompt="   "), "needs a prompt"),
+        (ImageParams(prompt="cat", n=0), "n is 0"),
+        (ImageParams(prompt="cat", n=9), "n is 9"),
+        (ImageParams(prompt="cat", width=60), "width 60: a multiple of 8"),
+        (ImageParams(prompt="cat", height=4096), "height 4096"),
+        (ImageParams(prompt="cat", steps=401), "steps is 401"),
+        (ImageParams(prompt="cat", guidance=-1.0), "guidance is -1.0"),
+        (ImageParams(prompt="x" * 4001), "4001 characters"),
+    ],
+)
+async def test_a_bad_request_is_refused_before_anything_is_drawn(
+    stage: ImageStage, params: ImageParams, says: str
+) -> None:
+    with pytest.raises(InvalidRequest, match=says) as refused:
+        await _draw(stage, params)
+    assert refused.value.http_status == 400
+    assert stage.has_room()
+
+
+async def test_a_request_with_no_image_is_refused(stage: ImageStage) -> None:
+    asked = GenerateRequest("img-2", TINY_TEXT_TO_IMAGE, [])
+    with pytest.raises(InvalidRequest, match="asks for no image"):
+        [c async for c in stage.run(ProcessedRequest(asked, [], [], [GENERATE_IMAGE], 0, 1), HopContext())]
+
+
+async def test_a_cancelled_drawing_stops_at_its_next_step(stage: ImageStage) -> None:
+    steps: list[int] = []
+    real = stage.engine.pipeline.scheduler.step
+
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        steps.append(1)
+        return real(*args, **kwargs)
+
+    stage.engine.pipeline.scheduler.step = counted
+    task = asyncio.ensure_future(_draw(stage, ImageParams(prompt="a long one", steps=400)))
+    await eventually(lambda: len(steps) >= 2, within=30.0)
+    assert not stage.has_room()  # one drawing at a time: the worker fetches nothing more
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    await eventually(stage.has_room, within=30.0)  # the thread stopped at a step, not after all 400
+    assert len(steps) < 400
+
+
+async def test_an_image_over_the_inline_limit_is_refused_whole(
+    stage: ImageStage, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(stage_module, "MAX_INLINE_IMAGE", 1000)
+    with pytest.raises(TooLarge, match="at most 1000") as refused:
+        await _draw(stage, ImageParams(prompt="cat", n=2, steps=2))
+    assert refused.value.http_status == 413
