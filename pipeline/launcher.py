@@ -28,7 +28,8 @@ from pipeline.nats_server import NatsServer, NatsServerConfig
 from pipeline.serve import WorkerSettings
 from pipeline.settings import BridgeProcess, UpProcess, WorkerProcess, handed_env
 from pipeline.settings.kinds import NatsServerSettings, UpSettings
-from schemas.routes import MODES, PROCESSOR, ROLES, holds_kv
+from schemas.errors import ModelNotFound
+from schemas.routes import GENERATE_IMAGE, MODES, PROCESSOR, ROLES, holds_kv
 from stages.sglang_engine import SGLANG_ROLES
 from stages.vllm_engine.args import VLLM_ROLES
 
@@ -69,6 +70,19 @@ def parse_workers(spec: str, mode: str) -> dict[str, RolePlan]:
         plans[role] = RolePlan(int(n), (_device(devices),) if devices else ())
         last = role
     return plans
+
+
+def _check_image_model(name: str) -> None:
+    """The image model found (and the built-in built) once here, not by the
+    worker while `up` waits; a missing diffusers said plainly."""
+    try:
+        from stages.image_engine.checkpoint import image_model_path
+
+        image_model_path(name)
+    except ImportError as exc:
+        raise SystemExit(f"mmpipe up --image-model: {exc.name} is missing: pip install 'mmpipe[image]'") from None
+    except ModelNotFound as exc:
+        raise SystemExit(f"mmpipe up: {exc.message}") from None
 
 
 def _placed(role: str, plan: RolePlan) -> str:
@@ -182,6 +196,10 @@ def up(settings: UpProcess, external_nats: bool) -> int:
     # Resolved (and a built-in built) once here, not by every child at once.
     spec = resolve_model(worker.model, worker.served_model_name)
     plans = parse_workers(settings.up.workers, mode)
+    if worker.image_model:
+        _check_image_model(worker.image_model)
+        # The image-generation stage beside the model's roles: one worker, on --device.
+        plans[GENERATE_IMAGE] = RolePlan(1)
     counts = {role: p.count for role, p in plans.items()}
     try:
         # The KV events endpoints, checked before anything starts (the last worker's port the highest).
@@ -309,8 +327,9 @@ def bridge_processing(worker: WorkerSettings, counts: dict[str, int]) -> BridgeP
     """The bridge processes requests for the workers' model, unless
     processor workers were asked for (``--workers processor=N``)."""
     if counts.get(PROCESSOR, 0):
-        return BridgeProcessing()
+        return BridgeProcessing(image_model=worker.image_model)
     return BridgeProcessing(
+        image_model=worker.image_model,
         model=worker.model,
         served_model_name=worker.served_model_name,
         modalities=worker.modalities,

@@ -13,7 +13,7 @@ from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 from nats.js.errors import NotFoundError
 
 from pipeline.subjects import Subjects
-from schemas.chunk import ErrorChunk, ReplyChunk, TokenChunk
+from schemas.chunk import ErrorChunk, ImageChunk, ReplyChunk, TokenChunk
 from schemas.codec import CONTENT_TYPE, MSGPACK, Decoder, encode
 
 log = structlog.get_logger(__name__)
@@ -22,6 +22,8 @@ CHUNK_DECODER: Decoder[ReplyChunk] = Decoder(ReplyChunk)
 
 
 def is_final(chunk: ReplyChunk) -> bool:
+    if isinstance(chunk, ImageChunk):
+        return chunk.last
     return isinstance(chunk, ErrorChunk) or chunk.finish_reason is not None
 
 
@@ -48,7 +50,13 @@ class ReplyPublisher:
             # A caller's own subject: core NATS, no stored copy.
             await self._nc.publish(reply_subject, data, headers={CONTENT_TYPE: MSGPACK})
             return
-        tag = "error" if isinstance(chunk, ErrorChunk) else f"{chunk.seq}"
+        tag = (
+            "error"
+            if isinstance(chunk, ErrorChunk)
+            else f"image.{chunk.index}"
+            if isinstance(chunk, ImageChunk)
+            else f"{chunk.seq}"
+        )
         # The stream's duplicate window drops a retried publish of the same chunk.
         headers = {CONTENT_TYPE: MSGPACK, "Nats-Msg-Id": f"{chunk.request_id}:reply:{tag}"}
         await self._js.publish(reply_subject, data, headers=headers)
@@ -64,7 +72,8 @@ class ReplyPublisher:
         last_chunk = CHUNK_DECODER.decode(last.data or b"", (last.headers or {}).get(CONTENT_TYPE))
         if is_final(last_chunk):
             return Emitted(finished=True)
-        assert isinstance(last_chunk, TokenChunk)
+        if not isinstance(last_chunk, TokenChunk):
+            return Emitted()  # images part way: a takeover draws them all again, from the same seed
         total = last_chunk.end
         tokens: list[int] = []
         sub = await self._js.pull_subscribe(
@@ -122,6 +131,7 @@ class ExactlyOnceRelay:
     def __init__(self) -> None:
         self.next_seq = 0
         self.done = False
+        self.images: set[int] = set()
 
     def is_gap(self, chunk: ReplyChunk) -> bool:
         """A chunk past the next expected token: some came while we were not listening."""
@@ -132,6 +142,13 @@ class ExactlyOnceRelay:
             return None
         if isinstance(chunk, ErrorChunk):
             self.done = True
+            return chunk
+        if isinstance(chunk, ImageChunk):
+            # Whole images, by index: a redrawn one (a takeover) is a repeat.
+            if chunk.index in self.images:
+                return None
+            self.images.add(chunk.index)
+            self.done = len(self.images) == chunk.count
             return chunk
         if chunk.seq > self.next_seq:
             # Emitters never skip: a gap is a bug to shout about, not to hide.

@@ -11,7 +11,7 @@ import uuid
 from pipeline.config import PipelineConfig
 from pipeline.connection import connect
 from pipeline.replies import CHUNK_DECODER, ExactlyOnceRelay
-from schemas.chunk import ErrorChunk
+from schemas.chunk import ErrorChunk, as_text
 from schemas.codec import CONTENT_TYPE, JSON, MSGPACK, encode
 from schemas.request import ChatMessage, ContentPart, GenerateRequest, ImagePart, ImageURL, SamplingParams, TextPart
 
@@ -48,7 +48,8 @@ async def send(args: argparse.Namespace, config: PipelineConfig, source: str = "
         relay = ExactlyOnceRelay()
         while not relay.done:
             msg = await sub.next_msg(timeout=300)
-            chunk = relay.accept(CHUNK_DECODER.decode(msg.data, (msg.headers or {}).get(CONTENT_TYPE)))
+            accepted = relay.accept(CHUNK_DECODER.decode(msg.data, (msg.headers or {}).get(CONTENT_TYPE)))
+            chunk = None if accepted is None else as_text(accepted)
             if isinstance(chunk, ErrorChunk):
                 print(f"\nerror {chunk.http_status} {chunk.code.value}: {chunk.message}", file=sys.stderr)
                 return 1

@@ -31,7 +31,7 @@ from pipeline.metrics import show_engine_core
 from pipeline.transport.base import TensorTransport, TransportSettings
 from pipeline.worker import Worker
 from schemas.processed import MediaKind
-from schemas.routes import HOP_ROLES, PROCESSOR, holds_kv, moves_tensors
+from schemas.routes import GENERATE_IMAGE, HOP_ROLES, PROCESSOR, holds_kv, moves_tensors
 from schemas.settings import section, setting
 from stages.contract import Stage, TensorStore
 from stages.media import EmbeddingCache, MediaPolicy
@@ -58,6 +58,11 @@ class WorkerSettings:
         None, help="the model name clients send (unset: the built-in name, or the checkpoint folder's)"
     )
     device: str = setting("auto", help="auto (CUDA when torch sees a GPU, else CPU), cpu, cuda or cuda:N")
+    image_model: str = setting(
+        "",
+        help="the generate-image stage's text-to-image pipeline: the built-in tiny-sd or a diffusers pipeline "
+        "folder (unset: tiny-sd)",
+    )
     max_inflight: int | None = setting(
         None,
         help="requests one worker runs at once; it fetches only while its KV pool has room (unset: --max-num-seqs)",
@@ -188,6 +193,8 @@ def build_stage(
 ) -> Stage:
     """The stage of a role, with its model loaded. Imports torch lazily: the
     bridge never needs it."""
+    if role == GENERATE_IMAGE:
+        return _image_stage(settings)
     spec = spec or resolve_model(settings.model, settings.served_model_name)
     if role == PROCESSOR:
         from stages.models.traits import load_traits
@@ -234,6 +241,16 @@ def build_stage(
         except ValueError as exc:
             raise SystemExit(f"mmpipe: {exc}") from None
     return HopStage(role, build_torch_hop_engine(role, settings, spec, tensors), spec.served_name)
+
+
+def _image_stage(settings: WorkerSettings) -> Stage:
+    from stages.image_engine.checkpoint import TINY_TEXT_TO_IMAGE, image_model_path
+    from stages.image_engine.engine import ImageEngine
+    from stages.image_engine.stage import ImageStage
+
+    name = settings.image_model or TINY_TEXT_TO_IMAGE
+    path = image_model_path(name)
+    return ImageStage(ImageEngine(path, device=resolve_device(settings.device)), path.name)
 
 
 def build_torch_hop_engine(
@@ -495,7 +512,8 @@ async def run_bridge(
         tensor_settings = dataclasses.replace(processing.tensor_settings, replicas=config.replicas or 1)
         tensors = await open_transport(processing.transport, nc, js, config.namespace, tensor_settings, "bridge")
     processor = load_processor(processing, config.mode, tensors)
-    bridge = Bridge(nc, js, config, settings, processor, tensors)
+    image_model = Path(processing.image_model).name if processing.image_model else ""
+    bridge = Bridge(nc, js, config, settings, processor, tensors, image_model=image_model)
     runner = web.AppRunner(bridge.app(), handler_cancellation=True, access_log=None)
     await runner.setup()
     site = web.TCPSite(runner, settings.host, settings.port)

@@ -27,7 +27,7 @@ from nats.js.errors import APIError, NoStreamResponseError, NotFoundError, Servi
 
 from pipeline.config import PipelineConfig, StreamLimits
 from pipeline.subjects import Subjects
-from schemas.routes import HOP_ROLES, PROCESSOR
+from schemas.routes import PROCESSOR, STAGE_ROLES
 
 log = structlog.get_logger(__name__)
 
@@ -110,7 +110,7 @@ def stream_configs(config: PipelineConfig) -> list[StreamConfig]:
     # A hop's queue holds the shared subject every worker of the role takes
     # from, and one subject per worker that a cache-aware router sends to.
     streams += [
-        _work_queue(s.stream(role), [s.work(role), s.all_routed(role)], config.hop_limits) for role in HOP_ROLES
+        _work_queue(s.stream(role), [s.work(role), s.all_routed(role)], config.hop_limits) for role in STAGE_ROLES
     ]
     streams.append(
         StreamConfig(

@@ -113,4 +113,12 @@ class ErrorChunk(msgspec.Struct, tag="error", tag_field="kind", omit_defaults=Tr
         )
 
 
-ReplyChunk = TokenChunk | ErrorChunk
+ReplyChunk = TokenChunk | ImageChunk | ErrorChunk
+
+
+def as_text(chunk: ReplyChunk) -> TokenChunk | ErrorChunk:
+    """A chunk of a reply that has text only (a chat or text completion): an
+    image there is a route's bug, told the client as an internal error."""
+    if not isinstance(chunk, ImageChunk):
+        return chunk
+    return ErrorChunk(chunk.request_id, ErrorCode.INTERNAL, "an image in a text reply", http_status=500)

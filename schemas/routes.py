@@ -12,9 +12,11 @@ HOP_ROLES = (
     "prefill+decode",
     "encode+prefill+decode",
 )
-ROLES = (PROCESSOR, *HOP_ROLES)
 # The image-generation stage's role (a diffusion pipeline; stages/image_engine).
 GENERATE_IMAGE = "generate-image"
+# Roles whose workers take hops from a work queue of their own.
+STAGE_ROLES = (*HOP_ROLES, GENERATE_IMAGE)
+ROLES = (PROCESSOR, *STAGE_ROLES)
 
 MODES: dict[str, tuple[str, ...]] = {
     "epd": ("encode+prefill+decode",),

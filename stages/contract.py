@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from opentelemetry import trace as otel_trace
 
-from schemas.chunk import TokenChunk
+from schemas.chunk import ImageChunk, TokenChunk
 from schemas.processed import ProcessedRequest
 from schemas.request import GenerateRequest
 from schemas.tensors import TensorRef
@@ -20,9 +20,9 @@ if TYPE_CHECKING:
     import torch
 
 StageInput = GenerateRequest | ProcessedRequest
-# A ProcessedRequest goes to the next hop of its route; TokenChunks go to the
-# request's reply subject.
-StageOutput = ProcessedRequest | TokenChunk
+# A ProcessedRequest goes to the next hop of its route; TokenChunks and
+# ImageChunks go to the request's reply subject.
+StageOutput = ProcessedRequest | TokenChunk | ImageChunk
 
 
 @dataclass

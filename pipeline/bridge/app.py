@@ -7,6 +7,7 @@ import asyncio
 import contextlib
 import hmac
 import re
+import secrets
 import time
 import uuid
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
@@ -28,6 +29,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from pipeline import metrics, tracing
 from pipeline.bridge import processing, responses
+from pipeline.bridge.images import IMAGES_DECODER, image_params, images_response
 from pipeline.bridge.openai_types import (
     COMPLETION_DECODER,
     REQUEST_DECODER,
@@ -41,12 +43,22 @@ from pipeline.lora import LoraRegistry
 from pipeline.replies import CHUNK_DECODER, ExactlyOnceRelay, is_final, stored_chunks
 from pipeline.router.router import KvRouter
 from pipeline.streams import ensure_streams, is_stream_full
-from schemas.chunk import ErrorChunk, PromptLogprobs, ReplyChunk, TokenChunk, TokenLogprob, Usage
+from schemas.chunk import (
+    ErrorChunk,
+    ImageChunk,
+    PromptLogprobs,
+    ReplyChunk,
+    TokenChunk,
+    TokenLogprob,
+    Usage,
+    as_text,
+)
 from schemas.codec import CONTENT_TYPE, MSGPACK, Decoder, encode
 from schemas.control import CacheCleared, Cancel, LoraCommand, LoraState, Restart, Sleep, SleepState, WorkerInfo
 from schemas.errors import (
     Cancelled,
     DeadlineExceeded,
+    InternalError,
     InvalidRequest,
     MethodNotAllowed,
     MmpipeError,
@@ -59,7 +71,7 @@ from schemas.errors import (
 )
 from schemas.processed import ProcessedRequest
 from schemas.request import GenerateRequest
-from schemas.routes import MODES, PROCESSOR
+from schemas.routes import GENERATE_IMAGE, MODES, PROCESSOR
 from schemas.settings import setting
 
 if TYPE_CHECKING:
@@ -118,8 +130,11 @@ class Bridge:
         settings: BridgeSettings,
         processor: Processor | None = None,
         tensors: TensorTransport | None = None,
+        image_model: str = "",
     ) -> None:
         self.nc = nc
+        # The generate-image workers' model, as clients name it ("": no image stage deployed).
+        self.image_model = image_model
         # Where the processor holds the media it decoded (--frontend-decode).
         self.tensors = tensors
         self.js = js
@@ -141,6 +156,7 @@ class Bridge:
         app = web.Application(client_max_size=self.settings.max_body_bytes, middlewares=[self._errors])
         app.router.add_post("/v1/chat/completions", self.chat_completions)
         app.router.add_post("/v1/completions", self.completions)
+        app.router.add_post("/v1/images/generations", self.images_generations)
         app.router.add_get("/v1/models", self.models)
         app.router.add_get("/v1/models/{model}", self.model)
         app.router.add_get("/health", self.health)
@@ -220,6 +236,7 @@ class Bridge:
 
     async def health(self, request: web.Request) -> web.Response:
         roles = [*([] if self.processor else [PROCESSOR]), *dict.fromkeys(MODES[self.config.mode])]
+        roles += [GENERATE_IMAGE] if self.image_model else []
         live = {role: (await self.worker(role)) is not None for role in roles}
         ready = self.nc.is_connected and all(live.values())
         body = {"status": "ready" if ready else "unavailable", "nats": self.nc.is_connected, "roles": live}
@@ -250,6 +267,7 @@ class Bridge:
         else:
             info = await self.worker(PROCESSOR)
             names = info.models if info else []
+        names = [*names, *([self.image_model] if self.image_model else [])]
         return [name for name in names if name not in self.loras.adapters]
 
     async def model(self, request: web.Request) -> web.Response:
@@ -497,6 +515,49 @@ class Bridge:
             )
             return await self._serve(request, rid, gens, len(body_bytes), reply, body.user)
 
+    # -- images ----------------------------------------------------------------
+
+    async def images_generations(self, request: web.Request) -> web.Response:
+        """``/v1/images/generations``: one hop, ``generate-image``, queued
+        from here; its images come back on the reply subject, whole."""
+        self._authorize(request)
+        rid = f"img-{uuid.uuid4().hex}"
+        request[_REQUEST_ID] = rid
+        with tracing.request_span("bridge", request.headers, request_id=rid):
+            body = _decoded(IMAGES_DECODER, await request.read())
+            params = image_params(body)
+            info = await self.worker(GENERATE_IMAGE)
+            if info is None:
+                raise NoWorkers(f"no {GENERATE_IMAGE} worker is running")
+            model = body.model or info.models[0]
+            if model not in info.models:
+                raise ModelNotFound(f"model {model!r} is not served for images; served: {', '.join(info.models)}")
+            now = time.time()
+            deadline = now + self.settings.request_timeout_s
+            asked = GenerateRequest(rid, model, [], image=params, created=now, deadline=deadline)
+            # Fixed here, as the processor fixes a text request's: a takeover draws the same images.
+            seed = params.seed if params.seed is not None else secrets.randbits(63)
+            hop = ProcessedRequest(asked, [], [], [GENERATE_IMAGE], max_tokens=0, seed=seed)
+            structlog.contextvars.bind_contextvars(request_id=rid, **({"user": body.user} if body.user else {}))
+            sub = await self.nc.subscribe(self.subjects.reply(rid))
+            try:
+                await self._submit(self.subjects.work(GENERATE_IMAGE), f"{rid}:0:0", self._encode_request(hop))
+                images = []
+                async for chunk in self._chunks(sub, rid, deadline):
+                    if isinstance(chunk, ErrorChunk):
+                        return responses.error_chunk(chunk, self.settings.retry_after_s)
+                    if not isinstance(chunk, ImageChunk):
+                        log.error("text_in_image_reply", request_id=rid)
+                        raise InternalError("text in an image request's reply")
+                    images.append(chunk)
+                return web.json_response(images_response(int(now), images))
+            except asyncio.CancelledError:
+                await self._cancel(rid)
+                raise
+            finally:
+                await sub.unsubscribe()
+                structlog.contextvars.unbind_contextvars("request_id", "user")
+
     async def _serve(
         self,
         request: web.Request,
@@ -715,7 +776,8 @@ class Bridge:
         lasts: list[TokenChunk | None] = [None] * choices
         logprobs: list[list[TokenLogprob] | None] = [None] * choices
         prompts: list[PromptLogprobs | None] = [None] * choices
-        async for index, chunk in chunks:
+        async for index, received in chunks:
+            chunk = as_text(received)
             if isinstance(chunk, ErrorChunk):
                 return responses.error_chunk(chunk, self.settings.retry_after_s)
             texts[index].append(chunk.text)
@@ -754,7 +816,8 @@ class Bridge:
         sent: list[float | None] = [None] * choices
         # A text completion's place in each choice's text, for its tokens' text_offset.
         offsets = [len(reply.echo(i)) for i in range(choices)]
-        async for index, chunk in chunks:
+        async for index, received in chunks:
+            chunk = as_text(received)
             if isinstance(chunk, ErrorChunk):
                 if response is None:
                     # Nothing sent yet: the client gets a proper HTTP error.

@@ -45,6 +45,11 @@ class BridgeProcessing:
     modalities: str = setting(
         "image", help="with --model: media kinds accepted, comma separated: image, video, audio (others get 422)"
     )
+    image_model: str = setting(
+        "",
+        help="the generate-image workers' model (tiny-sd or a diffusers pipeline folder, as theirs): listed in "
+        "/v1/models, its workers waited for by /health (unset: none)",
+    )
     limits: ProcessorLimits = section(ProcessorLimits, "request limits (with --model)")
     media: MediaPolicy = section(MediaPolicy, "media fetched and decoded here (with --model and --frontend-decode)")
     transport: str = setting(

@@ -176,13 +176,15 @@ def test_up_hands_every_setting_to_the_children_that_use_it(tmp_path: Path) -> N
     children = plan(up, "nats://embedded:4222", counts, tmp_path)
     assert sorted(c.role for c in children) == sorted(["processor", "encode", "encode", *MODES[mode][1:], "bridge"])
     # With processor workers the bridge queues raw requests for them; without, it processes them itself.
-    assert _bridge(children).processing == BridgeProcessing()
+    # Either way it knows the image stage's model (its /v1/models and /health).
+    assert _bridge(children).processing == BridgeProcessing(image_model=up.worker.image_model)
     alone = _bridge(plan(up, "nats://embedded:4222", {**counts, "processor": RolePlan(0)}, tmp_path)).processing
-    assert (alone.model, alone.served_model_name, alone.modalities, alone.limits) == (
+    assert (alone.model, alone.served_model_name, alone.modalities, alone.limits, alone.image_model) == (
         "/models/m",
         "m",
         up.worker.modalities,
         up.worker.limits,
+        up.worker.image_model,
     )
     # Each child decodes its settings with its own parser and loader, as the real process does.
     seen: dict[str, Any] = {}

@@ -1,0 +1,71 @@
+"""OpenAI's images API (``POST /v1/images/generations``) as the bridge
+takes it: the request, its translation into an image-generation hop, and
+the response made of the stage's image chunks."""
+
+from __future__ import annotations
+
+import base64
+import re
+from typing import Any, Literal
+
+import msgspec
+
+from schemas.chunk import ImageChunk
+from schemas.errors import InvalidRequest
+from schemas.request import ImageParams
+
+_SIZE = re.compile(r"([1-9][0-9]{0,4})x([1-9][0-9]{0,4})")
+
+
+class ImagesRequest(msgspec.Struct, forbid_unknown_fields=True):
+    """Unknown fields are refused (400): a quality or style the stage does
+    not have should not pass unnoticed. ``seed``, ``num_inference_steps``
+    and ``guidance_scale`` are extras (vLLM-Omni's and diffusers' names)."""
+
+    prompt: str
+    model: str | None = None
+    n: int = 1
+    size: str | None = None
+    response_format: Literal["b64_json", "url"] | None = None
+    output_format: Literal["png"] | None = None
+    user: str | None = None
+    seed: int | None = None
+    num_inference_steps: int | None = None
+    guidance_scale: float | None = None
+
+
+IMAGES_DECODER = msgspec.json.Decoder(ImagesRequest)
+
+
+def image_params(body: ImagesRequest) -> ImageParams:
+    """What the stage is to draw (the stage checks counts, sides and steps against its own limits)."""
+    if body.response_format == "url":
+        raise InvalidRequest("response_format 'url' is not served: the images come back as b64_json")
+    width = height = 0
+    if body.size is not None and body.size != "auto":
+        size = _SIZE.fullmatch(body.size)
+        if size is None:
+            raise InvalidRequest(f"size {body.size!r}: WIDTHxHEIGHT in pixels (e.g. 512x512), or auto")
+        width, height = int(size.group(1)), int(size.group(2))
+    if body.seed is not None and not 0 <= body.seed < 2**63:
+        raise InvalidRequest(f"seed {body.seed}: 0 to 2**63 - 1")
+    return ImageParams(
+        prompt=body.prompt,
+        n=body.n,
+        width=width,
+        height=height,
+        steps=body.num_inference_steps or 0,
+        guidance=body.guidance_scale or 0.0,
+        seed=body.seed,
+    )
+
+
+def images_response(created: int, images: list[ImageChunk]) -> dict[str, Any]:
+    ordered = sorted(images, key=lambda c: c.index)
+    first = ordered[0]
+    return {
+        "created": created,
+        "data": [{"b64_json": base64.b64encode(c.data).decode()} for c in ordered],
+        "output_format": first.media_type.removeprefix("image/"),
+        "size": f"{first.width}x{first.height}",
+    }
