@@ -128,10 +128,14 @@ class ExactlyOnceRelay:
     """Drops any chunk whose tokens were already relayed (a takeover after a
     crash resumes at the next ``seq``, but a redelivered publish may repeat)."""
 
-    def __init__(self) -> None:
+    def __init__(self, text_then_images: bool = False) -> None:
         self.next_seq = 0
         self.done = False
         self.images: set[int] = set()
+        # A route with an image stage after the text: done once both are.
+        self._text_then_images = text_then_images
+        self._text_done = False
+        self._images_done = False
 
     def is_gap(self, chunk: ReplyChunk) -> bool:
         """A chunk past the next expected token: some came while we were not listening."""
@@ -148,7 +152,8 @@ class ExactlyOnceRelay:
             if chunk.index in self.images:
                 return None
             self.images.add(chunk.index)
-            self.done = len(self.images) == chunk.count
+            self._images_done = len(self.images) == chunk.count
+            self.done = self._images_done and (self._text_done or not self._text_then_images)
             return chunk
         if chunk.seq > self.next_seq:
             # Emitters never skip: a gap is a bug to shout about, not to hide.
@@ -160,5 +165,6 @@ class ExactlyOnceRelay:
             # Text of a partial overlap cannot be split at a token boundary.
             chunk = msgspec.structs.replace(chunk, seq=self.next_seq, token_ids=chunk.token_ids[skip:], text="")
         self.next_seq = chunk.end
-        self.done = chunk.finish_reason is not None
+        self._text_done = chunk.finish_reason is not None
+        self.done = self._text_done and (self._images_done or not self._text_then_images)
         return chunk

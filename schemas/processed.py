@@ -16,6 +16,7 @@ from schemas.request import (
     InputAudioPart,
     VideoPart,
 )
+from schemas.routes import HOP_ROLES
 from schemas.tensors import TensorRef
 
 
@@ -192,6 +193,9 @@ class ProcessedRequest(msgspec.Struct, omit_defaults=True, forbid_unknown_fields
     sglang_kv: SglangKv | None = None
     # The LoRA adapter (its name) the language model runs with; "": none.
     lora: str = ""
+    # The text the language model wrote, for a stage after it (an image's
+    # prompt where the request gives none).
+    stage_text: str = ""
 
     @property
     def hop(self) -> str:
@@ -236,12 +240,32 @@ class ProcessedRequest(msgspec.Struct, omit_defaults=True, forbid_unknown_fields
         request = msgspec.structs.replace(self.request, messages=messages)
         return msgspec.structs.replace(self, request=request, media_dropped=True)
 
+    def after_text(self, text: str) -> ProcessedRequest | None:
+        """The message for the first hop past the language model's (an image
+        stage), with the text it wrote; None where the route ends with it."""
+        for index in range(self.hop_index + 1, len(self.route)):
+            if self.route[index] not in HOP_ROLES:
+                return msgspec.structs.replace(
+                    self,
+                    hop_index=index,
+                    stage_text=text,
+                    emitted=[],
+                    decoded=None,
+                    encoded=None,
+                    kv=None,
+                    vllm_kv=None,
+                    vllm_encoded=None,
+                    sglang_kv=None,
+                )
+        return None
+
     def restarted(self) -> ProcessedRequest:
         """A new attempt from the first hop: what earlier hops made is gone."""
         return msgspec.structs.replace(
             self,
             attempt=self.attempt + 1,
             hop_index=0,
+            stage_text="",
             emitted=[],
             decoded=None,
             encoded=None,

@@ -40,8 +40,10 @@ class ChunkEmitter:
         self._tokenizer = engine.tokenizer
         self._detok = IncrementalDetokenizer(engine.tokenizer)
         self._stops = StopStringMatcher(req.request.sampling.stop)
+        # The whole text a client has of the answer (a later stage's prompt: an image to draw).
+        self.text = ""
         for token in emitted:
-            self._stops.feed(self._detok.push(token))
+            self.text += self._stops.feed(self._detok.push(token))[0]
         self.index = len(emitted)
         self._prompt_ids = req.prompt_token_ids
 
@@ -93,6 +95,7 @@ class ChunkEmitter:
         return self._chunk(self.index, [], self._stops.feed(self._detok.flush())[0], FinishReason.LENGTH)
 
     def _chunk(self, seq: int, tokens: list[int], text: str, finish: FinishReason | None) -> TokenChunk:
+        self.text += text
         # The first chunk carries the prompt's size too: a relay can then
         # report usage with every chunk (continuous_usage_stats).
         counted = finish is not None or seq == 0

@@ -145,26 +145,44 @@ class HopStage:
                     first, self.engine.logprobs(handle, len(emitted)), self.engine.prompt_logprobs(handle)
                 )
             )
-            yield chunk
             if chunk.finish_reason is not None:
+                if (after := req.after_text(emitter.text)) is not None:
+                    yield after
+                yield chunk
                 return
+            yield chunk
             emitted = [*emitted, first]
         yield (await self.engine.hand_off(handle, req, ctx)).next_hop(req, emitted)
 
-    async def _decode(self, req: ProcessedRequest, handle: Any, ctx: HopContext) -> AsyncGenerator[TokenChunk, None]:
+    async def _decode(self, req: ProcessedRequest, handle: Any, ctx: HopContext) -> AsyncGenerator[StageOutput, None]:
         emitted = ctx.emitted
         emitter = ChunkEmitter(self.engine, req, handle.prompt_len, emitted, lambda: handle.cached_tokens)
         if len(emitted) >= req.max_tokens:
-            yield emitter.finish_now()
+            async for out in self._finish(req, emitter, emitter.finish_now()):
+                yield out
             return
         async with contextlib.aclosing(self.engine.decode(handle, req, ctx, emitter.is_eos)) as tokens:
             async for token in tokens:
                 chunk = emitter.push(
                     token, self.engine.logprobs(handle, emitter.index), self.engine.prompt_logprobs(handle)
                 )
-                yield chunk
                 if chunk.finish_reason is not None:
+                    async for out in self._finish(req, emitter, chunk):
+                        yield out
                     return
+                yield chunk
         # The engine ended the sequence for a reason of its own (vLLM: its
         # context is full): the stream still gets its final chunk.
-        yield emitter.finish_now()
+        async for out in self._finish(req, emitter, emitter.finish_now()):
+            yield out
+
+    async def _finish(
+        self, req: ProcessedRequest, emitter: ChunkEmitter, last: TokenChunk
+    ) -> AsyncGenerator[ProcessedRequest | TokenChunk, None]:
+        """The text's last chunk; a stage after the text (an image to draw)
+        is queued before it, so a worker lost between the two leaves a
+        redelivery that queues it again (the same message id: one copy),
+        never a finished text with nothing queued after it."""
+        if (after := req.after_text(emitter.text)) is not None:
+            yield after
+        yield last

@@ -31,7 +31,7 @@ from schemas.request import (
     TextPart,
     VideoPart,
 )
-from schemas.routes import HOP_ROLES, route_for
+from schemas.routes import GENERATE_IMAGE, HOP_ROLES, route_for
 from schemas.settings import setting
 from stages import structured
 from stages.contract import HopContext, StageOutput
@@ -170,9 +170,16 @@ class Processor:
         if request.sampling.prompt_logprobs is not None and media:
             raise InvalidRequest("the prompt's logprobs are given for a text prompt only")
         route = list(request.route) if request.route else route_for(self.mode, bool(media))
-        for hop in route:
+        if request.image is not None and not request.route:
+            # The answer is the image's prompt: the model writes it, the image stage draws it.
+            if request.group is not None and request.group.size > 1:
+                raise InvalidRequest("n choices are not drawn: one answer, then its image (the image's own n)")
+            route.append(GENERATE_IMAGE)
+        for i, hop in enumerate(route):
+            if hop == GENERATE_IMAGE and i == len(route) - 1 and i > 0:
+                continue  # after the model's hops, the image stage
             if hop not in HOP_ROLES:
-                raise InvalidRequest(f"unknown hop {hop!r} in route; hops: {', '.join(HOP_ROLES)}")
+                raise InvalidRequest(f"unknown hop {hop!r} in route; hops: {', '.join(HOP_ROLES)}, then {GENERATE_IMAGE}")
         seed = request.sampling.seed if request.sampling.seed is not None else random.getrandbits(63)
         return ProcessedRequest(
             request=request,

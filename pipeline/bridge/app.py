@@ -70,7 +70,7 @@ from schemas.errors import (
     Unauthorized,
 )
 from schemas.processed import ProcessedRequest
-from schemas.request import GenerateRequest
+from schemas.request import GenerateRequest, ImageParams
 from schemas.routes import GENERATE_IMAGE, MODES, PROCESSOR
 from schemas.settings import setting
 
@@ -490,8 +490,14 @@ class Bridge:
         now = time.time()
         gens = to_generate_requests(body, rid, created=now, deadline=now + self.settings.request_timeout_s)
         include, continuous = _usage_options(body.stream_options)
-        reply = responses.Reply(include_usage=include, continuous_usage=continuous, n=body.n)
-        return await self._serve(request, rid, gens, len(body_bytes), reply, body.user)
+        drawn = bool(self.image_model) and body.model == self.image_model
+        if drawn:
+            # The image model by name in a chat: the served model writes the
+            # answer, and the image stage draws it (its prompt: the answer).
+            text_model = next(name for name in await self._served() if name != self.image_model)
+            gens = [msgspec.structs.replace(g, model=text_model, image=ImageParams()) for g in gens]
+        reply = responses.Reply(include_usage=include, continuous_usage=continuous, n=body.n, images=drawn)
+        return await self._serve(request, rid, gens, len(body_bytes), reply, body.user, shown=body.model)
 
     # -- completions -----------------------------------------------------------
 
@@ -566,9 +572,11 @@ class Bridge:
         body_bytes: int,
         reply: responses.Reply,
         user: str | None,
+        shown: str | None = None,
     ) -> web.StreamResponse:
         """A request's choices, one queued request each (one, unless ``n`` or
-        several prompts), answered as one response."""
+        several prompts), answered as one response (its ``model`` the one
+        asked for: ``shown``, where the work runs on another name)."""
         now = gens[0].created
         # OpenAI's end-user id: on every log line of the request, for an operator to follow abuse.
         structlog.contextvars.bind_contextvars(request_id=rid, **({"user": user} if user else {}))
@@ -582,6 +590,7 @@ class Bridge:
                 raise NoWorkers(f"no {first} worker is running")
             if gens[0].model not in info.models:
                 raise ModelNotFound(f"model {gens[0].model!r} is not served; served: {', '.join(info.models)}")
+            model = shown or gens[0].model
             streams = []
             try:
                 for gen, (submit, _, processed) in zip(gens, queued, strict=True):
@@ -594,13 +603,13 @@ class Bridge:
                             )
                         )
                     await self._submit(*submit)
-                    streams.append(self._chunks(sub, gen.request_id, gen.deadline))
+                    streams.append(self._chunks(sub, gen.request_id, gen.deadline, images=gen.image is not None))
                 finished: set[int] = set()
                 async with contextlib.aclosing(_merged(streams, finished)) as chunks:
                     if gens[0].stream:
-                        answer = await self._stream(request, rid, gens[0].model, int(now), chunks, reply, len(gens))
+                        answer = await self._stream(request, rid, model, int(now), chunks, reply, len(gens))
                     else:
-                        answer = await self._complete(rid, gens[0].model, int(now), chunks, reply, len(gens))
+                        answer = await self._complete(rid, model, int(now), chunks, reply, len(gens))
                 # A choice that failed ends the answer: the others still at work stop.
                 await self._cancel_all([gen for i, gen in enumerate(gens) if i not in finished])
                 return answer
@@ -710,17 +719,22 @@ class Bridge:
             metrics.ERRORS.labels("bridge", "cancel_failed").inc()
             log.error("cancel_publish_failed", error=repr(exc))
 
-    async def _chunks(self, sub: Subscription, rid: str, deadline: float) -> AsyncIterator[ReplyChunk]:
+    async def _chunks(
+        self, sub: Subscription, rid: str, deadline: float, images: bool = False
+    ) -> AsyncIterator[ReplyChunk]:
+        """The request's chunks, each once (``images``: its text, then images drawn after it)."""
         # From the request queued to its first chunk here: the time to first token the bridge adds nothing to.
         waiting: Span | None = tracing.tracer().start_span("first_token")
-        async for chunk in self._relayed(sub, rid, deadline):
+        async for chunk in self._relayed(sub, rid, deadline, images):
             if waiting is not None:
                 waiting.end()
                 waiting = None
             yield chunk
 
-    async def _relayed(self, sub: Subscription, rid: str, deadline: float) -> AsyncIterator[ReplyChunk]:
-        relay = ExactlyOnceRelay()
+    async def _relayed(
+        self, sub: Subscription, rid: str, deadline: float, images: bool = False
+    ) -> AsyncIterator[ReplyChunk]:
+        relay = ExactlyOnceRelay(text_then_images=images)
         reconnects = self.nc.stats["reconnects"]
         while not relay.done:
             remaining = deadline - time.time()
@@ -776,7 +790,11 @@ class Bridge:
         lasts: list[TokenChunk | None] = [None] * choices
         logprobs: list[list[TokenLogprob] | None] = [None] * choices
         prompts: list[PromptLogprobs | None] = [None] * choices
+        pictures: list[list[ImageChunk]] = [[] for _ in range(choices)]
         async for index, received in chunks:
+            if reply.images and isinstance(received, ImageChunk):
+                pictures[index].append(received)
+                continue
             chunk = as_text(received)
             if isinstance(chunk, ErrorChunk):
                 return responses.error_chunk(chunk, self.settings.retry_after_s)
@@ -790,9 +808,9 @@ class Bridge:
                     got = logprobs[index] = []
                 got.extend(chunk.logprobs)
         answers = []
-        for text, last, lps, prompt in zip(texts, lasts, logprobs, prompts, strict=True):
+        for text, last, lps, prompt, drawn in zip(texts, lasts, logprobs, prompts, pictures, strict=True):
             assert last is not None
-            answers.append(responses.Answer("".join(text), last, lps, prompt))
+            answers.append(responses.Answer("".join(text), last, lps, prompt, sorted(drawn, key=lambda i: i.index)))
         return web.json_response(responses.completion(rid, model, created, answers, reply))
 
     async def _stream(
@@ -816,7 +834,18 @@ class Bridge:
         sent: list[float | None] = [None] * choices
         # A text completion's place in each choice's text, for its tokens' text_offset.
         offsets = [len(reply.echo(i)) for i in range(choices)]
+        # With images after the text: each choice's images so far, and its
+        # text's finish reason, held for the last chunk (the images').
+        pictures: list[list[ImageChunk]] = [[] for _ in range(choices)]
+        held: list[str | None] = [None] * choices
+        texted = [False] * choices
         async for index, received in chunks:
+            if reply.images and isinstance(received, ImageChunk):
+                pictures[index].append(received)
+                if texted[index] and len(pictures[index]) == received.count and response is not None:
+                    body = responses.image_chunk(rid, model, created, pictures[index], held[index], index)
+                    await response.write(responses.sse(body))
+                continue
             chunk = as_text(received)
             if isinstance(chunk, ErrorChunk):
                 if response is None:
@@ -832,8 +861,9 @@ class Bridge:
             first = not started[index]
             if first:
                 started[index], prompts[index] = True, chunk.usage
+            shown = msgspec.structs.replace(chunk, finish_reason=None) if reply.images else chunk
             body = responses.stream_chunk(
-                rid, model, created, chunk, first, reply, prompts[index], index, offsets[index]
+                rid, model, created, shown, first, reply, prompts[index], index, offsets[index]
             )
             offsets[index] = responses.logprobs_text_end(chunk, offsets[index])
             await response.write(responses.sse(body))
@@ -843,6 +873,13 @@ class Bridge:
             sent[index] = now
             if chunk.finish_reason is not None:
                 finals[index] = chunk.usage
+                if reply.images:
+                    texted[index], held[index] = True, chunk.finish_reason.value
+                    drawn = pictures[index]
+                    if drawn and len(drawn) == drawn[0].count:  # the images came first
+                        await response.write(
+                            responses.sse(responses.image_chunk(rid, model, created, drawn, held[index], index))
+                        )
         else:
             usage = responses.total_usage(finals, reply.n)
             if response is not None and reply.include_usage and usage is not None:

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import base64
 from typing import Any
 
 import msgspec
 from aiohttp import web
 
-from schemas.chunk import ErrorChunk, PromptLogprobs, TokenChunk, TokenLogprob, Usage
+from schemas.chunk import ErrorChunk, ImageChunk, PromptLogprobs, TokenChunk, TokenLogprob, Usage
 from schemas.errors import MmpipeError
 
 _json = msgspec.json.Encoder()
@@ -71,6 +72,9 @@ class Reply(msgspec.Struct, frozen=True):
     # vLLM's stream_options.continuous_usage_stats (with include_usage): usage so far on every chunk.
     continuous_usage: bool = False
     n: int = 1
+    # An image after the text (a route with an image stage): the answer's
+    # last part, in the message's content (streamed: the last chunk's delta).
+    images: bool = False
 
     def echo(self, index: int) -> str:
         """What goes before choice ``index``'s text."""
@@ -132,6 +136,23 @@ class Answer(msgspec.Struct):
     logprobs: list[TokenLogprob] | None = None
     # An echoed prompt's (a text completion's ``echo`` with ``logprobs``).
     prompt_logprobs: PromptLogprobs | None = None
+    # The images drawn after the text (an image stage's), in order.
+    images: list[ImageChunk] = []
+
+
+def image_part(image: ImageChunk) -> dict[str, Any]:
+    """An image in a chat message's content, as a data: URL (as Dynamo's Omni handler writes it)."""
+    url = f"data:{image.media_type};base64,{base64.b64encode(image.data).decode()}"
+    return {"type": "image_url", "image_url": {"url": url}}
+
+
+def image_chunk(
+    rid: str, model: str, created: int, images: list[ImageChunk], finish: str | None, index: int = 0
+) -> dict[str, Any]:
+    """The stream's last chunk of a choice with images: them in its delta, and the text's finish reason."""
+    delta = {"content": [image_part(image) for image in sorted(images, key=lambda i: i.index)]}
+    choice = {"index": index, "delta": delta, "finish_reason": finish, "logprobs": None}
+    return {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model, "choices": [choice]}
 
 
 def completion(rid: str, model: str, created: int, answers: list[Answer], reply: Reply) -> dict[str, Any]:
@@ -141,7 +162,10 @@ def completion(rid: str, model: str, created: int, answers: list[Answer], reply:
         last, lps = answer.last, answer.logprobs
         finish = last.finish_reason.value if last.finish_reason else None
         if reply.chat:
-            choice: dict[str, Any] = {"index": index, "message": {"role": "assistant", "content": answer.text}}
+            content: str | list[dict[str, Any]] = answer.text
+            if answer.images:
+                content = [{"type": "text", "text": answer.text}, *(image_part(i) for i in answer.images)]
+            choice: dict[str, Any] = {"index": index, "message": {"role": "assistant", "content": content}}
             logprobs = chat_logprobs(lps) if lps is not None else None
         else:
             echo = reply.echo(index)

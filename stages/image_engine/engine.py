@@ -71,7 +71,7 @@ class ImageEngine:
         lim = self.limits
         text = params.prompt or prompt
         if not text.strip():
-            raise InvalidRequest("an image needs a prompt: 'prompt' is empty")
+            raise InvalidRequest("an image needs a prompt: 'prompt' is empty (and no text came before it)")
         if len(text) > lim.max_prompt_chars:
             raise InvalidRequest(f"the prompt is {len(text)} characters; at most {lim.max_prompt_chars}")
         if not 1 <= params.n <= lim.max_n:

@@ -56,7 +56,8 @@ class ImageStage:
             raise InvalidRequest(f"the request asks for no image, and its route has {self.role}")
         # The processor's seed unless the client gave one: a takeover draws the same images.
         seed = params.seed if params.seed is not None else message.seed
-        job = self.engine.drawing(params, seed)
+        # The request's prompt, else what the language model before this stage wrote.
+        job = self.engine.drawing(params, seed, prompt=message.stage_text)
         if self._drawing is not None:
             raise RuntimeError("one drawing at a time: the worker fetched past has_room")
         cancelled = threading.Event()

@@ -2,26 +2,38 @@
 (every worker its own process, a generate-image worker beside the model's),
 called with the official openai client: the images are the bytes diffusers'
 own pipeline draws from the same seed; bad requests get OpenAI-style 400s
-and the stack goes on serving."""
+and the stack goes on serving. Then the two-stage route: a chat naming the
+image model gets generate()'s text, then the image diffusers draws from
+exactly that text, streamed or not."""
 
 from __future__ import annotations
 
 import base64
 import signal
 from pathlib import Path
+from typing import Any
 
 import openai
 import pytest
 
 from schemas.request import ImageParams
 from stages.image_engine.checkpoint import TINY_TEXT_TO_IMAGE, image_model_path
+from tests.e2e.conftest import N
 from tests.e2e.processes import Processes
 from tests.e2e.test_up import _free_port
 from tests.stages.test_image_stage import _reference
 
 
+def _png(url: str) -> bytes:
+    head, _, data = url.partition(",")
+    assert head == "data:image/png;base64"
+    return base64.b64decode(data)
+
+
 @pytest.mark.e2e
-def test_images_come_from_the_image_stage_as_diffusers_draws_them(tmp_path: Path, mmpipe_home: Path) -> None:
+def test_images_come_from_the_image_stage_as_diffusers_draws_them(
+    tmp_path: Path, mmpipe_home: Path, reference: Any
+) -> None:
     port = _free_port()
     procs = Processes(tmp_path, mmpipe_home)
     up = procs.start("up", "--port", str(port), "--data-dir", str(tmp_path / "data"), "--image-model", "tiny-sd")
@@ -63,6 +75,32 @@ def test_images_come_from_the_image_stage_as_diffusers_draws_them(tmp_path: Path
                 model="tiny-qwen2-vl", messages=[{"role": "user", "content": "Hi"}], max_tokens=3
             )
             assert chat.choices[0].message.content is not None
+
+            # The image model named in a chat: the served model writes the answer, the image stage draws it.
+            ask: dict[str, Any] = {
+                "model": TINY_TEXT_TO_IMAGE,
+                "messages": [{"role": "user", "content": "Describe a painting of the sea."}],
+                "max_tokens": N,
+                "temperature": 0,
+                "seed": 5,
+                "extra_body": {"min_tokens": N},
+            }
+            text = reference("Describe a painting of the sea.", [], N)[1]
+            want = _reference(image_model_path(TINY_TEXT_TO_IMAGE), ImageParams(text, 1, 64, 64, 30, 7.5), 5)[0]
+            whole = client.chat.completions.create(**ask)
+            assert whole.model == TINY_TEXT_TO_IMAGE and whole.choices[0].finish_reason == "length"
+            said, drawn_part = whole.choices[0].message.content  # type: ignore[misc]
+            assert said == {"type": "text", "text": text}
+            assert drawn_part["type"] == "image_url"
+            assert _png(drawn_part["image_url"]["url"]) == want
+            streamed = list(client.chat.completions.create(**ask, stream=True))
+            deltas = [c.choices[0].delta.content for c in streamed if c.choices]
+            assert "".join(d for d in deltas if isinstance(d, str)) == text
+            *texts, last = deltas
+            assert all(isinstance(d, str) for d in texts) and isinstance(last, list)
+            assert [_png(part["image_url"]["url"]) for part in last] == [want]
+            finishes = [c.choices[0].finish_reason for c in streamed if c.choices]
+            assert finishes[-1] == "length" and set(finishes[:-1]) == {None}  # the text's reason, on the image
     finally:
         code = up.stop(signal.SIGINT)
         procs.stop_all()
