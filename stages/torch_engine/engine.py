@@ -1081,6 +1081,11 @@ class TorchEngine:
             )
         return {"weights": weights, "kv_cache": self.decoder.nbytes if self.decoder is not None else 0}
 
+    @property
+    def holding(self) -> int:
+        """Sequences that hold rows of the batch decoder (or blocks of its pool awaiting a row)."""
+        return 0 if self._slots is None else self._slots.taken
+
     def sleep(self, level: int) -> dict[str, int]:
         """Give the device's memory back, as vLLM's sleep mode: level 1 frees
         the KV pool (its cached prefixes forgotten; its graphs with it) and

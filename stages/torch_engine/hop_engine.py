@@ -95,6 +95,10 @@ class TorchPrefilled:
         return self.seq.cached_tokens
 
 
+# How long sleep waits for handed-back requests' sequences to leave the pool.
+_SLEEP_WAIT_S = 10.0
+
+
 class TorchHopEngine:
     def __init__(
         self,
@@ -199,7 +203,13 @@ class TorchHopEngine:
         return self.torch.loras()
 
     async def sleep(self, level: int) -> dict[str, int]:
-        """The engine's sleep (``TorchEngine.sleep``): the bytes it held."""
+        """The engine's sleep (``TorchEngine.sleep``): the bytes it held.
+        The requests were handed back before: their sequences leave as the
+        decode loop and the engine thread get to them (under load, after
+        the calls queued before), so the pool is waited for, a while."""
+        deadline = time.monotonic() + _SLEEP_WAIT_S
+        while self.torch.holding and time.monotonic() < deadline:
+            await asyncio.sleep(0.01)
         return await self.thread.call(self.torch.sleep, level)
 
     async def wake_up(self) -> None:
