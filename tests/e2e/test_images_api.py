@@ -8,17 +8,27 @@ exactly that text, streamed or not."""
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import signal
+import time
 from pathlib import Path
 from typing import Any
 
 import openai
 import pytest
 
-from schemas.request import ImageParams
+from pipeline.connection import connect
+from pipeline.replies import stored_chunks
+from pipeline.subjects import Subjects
+from schemas.chunk import ImageChunk
+from schemas.codec import CONTENT_TYPE, MSGPACK, encode
+from schemas.processed import ProcessedRequest
+from schemas.request import GenerateRequest, ImageParams
+from schemas.routes import GENERATE_IMAGE
 from stages.image_engine.checkpoint import TINY_TEXT_TO_IMAGE, image_model_path
 from tests.e2e.conftest import N
+from tests.e2e.engine_crash import kill_tree, start_nats
 from tests.e2e.processes import Processes
 from tests.e2e.test_up import _free_port
 from tests.stages.test_image_stage import _reference
@@ -106,3 +116,50 @@ def test_images_come_from_the_image_stage_as_diffusers_draws_them(
         procs.stop_all()
     assert code == 0, up.text()[-3000:]
     assert "Traceback" not in up.text()
+
+
+@pytest.mark.e2e
+async def test_a_killed_image_worker_s_request_is_drawn_once_by_another(tmp_path: Path, mmpipe_home: Path) -> None:
+    """The generate-image worker SIGKILLed while it draws: JetStream gives
+    the hop to another worker once its ack wait passes; the reply stream
+    holds each image once, the bytes diffusers draws from that seed."""
+    procs = Processes(tmp_path, mmpipe_home)
+    subjects = Subjects("default")
+    try:
+        url = await start_nats(procs, str(tmp_path / "nats"))
+        image_worker = ("worker", GENERATE_IMAGE, "--nats-url", url, "--ack-wait", "3", "--device", "cpu")
+        first = procs.start(*image_worker)
+        await asyncio.to_thread(first.wait_for, "worker_started")
+        nc, js = await connect(url, "test-client")
+        try:
+            params = ImageParams(prompt="a slow drawing", n=2, width=128, height=128, steps=100, guidance=5.0)
+            asked = GenerateRequest("killed-draw", TINY_TEXT_TO_IMAGE, [], image=params)
+            hop = ProcessedRequest(asked, [], [], [GENERATE_IMAGE], max_tokens=0, seed=13)
+            headers = {CONTENT_TYPE: MSGPACK, "Nats-Msg-Id": "killed-draw:0:0"}
+            await js.publish(subjects.work(GENERATE_IMAGE), encode(hop), headers=headers)
+            queue = subjects.stream(GENERATE_IMAGE)
+
+            async def drawing() -> bool:
+                return any(c.num_ack_pending == 1 for c in await js.consumers_info(queue))
+
+            deadline = time.monotonic() + 60
+            while not await drawing():
+                assert time.monotonic() < deadline, first.text()[-2000:]
+                await asyncio.sleep(0.05)
+            kill_tree(first)
+            second = procs.start(*image_worker)
+            chunks: list[ImageChunk] = []
+            deadline = time.monotonic() + 240
+            while len({c.index for c in chunks}) < 2:
+                assert time.monotonic() < deadline, second.text()[-2000:]
+                await asyncio.sleep(0.2)
+                chunks = [c for c in await stored_chunks(js, subjects, "killed-draw") if isinstance(c, ImageChunk)]
+        finally:
+            await nc.close()
+        assert sorted(c.index for c in chunks) == [0, 1]  # each image once
+        assert [c.data for c in sorted(chunks, key=lambda c: c.index)] == _reference(
+            image_model_path(TINY_TEXT_TO_IMAGE), params, 13
+        )
+        assert '"hop_trace"' in second.text() and '"hop_trace"' not in first.text()
+    finally:
+        await asyncio.to_thread(procs.stop_all)
