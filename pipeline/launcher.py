@@ -48,12 +48,16 @@ class RolePlan:
         return self.devices[index % len(self.devices)] if self.devices else None
 
 
-def parse_workers(spec: str, mode: str) -> dict[str, RolePlan]:
+def parse_workers(spec: str, mode: str, image: bool = False) -> dict[str, RolePlan]:
     """``encode=1@cuda:0,prefill=1@cuda:1,decode=2@cuda:2,cuda:3`` over the
     mode's defaults of one each, no processor worker unless asked for (the
     bridge processes requests). After ``@`` the devices the role's workers
-    take in turn; a bare device after them continues the list."""
+    take in turn; a bare device after them continues the list. ``image``:
+    an image-generation stage too (one ``generate-image`` worker unless
+    the spec says otherwise)."""
     plans = {PROCESSOR: RolePlan(0), **{role: RolePlan(1) for role in MODES[mode]}}
+    if image:
+        plans[GENERATE_IMAGE] = RolePlan(1)
     last = ""
     for item in filter(None, (s.strip() for s in spec.split(","))):
         if "=" not in item and last and plans[last].devices:
@@ -62,7 +66,8 @@ def parse_workers(spec: str, mode: str) -> dict[str, RolePlan]:
         role, _, rest = item.partition("=")
         n, _, devices = rest.partition("@")
         if role not in plans:
-            raise SystemExit(f"--workers: {role!r} is not a role of mode {mode}; its roles: {', '.join(plans)}")
+            needs = f" ({GENERATE_IMAGE} needs --image-model)" if role == GENERATE_IMAGE else ""
+            raise SystemExit(f"--workers: {role!r} is not a role of mode {mode}{needs}; its roles: {', '.join(plans)}")
         if not n.isdigit() or int(n) < 1:
             raise SystemExit(f"--workers: {item!r} needs a count of at least 1")
         if "@" in rest and not devices:
@@ -195,11 +200,10 @@ def up(settings: UpProcess, external_nats: bool) -> int:
     stop = _Stop()
     # Resolved (and a built-in built) once here, not by every child at once.
     spec = resolve_model(worker.model, worker.served_model_name)
-    plans = parse_workers(settings.up.workers, mode)
     if worker.image_model:
         _check_image_model(worker.image_model)
-        # The image-generation stage beside the model's roles: one worker, on --device.
-        plans[GENERATE_IMAGE] = RolePlan(1)
+    # With an image model, the image-generation stage beside the model's roles.
+    plans = parse_workers(settings.up.workers, mode, image=bool(worker.image_model))
     counts = {role: p.count for role, p in plans.items()}
     try:
         # The KV events endpoints, checked before anything starts (the last worker's port the highest).

@@ -85,3 +85,12 @@ def test_a_vllm_worker_sees_only_its_own_card(tmp_path: Path, monkeypatch: pytes
     ]
     # One worker over two cards: vLLM's tensor parallelism over them.
     assert _children("vllm", tmp_path, "1@cuda:2+3")[1:] == [("prefill+decode", "cuda", "2,3", 2)]
+
+
+def test_the_image_stage_is_placed_as_any_role_once_there_is_one() -> None:
+    assert parse_workers("", "epd", image=True)["generate-image"] == RolePlan(1)
+    placed = parse_workers("encode+prefill+decode=1@cuda:0,generate-image=2@cuda:1", "epd", image=True)
+    assert placed["generate-image"] == RolePlan(2, ("cuda:1",))
+    assert "generate-image" not in parse_workers("", "epd")
+    with pytest.raises(SystemExit, match="generate-image needs --image-model"):
+        parse_workers("generate-image=1", "epd")
