@@ -16,6 +16,7 @@ from pipeline import stack_samples, tracing
 from pipeline.auth import NatsAuth
 from pipeline.bench.decode import add_arguments as add_decode_arguments
 from pipeline.bench.encode import add_arguments as add_encode_arguments
+from pipeline.bench.images import add_arguments as add_images_arguments
 from pipeline.bench.kernels import add_arguments as add_kernels_arguments
 from pipeline.bench.scale import add_arguments as add_scale_arguments
 from pipeline.config import DEFAULT_NATS_URL, PipelineConfig
@@ -246,6 +247,12 @@ def _bench(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         "encode", help="encoder images/s: one image per call vs --encode-batch (GPU)", formatter_class=_Shown
     )
     add_encode_arguments(encode)
+    images = bsub.add_parser(
+        "images",
+        help="the image-generation stage against the diffusers pipeline alone: images/s at each batch",
+        formatter_class=_Shown,
+    )
+    add_images_arguments(images)
     kernels = bsub.add_parser(
         "kernels",
         help="one request's encode and prefill on the GPU: kernels and time, compiled vs not",

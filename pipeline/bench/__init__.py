@@ -45,6 +45,10 @@ def main(args: argparse.Namespace) -> int:
         from pipeline.bench.encode import main as encode_main
 
         return encode_main(args)
+    if args.bench_command == "images":
+        from pipeline.bench.images import main as images_main
+
+        return images_main(args)
     if args.bench_command == "kernels":
         from pipeline.bench.kernels import main as kernels_main
 

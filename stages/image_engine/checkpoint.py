@@ -33,7 +33,21 @@ def _byte_symbols() -> list[str]:
     return [symbols[b] for b in range(256)]
 
 
+# Stable Diffusion 1.5's architecture at its own sizes (about 1.07 B parameters), for
+# measuring on a GPU with random weights (``mmpipe bench images``); the byte
+# tokenizer stands in for CLIP's vocabulary, which is the only size changed.
+SD15_SHAPE = "sd15-shape"
+
+
 def build_tiny_text_to_image(out_dir: Path) -> None:
+    _build_text_to_image(out_dir, sd15=False)
+
+
+def build_sd15_shape(out_dir: Path, dtype: str = "bfloat16") -> None:
+    _build_text_to_image(out_dir, sd15=True, dtype=dtype)
+
+
+def _build_text_to_image(out_dir: Path, sd15: bool, dtype: str = "float32") -> None:
     import torch
     from diffusers import AutoencoderKL, DDIMScheduler, StableDiffusionPipeline, UNet2DConditionModel
     from transformers import CLIPTextConfig, CLIPTextModel, CLIPTokenizer
@@ -44,37 +58,42 @@ def build_tiny_text_to_image(out_dir: Path) -> None:
     vocab |= {"<|startoftext|>": 512, "<|endoftext|>": 513}
     tokenizer = CLIPTokenizer(vocab=vocab, merges=[], model_max_length=77)
     torch.manual_seed(SEED)
+    width = 768 if sd15 else _WIDTH
     unet = UNet2DConditionModel(
-        sample_size=32,
+        sample_size=64 if sd15 else 32,
         in_channels=_LATENT,
         out_channels=_LATENT,
-        block_out_channels=(4, 8),
-        layers_per_block=1,
-        down_block_types=("DownBlock2D", "CrossAttnDownBlock2D"),
-        up_block_types=("CrossAttnUpBlock2D", "UpBlock2D"),
-        cross_attention_dim=_WIDTH,
-        attention_head_dim=2,
-        norm_num_groups=2,
+        block_out_channels=(320, 640, 1280, 1280) if sd15 else (4, 8),
+        layers_per_block=2 if sd15 else 1,
+        down_block_types=("CrossAttnDownBlock2D",) * 3 + ("DownBlock2D",)
+        if sd15
+        else ("DownBlock2D", "CrossAttnDownBlock2D"),
+        up_block_types=("UpBlock2D",) + ("CrossAttnUpBlock2D",) * 3 if sd15 else ("CrossAttnUpBlock2D", "UpBlock2D"),
+        cross_attention_dim=width,
+        attention_head_dim=8 if sd15 else 2,
+        norm_num_groups=32 if sd15 else 2,
     )
+    vae_blocks = (128, 256, 512, 512) if sd15 else (4, 8)
     vae = AutoencoderKL(
-        sample_size=64,
+        sample_size=512 if sd15 else 64,
         in_channels=3,
         out_channels=3,
-        block_out_channels=(4, 8),
-        down_block_types=("DownEncoderBlock2D",) * 2,
-        up_block_types=("UpDecoderBlock2D",) * 2,
+        block_out_channels=vae_blocks,
+        down_block_types=("DownEncoderBlock2D",) * len(vae_blocks),
+        up_block_types=("UpDecoderBlock2D",) * len(vae_blocks),
+        layers_per_block=2 if sd15 else 1,
         latent_channels=_LATENT,
-        norm_num_groups=2,
+        norm_num_groups=32 if sd15 else 2,
     )
     text = CLIPTextModel(
         CLIPTextConfig(
             vocab_size=len(vocab),
-            hidden_size=_WIDTH,
-            intermediate_size=37,
-            num_hidden_layers=2,
-            num_attention_heads=4,
+            hidden_size=width,
+            intermediate_size=3072 if sd15 else 37,
+            num_hidden_layers=12 if sd15 else 2,
+            num_attention_heads=12 if sd15 else 4,
             max_position_embeddings=77,
-            projection_dim=_WIDTH,
+            projection_dim=width,
             bos_token_id=512,
             eos_token_id=513,
             pad_token_id=513,
@@ -99,7 +118,7 @@ def build_tiny_text_to_image(out_dir: Path) -> None:
         feature_extractor=None,
         requires_safety_checker=False,
     )
-    pipeline.save_pretrained(out_dir)
+    pipeline.to(getattr(torch, dtype)).save_pretrained(out_dir)
 
 
 def image_model_path(spec: str) -> Path:

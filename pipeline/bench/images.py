@@ -1,0 +1,181 @@
+"""``mmpipe bench images``: the image-generation stage against the diffusers
+pipeline alone, in one run.
+
+- The model: ``--model DIR`` (a diffusers pipeline folder), else the
+  ``sd15-shape`` preset (Stable Diffusion 1.5's architecture and sizes,
+  random weights, bf16) built into a temporary folder, or ``tiny-sd``.
+- diffusers alone: the pipeline in this process, ``--batches`` images a
+  call from one prompt (``num_images_per_prompt``), the median of
+  ``--repeats`` calls after a warm-up, PIL images out.
+- mmpipe: ``mmpipe up --image-model`` on the same device, the same calls as
+  ``POST /v1/images/generations`` with ``n`` images, one at a time, through
+  the bridge, NATS, the worker and back as PNGs (the stage's own cost:
+  its queue, the PNG encoding, the reply, base64 and HTTP).
+- images/s of each, and mmpipe's over diffusers'.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from pipeline.bench.results import write_json
+
+PROMPT = "a lighthouse on a cliff at dusk, oil painting"
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", dest="images_model", default="", help="a diffusers pipeline folder, unless --preset")
+    p.add_argument(
+        "--preset", dest="images_preset", default="sd15-shape", help="sd15-shape (random weights) or tiny-sd"
+    )
+    p.add_argument("--batches", default="1,8", help="images a request (n), comma separated")
+    p.add_argument("--steps", type=int, default=30, help="denoising steps")
+    p.add_argument("--size", dest="images_size", default="512x512", help="WIDTHxHEIGHT")
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--device", dest="images_device", default="", help="default: cuda if there is one")
+    p.add_argument("--json", dest="images_json", action="store_true", help="print the rows as JSON")
+    p.add_argument("--output", default="", metavar="FILE", help="also write the results here, as JSON")
+
+
+def _median_seconds(call: Callable[[], Any], repeats: int, sync: Callable[[], None]) -> float:
+    call()  # warm-up
+    sync()
+    times = []
+    for _ in range(repeats):
+        started = time.perf_counter()
+        call()
+        sync()
+        times.append(time.perf_counter() - started)
+    return statistics.median(times)
+
+
+def diffusers_alone(
+    path: Path, device: str, batches: list[int], steps: int, size: tuple[int, int], repeats: int
+) -> dict[int, float]:
+    """Seconds a call of each batch takes, the pipeline alone."""
+    import torch
+    from diffusers import DiffusionPipeline
+
+    dtype = torch.float32 if device == "cpu" else torch.bfloat16
+    pipe: Any = DiffusionPipeline.from_pretrained(str(path), dtype=dtype).to(device)
+    pipe.set_progress_bar_config(disable=True)
+    sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
+    width, height = size
+    out = {}
+    for n in batches:
+
+        def call(n: int = n) -> Any:
+            return pipe(
+                PROMPT,
+                num_images_per_prompt=n,
+                width=width,
+                height=height,
+                num_inference_steps=steps,
+                generator=torch.Generator("cpu").manual_seed(0),
+            ).images
+
+        out[n] = _median_seconds(call, repeats, sync)
+    pipe = None
+    gc.collect()
+    if device.startswith("cuda"):
+        torch.cuda.empty_cache()  # the stack that follows needs the memory
+    return out
+
+
+def through_mmpipe(
+    path: Path, device: str, batches: list[int], steps: int, size: tuple[int, int], repeats: int
+) -> dict[int, float]:
+    """Seconds a request of each batch takes, through ``mmpipe up``."""
+    import openai
+
+    from pipeline.bench.modes import mmpipe_up
+
+    out = {}
+    with tempfile.TemporaryDirectory(prefix="mmpipe-bench-images-") as tmp:
+        extra = ("--device", device, "--image-model", str(path))
+        with mmpipe_up("epd", "tiny-qwen2-vl", "nats", Path(tmp), extra=extra) as (url, _):
+            with openai.OpenAI(base_url=url, api_key="unused", max_retries=0, timeout=3600) as client:
+                # The bridge's ready line may come before the image worker's.
+                deadline = time.monotonic() + 300
+                while True:
+                    try:
+                        client.images.generate(prompt="warm", extra_body={"num_inference_steps": 1})
+                        break
+                    except openai.APIStatusError as exc:
+                        if exc.status_code != 503 or time.monotonic() > deadline:
+                            raise
+                        time.sleep(1)
+                for n in batches:
+
+                    def call(n: int = n) -> Any:
+                        return client.images.generate(
+                            prompt=PROMPT,
+                            n=n,
+                            size=f"{size[0]}x{size[1]}",
+                            extra_body={"num_inference_steps": steps, "seed": 0},
+                        )
+
+                    out[n] = _median_seconds(call, repeats, lambda: None)
+    return out
+
+
+def _model(args: argparse.Namespace, scratch: Path) -> Path:
+    if args.images_model:
+        return Path(args.images_model)
+    from stages.image_engine.checkpoint import SD15_SHAPE, TINY_TEXT_TO_IMAGE, build_sd15_shape, image_model_path
+
+    if args.images_preset == TINY_TEXT_TO_IMAGE:
+        return image_model_path(TINY_TEXT_TO_IMAGE)
+    if args.images_preset != SD15_SHAPE:
+        raise SystemExit(f"--preset {args.images_preset!r}: {SD15_SHAPE} or {TINY_TEXT_TO_IMAGE}")
+    out = scratch / SD15_SHAPE
+    print(f"building {SD15_SHAPE} (random weights) in {out} ...", file=sys.stderr, flush=True)
+    build_sd15_shape(out)
+    return out
+
+
+def main(args: argparse.Namespace) -> int:
+    import torch
+
+    batches = [int(b) for b in args.batches.split(",") if b.strip()]
+    width, height = (int(v) for v in args.images_size.lower().split("x"))
+    device = args.images_device or ("cuda" if torch.cuda.is_available() else "cpu")
+    with tempfile.TemporaryDirectory(prefix="mmpipe-bench-images-model-") as scratch:
+        path = _model(args, Path(scratch))
+        alone = diffusers_alone(path, device, batches, args.steps, (width, height), args.repeats)
+        served = through_mmpipe(path, device, batches, args.steps, (width, height), args.repeats)
+    card = torch.cuda.get_device_name() if device.startswith("cuda") else "cpu"
+    rows = [
+        {
+            "batch": n,
+            "device": card,
+            "steps": args.steps,
+            "size": f"{width}x{height}",
+            "diffusers_images_per_s": n / alone[n],
+            "mmpipe_images_per_s": n / served[n],
+            "ratio": alone[n] / served[n],
+        }
+        for n in batches
+    ]
+    write_json(rows, args.output, "bench_images.json")
+    if args.images_json:
+        import json
+
+        print(json.dumps(rows, indent=1))
+        return 0
+    print(f"mmpipe bench images  model={path.name}  device={card}  size={width}x{height}  steps={args.steps}")
+    print(f"{'batch':>5} {'diffusers img/s':>16} {'mmpipe img/s':>13} {'mmpipe/diffusers':>17}")
+    for r in rows:
+        print(
+            f"{r['batch']:>5} {r['diffusers_images_per_s']:>16.3f} {r['mmpipe_images_per_s']:>13.3f} "
+            f"{r['ratio']:>17.3f}"
+        )
+    return 0

@@ -1,0 +1,28 @@
+"""``mmpipe bench images``: the image-generation stage against the diffusers
+pipeline alone, run on this CPU with the tiny pipeline."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+@pytest.mark.e2e
+def test_bench_images_measures_the_stage_against_the_pipeline_alone(mmpipe_home: Path) -> None:
+    """`mmpipe bench images` on this CPU (the tiny pipeline, a few steps): a
+    row per batch, both figures measured, the ratio theirs."""
+    cmd = [sys.executable, "-m", "pipeline.cli", "bench", "images", "--preset", "tiny-sd", "--batches", "1,2"]
+    cmd += ["--steps", "2", "--size", "64x64", "--repeats", "1", "--device", "cpu", "--json"]
+    done = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-4000:]
+    rows = json.loads(done.stdout)
+    assert [r["batch"] for r in rows] == [1, 2]
+    for row in rows:
+        assert row["diffusers_images_per_s"] > 0 and row["mmpipe_images_per_s"] > 0
+        assert row["ratio"] == pytest.approx(row["mmpipe_images_per_s"] / row["diffusers_images_per_s"])
