@@ -30,6 +30,7 @@ from pipeline.kv_events import KvEventsSettings
 from pipeline.metrics import show_engine_core
 from pipeline.transport.base import TensorTransport, TransportSettings
 from pipeline.worker import Worker
+from schemas.chunk import MAX_INLINE_IMAGE
 from schemas.processed import MediaKind
 from schemas.routes import GENERATE_IMAGE, HOP_ROLES, PROCESSOR, holds_kv, moves_tensors
 from schemas.settings import section, setting
@@ -62,6 +63,11 @@ class WorkerSettings:
         "",
         help="the generate-image stage's text-to-image pipeline: the built-in tiny-sd or a diffusers pipeline "
         "folder (unset: tiny-sd)",
+    )
+    image_inline_bytes: int = setting(
+        MAX_INLINE_IMAGE,
+        help="an image this size or smaller rides inside its reply chunk; a larger one waits in the tensor "
+        "transport for the bridge to read (at most 1 MiB)",
     )
     max_inflight: int | None = setting(
         None,
@@ -155,6 +161,8 @@ class WorkerSettings:
                 raise ValueError(f"{name.replace('_', '-')} must be at least 1")
         if self.max_inflight is not None and self.max_inflight < 1:
             raise ValueError("max-inflight must be at least 1")
+        if not 0 <= self.image_inline_bytes <= MAX_INLINE_IMAGE:
+            raise ValueError(f"image-inline-bytes must be 0 to {MAX_INLINE_IMAGE}")
 
     @property
     def inflight(self) -> int:
@@ -194,7 +202,7 @@ def build_stage(
     """The stage of a role, with its model loaded. Imports torch lazily: the
     bridge never needs it."""
     if role == GENERATE_IMAGE:
-        return _image_stage(settings)
+        return _image_stage(settings, tensors)
     spec = spec or resolve_model(settings.model, settings.served_model_name)
     if role == PROCESSOR:
         from stages.models.traits import load_traits
@@ -243,14 +251,15 @@ def build_stage(
     return HopStage(role, build_torch_hop_engine(role, settings, spec, tensors), spec.served_name)
 
 
-def _image_stage(settings: WorkerSettings) -> Stage:
+def _image_stage(settings: WorkerSettings, tensors: TensorStore | None) -> Stage:
     from stages.image_engine.checkpoint import TINY_TEXT_TO_IMAGE, image_model_path
     from stages.image_engine.engine import ImageEngine
     from stages.image_engine.stage import ImageStage
 
     name = settings.image_model or TINY_TEXT_TO_IMAGE
     path = image_model_path(name)
-    return ImageStage(ImageEngine(path, device=resolve_device(settings.device)), path.name)
+    engine = ImageEngine(path, device=resolve_device(settings.device))
+    return ImageStage(engine, path.name, tensors, inline_bytes=settings.image_inline_bytes)
 
 
 def build_torch_hop_engine(
@@ -437,7 +446,8 @@ async def _serve_role(role: str, config: PipelineConfig, settings: WorkerSetting
     tracing.attach_nats(nc, config.subjects.spans(role))
     tensors: TensorTransport | None = None
     try:
-        if moves_tensors(role) or reads_decoded_media(role, settings):
+        # An image stage hands images over the inline limit to the bridge by reference.
+        if moves_tensors(role) or reads_decoded_media(role, settings) or role == GENERATE_IMAGE:
             from pipeline.transport import open_transport
 
             # Its bucket is replicated like the streams (a new one; an existing one keeps its own).
@@ -505,7 +515,8 @@ async def run_bridge(
     nc, js = await connect(config.nats_url, name="mmpipe-bridge")
     tracing.attach_nats(nc, config.subjects.spans("bridge"))
     tensors: TensorTransport | None = None
-    if processing.model and processing.media.frontend_decode:
+    # Decoded media handed to encoders (--frontend-decode); images read from the workers that drew them.
+    if (processing.model and processing.media.frontend_decode) or processing.image_model:
         _copies_only()
         from pipeline.transport import open_transport
 

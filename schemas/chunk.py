@@ -7,6 +7,7 @@ import enum
 import msgspec
 
 from schemas.errors import ErrorCode, MmpipeError
+from schemas.tensors import TensorRef
 
 
 class FinishReason(enum.StrEnum):
@@ -73,13 +74,15 @@ class TokenChunk(msgspec.Struct, tag="token", tag_field="kind", omit_defaults=Tr
 
 class ImageChunk(msgspec.Struct, tag="image", tag_field="kind", omit_defaults=True, forbid_unknown_fields=True):
     """One image an image-generation stage drew, encoded (``media_type``):
-    the ``index``-th of the request's ``count``. Inline up to
-    ``MAX_INLINE_IMAGE`` bytes, never more."""
+    the ``index``-th of the request's ``count``. Its bytes inline up to
+    ``MAX_INLINE_IMAGE``, never more: a larger one is held by the worker
+    for the bridge to read (``ref``: one uint8 tensor of the file's bytes)."""
 
     request_id: str
     index: int
     count: int
-    data: bytes
+    data: bytes = b""
+    ref: TensorRef | None = None
     media_type: str = "image/png"
     width: int = 0
     height: int = 0

@@ -179,7 +179,8 @@ class Processor:
             if hop == GENERATE_IMAGE and i == len(route) - 1 and i > 0:
                 continue  # after the model's hops, the image stage
             if hop not in HOP_ROLES:
-                raise InvalidRequest(f"unknown hop {hop!r} in route; hops: {', '.join(HOP_ROLES)}, then {GENERATE_IMAGE}")
+                hops = f"{', '.join(HOP_ROLES)}, then {GENERATE_IMAGE}"
+                raise InvalidRequest(f"unknown hop {hop!r} in route; hops: {hops}")
         seed = request.sampling.seed if request.sampling.seed is not None else random.getrandbits(63)
         return ProcessedRequest(
             request=request,

@@ -729,7 +729,19 @@ class Bridge:
             if waiting is not None:
                 waiting.end()
                 waiting = None
-            yield chunk
+            yield await self._image_read(chunk) if isinstance(chunk, ImageChunk) and chunk.ref else chunk
+
+    async def _image_read(self, chunk: ImageChunk) -> ImageChunk:
+        """An image too large to ride in its chunk, read from the worker
+        that drew it (and let go there)."""
+        ref = chunk.ref
+        assert ref is not None
+        if self.tensors is None:
+            log.error("image_by_reference_unreadable", request_id=chunk.request_id)
+            raise InternalError("an image came by reference to a bridge with no tensor transport (--image-model)")
+        [data] = await self.tensors.get(ref)
+        await self.tensors.release(ref)
+        return msgspec.structs.replace(chunk, data=data.numpy().tobytes(), ref=None)
 
     async def _relayed(
         self, sub: Subscription, rid: str, deadline: float, images: bool = False

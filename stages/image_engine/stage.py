@@ -11,13 +11,16 @@ from __future__ import annotations
 import asyncio
 import threading
 from collections.abc import AsyncGenerator
+from typing import Any
+
+import msgspec
 
 from schemas.chunk import MAX_INLINE_IMAGE, ImageChunk
 from schemas.errors import InvalidRequest, TooLarge
 from schemas.processed import ProcessedRequest
 from schemas.request import GenerateRequest
 from schemas.routes import GENERATE_IMAGE
-from stages.contract import HopContext
+from stages.contract import HopContext, TensorStore
 from stages.image_engine.engine import ImageEngine
 
 
@@ -27,9 +30,18 @@ class ImageStage:
     # Images are whole: a takeover draws them again from the same seed.
     resumes_stream = False
 
-    def __init__(self, engine: ImageEngine, served_name: str) -> None:
+    def __init__(
+        self,
+        engine: ImageEngine,
+        served_name: str,
+        tensors: TensorStore | None = None,
+        inline_bytes: int = MAX_INLINE_IMAGE,
+    ) -> None:
         self.engine = engine
         self.served_name = served_name
+        # Where an image over the inline limit (at most MAX_INLINE_IMAGE) waits for the bridge to read it.
+        self.tensors = tensors
+        self.inline_bytes = min(inline_bytes, MAX_INLINE_IMAGE)
         self._drawing: asyncio.Future[list[bytes]] | None = None
 
     @property
@@ -72,9 +84,22 @@ class ImageStage:
             cancelled.set()
             raise
         sizes = [len(data) for data in images]
-        if max(sizes) > MAX_INLINE_IMAGE:
-            raise TooLarge(f"an image of {max(sizes)} bytes; at most {MAX_INLINE_IMAGE} ride in a reply")
+        if max(sizes) > self.inline_bytes and self.tensors is None:
+            raise TooLarge(f"an image of {max(sizes)} bytes; at most {self.inline_bytes} ride in a reply")
         ctx.trace["image_bytes"] = float(sum(sizes))
         rid = message.request.request_id
         for index, data in enumerate(images):
-            yield ImageChunk(rid, index, job.n, data, width=job.width, height=job.height, seed=seed)
+            drawn = ImageChunk(rid, index, job.n, width=job.width, height=job.height, seed=seed)
+            if len(data) <= self.inline_bytes:
+                yield msgspec.structs.replace(drawn, data=data)
+                continue
+            assert self.tensors is not None
+            with ctx.timed("put"):
+                ref = await self.tensors.put([_as_tensor(data)], owner=rid)
+            yield msgspec.structs.replace(drawn, ref=ref)
+
+
+def _as_tensor(data: bytes) -> Any:
+    import torch
+
+    return torch.frombuffer(bytearray(data), dtype=torch.uint8)

@@ -208,7 +208,8 @@ class TorchHopEngine:
         decode loop and the engine thread get to them (under load, after
         the calls queued before), so the pool is waited for, a while."""
         deadline = time.monotonic() + _SLEEP_WAIT_S
-        while self.torch.holding and time.monotonic() < deadline:
+        # Polled: the pool changes on the engine thread, which signals no event.
+        while self.torch.holding and time.monotonic() < deadline:  # noqa: ASYNC110
             await asyncio.sleep(0.01)
         return await self.thread.call(self.torch.sleep, level)
 

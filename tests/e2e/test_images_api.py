@@ -33,6 +33,8 @@ from tests.e2e.processes import Processes
 from tests.e2e.test_up import _free_port
 from tests.stages.test_image_stage import _reference
 
+INLINE = 4096
+
 
 def _png(url: str) -> bytes:
     head, _, data = url.partition(",")
@@ -46,7 +48,9 @@ def test_images_come_from_the_image_stage_as_diffusers_draws_them(
 ) -> None:
     port = _free_port()
     procs = Processes(tmp_path, mmpipe_home)
-    up = procs.start("up", "--port", str(port), "--data-dir", str(tmp_path / "data"), "--image-model", "tiny-sd")
+    # Images over INLINE bytes go by reference (every 64x64 noise PNG is over it).
+    flags = ["--data-dir", str(tmp_path / "data"), "--image-model", "tiny-sd", "--image-inline-bytes", str(INLINE)]
+    up = procs.start("up", "--port", str(port), *flags)
     try:
         up.wait_for("mmpipe ready")
         with openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0) as client:
@@ -63,6 +67,15 @@ def test_images_come_from_the_image_stage_as_diffusers_draws_them(
             params = ImageParams(prompt="a lighthouse at night", n=2, width=64, height=48, steps=2, guidance=6.0)
             assert got == _reference(image_model_path(TINY_TEXT_TO_IMAGE), params, 21)
             assert drawn.size == "64x48" and drawn.output_format == "png"
+            # Over the inline limit (--image-inline-bytes, 1 MiB at most): the worker holds the
+            # image and the bridge reads it through the tensor transport.
+            big = client.images.generate(prompt="noise", extra_body={"seed": 4, "num_inference_steps": 1})
+            [large] = [base64.b64decode(image.b64_json or "") for image in big.data or []]
+            assert len(large) > INLINE
+            assert [large] == _reference(
+                image_model_path(TINY_TEXT_TO_IMAGE), ImageParams("noise", 1, 64, 64, 1, 7.5), 4
+            )
+            assert '"put_s"' in up.text()  # the worker's trace: the image went by reference
 
             for bad, says in [
                 ({"size": "60x60"}, "width 60"),

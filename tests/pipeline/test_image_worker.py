@@ -8,6 +8,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 from pipeline.config import PipelineConfig
 from pipeline.replies import CHUNK_DECODER, ExactlyOnceRelay, is_final
 from pipeline.serve import WorkerSettings, build_stage
@@ -81,3 +83,8 @@ def test_a_relay_passes_each_image_once_and_ends_with_the_last() -> None:
     assert relay.accept(ImageChunk("r", 1, 2, b"late")) is None
     broken = ExactlyOnceRelay()
     assert isinstance(broken.accept(ErrorChunk("r", ErrorCode.INTERNAL, "x", 500)), ErrorChunk) and broken.done
+
+
+def test_an_inline_limit_over_a_mebibyte_is_refused() -> None:
+    with pytest.raises(ValueError, match="image-inline-bytes must be 0 to 1048576"):
+        WorkerSettings(image_inline_bytes=(1 << 20) + 1)

@@ -27,6 +27,7 @@ _VALID = {
     "workers": "encode=2",
     "modalities": "image,audio",
     "trace-sample": 0.25,
+    "image-inline-bytes": 65536,
     # mmpipe up offsets them per worker: endpoints ZMQ takes.
     "kv-events-endpoint": "tcp://*:5557",
     "kv-events-replay-endpoint": "tcp://*:6557",

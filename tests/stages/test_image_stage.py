@@ -15,8 +15,7 @@ import pytest
 import torch
 from PIL import Image
 
-import stages.image_engine.stage as stage_module
-from schemas.chunk import ImageChunk
+from schemas.chunk import MAX_INLINE_IMAGE, ImageChunk
 from schemas.errors import InvalidRequest, TooLarge
 from schemas.processed import ProcessedRequest
 from schemas.request import GenerateRequest, ImageParams
@@ -133,10 +132,12 @@ async def test_a_cancelled_drawing_stops_at_its_next_step(stage: ImageStage) -> 
     assert len(steps) < 400
 
 
-async def test_an_image_over_the_inline_limit_is_refused_whole(
-    stage: ImageStage, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    monkeypatch.setattr(stage_module, "MAX_INLINE_IMAGE", 1000)
+async def test_an_image_over_the_inline_limit_with_nowhere_to_wait_is_refused_whole(stage: ImageStage) -> None:
+    """Without a tensor transport to hold it, an image over the inline limit
+    is a 413 (nothing of the request is sent)."""
+    small = ImageStage(stage.engine, "tiny-sd", tensors=None, inline_bytes=1000)
     with pytest.raises(TooLarge, match="at most 1000") as refused:
-        await _draw(stage, ImageParams(prompt="cat", n=2, steps=2))
+        await _draw(small, ImageParams(prompt="cat", n=2, steps=2))
     assert refused.value.http_status == 413
+    # The limit is at most 1 MiB, whatever is asked.
+    assert ImageStage(stage.engine, "tiny-sd", inline_bytes=1 << 30).inline_bytes == MAX_INLINE_IMAGE
