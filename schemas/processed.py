@@ -245,27 +245,17 @@ class ProcessedRequest(msgspec.Struct, omit_defaults=True, forbid_unknown_fields
         stage), with the text it wrote; None where the route ends with it."""
         for index in range(self.hop_index + 1, len(self.route)):
             if self.route[index] not in HOP_ROLES:
-                return msgspec.structs.replace(
-                    self,
-                    hop_index=index,
-                    stage_text=text,
-                    emitted=[],
-                    decoded=None,
-                    encoded=None,
-                    kv=None,
-                    vllm_kv=None,
-                    vllm_encoded=None,
-                    sglang_kv=None,
-                )
+                return self._handed_nothing(hop_index=index, stage_text=text)
         return None
 
     def restarted(self) -> ProcessedRequest:
         """A new attempt from the first hop: what earlier hops made is gone."""
+        return self._handed_nothing(attempt=self.attempt + 1, hop_index=0, stage_text="")
+
+    def _handed_nothing(self, **changes: Any) -> ProcessedRequest:
+        """This message with ``changes`` and none of what one hop hands the next."""
         return msgspec.structs.replace(
             self,
-            attempt=self.attempt + 1,
-            hop_index=0,
-            stage_text="",
             emitted=[],
             decoded=None,
             encoded=None,
@@ -273,6 +263,7 @@ class ProcessedRequest(msgspec.Struct, omit_defaults=True, forbid_unknown_fields
             vllm_kv=None,
             vllm_encoded=None,
             sglang_kv=None,
+            **changes,
         )
 
 

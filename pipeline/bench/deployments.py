@@ -19,7 +19,7 @@ import sys
 from dataclasses import dataclass
 
 from pipeline.bench.load import spec_from_args
-from pipeline.bench.modes import StackSpec, compare_stacks, format_rows
+from pipeline.bench.modes import StackSpec, compare_stacks, format_rows, parse_levels
 from pipeline.launcher import parse_workers
 from schemas.routes import MODES
 
@@ -120,16 +120,12 @@ def main(args: argparse.Namespace) -> int:
         raise SystemExit(f"--deployment: names must differ: {', '.join(names)}")
     spec = spec_from_args(args)
     try:
-        levels = [int(c) for c in args.concurrencies.split(",") if c.strip()] if args.concurrencies else None
-    except ValueError:
-        raise SystemExit(f"--concurrencies {args.concurrencies!r}: comma-separated numbers are needed") from None
-    try:
         rows = compare_stacks(
             [d.stack() for d in deployments],
             spec,
             args.transport,
             args.api_key,
-            levels,
+            parse_levels(args.concurrencies),
             args.device,
             tuple(args.up_arg),
             baseline=BASELINE,

@@ -353,18 +353,24 @@ def _cpu_lines(rows: list[dict[str, Any]]) -> list[str]:
     return out
 
 
+def parse_levels(text: str) -> list[int] | None:
+    """``--concurrencies``: the levels, each a run (None: the load's own concurrency)."""
+    try:
+        levels = [int(c) for c in text.split(",") if c.strip()] if text else None
+    except ValueError:
+        raise SystemExit(f"--concurrencies {text!r}: comma-separated numbers are needed") from None
+    if levels is not None and (not levels or min(levels) < 1):
+        raise SystemExit("--concurrencies: each at least 1")
+    return levels
+
+
 def main(args: argparse.Namespace) -> int:
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
     unknown = [m for m in modes if m not in MODES]
     if not modes or unknown:
         raise SystemExit(f"--modes: unknown {', '.join(unknown) or 'nothing'}; modes: {', '.join(sorted(MODES))}")
     spec = spec_from_args(args)
-    try:
-        levels = [int(c) for c in args.concurrencies.split(",") if c.strip()] if args.concurrencies else None
-    except ValueError:
-        raise SystemExit(f"--concurrencies {args.concurrencies!r}: comma-separated numbers are needed") from None
-    if levels is not None and (not levels or min(levels) < 1):
-        raise SystemExit("--concurrencies: each at least 1")
+    levels = parse_levels(args.concurrencies)
     try:
         rows = compare(
             modes,
