@@ -7,9 +7,10 @@ from schemas.chunk import ErrorChunk, FinishReason, ReplyChunk, TokenChunk, Toke
 from schemas.codec import JSON, MSGPACK, Decoder, encode
 from schemas.control import Cancel, DeadLetter
 from schemas.errors import ErrorCode, TooLarge
-from schemas.processed import MediaItem, MediaKind, ProcessedRequest
-from schemas.request import ChatMessage, GenerateRequest, ImagePart, ImageURL, SamplingParams, TextPart
+from schemas.processed import KvHandoff, MediaItem, MediaKind, ProcessedRequest
+from schemas.request import ChatMessage, GenerateRequest, ImageParams, ImagePart, ImageURL, SamplingParams, TextPart
 from schemas.routes import route_for
+from schemas.tensors import TensorRef
 
 REQUEST = GenerateRequest(
     request_id="r1",
@@ -128,3 +129,17 @@ def test_a_message_without_inline_media_keeps_everything_but_their_bytes() -> No
     assert parts[4] == AudioPart(AudioURL(""))
     assert (light.media, light.prompt_token_ids, light.seed, light.route) == (media, [1, 2, 3, 4, 5], 7, message.route)
     assert message.request.messages[0].content == content  # the original is untouched
+
+
+def test_after_the_text_the_message_goes_to_the_image_stage_with_it() -> None:
+    asked = GenerateRequest("r", "m", [ChatMessage("user", "Paint the sea.")], image=ImageParams())
+    kv = KvHandoff(TensorRef("nixl", "holder", "k", 0, [], 0.0), prompt_len=9, output_ids=[4])
+    route = ["encode", "prefill", "decode", "generate-image"]
+    at_prefill = ProcessedRequest(asked, [1, 2], [], route, 8, 3, hop_index=1, emitted=[7], kv=kv)
+    after = at_prefill.after_text("a blue sea")
+    assert after is not None and (after.hop, after.stage_text) == ("generate-image", "a blue sea")
+    assert after.kv is None and after.emitted == [] and after.seed == 3  # the seed stays: the same image on a redraw
+    assert after.restarted().stage_text == "" and after.restarted().hop_index == 0
+    assert ProcessedRequest(asked, [1], [], ["encode+prefill+decode"], 8, 3).after_text("x") is None
+    # The stage's text and the image's parameters travel with the message.
+    assert Decoder(ProcessedRequest).decode(encode(after)) == after
