@@ -162,7 +162,8 @@ async def _spans_while(up: Any, port: int, traceparents: list[str], done: Any) -
 
 async def _trace_of_one_request(up: Any, port: int, names: set[str]) -> list[SpanRecord]:
     """The spans of one image request sent to a ready ``mmpipe up
-    --trace-nats``, once a trace holds every one of ``names``."""
+    --trace-nats``, once a trace holds every one of ``names`` and the
+    worker's hop."""
 
     async def send(c: openai.AsyncOpenAI) -> None:
         content: Any = [
@@ -180,7 +181,15 @@ async def _trace_of_one_request(up: Any, port: int, names: set[str]) -> list[Spa
             pass
 
     def whole(sink: SpanSink) -> list[SpanRecord] | None:
-        return next((spans for spans in sink.traces.values() if names <= {s.name for s in spans}), None)
+        # The worker's hop span too: it ends last, and may come in a later export batch than its steps.
+        return next(
+            (
+                spans
+                for spans in sink.traces.values()
+                if names <= {s.name for s in spans} and any("worker" in s.attributes for s in spans)
+            ),
+            None,
+        )
 
     sink = await _collect_spans(up, port, send, whole)
     spans = whole(sink)
