@@ -494,7 +494,10 @@ class Bridge:
         if drawn:
             # The image model by name in a chat: the served model writes the
             # answer, and the image stage draws it (its prompt: the answer).
-            text_model = next(name for name in await self._served() if name != self.image_model)
+            text_model = next((name for name in await self._served() if name != self.image_model), None)
+            if text_model is None or await self.worker(GENERATE_IMAGE) is None:
+                # Refused now, not after the text: the image hop would wait in its queue to the deadline.
+                raise NoWorkers("no model to write the text" if text_model is None else f"no {GENERATE_IMAGE} worker")
             gens = [msgspec.structs.replace(g, model=text_model, image=ImageParams()) for g in gens]
         reply = responses.Reply(include_usage=include, continuous_usage=continuous, n=body.n, images=drawn)
         return await self._serve(request, rid, gens, len(body_bytes), reply, body.user, shown=body.model)
