@@ -240,13 +240,16 @@ class ProcessedRequest(msgspec.Struct, omit_defaults=True, forbid_unknown_fields
         request = msgspec.structs.replace(self.request, messages=messages)
         return msgspec.structs.replace(self, request=request, media_dropped=True)
 
+    @property
+    def stage_after_text(self) -> int | None:
+        """The index of the first hop past the language model's (an image stage), if any."""
+        return next((i for i in range(self.hop_index + 1, len(self.route)) if self.route[i] not in HOP_ROLES), None)
+
     def after_text(self, text: str) -> ProcessedRequest | None:
-        """The message for the first hop past the language model's (an image
-        stage), with the text it wrote; None where the route ends with it."""
-        for index in range(self.hop_index + 1, len(self.route)):
-            if self.route[index] not in HOP_ROLES:
-                return self._handed_nothing(hop_index=index, stage_text=text)
-        return None
+        """The message for the first hop past the language model's, with the
+        text it wrote; None where the route ends with it."""
+        index = self.stage_after_text
+        return None if index is None else self._handed_nothing(hop_index=index, stage_text=text)
 
     def restarted(self) -> ProcessedRequest:
         """A new attempt from the first hop: what earlier hops made is gone."""

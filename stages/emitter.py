@@ -30,6 +30,10 @@ class ChunkEmitter:
         emitted: list[int],
         cached_tokens: Callable[[], int] = lambda: 0,
     ) -> None:
+        # The whole text a client has of the answer, kept where a later stage
+        # takes it as its prompt (an image to draw); not on other requests' token path.
+        self._keeps_text = req.stage_after_text is not None
+        self.text = ""
         self._is_eos = eos_check(engine.eos_token_ids, req.request.sampling)
         self._stop_ids = frozenset(req.request.sampling.stop_token_ids)
         self._max_tokens = req.max_tokens
@@ -40,10 +44,10 @@ class ChunkEmitter:
         self._tokenizer = engine.tokenizer
         self._detok = IncrementalDetokenizer(engine.tokenizer)
         self._stops = StopStringMatcher(req.request.sampling.stop)
-        # The whole text a client has of the answer (a later stage's prompt: an image to draw).
-        self.text = ""
         for token in emitted:
-            self.text += self._stops.feed(self._detok.push(token))[0]
+            text = self._stops.feed(self._detok.push(token))[0]
+            if self._keeps_text:
+                self.text += text
         self.index = len(emitted)
         self._prompt_ids = req.prompt_token_ids
 
@@ -95,7 +99,8 @@ class ChunkEmitter:
         return self._chunk(self.index, [], self._stops.feed(self._detok.flush())[0], FinishReason.LENGTH)
 
     def _chunk(self, seq: int, tokens: list[int], text: str, finish: FinishReason | None) -> TokenChunk:
-        self.text += text
+        if self._keeps_text:
+            self.text += text
         # The first chunk carries the prompt's size too: a relay can then
         # report usage with every chunk (continuous_usage_stats).
         counted = finish is not None or seq == 0
