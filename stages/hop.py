@@ -146,9 +146,8 @@ class HopStage:
                 )
             )
             if chunk.finish_reason is not None:
-                if (after := req.after_text(emitter.text)) is not None:
-                    yield after
-                yield chunk
+                async for out in self._finish(req, emitter, chunk):
+                    yield out
                 return
             yield chunk
             emitted = [*emitted, first]

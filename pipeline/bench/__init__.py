@@ -17,7 +17,9 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-from collections.abc import Coroutine
+import statistics
+import time
+from collections.abc import Callable, Coroutine
 from typing import Any, TypeVar
 
 T = TypeVar("T")
@@ -30,6 +32,20 @@ def run_async(coro: Coroutine[Any, Any, T]) -> T:
     except ImportError:
         return asyncio.run(coro)
     return uvloop.run(coro)
+
+
+def median_seconds(fn: Callable[[], Any], repeats: int, sync: Callable[[], Any]) -> float:
+    """Median seconds of ``repeats`` calls of ``fn`` (each waited for with
+    ``sync``), after one unmeasured call: kernels chosen, allocator grown."""
+    fn()
+    sync()
+    times = []
+    for _ in range(repeats):
+        started = time.perf_counter()
+        fn()
+        sync()
+        times.append(time.perf_counter() - started)
+    return statistics.median(times)
 
 
 def main(args: argparse.Namespace) -> int:

@@ -20,12 +20,11 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import statistics
 import tempfile
-import time
 from pathlib import Path
 from typing import Any
 
+from pipeline.bench import median_seconds
 from pipeline.bench.results import write_json
 
 
@@ -46,18 +45,6 @@ def _images(n: int, size: tuple[int, int], seed: int = 0) -> list[Any]:
     rng = np.random.default_rng(seed)
     w, h = size
     return [Image.fromarray(rng.integers(0, 256, (h, w, 3), dtype=np.uint8), "RGB") for _ in range(n)]
-
-
-def _timed(fn: Any, repeats: int, sync: Any) -> float:
-    fn()  # warm-up: kernels chosen, allocator grown
-    sync()
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        sync()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -101,8 +88,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         # transformers as it comes: the towers' own attention, image by image.
         vision._attn_implementation = towers_own
         with torch.inference_mode():
-            hf_one = _timed(hf(images[:1]), args.repeats, sync)
-            hf_all = _timed(hf(images), args.repeats, sync)
+            hf_one = median_seconds(hf(images[:1]), args.repeats, sync)
+            hf_all = median_seconds(hf(images), args.repeats, sync)
 
         thread = EngineThread()
         alone = EncodeBatcher(engine, thread, max_items=1)
@@ -117,10 +104,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
         def mmpipe(attention: str) -> tuple[float, float, float, float]:
             vision._attn_implementation = attention
-            one = _timed(lambda: asyncio.run(alone.encode(images[:1])), args.repeats, sync)
-            serial = _timed(lambda: asyncio.run(one_by_one()), args.repeats, sync)
+            one = median_seconds(lambda: asyncio.run(alone.encode(images[:1])), args.repeats, sync)
+            serial = median_seconds(lambda: asyncio.run(one_by_one()), args.repeats, sync)
             calls = together.calls
-            batched = _timed(lambda: asyncio.run(at_once()), args.repeats, sync)
+            batched = median_seconds(lambda: asyncio.run(at_once()), args.repeats, sync)
             return one, serial, batched, (together.calls - calls) / (args.repeats + 1)
 
         mm_one, mm_serial, mm_all, calls_per_run = mmpipe(packed)

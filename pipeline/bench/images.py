@@ -18,14 +18,13 @@ from __future__ import annotations
 
 import argparse
 import gc
-import statistics
 import sys
 import tempfile
 import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from pipeline.bench import median_seconds
 from pipeline.bench.results import write_json
 
 PROMPT = "a lighthouse on a cliff at dusk, oil painting"
@@ -43,18 +42,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", dest="images_device", default="", help="default: cuda if there is one")
     p.add_argument("--json", dest="images_json", action="store_true", help="print the rows as JSON")
     p.add_argument("--output", default="", metavar="FILE", help="also write the results here, as JSON")
-
-
-def _median_seconds(call: Callable[[], Any], repeats: int, sync: Callable[[], None]) -> float:
-    call()  # warm-up
-    sync()
-    times = []
-    for _ in range(repeats):
-        started = time.perf_counter()
-        call()
-        sync()
-        times.append(time.perf_counter() - started)
-    return statistics.median(times)
 
 
 def diffusers_alone(
@@ -82,7 +69,7 @@ def diffusers_alone(
                 generator=torch.Generator("cpu").manual_seed(0),
             ).images
 
-        out[n] = _median_seconds(call, repeats, sync)
+        out[n] = median_seconds(call, repeats, sync)
     pipe = None
     gc.collect()
     if device.startswith("cuda"):
@@ -123,7 +110,7 @@ def through_mmpipe(
                             extra_body={"num_inference_steps": steps, "seed": 0},
                         )
 
-                    out[n] = _median_seconds(call, repeats, lambda: None)
+                    out[n] = median_seconds(call, repeats, lambda: None)
     return out
 
 

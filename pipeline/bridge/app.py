@@ -854,12 +854,18 @@ class Bridge:
         pictures: list[list[ImageChunk]] = [[] for _ in range(choices)]
         held: list[str | None] = [None] * choices
         texted = [False] * choices
+
+        async def images_once_whole(index: int) -> None:
+            # The images' chunk goes last, once the text ended and every image is in (either may come first).
+            drawn = pictures[index]
+            if texted[index] and drawn and len(drawn) == drawn[0].count and response is not None:
+                body = responses.image_chunk(rid, model, created, drawn, held[index], index)
+                await response.write(responses.sse(body))
+
         async for index, received in chunks:
             if reply.images and isinstance(received, ImageChunk):
                 pictures[index].append(received)
-                if texted[index] and len(pictures[index]) == received.count and response is not None:
-                    body = responses.image_chunk(rid, model, created, pictures[index], held[index], index)
-                    await response.write(responses.sse(body))
+                await images_once_whole(index)
                 continue
             chunk = as_text(received)
             if isinstance(chunk, ErrorChunk):
@@ -890,11 +896,7 @@ class Bridge:
                 finals[index] = chunk.usage
                 if reply.images:
                     texted[index], held[index] = True, chunk.finish_reason.value
-                    drawn = pictures[index]
-                    if drawn and len(drawn) == drawn[0].count:  # the images came first
-                        await response.write(
-                            responses.sse(responses.image_chunk(rid, model, created, drawn, held[index], index))
-                        )
+                    await images_once_whole(index)
         else:
             usage = responses.total_usage(finals, reply.n)
             if response is not None and reply.include_usage and usage is not None:
