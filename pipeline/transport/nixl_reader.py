@@ -160,6 +160,7 @@ class RemoteReads:
         """Ask the holder to pin the region under ``lease``; returns the lease
         id and the monotonic time until which a completed READ can be trusted
         (a READ posted after this call began)."""
+        landing = False
         while True:
             sent = time.monotonic()
             reply = await self._ask(ref, deadline, lease, sent)
@@ -170,10 +171,14 @@ class RemoteReads:
                 # Asked again while the get may wait; a holder that did grant
                 # this lease grants it again, pinned from the new request on.
                 if deadline - time.monotonic() < _MIN_ASK_S:
+                    if landing:  # what the holder last said is the reason, not the last ask's silence
+                        metrics.ERRORS.labels(NAME, "lease_landing").inc()
+                        raise TensorGone(f"tensors {ref.key} of {ref.holder} were still landing at the get's deadline")
                     raise TensorGone(f"tensor holder {ref.holder} did not answer by the get's deadline")
                 continue
             # The holder's GPU has not finished the copy yet: ask again while the get may wait.
-            if reply.reason != "landing" or deadline - time.monotonic() < _MIN_ASK_S:
+            landing = reply.reason == "landing"
+            if not landing or deadline - time.monotonic() < _MIN_ASK_S:
                 break
         if not reply.lease:
             metrics.ERRORS.labels(NAME, f"lease_{reply.reason or 'refused'}").inc()

@@ -10,7 +10,7 @@ import signal
 import sys
 import threading
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -387,25 +387,37 @@ class Gate:
         self._landed.wait()
 
 
-async def _not_landed(holder: NixlTransport, seed: int) -> tuple[TensorRef, Gate]:
+@pytest.fixture
+def gates() -> Iterator[list[Gate]]:
+    """Every gate a test shuts is opened when it ends, passed or failed: a
+    holder's thread waits on it, and the interpreter cannot exit until that
+    thread ends."""
+    made: list[Gate] = []
+    yield made
+    for gate in made:
+        gate.open = True
+
+
+async def _not_landed(holder: NixlTransport, seed: int, gates: list[Gate]) -> tuple[TensorRef, Gate]:
     ref = await holder.put(make_tensors(seed), owner=f"r{seed}")
     held = holder._held.get(ref.key)
     assert held is not None and ref.landed
     gate = Gate()
+    gates.append(gate)
     held.landing = gate
     return msgspec.structs.replace(ref, landed=False), gate
 
 
 @pytest.mark.parametrize("known_holder", [False, True])
 async def test_nixl_a_lease_waits_for_the_copy_to_land_and_the_read_for_the_lease(
-    make_transport: Factory, known_holder: bool
+    make_transport: Factory, known_holder: bool, gates: list[Gate]
 ) -> None:
     holder = await make_transport("nixl", "holder")
     reader = await make_transport("nixl", "reader")
     assert isinstance(holder, NixlTransport) and isinstance(reader, NixlTransport)
     if known_holder:  # a holder read before would get the READ beside the lease request
         assert_same(await reader.get(await holder.put(make_tensors(20), owner="r20")), make_tensors(20))
-    ref, gate = await _not_landed(holder, 21)
+    ref, gate = await _not_landed(holder, 21, gates)
     held = holder._held.get(ref.key)
     assert held is not None
     got = asyncio.create_task(reader.get(ref))
@@ -418,13 +430,13 @@ async def test_nixl_a_lease_waits_for_the_copy_to_land_and_the_read_for_the_leas
 
 
 async def test_nixl_a_copy_that_lands_late_is_asked_for_again(
-    make_transport: Factory, monkeypatch: pytest.MonkeyPatch
+    make_transport: Factory, monkeypatch: pytest.MonkeyPatch, gates: list[Gate]
 ) -> None:
     # The holder answers "landing" after half the request timeout; the reader asks again until its get times out.
     holder = await make_transport("nixl", "holder", request_timeout_s=0.2)
     reader = await make_transport("nixl", "reader", request_timeout_s=0.2)
     assert isinstance(holder, NixlTransport) and isinstance(reader, NixlTransport)
-    ref, gate = await _not_landed(holder, 22)
+    ref, gate = await _not_landed(holder, 22, gates)
     ask = reader._reads._ask
     reasons: list[str] = []
 
@@ -442,15 +454,14 @@ async def test_nixl_a_copy_that_lands_late_is_asked_for_again(
     assert reasons[-1] == ""
 
 
-async def test_nixl_a_copy_that_never_lands_ends_the_get(make_transport: Factory) -> None:
+async def test_nixl_a_copy_that_never_lands_ends_the_get(make_transport: Factory, gates: list[Gate]) -> None:
     holder = await make_transport("nixl", "holder", request_timeout_s=0.2)
     reader = await make_transport("nixl", "reader", request_timeout_s=0.2, get_timeout_s=0.8, lease_s=2.0)
     assert isinstance(holder, NixlTransport) and isinstance(reader, NixlTransport)
-    ref, gate = await _not_landed(holder, 23)
+    ref, _ = await _not_landed(holder, 23, gates)
     with pytest.raises(TensorGone, match="landing"):
         await reader.get(ref)
     assert holder.held_bytes > 0  # still held for a later reader: only this get gave up
-    gate.open = True  # a real copy lands in the end: the holder's waiting threads end with it
 
 
 async def test_nixl_put_on_a_busy_gpu_goes_out_before_its_bytes_land(
