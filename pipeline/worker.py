@@ -368,6 +368,7 @@ class Worker:
             active_blocks=active,
             total_blocks=total,
             draining=draining or self._stopping.is_set(),
+            takes_cached_media=bool(getattr(self.stage, "takes_cached_media", False)),
         )
 
     def _tell_embeddings(self, reports: WorkerReports) -> None:
@@ -784,7 +785,7 @@ class Worker:
             raise
 
     async def _forward(self, out: ProcessedRequest) -> None:
-        subject = self.router.subject_for(out) if self.router is not None else self.subjects.work(out.hop)
+        subject, out = self.router.place(out) if self.router is not None else (self.subjects.work(out.hop), out)
         headers = {
             CONTENT_TYPE: MSGPACK,
             # A retried publish of this hop is dropped by the stream; a new

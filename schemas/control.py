@@ -131,6 +131,9 @@ class WorkerLoad(msgspec.Struct, omit_defaults=True, forbid_unknown_fields=False
     total_blocks: int = 0
     # Stopping: it takes nothing more, routed or not.
     draining: bool = False
+    # Its prefill takes a request whose media were not encoded where its
+    # prefix cache holds their tokens (``ProcessedRequest.encode_skipped``).
+    takes_cached_media: bool = False
 
 
 class EmbeddingsHeld(msgspec.Struct, omit_defaults=True, forbid_unknown_fields=False):

@@ -187,6 +187,11 @@ class ProcessedRequest(msgspec.Struct, omit_defaults=True, forbid_unknown_fields
     # The media decoded by the processor (--frontend-decode), for the hop that encodes them.
     decoded: DecodedMedia | None = None
     encoded: EncodedMedia | None = None
+    # The router sent this message past the encode hop: the prefix cache of
+    # the worker it went to held every media item's tokens, which that
+    # worker's prefill reads from there (or it restarts the request from
+    # the encode hop where they went meanwhile).
+    encode_skipped: bool = False
     kv: KvHandoff | None = None
     vllm_kv: VllmKv | None = None
     vllm_encoded: VllmEncoded | None = None
@@ -251,6 +256,10 @@ class ProcessedRequest(msgspec.Struct, omit_defaults=True, forbid_unknown_fields
         index = self.stage_after_text
         return None if index is None else self._handed_nothing(hop_index=index, stage_text=text)
 
+    def skipping_encode(self) -> ProcessedRequest:
+        """This message (for the encode hop) for the hop after it, its media not encoded."""
+        return msgspec.structs.replace(self, hop_index=self.hop_index + 1, encode_skipped=True)
+
     def restarted(self) -> ProcessedRequest:
         """A new attempt from the first hop: what earlier hops made is gone."""
         return self._handed_nothing(attempt=self.attempt + 1, hop_index=0, stage_text="")
@@ -262,6 +271,7 @@ class ProcessedRequest(msgspec.Struct, omit_defaults=True, forbid_unknown_fields
             emitted=[],
             decoded=None,
             encoded=None,
+            encode_skipped=False,
             kv=None,
             vllm_kv=None,
             vllm_encoded=None,

@@ -16,9 +16,8 @@ import asyncio
 import dataclasses
 import itertools
 import os
-from collections import OrderedDict
 from collections.abc import Awaitable, Callable
-from typing import Final, NamedTuple
+from typing import Final
 
 import structlog
 import torch
@@ -27,7 +26,7 @@ from prometheus_client import Counter
 from schemas.errors import InvalidRequest, TensorGone
 from schemas.processed import DecodedMedia, MediaItem, MediaKind, ProcessedRequest
 from stages.contract import HopContext, TensorStore
-from stages.families.base import Decoded, Grid, Media, MediaEmbedding
+from stages.families.base import Decoded, Media, MediaEmbedding
 from stages.media import (
     CachedEmbedding,
     EmbeddingCache,
@@ -45,6 +44,7 @@ from stages.media.cache import item_digest_off_loop
 from stages.media.decode_pool import DecodePool
 from stages.media.decoded import DecodedMediaCache
 from stages.media.frontend import from_tensor
+from stages.media.layouts import MediaLayouts
 from stages.media.video import video_options
 from stages.torch_engine.encode_batcher import EncodeBatcher
 from stages.torch_engine.engine import TorchEngine
@@ -52,8 +52,6 @@ from stages.torch_engine.scheduler import EngineThread
 
 log = structlog.get_logger(__name__)
 
-# Layouts remembered (a few dozen bytes each): far more media than a KV pool holds.
-_LAYOUTS = 8192
 
 SKIPPED: Final = Counter(
     "mmpipe_encoder_skipped_items_total",
@@ -99,7 +97,7 @@ class MediaEncoder:
         # (their digests and sizes); then the tower is not run for them.
         self.prefix_probe: Callable[[ProcessedRequest, list[MediaEmbedding]], Awaitable[bool]] | None = None
         # Each digest's layout, from its last encoding here: what a stand-in needs.
-        self._layouts: OrderedDict[str, _Layout] = OrderedDict()
+        self._layouts = MediaLayouts()
 
     async def encode(self, req: ProcessedRequest, ctx: HopContext, reuse_prefix: bool = True) -> list[MediaEmbedding]:
         """The request's media as embeddings. With ``reuse_prefix`` and every
@@ -186,26 +184,15 @@ class MediaEncoder:
 
     async def _prefix_covers(self, req: ProcessedRequest, digests: list[str]) -> list[MediaEmbedding] | None:
         """Stand-ins for the request's media where the cached prefix holds them all."""
-        if self.prefix_probe is None or any(d not in self._layouts for d in digests):
+        if self.prefix_probe is None:
             return None
         engine = self.engine
-        hidden = engine.family.hidden_size
-        stand_ins = []
-        for digest in digests:
-            layout = self._layouts[digest]
-            zeros = torch.zeros(layout.num_tokens, hidden, dtype=engine.dtype, device=engine.device)
-            stand_ins.append(
-                MediaEmbedding(zeros, layout.grid_thw, layout.kind, layout.seconds_per_grid, digest, encoded=False)
-            )
-        return stand_ins if await self.prefix_probe(req, stand_ins) else None
+        stand_ins = self._layouts.stand_ins(digests, engine.family.hidden_size, engine.dtype, engine.device)
+        return stand_ins if stand_ins is not None and await self.prefix_probe(req, stand_ins) else None
 
     def _remember(self, encoded: list[MediaEmbedding]) -> list[MediaEmbedding]:
         if self.prefix_probe is not None:
-            for e in encoded:
-                self._layouts[e.digest] = _Layout(e.num_tokens, e.grid_thw, e.kind, e.seconds_per_grid)
-                self._layouts.move_to_end(e.digest)
-            while len(self._layouts) > _LAYOUTS:
-                self._layouts.popitem(last=False)
+            self._layouts.remember(encoded)
         return encoded
 
     def _store(self, key: str, encoded: list[MediaEmbedding]) -> None:
@@ -307,13 +294,6 @@ class MediaEncoder:
         set_key = self._set_keys.get(key) if stored else self._set_keys.pop(key, None)
         if set_key is not None and self.on_cached is not None:
             self.on_cached(set_key, stored)
-
-
-class _Layout(NamedTuple):
-    num_tokens: int
-    grid_thw: Grid
-    kind: MediaKind
-    seconds_per_grid: float
 
 
 def decode_processes(policy: MediaPolicy, device: torch.device) -> int:

@@ -71,6 +71,8 @@ class HopStage:
         self.load_lora: Callable[[str, str], Awaitable[None]] | None = getattr(engine, "load_lora", None)
         self.unload_lora: Callable[[str], Awaitable[None]] | None = getattr(engine, "unload_lora", None)
         self.loras: Callable[[], list[str]] | None = getattr(engine, "loras", None)
+        # A router may send it requests past their encode hop (their media's tokens in its prefix cache).
+        self.takes_cached_media: bool = bool(getattr(engine, "takes_cached_media", False))
 
     @property
     def models(self) -> list[str]:

@@ -656,7 +656,8 @@ class Bridge:
         # A restart queues the request as it arrived: its first hop decodes the media itself.
         first = await processing.decoded(self.processor, processed)
         # The id the first hop's message would have had from a processor worker.
-        submit = (self._first_hop(first), f"{rid}:0:0", self._encode_request(first))
+        subject, first = self._first_hop(first)
+        submit = (subject, f"{rid}:0:{first.hop_index}", self._encode_request(first))
         return submit, processed.hop, processed
 
     async def _cancel_all(self, gens: list[GenerateRequest]) -> None:
@@ -673,8 +674,8 @@ class Bridge:
         async def restart(msg: Msg) -> None:
             try:
                 ask = _RESTART.decode(msg.data)
-                again = msgspec.structs.replace(processed, attempt=ask.attempt)
-                await self._submit(self._first_hop(again), f"{rid}:{ask.attempt}:0", encode(again))
+                subject, again = self._first_hop(msgspec.structs.replace(processed, attempt=ask.attempt))
+                await self._submit(subject, f"{rid}:{ask.attempt}:{again.hop_index}", encode(again))
             except (msgspec.DecodeError, msgspec.ValidationError, MmpipeError) as exc:
                 metrics.ERRORS.labels("bridge", "restart_failed").inc()
                 log.warning("restart_failed", request_id=rid, error=repr(exc))
@@ -684,10 +685,11 @@ class Bridge:
 
         return restart
 
-    def _first_hop(self, processed: ProcessedRequest) -> str:
+    def _first_hop(self, processed: ProcessedRequest) -> tuple[str, ProcessedRequest]:
+        """Where the request's first message goes, and as what (the router may send it past the encode hop)."""
         if self.router is not None:
-            return self.router.subject_for(processed)
-        return self.subjects.work(processed.hop)
+            return self.router.place(processed)
+        return self.subjects.work(processed.hop), processed
 
     def _encode_request(self, message: GenerateRequest | ProcessedRequest) -> bytes:
         """The request as it goes on NATS, or the client's error: a number

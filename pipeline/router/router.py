@@ -43,10 +43,10 @@ from pipeline.config import PipelineConfig
 from pipeline.router.index import PrefixIndex
 from pipeline.router.requeue import requeue
 from schemas.control import EmbeddingsHeld, WorkerLoad
-from schemas.errors import MmpipeError
 from schemas.kv_events import KVEventBatch
 from schemas.processed import ProcessedRequest
-from stages.media import item_digest, media_set_key, parse_data_url
+from stages.media import media_set_key
+from stages.media.inline import inline_digest
 from stages.prefix_keys import PromptMedia, prompt_block_keys
 
 log = structlog.get_logger(__name__)
@@ -62,8 +62,6 @@ ROUTED_HIT_BLOCKS: Final = Counter(
 
 # JetStream: a work queue's consumers may not filter the same subject.
 _FILTER_TAKEN = 10100
-# Media bytes the router reads from a data: URL to digest them.
-_MAX_INLINE_BYTES = 256 << 20
 _RESCUE_EVERY_S = 1.0
 
 
@@ -176,6 +174,10 @@ class KvRouter:
         except (msgspec.DecodeError, msgspec.ValidationError) as exc:
             log.warning("worker_load_undecodable", subject=msg.subject, error=repr(exc))
             return
+        self.heard(load)
+
+    def heard(self, load: WorkerLoad) -> None:
+        """A worker's load report: it is alive, this busy."""
         self.workers[load.worker_id] = _Worker(load, time.monotonic())
         self.roles.add(load.role)
 
@@ -184,6 +186,19 @@ class KvRouter:
         return w is not None and time.monotonic() - w.seen < self.settings.worker_silent_s
 
     # -- where a hop goes ---------------------------------------------------
+
+    def place(self, out: ProcessedRequest) -> tuple[str, ProcessedRequest]:
+        """Where ``out`` goes, and as what: a request for the encode hop
+        whose media's tokens a worker of the next hop holds in its prefix
+        cache goes to that worker past the encode hop (as vLLM skips the
+        encoder for media its prefix cache covers); anything else as
+        ``subject_for`` says."""
+        # Known before this prompt's blocks are stored: its media's token counts are learned from them.
+        for m in out.media:
+            self.index.placeholders.add(out.prompt_token_ids[m.placeholder_index])
+        if out.hop == ENCODE and (skipped := self._skip_encode(out)) is not None:
+            return skipped
+        return self.subject_for(out), out
 
     def subject_for(self, out: ProcessedRequest) -> str:
         """The subject ``out`` is published to: a worker's own, or its hop's shared one."""
@@ -214,7 +229,7 @@ class KvRouter:
     def choose_encoder(self, out: ProcessedRequest) -> str | None:
         """The least busy encode worker that holds the embeddings of ``out``'s
         media (all of them inline: a URL's bytes are its encoder's to read)."""
-        digests = [_inline_digest(out, i) for i in range(len(out.media))]
+        digests = [inline_digest(out, i) for i in range(len(out.media))]
         if not digests or not all(digests):
             return None
         holders = self.embeddings.get(media_set_key(digests), set())
@@ -261,6 +276,12 @@ class KvRouter:
             log.debug("kv_cached_nowhere", request_id=out.request.request_id, keys=len(keys), workers=len(candidates))
             return None  # cached nowhere: whichever worker is free first takes it
         blocks = max(1, -(-_prompt_length(out, keys, sizes[0]) // sizes[0]))
+        return self._cheapest(out, candidates, overlaps, blocks)
+
+    def _cheapest(
+        self, out: ProcessedRequest, candidates: dict[str, _Worker], overlaps: dict[str, int], blocks: int
+    ) -> str:
+        """The worker of ``candidates`` a prompt of ``blocks`` blocks costs least on, counted as sent to it."""
 
         def cost(item: tuple[str, _Worker]) -> tuple[float, float]:
             wid, w = item
@@ -282,8 +303,45 @@ class KvRouter:
             costs={w: round(cost((w, c))[0]) for w, c in candidates.items()},
         )
         best.sent_blocks += blocks
-        ROUTED_HIT_BLOCKS.labels(role).inc(overlaps.get(wid, 0))
+        ROUTED_HIT_BLOCKS.labels(out.hop).inc(overlaps.get(wid, 0))
         return wid
+
+    def _skip_encode(self, out: ProcessedRequest) -> tuple[str, ProcessedRequest] | None:
+        """The next hop's subject on a worker whose prefix cache holds every
+        token of ``out``'s media, and the message for it; None where none
+        does (or may be sent one: a worker that does not take such requests,
+        the n choices of a prompt, media the processor decoded, whose copy
+        only an encoder reads, a request run again)."""
+        group = out.request.group
+        if not out.media or out.decoded is not None or out.hop_index + 1 >= len(out.route):
+            return None
+        if out.attempt > 0:
+            return None  # a request run again (what a hop needed was gone) takes every hop
+        if group is not None and group.size > 1:
+            return None
+        skipped = out.skipping_encode()
+        role = skipped.hop
+        if not routable(role):
+            return None
+        candidates = {w: c for w, c in self._takers(role).items() if c.load.takes_cached_media}
+        sizes = [self.index.block_sizes[wid] for wid in candidates if wid in self.index.block_sizes]
+        if not sizes:
+            return None
+        keys, media = self._prompt_keys(skipped, sizes[0])
+        end = _media_end(media)
+        if end is None:
+            return None
+        overlaps = self.index.overlaps(keys)
+        # Blocks that must be cached: those up to the last media token's.
+        covering = -(-end // sizes[0])
+        holders = {wid: w for wid, w in candidates.items() if overlaps.get(wid, 0) >= covering}
+        if not holders:
+            return None
+        blocks = max(1, -(-_prompt_length(skipped, keys, sizes[0]) // sizes[0]))
+        wid = self._cheapest(skipped, holders, overlaps, blocks)
+        DECISIONS.labels(ENCODE, "skipped").inc()
+        DECISIONS.labels(role, "worker").inc()
+        return self.subjects.routed(role, wid), skipped
 
     def prompt_keys(self, out: ProcessedRequest, block_size: int) -> list[int]:
         """The engine's keys of ``out``'s prompt blocks, as far as the router
@@ -291,9 +349,14 @@ class KvRouter:
         from its encoding), its token count from the encoding or, tried in
         turn, from the lengths the index has seen. None for a prompt given
         as embeddings: its ids are stand-ins, no worker caches it."""
+        return self._prompt_keys(out, block_size)[0]
+
+    def _prompt_keys(self, out: ProcessedRequest, block_size: int) -> tuple[list[int], list[PromptMedia]]:
+        """``prompt_keys``, and each media item as they were made with (its
+        token count None where none was found)."""
         if out.request.prompt_embeds is not None or out.lora:
             # (An adapter's blocks are keyed apart from the base model's: not indexed here yet.)
-            return []
+            return [], []
         prompt = out.prompt_token_ids
         encoded = out.encoded.items if out.encoded is not None else None
         media: list[PromptMedia] = []
@@ -301,7 +364,7 @@ class KvRouter:
             if encoded is not None:
                 media.append(PromptMedia(m.placeholder_index, encoded[i].num_tokens, encoded[i].digest))
             else:
-                media.append(PromptMedia(m.placeholder_index, None, _inline_digest(out, i)))
+                media.append(PromptMedia(m.placeholder_index, None, inline_digest(out, i)))
         best = prompt_block_keys(prompt, media, block_size)
         # Each unknown token count in turn: the seen length that matches the longest cached run.
         for i, pm in enumerate(media):
@@ -320,7 +383,7 @@ class KvRouter:
                 break
             media[i] = pm._replace(num_tokens=n)
             best = keys
-        return best
+        return best, media
 
     # -- what waits for a worker that is gone -------------------------------
 
@@ -393,16 +456,16 @@ class KvRouter:
         return moved
 
 
-def _inline_digest(out: ProcessedRequest, index: int) -> str:
-    """The digest of an item whose bytes are in the request (a data: URL,
-    inline audio); empty for one behind a URL, which only its encoder reads."""
-    item = out.media[index]
-    if not item.part or out.media_dropped:
-        return ""
-    try:
-        return item_digest(item, parse_data_url(out.media_url(item), _MAX_INLINE_BYTES).data)
-    except (MmpipeError, ValueError):
-        return ""
+def _media_end(media: list[PromptMedia]) -> int | None:
+    """The position after the last media token in the expanded prompt; None
+    where an item's token count or digest is not known."""
+    end = shift = 0
+    for m in media:
+        if m.num_tokens is None or not m.digest:
+            return None
+        end = m.placeholder_index + shift + m.num_tokens
+        shift += m.num_tokens - 1
+    return end
 
 
 def _prompt_length(out: ProcessedRequest, keys: list[int], block_size: int) -> int:

@@ -22,7 +22,7 @@ import torch
 from opentelemetry.trace import Span
 from PIL import Image
 
-from schemas.errors import InvalidRequest, TargetTainted
+from schemas.errors import InvalidRequest, TargetTainted, TensorGone
 from schemas.processed import KvHandoff, MediaKind, ProcessedRequest
 from schemas.request import ChoiceGroup
 from schemas.routes import moves_tensors
@@ -42,6 +42,9 @@ from stages.hop_engine import (
     sampling,
 )
 from stages.media import EmbeddingCache, MediaFetcher, MediaPolicy
+from stages.media.cache import item_digest_off_loop
+from stages.media.inline import inline_bytes
+from stages.media.layouts import MediaLayouts
 from stages.prompt_embeds import load_prompt_embeds
 from stages.sampling import Logprobs, SamplingConfig
 from stages.torch_engine.call_batcher import CallBatcher
@@ -136,6 +139,11 @@ class TorchHopEngine:
         )
         if self.encoder is not None and "prefill" in steps and engine.prefix_caching:
             self.encoder.prefix_probe = self._prefix_covers
+        # A role that prefills media another worker encodes: a router may
+        # send it a request past the encode hop where its prefix cache holds
+        # the media's tokens; it stands in for them by the layouts it saw.
+        self.takes_cached_media = self.encoder is None and "prefill" in steps and engine.prefix_caching
+        self._layouts = MediaLayouts()
         self.scheduler = DecodeScheduler(engine, self.thread, max_batch=max_batch) if "decode" in steps else None
         # New prompts waiting together share one forward (--prefill-batch); a
         # result whose request was cancelled meanwhile frees its cache.
@@ -262,7 +270,32 @@ class TorchHopEngine:
         return Carried(encoded=await put_media(self.tensors, media, req, ctx))
 
     async def receive_media(self, req: ProcessedRequest, ctx: HopContext) -> list[MediaEmbedding]:
-        return await receive_embeddings(self.role, self.tensors, req, self.torch.device, ctx)
+        if req.encode_skipped:
+            return await self._cached_media(req, ctx)
+        media = await receive_embeddings(self.role, self.tensors, req, self.torch.device, ctx)
+        if self.takes_cached_media:
+            self._layouts.remember(media)
+        return media
+
+    async def _cached_media(self, req: ProcessedRequest, ctx: HopContext) -> list[MediaEmbedding]:
+        """Stand-ins for media the router did not have encoded: their tokens
+        were in this worker's prefix cache when it looked. A worker that
+        does not know them (it never prefilled them, or forgot) runs the
+        request again from the encode hop."""
+        digests = []
+        for i, item in enumerate(req.media):
+            data = inline_bytes(req, i)
+            digests.append("" if data is None else await item_digest_off_loop(item, data))
+        engine = self.torch
+        stand_ins = (
+            self._layouts.stand_ins(digests, engine.family.hidden_size, engine.dtype, engine.device)
+            if self.takes_cached_media
+            else None
+        )
+        if stand_ins is None:
+            raise TensorGone(f"{self.role} does not know the media the router skipped their encoding for")
+        ctx.trace["encode_skipped"] = float(len(stand_ins))
+        return stand_ins
 
     # -- prefill --------------------------------------------------------------
 
@@ -367,19 +400,15 @@ class TorchHopEngine:
                 return await self._prefill_alone(req, media, ctx, embeds)
             except MediaNotEncoded:
                 # The blocks the encoder skipped media for went since it looked.
-                assert self.encoder is not None
-                ctx.trace["encode_skipped"] = 0.0
-                media = await self.encoder.encode(req, ctx, reuse_prefix=False)
+                media = await self._encoded_after_all(req, ctx)
                 return await self._prefill_alone(req, media, ctx, embeds)
         if not all(m.encoded for m in media):
             # Only a lone prefill looks the prefix up (not chunks, not a batch).
             try:
                 return await self._prefill_alone(req, media, ctx)
             except MediaNotEncoded:
-                # Its blocks went between the encoder's look and now.
-                assert self.encoder is not None
-                ctx.trace["encode_skipped"] = 0.0
-                media = await self.encoder.encode(req, ctx, reuse_prefix=False)
+                # Its blocks went between the encoder's (or the router's) look and now.
+                media = await self._encoded_after_all(req, ctx)
         # Only a lone prefill looks the prefix up: a prompt that finds one
         # goes alone (its rest in chunks only where the rest is long).
         cached = 0 if ctx.emitted else engine.prefix_cached(req.prompt_token_ids, media)
@@ -389,6 +418,14 @@ class TorchHopEngine:
             seq, _ = await self.prefills.submit((req.prompt_token_ids, media, sampling(req)))
             return seq
         return await self._prefill_alone(req, media, ctx)
+
+    async def _encoded_after_all(self, req: ProcessedRequest, ctx: HopContext) -> list[MediaEmbedding]:
+        """The media, encoded after all: here where this role encodes, else by
+        the encode hop, the request run again from it."""
+        ctx.trace["encode_skipped"] = 0.0
+        if self.encoder is None:
+            raise TensorGone("the prefix cache no longer holds the media the router skipped their encoding for")
+        return await self.encoder.encode(req, ctx, reuse_prefix=False)
 
     def _join_early(self, seq: Sequence, req: ProcessedRequest, ctx: HopContext) -> Running | None:
         """The decode batch takes a sequence whose prefill's token is still on

@@ -71,6 +71,7 @@ async def test_each_later_turn_goes_to_the_worker_that_holds_its_prefix(
             return DECISIONS.labels(role, "worker")._value.get()
 
         before, encodes_before = placed(), placed("encode")
+        skipped_before = DECISIONS.labels("encode", "skipped")._value.get()
         async with client(stack) as c:
             firsts = []
             for seed in range(CONVERSATIONS):
@@ -94,7 +95,86 @@ async def test_each_later_turn_goes_to_the_worker_that_holds_its_prefix(
         # Placed by the router, each of them: not a shared queue's luck.
         assert placed() - before >= CONVERSATIONS
         if mode == "e-pd":
-            assert placed("encode") - encodes_before >= CONVERSATIONS
+            # Each later turn skipped the encode hop (its media's tokens
+            # cached on a prefill worker) or went to the encode worker
+            # holding its media's embeddings.
+            skipped = DECISIONS.labels("encode", "skipped")._value.get() - skipped_before
+            assert placed("encode") - encodes_before + skipped >= CONVERSATIONS
+    finally:
+        await stop()
+
+
+@pytest.mark.e2e
+async def test_in_e_pd_a_turn_whose_media_a_prefill_worker_caches_skips_the_encode_hop(
+    pipeline_config: PipelineConfig, model_spec: ModelSpec, reference: Any
+) -> None:
+    """The bridge's router sends a repeated turn straight to the
+    prefill+decode worker whose prefix cache holds its image's tokens: the
+    encode worker never sees it, the answer is generate()'s. Where that
+    worker does not know the media (it never prefilled them) or its blocks
+    went since the router looked, it runs the request again from the
+    encode hop: the same answer, once."""
+    from pipeline.bridge import processing
+    from pipeline.metrics import RESTARTS
+
+    config = dataclasses.replace(pipeline_config, mode="e-pd", router=RouterSettings(mode="kv"))
+    role = "prefill+decode"
+    stack, stop = await start_stack(config, model_spec, bridge_processes=True)
+    try:
+        [encoder] = [w for w in stack.workers if w.role == "encode"]
+        [holder] = [w for w in stack.workers if w.role == role]
+        router = stack.bridge.router
+        await eventually(lambda: router.alive(holder.worker_id), within=10)
+        # A whole block of text after the image: the last, partial block is never cached.
+        question = {"type": "text", "text": "What is in the picture? Say what its colours and shapes are. " * 2}
+
+        def conversation(seed: int) -> tuple[list[dict[str, Any]], list[int], str]:
+            content = [*_conversation(seed)[:-1], question]
+            parts = [{**p, "image_url": {"url": ""}} if p["type"] == "image_url" else p for p in content]
+            return content, *reference(parts, [gradient(64, 48, seed)], N)
+
+        def skipped() -> float:
+            return DECISIONS.labels("encode", "skipped")._value.get()
+
+        def restarts() -> float:
+            return RESTARTS.labels(role)._value.get()
+
+        async def skipped_by_hand(rid: str, content: list[dict[str, Any]]) -> list[int]:
+            """The request as the router sends it past the encode hop, on the worker's own subject."""
+            parts = [
+                TextPart(p["text"]) if p["type"] == "text" else ImagePart(ImageURL(p["image_url"]["url"]))
+                for p in content
+            ]
+            out = (await processing.process(stack.bridge.processor, _request(rid, parts), 0)).skipping_encode()
+            sub = await stack.nc.subscribe(config.subjects.reply(rid))
+            await stack.nc.jetstream().publish(
+                config.subjects.routed(role, holder.worker_id), encode(out), headers={"Nats-Msg-Id": f"{rid}:0:1"}
+            )
+            return await _tokens(sub)
+
+        content, expected, expected_text = conversation(5)
+        messages = [{"role": "user", "content": content}]
+        async with client(stack) as c:
+            first, _, cached = await _turn(c, messages)
+            assert first == expected_text and cached <= 16
+            await eventually(lambda: router.index.blocks_of(holder.worker_id) >= 4, within=10)
+            encoded, was_skipped = encoder.handled, skipped()
+            again, prompt, cached = await _turn(c, messages)
+            assert again == expected_text
+            assert cached >= prompt - 16 - 1
+            assert skipped() - was_skipped == 1 and encoder.handled == encoded
+
+        # The blocks went after the router looked: the prefill finds them gone and runs it again from the encode hop.
+        assert (await holder.stage.reset_prefix_cache() or 0) >= 4
+        before, encoded = restarts(), encoder.handled
+        assert await skipped_by_hand("blocks-gone", content) == expected
+        assert restarts() - before == 1 and encoder.handled - encoded == 1
+
+        # Media the worker never prefilled: it does not know them, and runs the request again from the encode hop.
+        other, other_expected, _ = conversation(6)
+        before, encoded = restarts(), encoder.handled
+        assert await skipped_by_hand("unknown-media", other) == other_expected
+        assert restarts() - before == 1 and encoder.handled - encoded == 1
     finally:
         await stop()
 

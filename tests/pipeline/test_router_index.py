@@ -7,9 +7,12 @@ from __future__ import annotations
 import base64
 import dataclasses
 
+import msgspec
+
 from pipeline.config import PipelineConfig, RouterSettings
 from pipeline.router.index import PrefixIndex
 from pipeline.router.router import KvRouter
+from schemas.control import WorkerLoad
 from schemas.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
 from schemas.processed import MediaItem, MediaKind, ProcessedRequest
 from schemas.request import ChatMessage, GenerateRequest, ImagePart, ImageURL, TextPart
@@ -79,3 +82,37 @@ def test_the_routers_keys_for_a_prompt_are_the_engines_once_the_media_length_is_
     # Other bytes behind the same placeholders: the same lengths, no blocks in common past the text.
     other = _request(b"other bytes")
     assert router.index.overlaps(router.prompt_keys(other, B)) == {}
+
+
+def test_the_encode_hop_is_skipped_for_a_worker_whose_cache_holds_every_media_token() -> None:
+    """Past the encode hop, to the prefill worker holding the image's tokens:
+    only a worker that takes such requests, only where its cached blocks
+    reach past the media, never for a request run again."""
+    config = dataclasses.replace(PipelineConfig(), router=RouterSettings(mode="kv"))
+    router = KvRouter(None, None, config)  # type: ignore[arg-type]
+    image = b"\x89PNG not really, but bytes all the same"
+    out = msgspec.structs.replace(_request(image), route=["encode", "prefill+decode"])
+    keys, ids = _engine_keys(out, image, 5)
+    encode_queue = config.subjects.work("encode")
+
+    def heard(worker: str, takes: bool) -> None:
+        router.heard(WorkerLoad("prefill+decode", worker, max_inflight=8, takes_cached_media=takes))
+
+    heard("w", True)
+    assert router.place(out) == (encode_queue, out)  # cached nowhere: encoded
+    # Blocks past the image's last token (expanded positions 3 to 7, in blocks 0 and 1).
+    router.index.apply("w", [_stored(keys[:3], ids[:12])])
+    subject, skipped = router.place(out)
+    assert subject == config.subjects.routed("prefill+decode", "w")
+    assert (skipped.hop, skipped.hop_index, skipped.encode_skipped) == ("prefill+decode", 1, True)
+    # Run again (something a hop needed was gone): every hop.
+    again = msgspec.structs.replace(out, attempt=1)
+    assert router.place(again) == (encode_queue, again)
+    # Blocks that stop inside the image: encoded.
+    router.index.forget("w")
+    router.index.apply("w", [_stored(keys[:1], ids[:4])])
+    assert router.place(out) == (encode_queue, out)
+    # A worker that does not take requests past the encode hop (another engine): encoded.
+    router.index.apply("u", [_stored(keys[:3], ids[:12])])
+    heard("u", False)
+    assert router.place(out) == (encode_queue, out)
