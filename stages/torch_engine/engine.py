@@ -610,6 +610,8 @@ class TorchEngine:
 
     def release(self, seq: Sequence) -> None:
         self._drop_cell(seq)
+        if seq.cache is not None and seq.prefix_keys and seq.slot < 0 and not seq.receiving:
+            self._keep_prefix(seq)
         seq.cache = None
         seq.swapped = None
         seq.prompt_logits = None
@@ -619,6 +621,17 @@ class TorchEngine:
         with self._lock:
             self._slots.free(seq)
             self._count_blocks()
+
+    def _keep_prefix(self, seq: Sequence) -> None:
+        """A sequence that ends before it ever stepped (one token asked for,
+        or its first was its last) still leaves its prompt's full blocks in
+        the cache, as vLLM's do: where its prefill ran through the model's
+        modules (not into the pool), its cache moves into blocks here, which
+        are freed at once and stay cached until the pool needs them."""
+        if self.decoder is None or not self.prefix_caching:
+            return
+        with self._lock, torch.inference_mode(), self._settle_lock:
+            self._admit(seq)
 
     def _admit(self, seq: Sequence) -> bool:
         """Whether ``seq`` is (now) in the batch decoder; its cache moves to its blocks."""

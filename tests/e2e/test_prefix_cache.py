@@ -126,3 +126,21 @@ async def test_a_workers_health_port_resets_its_own_cache(stack: Stack) -> None:
             assert await _cached(c, content, stream=False) == 0
     finally:
         await health.close()
+
+
+@pytest.mark.e2e
+async def test_a_one_token_answer_leaves_its_prompt_cached(stack: Stack) -> None:
+    """``max_tokens`` 1 (a classifier's request): its sequence ends at its
+    prefill, never stepping; the next same prompt still finds it cached,
+    and answers the same."""
+    content = "Is the sea larger than the mountains? Answer yes or no, and think about it for a long while. " * 4
+    answers = []
+    async with client(stack) as c:
+        for turn in range(2):
+            r = await c.completions.create(model="tiny-qwen2-vl", prompt=content, max_tokens=1, temperature=0)
+            assert r.usage is not None and r.usage.prompt_tokens_details is not None
+            cached = int(r.usage.prompt_tokens_details.cached_tokens or 0)
+            assert (cached == 0) if turn == 0 else (cached >= 4 * BLOCK)
+            assert r.choices[0].finish_reason == "length" and r.usage.completion_tokens == 1
+            answers.append(r.choices[0].text)
+    assert answers[0] == answers[1]

@@ -62,6 +62,25 @@ def test_a_prompt_that_starts_as_an_earlier_one_prefills_only_the_rest_with_gene
     assert after_hits - hits == len(first) // BLOCK * BLOCK + (len(longer) - 1) // BLOCK * BLOCK
 
 
+def test_a_sequence_released_before_it_ever_stepped_leaves_its_prompt_cached(
+    tiny_model_dir: Path, engine_device: str
+) -> None:
+    """One token asked for: the sequence ends at its prefill, never joining
+    the decode batch; its prompt's full blocks are cached all the same."""
+    engine = engine_on(engine_device, tiny_model_dir, DecodeSettings(slots=4, max_len=512))
+    prompt = chat_prompt(engine, [{"type": "text", "text": "Tell me about the long road to the sea " * 10}])
+    [(seq, first)] = engine.prefill([prompt], [[]], [greedy(1)])
+    assert first == reference_generate(tiny_model_dir, prompt, [], 1)[0]
+    engine.release(seq)
+    pool = engine.decoder.pool if engine.decoder is not None else None
+    assert pool is not None
+    # Freed, and cached: every block can be handed out again.
+    assert pool.num_cached == len(prompt) // BLOCK and pool.num_free == pool.capacity
+    tokens, cached = _run(engine, prompt, [])
+    assert cached == (len(prompt) - 1) // BLOCK * BLOCK
+    assert tokens == reference_generate(tiny_model_dir, prompt, [], N)
+
+
 def test_blocks_showing_an_image_are_shared_only_with_a_prompt_showing_the_same_bytes(
     tiny_model_dir: Path, engine_device: str
 ) -> None:
