@@ -26,6 +26,7 @@ import json
 import sys
 import tempfile
 import time
+import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -196,8 +197,25 @@ def compare_routers(args: argparse.Namespace, routers: list[str]) -> list[dict[s
             extra = (*flags, *args.up_arg)
             with mmpipe_up(mode, spec.model, args.transport, Path(tmp), spec.api_key, extra=extra) as (url, _):
                 on = dataclasses.replace(spec, url=url, model=Path(spec.model).name)
-                rows.append({"router": label, **run_async(run(on, args.users, args.turns))})
+                row = run_async(run(on, args.users, args.turns))
+                rows.append({"router": label, **row, "encode_skipped": encode_hops_skipped(url)})
     return rows
+
+
+def encode_hops_skipped(url: str) -> int | None:
+    """The requests the bridge's router sent past the encode hop (their
+    media's tokens cached on a prefill worker), from its /metrics; None
+    where it does not say."""
+    base = url.removesuffix("/").removesuffix("/v1")
+    try:
+        with urllib.request.urlopen(f"{base}/metrics", timeout=5) as response:
+            text = response.read().decode()
+    except OSError:
+        return None
+    for line in text.splitlines():
+        if line.startswith("mmpipe_router_decisions_total{") and 'role="encode"' in line and 'to="skipped"' in line:
+            return int(float(line.rsplit(" ", 1)[1]))
+    return 0
 
 
 def format_routers(rows: list[dict[str, Any]]) -> str:
@@ -211,6 +229,7 @@ def format_routers(rows: list[dict[str, Any]]) -> str:
         lines += [f"== {r['router']}", format_summary(r), ""]
     lines.append(
         f"{'router':<14}{'req/s':>8}{'hit rate':>10}{'x one worker':>14}{'TTFT p50 turn>=2':>18}{'x round-robin':>15}"
+        f"{'encodes skipped':>17}"
     )
     for r in rows:
         hit, ttft = r["hit_rate_after_first"], r["ttft_ms_p50_after_first"]
@@ -219,7 +238,7 @@ def format_routers(rows: list[dict[str, Any]]) -> str:
         ttft_x = ttft / base if ttft is not None and base else None
         lines.append(
             f"{r['router']:<14}{num(r['requests_per_s'], '.2f'):>8}{num(hit, '.2f'):>10}{num(hit_x, '.2f'):>14}"
-            f"{num(ttft, '.1f'):>18}{num(ttft_x, '.2f'):>15}"
+            f"{num(ttft, '.1f'):>18}{num(ttft_x, '.2f'):>15}{num(r.get('encode_skipped'), 'd'):>17}"
         )
     return "\n".join(lines)
 

@@ -114,6 +114,7 @@ async def test_in_e_pd_a_turn_whose_media_a_prefill_worker_caches_skips_the_enco
     worker does not know the media (it never prefilled them) or its blocks
     went since the router looked, it runs the request again from the
     encode hop: the same answer, once."""
+    from pipeline.bench.multiturn import encode_hops_skipped
     from pipeline.bridge import processing
     from pipeline.metrics import RESTARTS
 
@@ -163,6 +164,8 @@ async def test_in_e_pd_a_turn_whose_media_a_prefill_worker_caches_skips_the_enco
             assert again == expected_text
             assert cached >= prompt - 16 - 1
             assert skipped() - was_skipped == 1 and encoder.handled == encoded
+        # What `mmpipe bench --workload multiturn --router ...` reads of it, from the bridge's /metrics.
+        assert await asyncio.to_thread(encode_hops_skipped, f"{stack.base_url}/v1") == skipped()
 
         # The blocks went after the router looked: the prefill finds them gone and runs it again from the encode hop.
         assert (await holder.stage.reset_prefix_cache() or 0) >= 4
