@@ -303,6 +303,14 @@ def _load_flags(p: argparse.ArgumentParser, after: bool = False) -> None:
         help="every other request asks to be traced (a sampled W3C traceparent), the rest not: TTFT of each "
         "apart, tracing's cost on one stack (run it with --trace-nats or --otlp-endpoint)",
     )
+    add(
+        "--client",
+        choices=("openai", "aiohttp"),
+        default="openai",
+        help="what sends the load: the official openai client, or a bare aiohttp reader of the server-sent "
+        "events (as vLLM's serving benchmark; on a small machine the openai client's own parsing is part of "
+        "its TTFT)",
+    )
     add("--json", action="store_true", help="print machine-readable results (JSON on stdout)")
     add("--log-level", default="ERROR", help="ERROR: the results alone")
 

@@ -50,9 +50,11 @@ import os
 import secrets
 import time
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import asdict, dataclass, field, replace
 from typing import TYPE_CHECKING, Any
+
+from pipeline.bench.sse import SseChat, StreamEvent
 
 if TYPE_CHECKING:
     import openai
@@ -63,6 +65,7 @@ _DOCUMENTS = itertools.count()
 PERCENTILES = (50, 90, 99)
 # Streams one client process takes by default (64 in one were its whole core).
 STREAMS_PER_PROCESS = 16
+CLIENTS = ("openai", "aiohttp")
 # A client process busier than this share of a core may be what the figures measure.
 CLIENT_BUSY = 0.85
 
@@ -86,8 +89,13 @@ class LoadSpec:
     # Every other request asks to be traced (a W3C traceparent, sampled), the
     # rest not to be: tracing's cost within one stack, under one load.
     trace_alternate: bool = False
+    # What sends the requests: the official openai client, or a bare aiohttp
+    # reader of the server-sent events (as vLLM's serving benchmark does).
+    client: str = "openai"
 
     def __post_init__(self) -> None:
+        if self.client not in CLIENTS:
+            raise ValueError(f"client must be one of {', '.join(CLIENTS)}")
         for name in ("concurrency", "requests", "max_tokens"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1")
@@ -136,6 +144,7 @@ def spec_from_args(args: argparse.Namespace, url: str | None = None, model: str 
             processes=args.processes,
             filler_words=args.filler_words,
             trace_alternate=getattr(args, "trace_alternate", False),
+            client=getattr(args, "client", "openai"),
         )
     except ValueError as exc:
         raise SystemExit(f"mmpipe bench: {exc}") from None
@@ -201,8 +210,34 @@ async def open_stream(
     )
 
 
+async def stream_events(
+    client: openai.AsyncOpenAI | SseChat, spec: LoadSpec, messages: Any, headers: dict[str, str] | None = None
+) -> AsyncIterator[StreamEvent]:
+    """``open_stream``'s chunks as the bench reads them, from either client."""
+    if isinstance(client, SseChat):
+        body = {
+            "model": spec.model,
+            "messages": messages,
+            "max_tokens": spec.max_tokens,
+            "temperature": 0,
+            "stream_options": {"include_usage": True},
+            "min_tokens": spec.max_tokens,
+        }
+        async for event in client.stream(body, headers):
+            yield event
+        return
+    async for chunk in await open_stream(client, spec, messages, headers):
+        usage = None
+        if chunk.usage is not None:
+            details = chunk.usage.prompt_tokens_details
+            cached = int(getattr(details, "cached_tokens", 0) or 0)
+            usage = (chunk.usage.completion_tokens, chunk.usage.prompt_tokens, cached)
+        finish = chunk.choices[0].finish_reason if chunk.choices else None
+        yield StreamEvent(bool(chunk.choices), finish, usage)
+
+
 async def one_request(
-    client: openai.AsyncOpenAI, spec: LoadSpec, image_urls: list[str], traced: bool | None = None
+    client: openai.AsyncOpenAI | SseChat, spec: LoadSpec, image_urls: list[str], traced: bool | None = None
 ) -> RequestResult:
     """One streamed chat completion, timed from before the call to the end of
     the stream; ``traced``: sent with a traceparent asking for that."""
@@ -221,21 +256,17 @@ async def one_request(
     headers = None if traced is None else {"traceparent": traceparent(traced)}
     t0 = time.perf_counter()
     try:
-        stream = await open_stream(client, spec, messages, headers)
-        async for chunk in stream:
+        async for event in stream_events(client, spec, messages, headers):
             now = time.perf_counter()
-            if chunk.choices:
+            if event.choice:
                 if first is None:
                     first = now
                 else:
                     gaps.append(now - last)
                 last = now
-                finish = chunk.choices[0].finish_reason or finish
-            if chunk.usage is not None:
-                tokens = chunk.usage.completion_tokens
-                prompt_tokens = chunk.usage.prompt_tokens
-                details = chunk.usage.prompt_tokens_details
-                cached = int(getattr(details, "cached_tokens", 0) or 0)
+                finish = event.finish_reason or finish
+            if event.usage is not None:
+                tokens, prompt_tokens, cached = event.usage
     except Exception as exc:
         return RequestResult(ok=False, e2e_s=time.perf_counter() - t0, error=_describe(exc), traced=traced)
     end = time.perf_counter()
@@ -388,11 +419,14 @@ async def _run_client(
 ) -> _ClientRun:
     """One process's closed loop; ``ready`` (a barrier) is passed once the
     warm-up is done, by every process at once."""
-    openai = import_openai()
     warmup_urls, image_sets = images
-    client = openai.AsyncOpenAI(
-        base_url=spec.url, api_key=spec.api_key or "none", max_retries=0, timeout=spec.timeout_s
-    )
+    client: Any
+    if spec.client == "aiohttp":
+        client = SseChat(spec.url, spec.api_key, spec.timeout_s)
+    else:
+        client = import_openai().AsyncOpenAI(
+            base_url=spec.url, api_key=spec.api_key or "none", max_retries=0, timeout=spec.timeout_s
+        )
     try:
         warmup_error = None
         if warmup:
@@ -469,7 +503,8 @@ def format_report(summary: dict[str, Any]) -> str:
     images = f"{c['images_per_request']}×{c['image_size']}" if c["images_per_request"] else "none"
     lines = [
         f"mmpipe bench  {c['url']}  model={c['model']}  concurrency={c['concurrency']}  "
-        f"requests={c['requests']}  max_tokens={c['max_tokens']}  images={images}  seed={c['seed']}",
+        f"requests={c['requests']}  max_tokens={c['max_tokens']}  images={images}  seed={c['seed']}"
+        f"  client={c.get('client', 'openai')}",
         f"completed {summary['completed']}  failed {summary['failed']}  short {summary['short']}  "
         f"in {summary['wall_s']:.2f} s: {summary['requests_per_s']:.2f} req/s, {summary['tokens_per_s']:.1f} tokens/s, "
         f"prompts of {summary['prompt_tokens_mean']:.0f} tokens on average"

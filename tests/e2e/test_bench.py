@@ -58,10 +58,16 @@ def test_a_load_shared_out_over_client_processes() -> None:
 
 
 @pytest.mark.e2e
-@pytest.mark.parametrize("processes", [1, 2])
-async def test_load_generator_against_the_epd_stack(stack: Stack, processes: int) -> None:
+@pytest.mark.parametrize(("processes", "client"), [(1, "openai"), (2, "openai"), (1, "aiohttp")])
+async def test_load_generator_against_the_epd_stack(stack: Stack, processes: int, client: str) -> None:
     spec = LoadSpec(
-        url=f"{stack.base_url}/v1", concurrency=2, requests=6, max_tokens=8, image_size=(96, 64), processes=processes
+        url=f"{stack.base_url}/v1",
+        concurrency=2,
+        requests=6,
+        max_tokens=8,
+        image_size=(96, 64),
+        processes=processes,
+        client=client,
     )
     report = await run_load(spec)
     summary = report.summary()
@@ -95,6 +101,11 @@ async def test_load_generator_against_the_epd_stack(stack: Stack, processes: int
     assert summary["requests_per_s"] > 0 and summary["tokens_per_s"] > 0
     assert len(summary["client_cpu"]) == processes and all(0 < c for c in summary["client_cpu"])
     assert "TTFT ms" in format_report(summary) and f"client: {processes} process" in format_report(summary)
+    assert f"client={client}" in format_report(summary)
+    if client == "aiohttp":
+        # An answer other than a stream (no such model: 404) is the request's error, as with the openai client.
+        bad = (await run_load(replace(spec, model="no-such-model", requests=1, concurrency=1))).summary()
+        assert bad["failed"] == 1 and any("404" in e for e in bad["errors"]), bad["errors"]
 
 
 @pytest.mark.e2e
