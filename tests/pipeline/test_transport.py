@@ -442,12 +442,13 @@ async def test_nixl_a_copy_that_lands_late_is_asked_for_again(
 
     async def recorded(*args: Any) -> Any:
         reply = await ask(*args)
-        reasons.append(reply.reason)
+        # None: the answer came too late (a loaded machine), and the reader asks again.
+        reasons.append(reply.reason if reply is not None else "unanswered")
         return reply
 
     monkeypatch.setattr(reader._reads, "_ask", recorded)
     got = asyncio.create_task(reader.get(ref))
-    await eventually(lambda: reasons.count("landing") >= 2, within=5.0)
+    await eventually(lambda: reasons.count("landing") >= 2, within=10.0)
     assert not got.done()
     gate.open = True
     assert_same(await asyncio.wait_for(got, 10), make_tensors(22))
@@ -455,8 +456,9 @@ async def test_nixl_a_copy_that_lands_late_is_asked_for_again(
 
 
 async def test_nixl_a_copy_that_never_lands_ends_the_get(make_transport: Factory, gates: list[Gate]) -> None:
-    holder = await make_transport("nixl", "holder", request_timeout_s=0.2)
-    reader = await make_transport("nixl", "reader", request_timeout_s=0.2, get_timeout_s=0.8, lease_s=2.0)
+    # Asks long enough that the holder's "landing" (at 3/4 of each) comes back on a loaded machine.
+    holder = await make_transport("nixl", "holder", request_timeout_s=1.0)
+    reader = await make_transport("nixl", "reader", request_timeout_s=1.0, get_timeout_s=3.0, lease_s=5.0)
     assert isinstance(holder, NixlTransport) and isinstance(reader, NixlTransport)
     ref, _ = await _not_landed(holder, 23, gates)
     with pytest.raises(TensorGone, match="landing"):
