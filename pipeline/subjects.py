@@ -126,6 +126,11 @@ class Subjects:
         """The key-value bucket of the LoRA adapters served (name -> ``LoraAdapter``)."""
         return f"MMPIPE_{self.namespace}_LORA"
 
+    @property
+    def images_bucket(self) -> str:
+        """The object store bucket of images answered by URL (``response_format`` url)."""
+        return f"MMPIPE_{self.namespace}_IMAGES"
+
     def sleep(self, role: str) -> str:
         """Every worker of a role: sleep at a level, or wake (``Sleep``; one ``SleepState`` reply each)."""
         return f"{self.prefix}.sleep.{role_token(role)}"

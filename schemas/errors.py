@@ -100,6 +100,13 @@ class RouteNotFound(MmpipeError):
     http_status = 404
 
 
+class ImageNotFound(MmpipeError):
+    """An image URL never given, or past its time. Not retryable."""
+
+    code = ErrorCode.NOT_FOUND
+    http_status = 404
+
+
 class MethodNotAllowed(MmpipeError):
     """A path the bridge serves, asked with a method it does not take. Not retryable."""
 

@@ -29,6 +29,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from pipeline import metrics, tracing
 from pipeline.bridge import processing, responses
+from pipeline.bridge.image_files import ImageFiles
 from pipeline.bridge.images import IMAGES_DECODER, image_params, images_response
 from pipeline.bridge.openai_types import (
     COMPLETION_DECODER,
@@ -58,6 +59,7 @@ from schemas.control import CacheCleared, Cancel, LoraCommand, LoraState, Restar
 from schemas.errors import (
     Cancelled,
     DeadlineExceeded,
+    ImageNotFound,
     InternalError,
     InvalidRequest,
     MethodNotAllowed,
@@ -119,6 +121,11 @@ class BridgeSettings:
     admin_wait_s: float = setting(
         120.0, flag="admin-wait", help="seconds the bridge waits for workers' answers to /sleep and /wake_up"
     )
+    image_url_ttl_s: float = setting(
+        3600.0,
+        flag="image-url-ttl",
+        help="seconds an image answered by URL (response_format url) can be fetched, from any bridge",
+    )
 
 
 class Bridge:
@@ -135,6 +142,7 @@ class Bridge:
         self.nc = nc
         # The generate-image workers' model, as clients name it ("": no image stage deployed).
         self.image_model = image_model
+        self.image_files = ImageFiles(js, config.subjects.images_bucket, settings.image_url_ttl_s, config.replicas or 1)
         # Where the processor holds the media it decoded (--frontend-decode).
         self.tensors = tensors
         self.js = js
@@ -157,6 +165,7 @@ class Bridge:
         app.router.add_post("/v1/chat/completions", self.chat_completions)
         app.router.add_post("/v1/completions", self.completions)
         app.router.add_post("/v1/images/generations", self.images_generations)
+        app.router.add_get("/v1/images/files/{name}", self.image_file)
         app.router.add_get("/v1/models", self.models)
         app.router.add_get("/v1/models/{model}", self.model)
         app.router.add_get("/health", self.health)
@@ -559,13 +568,27 @@ class Bridge:
                         log.error("text_in_image_reply", request_id=rid)
                         raise InternalError("text in an image request's reply")
                     images.append(chunk)
-                return web.json_response(images_response(int(now), images))
+                urls = None
+                if body.response_format == "url":
+                    base = f"{request.url.origin()}/v1/images/files"
+                    ordered = sorted(images, key=lambda c: c.index)
+                    urls = [f"{base}/{await self.image_files.put(c.data, c.media_type)}" for c in ordered]
+                return web.json_response(images_response(int(now), images, urls))
             except asyncio.CancelledError:
                 await self._cancel(rid)
                 raise
             finally:
                 await sub.unsubscribe()
                 structlog.contextvars.unbind_contextvars("request_id", "user")
+
+    async def image_file(self, request: web.Request) -> web.Response:
+        """An image answered by URL, while its bucket keeps it (no API key:
+        its name is the secret, as a signed URL's signature is)."""
+        found = await self.image_files.get(request.match_info["name"])
+        if found is None:
+            raise ImageNotFound("no such image: its URL was never given, or its time (--image-url-ttl) is up")
+        data, media_type = found
+        return web.Response(body=data, content_type=media_type)
 
     async def _serve(
         self,

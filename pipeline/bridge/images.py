@@ -39,8 +39,6 @@ IMAGES_DECODER = msgspec.json.Decoder(ImagesRequest)
 
 def image_params(body: ImagesRequest) -> ImageParams:
     """What the stage is to draw (the stage checks counts, sides and steps against its own limits)."""
-    if body.response_format == "url":
-        raise InvalidRequest("response_format 'url' is not served: the images come back as b64_json")
     width = height = 0
     if body.size is not None and body.size != "auto":
         size = _SIZE.fullmatch(body.size)
@@ -60,12 +58,19 @@ def image_params(body: ImagesRequest) -> ImageParams:
     )
 
 
-def images_response(created: int, images: list[ImageChunk]) -> dict[str, Any]:
+def images_response(created: int, images: list[ImageChunk], urls: list[str] | None = None) -> dict[str, Any]:
+    """The images in index order, inline (``b64_json``) or, with ``urls``
+    (one per image, in that order), where they can be fetched."""
     ordered = sorted(images, key=lambda c: c.index)
     first = ordered[0]
+    data = (
+        [{"url": url} for url in urls]
+        if urls is not None
+        else [{"b64_json": base64.b64encode(c.data).decode()} for c in ordered]
+    )
     return {
         "created": created,
-        "data": [{"b64_json": base64.b64encode(c.data).decode()} for c in ordered],
+        "data": data,
         "output_format": first.media_type.removeprefix("image/"),
         "size": f"{first.width}x{first.height}",
     }

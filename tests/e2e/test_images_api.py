@@ -12,6 +12,8 @@ import asyncio
 import base64
 import signal
 import time
+import urllib.error
+import urllib.request
 from pathlib import Path
 from typing import Any
 
@@ -76,12 +78,26 @@ def test_images_come_from_the_image_stage_as_diffusers_draws_them(
                 image_model_path(TINY_TEXT_TO_IMAGE), ImageParams("noise", 1, 64, 64, 1, 7.5), 4
             )
             assert '"put_s"' in up.text()  # the worker's trace: the image went by reference
+            # By URL: kept in the deployment's object store, fetched without the API key (its name is the secret).
+            by_url = client.images.generate(
+                model=TINY_TEXT_TO_IMAGE,
+                prompt="a lighthouse at night",
+                n=2,
+                size="64x48",  # type: ignore[arg-type]
+                response_format="url",
+                extra_body={"seed": 21, "num_inference_steps": 2, "guidance_scale": 6.0},
+            )
+            urls = [image.url or "" for image in by_url.data or []]
+            assert all(u.startswith(f"http://127.0.0.1:{port}/v1/images/files/") for u in urls) and len(set(urls)) == 2
+            assert [urllib.request.urlopen(u, timeout=10).read() for u in urls] == got
+            with pytest.raises(urllib.error.HTTPError) as gone:
+                urllib.request.urlopen(f"http://127.0.0.1:{port}/v1/images/files/{'0' * 32}.png", timeout=10)
+            assert gone.value.code == 404 and b'"not_found"' in gone.value.read()
 
             for bad, says in [
                 ({"size": "60x60"}, "width 60"),
                 ({"n": 0}, "n is 0"),
                 ({"prompt": " "}, "needs a prompt"),
-                ({"response_format": "url"}, "response_format 'url'"),
                 ({"quality": "hd"}, "quality"),
                 ({"size": "big"}, "size 'big'"),
             ]:
