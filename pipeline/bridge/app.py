@@ -72,7 +72,7 @@ from schemas.errors import (
     Unauthorized,
 )
 from schemas.processed import ProcessedRequest
-from schemas.request import GenerateRequest, ImageParams
+from schemas.request import GenerateRequest
 from schemas.routes import GENERATE_IMAGE, MODES, PROCESSOR
 from schemas.settings import setting
 
@@ -507,7 +507,10 @@ class Bridge:
             if text_model is None or await self.worker(GENERATE_IMAGE) is None:
                 # Refused now, not after the text: the image hop would wait in its queue to the deadline.
                 raise NoWorkers("no model to write the text" if text_model is None else f"no {GENERATE_IMAGE} worker")
-            gens = [msgspec.structs.replace(g, model=text_model, image=ImageParams()) for g in gens]
+            drawing = body.drawing()
+            gens = [msgspec.structs.replace(g, model=text_model, image=drawing) for g in gens]
+        elif asked := body.drawing_asked():
+            raise InvalidRequest(f"{', '.join(asked)}: only for a chat naming the image model")
         reply = responses.Reply(include_usage=include, continuous_usage=continuous, n=body.n, images=drawn)
         return await self._serve(request, rid, gens, len(body_bytes), reply, body.user, shown=body.model)
 

@@ -16,6 +16,7 @@ from schemas.request import (
     ChoiceGroup,
     ContentPart,
     GenerateRequest,
+    ImageParams,
     ImagePart,
     ImageURL,
     SamplingParams,
@@ -73,6 +74,31 @@ class ChatCompletionRequest(msgspec.Struct, forbid_unknown_fields=True):
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None
+    # A chat naming the image model: how the image stage draws its answer
+    # (vLLM-Omni's extras; unset: the pipeline's size, the server's steps and guidance).
+    width: int | None = None
+    height: int | None = None
+    num_inference_steps: int | None = None
+    guidance_scale: float | None = None
+
+    def drawing(self) -> ImageParams:
+        """The image stage's parameters (its prompt: the answer; its seed: the request's)."""
+        for name in ("width", "height", "num_inference_steps"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise InvalidRequest(f"{name} is {value}; at least 1")
+        if self.guidance_scale is not None and not self.guidance_scale > 0:
+            raise InvalidRequest(f"guidance_scale is {self.guidance_scale}; above 0")
+        return ImageParams(
+            width=self.width or 0,
+            height=self.height or 0,
+            steps=self.num_inference_steps or 0,
+            guidance=self.guidance_scale or 0.0,
+        )
+
+    def drawing_asked(self) -> list[str]:
+        """The drawing's fields this request sets."""
+        return [n for n in ("width", "height", "num_inference_steps", "guidance_scale") if getattr(self, n) is not None]
 
 
 REQUEST_DECODER = msgspec.json.Decoder(ChatCompletionRequest)

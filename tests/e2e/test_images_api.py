@@ -140,6 +140,20 @@ def test_images_come_from_the_image_stage_as_diffusers_draws_them(
             assert [_png(part["image_url"]["url"]) for part in last] == [want]
             finishes = [c.choices[0].finish_reason for c in streamed if c.choices]
             assert finishes[-1] == "length" and set(finishes[:-1]) == {None}  # the text's reason, on the image
+            # How it is drawn, as vLLM-Omni's chat takes it: extras beside the chat's own fields.
+            drawing = {"width": 64, "height": 48, "num_inference_steps": 2, "guidance_scale": 6.0}
+            sized = client.chat.completions.create(**{**ask, "extra_body": {"min_tokens": N, **drawing}})
+            _, sized_part = sized.choices[0].message.content  # type: ignore[misc]
+            want = _reference(image_model_path(TINY_TEXT_TO_IMAGE), ImageParams(text, 1, 64, 48, 2, 6.0), 5)[0]
+            assert _png(sized_part["image_url"]["url"]) == want
+            for bad, says in [
+                ({"model": "tiny-qwen2-vl", "width": 64}, "only for a chat naming the image model"),
+                ({"num_inference_steps": 0}, "num_inference_steps is 0"),
+            ]:
+                with pytest.raises(openai.BadRequestError) as refused:
+                    body = {**{k: v for k, v in ask.items() if k != "extra_body"}, "min_tokens": N, **bad}
+                    client.post("/chat/completions", body=body, cast_to=dict)
+                assert says in refused.value.message, (bad, refused.value)
     finally:
         code = up.stop(signal.SIGINT)
         procs.stop_all()
