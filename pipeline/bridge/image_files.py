@@ -10,13 +10,18 @@ from __future__ import annotations
 import asyncio
 import re
 import uuid
+from datetime import UTC, datetime
 
 import nats.js.errors
 from nats.js import JetStreamContext
-from nats.js.api import ObjectMeta
+from nats.js.api import ObjectInfo, ObjectMeta
 from nats.js.object_store import ObjectStore
 
 _NAME = re.compile(r"[0-9a-f]{32}\.[a-z]{3,4}")
+# An image this close to its TTL is treated as gone (clocks differ between hosts).
+_MARGIN_S = 5.0
+# A whole image read from the store takes far less.
+_READ_S = 10.0
 
 
 class ImageFiles:
@@ -40,12 +45,35 @@ class ImageFiles:
         given or its time is up."""
         if not _NAME.fullmatch(name):
             return None
+        store = await self._open()
         try:
-            got = await (await self._open()).get(name)
-        except (nats.js.errors.ObjectNotFoundError, nats.js.errors.ObjectDeletedError, nats.js.errors.NotFoundError):
+            # The chunks expire a little before the description (written last):
+            # nats-py's get of an object whose chunks are gone waits for them
+            # forever, so an image about to expire is gone already here, and
+            # a read that still finds no chunks is cut off.
+            if self._expiring(await store.get_info(name)):
+                return None
+            async with asyncio.timeout(_READ_S):
+                got = await store.get(name)
+        except (
+            nats.js.errors.ObjectNotFoundError,
+            nats.js.errors.ObjectDeletedError,
+            nats.js.errors.NotFoundError,
+            TimeoutError,
+        ):
             return None
         media_type = got.info.description or "application/octet-stream"
         return bytes(got.data or b""), media_type
+
+    def _expiring(self, info: ObjectInfo) -> bool:
+        """Whether the bucket's TTL ends this object within the margin (or
+        has: the server's clock may be ahead of this one)."""
+        try:
+            written = datetime.fromisoformat(info.mtime or "")
+        except ValueError:
+            return False
+        age = (datetime.now(UTC) - written).total_seconds()
+        return age >= self._ttl_s - min(_MARGIN_S, self._ttl_s / 4)
 
     async def _open(self) -> ObjectStore:
         async with self._opening:

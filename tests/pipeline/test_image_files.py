@@ -15,7 +15,7 @@ async def test_one_bridge_keeps_an_image_another_serves_until_its_time_is_up(pip
     first_nc, first_js = await connect(pipeline_config.nats_url, "bridge-1")
     second_nc, second_js = await connect(pipeline_config.nats_url, "bridge-2")
     try:
-        keeps, serves = ImageFiles(first_js, bucket, ttl_s=2.0), ImageFiles(second_js, bucket, ttl_s=2.0)
+        keeps, serves = ImageFiles(first_js, bucket, ttl_s=6.0), ImageFiles(second_js, bucket, ttl_s=6.0)
         png = b"\x89PNG\r\n\x1a\n" + bytes(range(256)) * 8
         name = await keeps.put(png, "image/png")
         assert name.endswith(".png") and name != await keeps.put(png, "image/png")  # every image its own name
@@ -26,7 +26,7 @@ async def test_one_bridge_keeps_an_image_another_serves_until_its_time_is_up(pip
         async def gone() -> bool:
             return await serves.get(name) is None
 
-        await eventually_true(gone, within=15, what="the image expires with the bucket's TTL")
+        await eventually_true(gone, within=30, what="the image expires with the bucket's TTL")
     finally:
         await first_nc.close()
         await second_nc.close()
