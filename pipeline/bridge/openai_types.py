@@ -98,8 +98,11 @@ class ChatCompletionRequest(msgspec.Struct, forbid_unknown_fields=True):
 
     def drawing_asked(self) -> list[str]:
         """The drawing's fields this request sets."""
-        return [n for n in ("width", "height", "num_inference_steps", "guidance_scale") if getattr(self, n) is not None]
+        return [name for name in _DRAWING if getattr(self, name) is not None]
 
+
+# A chat's fields for the image stage (ChatCompletionRequest.drawing).
+_DRAWING = ("width", "height", "num_inference_steps", "guidance_scale")
 
 REQUEST_DECODER = msgspec.json.Decoder(ChatCompletionRequest)
 
