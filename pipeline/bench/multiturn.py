@@ -31,6 +31,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from prometheus_client.parser import text_string_to_metric_families
+
 from pipeline.bench.load import (
     PROMPT,
     LoadSpec,
@@ -212,9 +214,10 @@ def encode_hops_skipped(url: str) -> int | None:
             text = response.read().decode()
     except OSError:
         return None
-    for line in text.splitlines():
-        if line.startswith("mmpipe_router_decisions_total{") and 'role="encode"' in line and 'to="skipped"' in line:
-            return int(float(line.rsplit(" ", 1)[1]))
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == "mmpipe_router_decisions_total" and sample.labels == {"role": "encode", "to": "skipped"}:
+                return int(sample.value)
     return 0
 
 
