@@ -275,8 +275,7 @@ class KvRouter:
         if not any(overlaps.get(wid) for wid in candidates):
             log.debug("kv_cached_nowhere", request_id=out.request.request_id, keys=len(keys), workers=len(candidates))
             return None  # cached nowhere: whichever worker is free first takes it
-        blocks = max(1, -(-_prompt_length(out, keys, sizes[0]) // sizes[0]))
-        return self._cheapest(out, candidates, overlaps, blocks)
+        return self._cheapest(out, candidates, overlaps, _prompt_blocks(out, keys, sizes[0]))
 
     def _cheapest(
         self, out: ProcessedRequest, candidates: dict[str, _Worker], overlaps: dict[str, int], blocks: int
@@ -337,8 +336,7 @@ class KvRouter:
         holders = {wid: w for wid, w in candidates.items() if overlaps.get(wid, 0) >= covering}
         if not holders:
             return None
-        blocks = max(1, -(-_prompt_length(skipped, keys, sizes[0]) // sizes[0]))
-        wid = self._cheapest(skipped, holders, overlaps, blocks)
+        wid = self._cheapest(skipped, holders, overlaps, _prompt_blocks(skipped, keys, sizes[0]))
         DECISIONS.labels(ENCODE, "skipped").inc()
         DECISIONS.labels(role, "worker").inc()
         return self.subjects.routed(role, wid), skipped
@@ -466,6 +464,11 @@ def _media_end(media: list[PromptMedia]) -> int | None:
         end = m.placeholder_index + shift + m.num_tokens
         shift += m.num_tokens - 1
     return end
+
+
+def _prompt_blocks(out: ProcessedRequest, keys: list[int], block_size: int) -> int:
+    """The KV blocks the prompt takes (at least one)."""
+    return max(1, -(-_prompt_length(out, keys, block_size) // block_size))
 
 
 def _prompt_length(out: ProcessedRequest, keys: list[int], block_size: int) -> int:
