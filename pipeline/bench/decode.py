@@ -44,7 +44,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--lora-adapters",
         type=int,
         default=4,
-        help="random LoRA adapters (rank 16) spread over the rows for the modules' step with adapters (0: skip)",
+        help="random LoRA adapters (rank 16) spread over the rows, for the modules' and the fused step with "
+        "adapters (0: skip)",
     )
     p.add_argument("--no-cuda-graphs", dest="cuda_graphs", action="store_false")
     p.add_argument("--no-baseline", dest="baseline", action="store_false", help="skip generate()")
@@ -307,10 +308,12 @@ LORA_RANK = 16
 
 
 def _lora_step(model: Any, ids: Any, args: argparse.Namespace, device: Any) -> dict[str, float]:
-    """The batch decoder's step (on the model's modules: the step adapters
-    run on) with every row running one of ``--lora-adapters`` random
-    adapters (rank 16, on every projection of the language model), against
-    the same step before any adapter was loaded."""
+    """The batch decoder's step with every row running one of
+    ``--lora-adapters`` random adapters (rank 16, on every projection of the
+    language model), against the same step before any adapter was loaded:
+    on the model's modules (the adapters' wrappers, ``LoraLinear``) and on
+    the fused step (a GPU's default; the adapters' stacked form,
+    stages/torch_engine/fused_lora.py; on a CPU too, so the path runs)."""
     from pathlib import Path
 
     import torch
@@ -320,9 +323,12 @@ def _lora_step(model: Any, ids: Any, args: argparse.Namespace, device: Any) -> d
 
     batch, context = ids.shape
     max_len = args.max_len or context + args.new_tokens + 1
-    decoder = BatchDecoder(model, max_slots=batch, max_len=max_len, use_graphs=args.cuda_graphs, fused=False)
-    timed = (model, decoder, ids, args.new_tokens, args.repeats, device)
-    plain = _decoder_step_ms(*timed, ahead=True)[0]
+    decoders = {
+        kind: BatchDecoder(model, max_slots=batch, max_len=max_len, use_graphs=args.cuda_graphs, fused=kind == "fused")
+        for kind in ("modules", "fused")
+    }
+    plain = {kind: _decoder_step_ms(model, d, ids, args.new_tokens, args.repeats, device, ahead=True)[0]
+             for kind, d in decoders.items()}  # fmt: skip
     head = model.get_output_embeddings()
     targets = {name: m for name, m in language_linears(model).items() if m is not head}
     generator = torch.Generator().manual_seed(0)
@@ -338,18 +344,31 @@ def _lora_step(model: Any, ids: Any, args: argparse.Namespace, device: Any) -> d
         }
         loras.add(LoraAdapter(f"bench-{k}", Path("."), modules, salt=""))
     loras.apply(model)
-    decoder.forget_graphs()
+    decoders["fused"].adapters = loras.fused(model)
+    out: dict[str, float] = {}
+    seen: dict[str, list[list[int]]] = {}
     try:
         slots = [1 + row % args.lora_adapters for row in range(batch)]
-        with_lora = _decoder_step_ms(*timed, ahead=True, lora=(loras, slots))[0]
+        for kind, decoder in decoders.items():
+            decoder.forget_graphs()
+            timed = (model, decoder, ids, args.new_tokens, args.repeats, device)
+            with_lora, seen[kind] = _decoder_step_ms(*timed, ahead=True, lora=(loras, slots))
+            # The modules' keys as they were before the fused step took adapters.
+            named = "" if kind == "modules" else "fused_"
+            out[f"decoder_{kind}_step_ms"] = plain[kind]
+            out[f"decoder_{named}lora_step_ms"] = with_lora
+            out[f"lora_{named}overhead"] = with_lora / plain[kind] - 1
+        # The two forms' greedy tokens, step by step (equal on a CPU; bf16 rounds each its own way).
+        pairs = [(a, b) for x, y in zip(seen["modules"], seen["fused"], strict=True) for a, b in zip(x, y, strict=True)]
+        out["lora_fused_agree"] = sum(a == b for a, b in pairs) / len(pairs)
     finally:
         # The wrappers off again: the model goes on to the next batch size plain.
         for name, module in list(model.named_modules()):
             if isinstance(module, LoraLinear):
                 parent, _, child = name.rpartition(".")
                 setattr(model.get_submodule(parent) if parent else model, child, module.base)
-        del decoder
-    return {"decoder_modules_step_ms": plain, "decoder_lora_step_ms": with_lora, "lora_overhead": with_lora / plain - 1}
+        del decoders
+    return out
 
 
 def _seat(decoder: Any, batch: int, tokens: int) -> list[list[int]]:
@@ -419,7 +438,7 @@ def _table(results: dict[str, Any]) -> None:
     print()
     print(
         f"{'preset':<12} {'batch':>5} {'generate ms/step':>17} {'decoder ms/step':>16} {'read each ms':>13} "
-        f"{'speedup':>8} {'extras':>7} {'sampling':>8} {'lora':>7} "
+        f"{'speedup':>8} {'extras':>7} {'sampling':>8} {'lora':>7} {'lora fused':>10} "
         f"{'generate tok/s':>15} {'decoder tok/s':>14} {'roofline ms':>12} {'of roofline':>12} {'greedy agree':>13}"
     )
     for r in results["runs"]:
@@ -427,7 +446,7 @@ def _table(results: dict[str, Any]) -> None:
             f"{r['preset']:<12} {r['batch']:>5} {r.get('generate_step_ms', float('nan')):>17.3f} "
             f"{r['decoder_step_ms']:>16.3f} {r['decoder_sync_step_ms']:>13.3f} {r.get('speedup', float('nan')):>8.2f} "
             f"{r['extras_overhead']:>+7.1%} {r['sampling_overhead']:>+8.1%} "
-            f"{r.get('lora_overhead', float('nan')):>+7.1%} "
+            f"{r.get('lora_overhead', float('nan')):>+7.1%} {r.get('lora_fused_overhead', float('nan')):>+10.1%} "
             f"{r.get('generate_tok_s', float('nan')):>15.1f} {r['decoder_tok_s']:>14.1f} "
             f"{r.get('roofline_step_ms', float('nan')):>12.3f} {r.get('roofline_fraction', float('nan')):>12.1%} "
             f"{'' if r['greedy_agree'] is None else format(r['greedy_agree'], '.0%'):>13}"

@@ -46,7 +46,15 @@ from stages.progress import counted
 from stages.sampling import Logprobs, SamplingConfig
 from stages.torch_engine.block_pool import NULL_BLOCK, BlockPool, blocks_for
 from stages.torch_engine.decode_attention import gather_blocks, length_mask
-from stages.torch_engine.fused_decode import FusedKernels, FusedLayer, can_fuse, default_attention, fuse_layer
+from stages.torch_engine.fused_decode import (
+    FusedKernels,
+    FusedLayer,
+    can_fuse,
+    default_attention,
+    fuse_layer,
+    project_out,
+)
+from stages.torch_engine.fused_lora import NO_LORA, LayerLora
 from stages.torch_engine.row_sampling import MAX_TOP, RowSampling
 
 # Batch sizes a step is padded up to (each a captured graph on CUDA).
@@ -231,6 +239,9 @@ class BatchDecoder:
         # The step's penalties and logprobs compiled where the fused step is.
         self._compile_extras = compile and self.device.type == "cuda" and (fused is None or fused)
         self.fused: list[FusedLayer] | None = None
+        # The loaded LoRA adapters as the fused step takes them, by layer
+        # (stages/torch_engine/fused_lora.py; None: no adapter loaded).
+        self.adapters: list[LayerLora] | None = None
         if fused and all(can_fuse(layer) for layer in self.lm.layers) and hasattr(self.lm.norm, "variance_epsilon"):
             self.fused = [fuse_layer(layer) for layer in self.lm.layers]
             self.kernels = FusedKernels(
@@ -517,8 +528,11 @@ class BatchDecoder:
         tokens = self._fed_tokens(bucket)
         hidden = self.lm.embed_tokens(tokens)  # [b, hidden]
         delta = None
+        # Without adapters the pieces take no slots (the graphs compiled before adapters existed).
+        slots = self.lora[:bucket] if self.adapters is not None else None
         for i, w in enumerate(self.fused):
             keys, values = self.keys[i], self.values[i]
+            lo = self.adapters[i] if self.adapters is not None else NO_LORA
             hidden, q = k.before_attention(
                 hidden,
                 delta,
@@ -534,9 +548,14 @@ class BatchDecoder:
                 values,
                 blocks,
                 offsets,
+                lo.qkv,
+                slots,
             )
             attended = k.attend(q, keys, values, step, self.scaling)
-            hidden, delta = k.after_attention(hidden, k.project(attended, w.o), w.ln2, w.gate_up, w.down, w.eps)
+            projected = project_out(attended, w.o, lo.o, slots, k.project)
+            hidden, delta = k.after_attention(
+                hidden, projected, w.ln2, w.gate_up, w.down, w.eps, lo.gate_up, lo.down, slots
+            )
         assert delta is not None
         norm = self.lm.norm
         logits: torch.Tensor = self.model.lm_head(k.final(hidden, delta, norm.weight, float(norm.variance_epsilon)))

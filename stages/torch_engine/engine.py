@@ -152,12 +152,19 @@ class TorchEngine:
             self.decoder = None  # a role that ends at prefill would never use it
         self._slots = SlotTable(self.decoder) if self.decoder is not None else None
         if self.decoder is not None:
+            if self.decoder.fused is not None:
+                self.decoder.adapters = self._loras.fused(self.model)  # those loaded before a sleep
             started = time.monotonic()
             capturing = self.device.type == "cuda" and decode.cuda_graphs
             if capturing:
                 log.info("cuda_graphs_capturing", compile=decode.torch_compile, max_num_seqs=decode.slots)
-            sizes = self.decoder.capture() if decode.decodes else []
-            lengths = self._slot_prefill.capture() if self._slot_prefill is not None else []
+            # Captured with the output head's adapters too, where it has them.
+            with self._loras.for_step(self.decoder.lora, [], graphed=True):
+                sizes = self.decoder.capture() if decode.decodes else []
+            lengths: list[int] = []
+            if self._slot_prefill is not None:
+                with self._loras.for_step(self._slot_prefill.lora_slot, [], graphed=True):
+                    lengths = self._slot_prefill.capture()
             if sizes or lengths:
                 log.info(
                     "cuda_graphs_captured",
@@ -230,9 +237,7 @@ class TorchEngine:
         directory) as ``name``, for prompts that ask for it (``prefill``'s
         ``loras``). Again with the same path: nothing to do. InvalidRequest
         for an adapter this engine cannot apply (stages/torch_engine/lora.py
-        says which), another path under a loaded name, or a worker whose
-        batch decoder runs the fused step (it does not call the modules an
-        adapter wraps)."""
+        says which) or another path under a loaded name."""
         if not name:
             raise InvalidRequest("a LoRA adapter needs a name")
         loaded = self._loras.adapters.get(name)
@@ -240,23 +245,16 @@ class TorchEngine:
             if loaded.path == Path(path).resolve():
                 return
             raise InvalidRequest(f"LoRA adapter {name!r} is loaded from {loaded.path}; unload it first to load {path}")
-        if self.decoder is not None and self.decoder.fused is not None:
-            raise InvalidRequest(
-                "LoRA adapters run on the model's modules, and this worker's batch decoder runs the fused layer "
-                "step: start the worker with --fused-decode false to serve adapters"
-            )
         if self.sleeping or self.model is None:
             raise InvalidRequest(f"the engine is asleep (level {self.sleeping}): wake it up to load an adapter")
         adapter = read_adapter(name, path, self.model)
         with self._lock:
             self._loras.add(adapter)
             try:
-                self._loras.apply(self.model)
+                self._adapters_changed()
             except BaseException:
                 self._loras.remove(name)
                 raise
-            if self.decoder is not None:
-                self.decoder.forget_graphs()
         log.info("lora_loaded", name=name, path=str(adapter.path), modules=len(adapter.modules))
 
     def unload_lora(self, name: str) -> bool:
@@ -269,12 +267,24 @@ class TorchEngine:
             if users:
                 raise InvalidRequest(f"LoRA adapter {name!r} is in use by {len(users)} running sequences")
             self._loras.remove(name)
-            if self.model is not None:
-                self._loras.apply(self.model)
-            if self.decoder is not None:
-                self.decoder.forget_graphs()
+            self._adapters_changed()
         log.info("lora_unloaded", name=name)
         return True
+
+    def _adapters_changed(self) -> None:
+        """The loaded adapters changed: the wrapped modules' stacks and the
+        fused step's made again, and no graph captured over the old ones
+        (those wait for a step or prefill that needs them: the first after a
+        load captures, on a GPU compiles too)."""
+        if self.decoder is not None:
+            self.decoder.forget_graphs()  # none still queued reads the old stacks
+        if self._slot_prefill is not None:
+            self._slot_prefill.forget_graphs()
+        if self.model is None:
+            return
+        self._loras.apply(self.model)
+        if self.decoder is not None and self.decoder.fused is not None:
+            self.decoder.adapters = self._loras.fused(self.model)
 
     def loras(self) -> list[str]:
         """The names of the adapters loaded."""
@@ -939,10 +949,12 @@ class TorchEngine:
                 if hit and self.decoder is not None:
                     self.decoder.pool.free(hit)
                 raise MediaNotEncoded(f"the cached prefix no longer holds the first {needed} tokens")
-            # The graphed prefill runs the fused layers, not the modules an adapter wraps.
-            if not emitted and not slot:
-                slotted = self._prefill_into_slot(embeds, positions, len(ids), sampling, delta, defer, keys, ids, hit)
+            if not emitted:
+                slotted = self._prefill_into_slot(
+                    embeds, positions, len(ids), sampling, delta, defer, keys, ids, hit, slot
+                )
                 if slotted is not None:
+                    self._with_lora(slotted[0], lora)
                     return slotted
             # Past a cached prefix (``hit``'s blocks, held), the rest through the
             # model's modules, attending over the prefix's keys and values read
@@ -1183,11 +1195,12 @@ class TorchEngine:
         keys: list[int] | None = None,
         ids: list[int] | None = None,
         hit: list[int] | None = None,
+        lora: int = 0,
     ) -> tuple[Sequence, int] | None:
         """The graphed prefill straight into the batch decoder's blocks, where
         the prompt (past a cached prefix: ``hit``'s blocks, held, which the
         sequence then holds) fits a graph and the sequence the pool (else
-        None: the modules, the prefix still held)."""
+        None: the modules, the prefix still held). ``lora``: its adapter's slot."""
         prefill, slots = self._slot_prefill, self._slots
         held = list(hit or [])
         cached = len(held) * self.block_size
@@ -1208,7 +1221,8 @@ class TorchEngine:
             return None
         slots.take(seq, length)
         try:
-            logits = prefill.run(embeds[0, cached:], positions[..., cached:], seq.blocks, start=cached)
+            with self._loras.for_step(prefill.lora_slot, [lora], prefill.use_graphs):
+                logits = prefill.run(embeds[0, cached:], positions[..., cached:], seq.blocks, start=cached, lora=lora)
         except BaseException:
             slots.free(seq)
             raise

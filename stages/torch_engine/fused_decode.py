@@ -41,6 +41,7 @@ from stages.torch_engine.decode_attention import (
     masked_step,
     rows_step,
 )
+from stages.torch_engine.fused_lora import ProjectionLora, lora_delta
 from stages.torch_engine.kernels import triton_decode, triton_linear
 
 # y = x @ w.T (+ bias): F.linear (cuBLAS), or the skinny Triton kernel.
@@ -125,19 +126,22 @@ def before_attention(
     values: torch.Tensor,
     blocks: torch.Tensor,
     offsets: torch.Tensor,
+    lora: ProjectionLora | None = None,
+    slots: torch.Tensor | None = None,
     linear: Linear = F.linear,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """hidden [b, hidden] plus the last layer's MLP output ``delta`` (None
     before the first layer) → (hidden, q [b, heads, d]); writes the new key
     and value of row r into a layer's pool keys, values [blocks, kv_heads,
-    block_size, d] at (blocks[r], offsets[r]). cos, sin [b, 1, d].
+    block_size, d] at (blocks[r], offsets[r]). cos, sin [b, 1, d]. ``lora``:
+    the QKV projection's adapters, row r's by its slot ``slots[r]``.
 
     The residual add of the layer before is done here so that it, the norm,
     RoPE and the cache write are a couple of kernels rather than one each."""
     if delta is not None:
         hidden = hidden + delta
     b, d = hidden.shape[0], cos.shape[-1]
-    qkv = linear(rms_norm(hidden, ln, eps), qkv_weight, qkv_bias)
+    qkv = project_qkv(rms_norm(hidden, ln, eps), qkv_weight, qkv_bias, lora, slots, linear)
     q, k, v = qkv.split([heads * d, kv_heads * d, kv_heads * d], dim=-1)
     keys[blocks, :, offsets] = rope(k.view(b, kv_heads, d), cos, sin)
     values[blocks, :, offsets] = v.view(b, kv_heads, d)
@@ -151,19 +155,64 @@ def after_attention(
     gate_up: torch.Tensor,
     down: torch.Tensor,
     eps: float,
+    gate_up_lora: ProjectionLora | None = None,
+    down_lora: ProjectionLora | None = None,
+    slots: torch.Tensor | None = None,
     linear: Linear = F.linear,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """hidden plus attention's output projection ``projected`` → (hidden
     after attention, the MLP's output): the next layer (or ``final``) adds
-    the two, in the models' order.
+    the two, in the models' order. ``gate_up_lora``, ``down_lora``: those
+    projections' adapters, row r's by its slot ``slots[r]``.
 
     The projection comes in made (``FusedKernels.project``): compiled
     together, its matmul and the residual add became one addmm, whose
     residual is first copied into the output (a kernel a layer more) and
     which rounds the sum once where the models round the product first."""
     hidden = hidden + projected
-    gate, up = linear(rms_norm(hidden, ln, eps), gate_up).chunk(2, dim=-1)
-    return hidden, linear(F.silu(gate) * up, down)
+    normed = rms_norm(hidden, ln, eps)
+    both = linear(normed, gate_up)
+    if gate_up_lora is not None:
+        assert slots is not None
+        both = both + lora_delta(normed, gate_up_lora, slots)
+    gate, up = both.chunk(2, dim=-1)
+    acted = F.silu(gate) * up
+    out = linear(acted, down)
+    if down_lora is not None:
+        assert slots is not None
+        out = out + lora_delta(acted, down_lora, slots)
+    return hidden, out
+
+
+def project_qkv(
+    normed: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    lora: ProjectionLora | None,
+    slots: torch.Tensor | None,
+    linear: Linear = F.linear,
+) -> torch.Tensor:
+    """The concatenated Q, K, V projection, plus each row's adapter's update."""
+    qkv = linear(normed, weight, bias)
+    if lora is not None:
+        assert slots is not None
+        qkv = qkv + lora_delta(normed, lora, slots)
+    return qkv
+
+
+def project_out(
+    attended: torch.Tensor,
+    weight: torch.Tensor,
+    lora: ProjectionLora | None,
+    slots: torch.Tensor | None,
+    linear: Linear = F.linear,
+) -> torch.Tensor:
+    """Attention's output projection, plus each row's adapter's update."""
+    out = linear(attended, weight)
+    if lora is not None:
+        assert slots is not None
+        out = out + lora_delta(attended, lora, slots)
+    return out
 
 
 def skinny_linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:

@@ -15,7 +15,10 @@ batched matrix products, where ``id`` is read from ``LoraRows.current``: a
 tensor of adapter slots, one per batch row, the engine points at before
 every forward (None: every row without adapter, nothing added). The batch
 decoder's steps read the decoder's own static row of slots, so a CUDA
-graph replays with the slots of each step.
+graph replays with the slots of each step. The fused step and the graphed
+prefill, which call concatenated weights instead of the modules, take the
+same adapters stacked per fused projection (``LoraSet.fused``,
+stages/torch_engine/fused_lora.py).
 """
 
 from __future__ import annotations
@@ -34,6 +37,7 @@ import torch
 from torch import nn
 
 from schemas.errors import InvalidRequest, ModelNotFound
+from stages.torch_engine.fused_lora import LayerLora, layer_loras
 
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
@@ -328,6 +332,20 @@ class LoraSet:
             if isinstance(module, LoraLinear):
                 weights = {self.slots[a.name]: a.modules[name] for a in self.adapters.values() if name in a.modules}
                 module.set_adapters(weights, slots)
+
+    def fused(self, model: Any) -> list[LayerLora] | None:
+        """The loaded adapters as the fused layer step takes them
+        (stages/torch_engine/fused_lora.py), on the model's device; None
+        with none loaded."""
+        from stages.torch_engine.batch_decoder import _language_model
+
+        lm = _language_model(model)
+        lm_name = next(n for n, m in model.named_modules() if m is lm)
+        sizes = {name: (linear.in_features, linear.out_features) for name, linear in language_linears(model).items()}
+        layers = [f"{lm_name}.layers.{i}" if lm_name else f"layers.{i}" for i in range(len(lm.layers))]
+        by_slot = {self.slots[name]: adapter for name, adapter in self.adapters.items()}
+        weight = lm.layers[0].self_attn.o_proj.weight
+        return layer_loras(layers, sizes, by_slot, max(self.slots.values(), default=0) + 1, weight.device, weight.dtype)
 
     def forget_model(self) -> None:
         """The model went (a deep sleep): the next ``apply`` wraps a new one."""

@@ -52,7 +52,8 @@ from stages.progress import counted
 from stages.torch_engine.batch_decoder import BatchDecoder
 from stages.torch_engine.block_pool import NULL_BLOCK
 from stages.torch_engine.decode_attention import gather_blocks
-from stages.torch_engine.fused_decode import FusedLayer, after_attention, rms_norm, rope
+from stages.torch_engine.fused_decode import FusedLayer, after_attention, project_out, project_qkv, rms_norm, rope
+from stages.torch_engine.fused_lora import NO_LORA, ProjectionLora
 from stages.torch_engine.kernels import triton_decode
 
 # Prompt lengths a graph is captured for; a longer prompt runs the modules.
@@ -109,6 +110,8 @@ class SlotPrefill:
         # Past a cached prefix: where the rows start, and how many are the prompt's.
         self._start = torch.zeros(1, dtype=torch.long, device=device)
         self._count = torch.zeros(1, dtype=torch.long, device=device)
+        # The prompt's LoRA adapter slot (0: none), read where the decoder holds adapters.
+        self.lora_slot = torch.zeros(1, dtype=torch.long, device=device)
         # The Triton kernel's (one per (row, kv head)), zero between its launches.
         triton = decoder.kernels.attention == "triton"
         self._counters = torch.zeros(n * s.kv_heads, dtype=torch.int32, device=device) if triton else None
@@ -127,12 +130,15 @@ class SlotPrefill:
         return self.buckets[bisect.bisect_left(self.buckets, length)]
 
     @torch.inference_mode()
-    def run(self, embeds: torch.Tensor, positions: torch.Tensor, blocks: list[int], start: int = 0) -> torch.Tensor:
+    def run(
+        self, embeds: torch.Tensor, positions: torch.Tensor, blocks: list[int], start: int = 0, lora: int = 0
+    ) -> torch.Tensor:
         """Next-token logits [vocab] of a prompt given as embeddings [L,
         hidden] and its positions (the family's layout); its keys and values
         are in ``blocks`` after. ``start``: the prompt's first ``start``
         positions are a cached prefix already in ``blocks`` (whole blocks),
-        and ``embeds`` and ``positions`` are the rest's."""
+        and ``embeds`` and ``positions`` are the rest's. ``lora``: the
+        prompt's adapter slot (the decoder's ``adapters``; 0: none)."""
         length = int(embeds.shape[0])
         if not self.fits(length):
             raise ValueError(f"a prompt of {length} tokens; slot prefill takes 1 to {self.max_tokens}")
@@ -146,6 +152,9 @@ class SlotPrefill:
         self._sin[:length].copy_(sin)
         self._table.copy_(d.table_row(blocks), non_blocking=True)
         self._last.fill_(length - 1)
+        if lora and d.adapters is None:
+            raise ValueError(f"adapter slot {lora}, and the decoder holds no adapters")
+        self.lora_slot.fill_(lora)
         past = start > 0
         if past:
             self._start.fill_(start)
@@ -169,6 +178,13 @@ class SlotPrefill:
             for bucket, past in counted("prefill graphs", sorted(forms, reverse=True), len(forms)):
                 self._graph(bucket, past)
         return list(self.buckets)
+
+    def forget_graphs(self) -> None:
+        """The adapters changed: graphs captured over the old ones would
+        replay them (each bucket captures again when next run)."""
+        if self._graphs and self.decoder.device.type == "cuda":
+            torch.cuda.synchronize(self.decoder.device)
+        self._graphs.clear()
 
     def _graph(self, bucket: int, past: bool) -> tuple[Any, torch.Tensor]:
         if (bucket, past) not in self._graphs:
@@ -195,13 +211,16 @@ class SlotPrefill:
         cos, sin = self._cos[:bucket], self._sin[:bucket]
         hidden = self._embeds[:bucket]
         delta: torch.Tensor | None = None
+        slots = self.lora_slot.expand(bucket) if d.adapters is not None else None
         for i, w in enumerate(self.fused):
+            lo = d.adapters[i] if d.adapters is not None else NO_LORA
             hidden, q, k, v = self._before(
                 hidden, delta, w.ln1, w.qkv, w.qkv_bias, w.eps, cos, sin, s.heads, s.kv_heads,
-                d.keys[i], d.values[i], blocks, offsets,
+                d.keys[i], d.values[i], blocks, offsets, lo.qkv, slots,
             )  # fmt: skip
             attended = past_attention(q, i) if reads is not None else _causal_attention(q, k, v, d.scaling)
-            hidden, delta = self._after(hidden, F.linear(attended, w.o), w.ln2, w.gate_up, w.down, w.eps)
+            projected = project_out(attended, w.o, lo.o, slots)
+            hidden, delta = self._after(hidden, projected, w.ln2, w.gate_up, w.down, w.eps, lo.gate_up, lo.down, slots)
         assert delta is not None
         last = (hidden + delta).index_select(0, self._last)
         norm = d.lm.norm
@@ -270,14 +289,17 @@ def _before_attention(
     values: torch.Tensor,
     blocks: torch.Tensor,
     offsets: torch.Tensor,
+    lora: ProjectionLora | None = None,
+    slots: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """hidden [L, hidden] (plus the last layer's MLP output) → (hidden, q
     [L, heads, d], k and v [L, kv_heads, d]), RoPE applied; k and v also
-    written into a layer's pool keys, values at (blocks[i], offsets[i])."""
+    written into a layer's pool keys, values at (blocks[i], offsets[i]).
+    ``lora``, ``slots``: the QKV projection's adapters, by row."""
     if delta is not None:
         hidden = hidden + delta
     n, d = hidden.shape[0], cos.shape[-1]
-    qkv = F.linear(rms_norm(hidden, ln, eps), qkv_weight, qkv_bias)
+    qkv = project_qkv(rms_norm(hidden, ln, eps), qkv_weight, qkv_bias, lora, slots)
     q, k, v = qkv.split([heads * d, kv_heads * d, kv_heads * d], dim=-1)
     k, v = rope(k.view(n, kv_heads, d), cos, sin), v.view(n, kv_heads, d)
     keys[blocks, :, offsets] = k

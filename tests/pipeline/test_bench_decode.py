@@ -28,9 +28,14 @@ def test_bench_decode_prints_and_writes_every_row(tmp_path: Path, capsys: pytest
         assert row["extras_overhead"] == pytest.approx(
             row["decoder_extras_step_ms"] / row["decoder_paired_step_ms"] - 1
         )
-        # And on the modules' step, every row one of 4 random LoRA adapters, against none.
+        # And on the modules' step and the fused one, every row one of 4 random LoRA adapters, against none.
         assert row["decoder_modules_step_ms"] > 0 and row["decoder_lora_step_ms"] > 0
         assert row["lora_overhead"] == pytest.approx(row["decoder_lora_step_ms"] / row["decoder_modules_step_ms"] - 1)
+        assert row["decoder_fused_step_ms"] > 0 and row["decoder_fused_lora_step_ms"] > 0
+        assert row["lora_fused_overhead"] == pytest.approx(
+            row["decoder_fused_lora_step_ms"] / row["decoder_fused_step_ms"] - 1
+        )
+        assert row["lora_fused_agree"] == 1.0  # float32 on the CPU: the two forms' tokens alike
         # And with every row sampling in the step.
         assert row["decoder_sampled_step_ms"] > 0
         assert row["sampling_overhead"] == pytest.approx(

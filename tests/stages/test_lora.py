@@ -19,9 +19,11 @@ from PIL import Image
 from schemas.errors import InvalidRequest, ModelNotFound
 from stages.models import builtin_path
 from stages.torch_engine.engine import TorchEngine
+from stages.torch_engine.fused_decode import FusedKernels
 from stages.torch_engine.lora import LoraLinear
 from stages.torch_engine.reference import load_reference_model, reference_generate
 from stages.torch_engine.settings import DecodeSettings
+from stages.torch_engine.slot_prefill import SlotPrefill
 from tests.stages.engine_helpers import chat_prompt, engine_on, greedy
 from tests.stages.test_batch_decode import _batched
 
@@ -80,12 +82,16 @@ def alone(model_dir: Path, engine_device: str, adapters: Any) -> TorchEngine:
     return engine
 
 
-@pytest.fixture(scope="module")
-def batched(model_dir: Path, engine_device: str, adapters: Any) -> TorchEngine:
-    # The adapters run on the modules: the fused step (a GPU's default) is off.
-    engine = engine_on(engine_device, model_dir, DecodeSettings(slots=4, max_len=512, fused=False))
+@pytest.fixture(scope="module", params=[False, True], ids=["modules", "fused"])
+def batched(model_dir: Path, engine_device: str, adapters: Any, request: pytest.FixtureRequest) -> TorchEngine:
+    """The batch decoder on the model's modules (the adapters' wrappers), and
+    on the fused step with prompts prefilled into their slots (a GPU's
+    default: the adapters' stacked form, stages/torch_engine/fused_lora.py)."""
+    engine = engine_on(engine_device, model_dir, DecodeSettings(slots=4, max_len=512, fused=request.param))
+    assert (engine._slot_prefill is not None) == request.param
     for name, (path, _) in adapters.items():
         engine.load_lora(name, path)
+    assert engine.decoder is not None and (engine.decoder.adapters is not None) == request.param
     return engine
 
 
@@ -306,10 +312,46 @@ def test_adapters_come_back_after_a_deep_sleep(
     assert _run(engine, prompt, [], None) == _reference(model_dir, base_model, prompt, [])
 
 
-def test_the_fused_step_refuses_adapters(model_dir: Path, engine_device: str, adapters: Any) -> None:
-    engine = engine_on(engine_device, model_dir, DecodeSettings(slots=2, max_len=256, fused=True))
-    with pytest.raises(InvalidRequest, match="--fused-decode false"):
-        engine.load_lora("one", adapters["one"][0])
+def test_the_fused_step_runs_adapters_loaded_and_unloaded_while_it_serves(
+    model_dir: Path, engine_device: str, adapters: Any, base_model: Any, tmp_path: Path
+) -> None:
+    """On the fused step (a GPU's default) a prompt of an adapter prefills
+    straight into its slot and decodes with the adapter; loading one remakes
+    the stacks and the graphs for the next step, while a sequence without it
+    runs on; unloading the last leaves the step as it was without any. The
+    second adapter covers every projection of a layer (K, up and down too:
+    each fused projection whole), at another rank."""
+    every = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    whole = make_adapter(model_dir, tmp_path / "whole", seed=5, r=2, alpha=3, target_modules=every)
+    engine = engine_on(engine_device, model_dir, DecodeSettings(slots=4, max_len=256, fused=True))
+    decoder = engine.decoder
+    assert decoder is not None and decoder.adapters is None
+    prompt = list(engine.tokenizer("Tell me about the sea.")["input_ids"])
+    base_expected = _reference(model_dir, base_model, prompt, [])
+    [(running, first)] = engine.prefill([prompt], [[]], [greedy(N)])
+    base = [first, *engine.step([running])]
+    engine.load_lora("two", adapters["two"][0])
+    engine.load_lora("whole", tmp_path / "whole")
+    assert decoder.adapters is not None and not decoder._graphs
+    made = engine.prefill([prompt, prompt], [[], []], [greedy(N), greedy(N)], loras=["two", "whole"])
+    assert all(seq.slot >= 0 and seq.cache is None for seq, _ in made)  # the graphed prefill, not the modules
+    seqs = [seq for seq, _ in made]
+    outputs = [[token] for _, token in made]
+    while len(outputs[0]) < N:
+        a, *rest = engine.step([running, *seqs])
+        for out, token in zip(outputs, rest, strict=True):
+            out.append(token)
+        if len(base) < N:
+            base.append(a)
+    assert outputs == [
+        _reference(model_dir, adapters["two"][1], prompt, []),
+        _reference(model_dir, whole, prompt, []),
+    ]
+    assert base == base_expected and outputs[1] != base
+    for seq in (*seqs, running):
+        engine.release(seq)
+    assert engine.unload_lora("two") and engine.unload_lora("whole") and decoder.adapters is None
+    assert _run(engine, prompt, [], None) == base_expected
 
 
 def test_an_adapter_of_an_older_layout_maps_onto_the_model(alone: TorchEngine, adapters: Any, tmp_path: Path) -> None:
@@ -329,3 +371,37 @@ def test_an_adapter_of_an_older_layout_maps_onto_the_model(alone: TorchEngine, a
         assert _run(alone, prompt, [], "old") == _run(alone, prompt, [], "one")
     finally:
         assert alone.unload_lora("old")
+
+
+# torch.compile's first use imports torch.utils.mkldnn, which warns of itself on the CPU wheel.
+@pytest.mark.filterwarnings("ignore:`torch.jit.script_method` is deprecated:DeprecationWarning")
+def test_the_compiled_pieces_take_the_adapters(model_dir: Path, engine_device: str, adapters: Any) -> None:
+    """The fused pieces through torch.compile (a GPU's default), the
+    adapters' stacks and each row's slot among their inputs: the uncompiled
+    pieces' logits, for the graphed prefill and for a step of rows of two
+    adapters and none."""
+    decode = DecodeSettings(slots=4, max_len=256, fused=True, torch_compile=False, cuda_graphs=False)
+    engine = engine_on(engine_device, model_dir, decode)
+    for name, (path, _) in adapters.items():
+        engine.load_lora(name, path)
+    decoder = engine.decoder
+    assert decoder is not None and decoder.adapters is not None
+    compiled = SlotPrefill(decoder, use_graphs=False, longest=64, compiled=True)
+    eager = SlotPrefill(decoder, use_graphs=False, longest=64, compiled=False)
+    prompt = engine.tokenizer("Describe the picture in three words, please.")["input_ids"]
+    ids, positions, _ = engine._prepare(prompt, [], [])
+    blocks = list(range(1, 1 + decoder.blocks_for(len(ids))))
+    close = {"atol": 1e-4, "rtol": 1e-4} if engine_device == "cpu" else {"atol": 5e-2, "rtol": 5e-2}
+    with torch.inference_mode():
+        embeds = engine.family.embed_prompt(engine.model, ids, [])[0]
+        for slot in (1, 2):
+            want = eager.run(embeds, positions, blocks, lora=slot)
+            torch.testing.assert_close(compiled.run(embeds, positions, blocks, lora=slot), want, **close)
+        row = {"tokens": [5, 9, 11], "positions": [len(ids)] * 3, "lengths": [len(ids)] * 3, "lora": [1, 2, 0]}
+        for r in range(3):
+            decoder.set_table(r, blocks)
+        want = decoder.step(**row).clone()  # type: ignore[arg-type]
+        decoder.kernels = FusedKernels(compile=True, attention=decoder.kernels.attention)
+        got = decoder.step(**row)  # type: ignore[arg-type]
+    torch.testing.assert_close(got, want, **close)
+    assert not torch.equal(want[0], want[2]) and not torch.equal(want[1], want[2])  # each adapter its own
