@@ -355,8 +355,8 @@ class TorchEngine:
         """A long prompt to prefill chunk by chunk (``prefill_chunk``), one
         engine call each, so that running sequences step between the chunks
         instead of waiting for the whole prompt (``--max-num-batched-tokens``).
-        Holds no KV blocks until its last chunk: its cache is the model's own
-        until the sequence joins the batch decoder."""
+        Holds nothing until its first chunk; ``drop_prefill`` lets go of what
+        it holds if it is not run to its end."""
         if any(not m.encoded for m in media):
             raise MediaNotEncoded("a chunked prefill looks up no cached prefix: each medium needs encoding")
         self._loras.slot(lora)
@@ -372,10 +372,23 @@ class TorchEngine:
         of the chunks before it; after the last, its sequence and next token
         (as ``prefill`` gives them), else None. Chunked, the prompt's keys and
         values are the same computation over other matrix shapes: their last
-        bits may differ from one forward's."""
+        bits may differ from one forward's.
+
+        Where the fused layers prefill into the pool (a GPU's default), the
+        prompt's blocks are taken at its first chunk (after the blocks of a
+        cached prefix, which it starts past) and each chunk writes its keys
+        and values straight into them; elsewhere (or with no room in the
+        pool then) the chunks run through the model's modules over a cache
+        of their own, which moves into blocks when the sequence joins the
+        batch decoder."""
         p = prefilling
         if p.done >= p.length:
             raise ValueError("the prompt is prefilled already")
+        if p.into_blocks is None:
+            with self._lock:
+                p.into_blocks = self._chunks_into_blocks(p)
+        if p.into_blocks:
+            return self._chunk_into_blocks(p, defer)
         end = p.length if self.max_num_batched_tokens <= 0 else min(p.length, p.done + self.max_num_batched_tokens)
         slot = self._loras.slot(p.lora)
         with self._lock, torch.inference_mode(), self._loras.for_rows([slot], self.device):
@@ -397,6 +410,77 @@ class TorchEngine:
         self._with_lora(seq, p.lora)
         p.cache = p.embeds = None
         return seq, self._select(seq, logits, defer)
+
+    def drop_prefill(self, prefilling: Prefilling) -> None:
+        """A chunked prefill given up before its last chunk: its blocks go
+        back (those of a cached prefix stay cached)."""
+        p = prefilling
+        if p.blocks and self.decoder is not None:
+            with self._lock:
+                self.decoder.pool.free(p.blocks)
+                self._count_blocks()
+        p.blocks, p.cache, p.embeds = None, None, None
+
+    def _chunk_len(self) -> int:
+        """Tokens a chunk prefilled into blocks takes: the budget, within the
+        graphed prefill's longest, in whole blocks (each chunk starts on a
+        block's first position)."""
+        prefill = self._slot_prefill
+        if prefill is None:
+            return 0
+        budget = self.max_num_batched_tokens if self.max_num_batched_tokens > 0 else prefill.max_tokens
+        return min(budget, prefill.max_tokens) // self.block_size * self.block_size
+
+    def _chunks_into_blocks(self, p: Prefilling) -> bool:
+        """Whether ``p``'s chunks prefill into blocks of the pool, their
+        blocks taken if so (a cached prefix's first, held: the chunks start
+        past it)."""
+        decoder, slots = self.decoder, self._slots
+        if decoder is None or slots is None or self._chunk_len() == 0:
+            return False
+        # One the decoder could never hold to its end decodes on its own cache.
+        if decoder.blocks_for(p.length + p.sampling.max_tokens) > decoder.blocks_per_seq:
+            return False
+        hit = self._cached_prefix(p.keys, p.length)
+        need = decoder.blocks_for(p.length) - len(hit)
+        if not decoder.pool.can_allocate(need + self._spare()):
+            decoder.pool.free(hit)
+            return False
+        p.blocks = hit + decoder.pool.allocate(need)
+        p.done = p.cached = len(hit) * self.block_size
+        self._count_blocks()
+        return True
+
+    def _chunk_into_blocks(self, p: Prefilling, defer: bool) -> tuple[Sequence, int] | None:
+        prefill, decoder, slots = self._slot_prefill, self.decoder, self._slots
+        assert prefill is not None and decoder is not None and slots is not None and p.blocks is not None
+        end = min(p.length, p.done + self._chunk_len())
+        slot = self._loras.slot(p.lora)
+        with self._lock, torch.inference_mode(), self._loras.for_step(prefill.lora_slot, [slot], False):
+            logits = prefill.run(
+                p.embeds[0, p.done : end], p.positions[..., p.done : end], p.blocks, start=p.done, lora=slot, chunk=True
+            )
+            p.done = end
+            if end < p.length:
+                return None
+            seq = Sequence(
+                prompt_len=p.length,
+                output_ids=[],
+                sampling=p.sampling,
+                rope_delta=p.delta,
+                cache=None,
+                blocks=p.blocks,
+                cached_tokens=p.cached,
+                prefix_keys=p.keys,
+                prefix_ids=p.ids,
+            )
+            p.blocks = p.embeds = None  # the sequence's now
+            self._with_lora(seq, p.lora)
+            self._register_prefix(seq)
+            # A row now where one is free; else the batch decoder seats it as others leave (``_admit``).
+            if slots.can_take(p.length, held=seq.blocks):
+                slots.take(seq, p.length)
+            return seq, self._select(seq, logits, defer)
 
     def prompt_logprobs(self, prompt_ids: list[int], top: int, lora: str | None = None) -> list[Logprobs]:
         """Each text prompt token's logprob after the first, under the model's
@@ -661,8 +745,9 @@ class TorchEngine:
             return False
         cached = len(seq.blocks)  # a cached prefix's, there already
         slots.take(seq, seq.length)
-        decoder.load(seq.blocks, [(layer.keys, layer.values) for layer in seq.cache.layers], skip=cached)
-        seq.cache = None
+        if seq.cache is not None:  # else a chunked prefill wrote its whole prompt into its blocks
+            decoder.load(seq.blocks, [(layer.keys, layer.values) for layer in seq.cache.layers], skip=cached)
+            seq.cache = None
         self._register_prefix(seq)
         return True
 
@@ -1365,6 +1450,12 @@ class Prefilling:
     ids: list[int] = field(default_factory=list)
     # Its LoRA adapter's name (None: none).
     lora: str | None = None
+    # Whether its chunks go straight into blocks of the pool (None: not decided
+    # until its first chunk), the blocks they fill, and how many of its
+    # positions a cached prefix gave.
+    into_blocks: bool | None = None
+    blocks: list[int] | None = None
+    cached: int = 0
 
 
 def _runs(indices: list[int]) -> list[tuple[int, int]]:

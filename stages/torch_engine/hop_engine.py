@@ -409,8 +409,8 @@ class TorchHopEngine:
             except MediaNotEncoded:
                 # Its blocks went between the encoder's (or the router's) look and now.
                 media = await self._encoded_after_all(req, ctx)
-        # Only a lone prefill looks the prefix up: a prompt that finds one
-        # goes alone (its rest in chunks only where the rest is long).
+        # A prompt that finds its prefix cached goes alone (its rest in chunks
+        # only where the rest is long; chunks into blocks start past the prefix).
         cached = 0 if ctx.emitted else engine.prefix_cached(req.prompt_token_ids, media)
         if not ctx.emitted and engine.chunked(expanded - cached):
             return await self._prefill_in_chunks(req, media, ctx)
@@ -480,11 +480,15 @@ class TorchHopEngine:
                 engine.release(out[0])
 
         chunks = 0
-        while True:
-            out = await self.thread.call_or_release(release, prefill_chunk)
-            chunks += 1
-            if out is not None:
-                break
+        out = None
+        try:
+            while out is None:
+                out = await self.thread.call_or_release(release, prefill_chunk)
+                chunks += 1
+        finally:
+            if out is None:
+                # Given up between chunks (cancelled, failed): after any chunk still queued, its blocks go.
+                self.thread.submit(engine.drop_prefill, prefilling)
         ctx.trace["prefill_chunks"] = float(chunks)
         return out[0]
 

@@ -30,6 +30,12 @@ took 12.7 ms of the engine thread where a graphed one took 2.9 (H200, 64
 clients, a fifth of the prompts partly cached, 2026-11-28), so under load
 a partial hit cost more than it saved.
 
+A chunk of a long prompt (chunked prefill, ``run(chunk=True)``) runs the
+same layers without a graph, its rows attending over the blocks the chunks
+before it filled by SDPA under a mask: the decode kernel's one query a row
+would read the whole prefix again for each of a chunk's thousands of rows
+(twice the prefill's time through graphs, H200, 2026-11-29).
+
 The arithmetic is the fused decode step's (stages/torch_engine/fused_decode.py):
 the models' own, with concatenated projections, so in bf16 it rounds
 differently from the modules in the last bits. Only where the fused step
@@ -131,14 +137,28 @@ class SlotPrefill:
 
     @torch.inference_mode()
     def run(
-        self, embeds: torch.Tensor, positions: torch.Tensor, blocks: list[int], start: int = 0, lora: int = 0
+        self,
+        embeds: torch.Tensor,
+        positions: torch.Tensor,
+        blocks: list[int],
+        start: int = 0,
+        lora: int = 0,
+        chunk: bool = False,
     ) -> torch.Tensor:
         """Next-token logits [vocab] of a prompt given as embeddings [L,
         hidden] and its positions (the family's layout); its keys and values
         are in ``blocks`` after. ``start``: the prompt's first ``start``
         positions are a cached prefix already in ``blocks`` (whole blocks),
         and ``embeds`` and ``positions`` are the rest's. ``lora``: the
-        prompt's adapter slot (the decoder's ``adapters``; 0: none)."""
+        prompt's adapter slot (the decoder's ``adapters``; 0: none).
+
+        ``chunk``: the rows are one chunk of a long prompt (chunked
+        prefill), ``start`` the chunks' before it: run without a graph, the
+        rows past ``start`` attending over the blocks by SDPA under a mask.
+        The decode kernel's form (one query a row, each row reading every
+        position before it) suits a few rows past a long prefix and not a
+        chunk of thousands (each would read the whole prefix again); a chunk
+        is bound by its matrix products, which a graph does not shorten."""
         length = int(embeds.shape[0])
         if not self.fits(length):
             raise ValueError(f"a prompt of {length} tokens; slot prefill takes 1 to {self.max_tokens}")
@@ -159,8 +179,8 @@ class SlotPrefill:
         if past:
             self._start.fill_(start)
             self._count.fill_(length)
-        if not self.use_graphs:
-            return self._forward(bucket, past)
+        if chunk or not self.use_graphs:
+            return self._forward(bucket, past, span=d.blocks_for(start + length) * d.block_size if chunk else 0)
         graph, out = self._graph(bucket, past)
         graph.replay()
         return out
@@ -193,7 +213,7 @@ class SlotPrefill:
             self._graphs[bucket, past] = graph
         return self._graphs[bucket, past]
 
-    def _forward(self, bucket: int, past: bool) -> torch.Tensor:
+    def _forward(self, bucket: int, past: bool, span: int = 0) -> torch.Tensor:
         d, s = self.decoder, self.decoder.shape
         rows = self._write_at[:bucket]
         reads = None
@@ -205,7 +225,7 @@ class SlotPrefill:
             blocks = torch.where(real, self._table[torch.where(real, write_at // d.block_size, 0)], NULL_BLOCK)
             offsets = write_at % d.block_size
             reads = torch.where(real, write_at, 0)
-            past_attention = self._past_attention(reads)
+            past_attention = self._past_attention(reads, span)
         else:
             blocks, offsets = self._table[rows // d.block_size], rows % d.block_size
         cos, sin = self._cos[:bucket], self._sin[:bucket]
@@ -227,14 +247,18 @@ class SlotPrefill:
         logits: torch.Tensor = d.model.lm_head(rms_norm(last, norm.weight, float(norm.variance_epsilon)))
         return logits[0]
 
-    def _past_attention(self, reads: torch.Tensor) -> Any:
+    def _past_attention(self, reads: torch.Tensor, span: int = 0) -> Any:
         """Attention of rows past a cached prefix, row r over positions 0 to
         reads[r] of the prompt's blocks (written already: the prefix's, and
         this layer's rows up to r): (q [bucket, heads, d], layer) → [bucket,
-        heads * d]. What every layer shares is made once, here."""
+        heads * d]. What every layer shares is made once, here. ``span``:
+        SDPA under a mask over the table's first ``span`` positions (whole
+        blocks, past every read) even where the Triton kernel runs (0: the
+        Triton kernel where it runs, else SDPA over the whole table, so that
+        one graph serves every prefix length)."""
         d = self.decoder
         bucket = int(reads.shape[0])
-        if self._counters is not None:
+        if self._counters is not None and not span:
             lengths = reads + 1
             table = self._table[None].expand(bucket, -1)  # every row the prompt's table
 
@@ -245,16 +269,16 @@ class SlotPrefill:
 
             return triton
 
-        # The whole table, so one graph serves every prefix length.
-        span = self._table.shape[0] * d.block_size
+        span = span or self._table.shape[0] * d.block_size
+        table = self._table[None, : span // d.block_size]
         mask = torch.arange(span, device=reads.device)[None, :] <= reads[:, None]  # [bucket, span]
 
-        def masked(q: torch.Tensor, layer: int) -> torch.Tensor:
-            keys = gather_blocks(d.keys[layer], self._table[None])[0]  # [kv_heads, span, d]
-            values = gather_blocks(d.values[layer], self._table[None])[0]
+        def sdpa(q: torch.Tensor, layer: int) -> torch.Tensor:
+            keys = gather_blocks(d.keys[layer], table)[0]  # [kv_heads, span, d]
+            values = gather_blocks(d.values[layer], table)[0]
             return _attention(q, keys, values, d.scaling, mask=mask)
 
-        return masked
+        return sdpa
 
     def _rotary(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin [L, 1, head_dim] as the models compute them: float32

@@ -6,11 +6,15 @@ between the chunks instead of waiting for the whole prompt."""
 from __future__ import annotations
 
 import asyncio
+import threading
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 from schemas.chunk import TokenChunk
 from schemas.processed import ProcessedRequest
+from schemas.request import ChatMessage, GenerateRequest, SamplingParams, TextPart
 from stages.contract import HopContext
 from stages.hop import HopStage
 from stages.models import resolve_model
@@ -22,6 +26,7 @@ from stages.torch_engine.reference import reference_generate
 from stages.torch_engine.settings import DecodeSettings
 from tests.e2e.conftest import gradient
 from tests.polling import eventually
+from tests.stages.engine_helpers import greedy
 from tests.stages.test_hop_engine import N, image_request
 
 
@@ -82,3 +87,145 @@ async def test_running_sequences_step_between_the_chunks_of_a_long_prompt(tiny_m
     assert len(chunks) > 2, calls
     assert "step" in calls[chunks[0] : chunks[-1]], calls  # the running sequence stepped meanwhile
     assert len(second) == N
+
+
+def _fused(tiny_model_dir: Path, budget: int, slots: int = 4) -> TorchEngine:
+    """The fused layers prefilling into the pool (a GPU's default), on the CPU in float32."""
+    decode = DecodeSettings(slots=slots, max_len=512, fused=True, max_num_batched_tokens=budget)
+    engine = TorchEngine(tiny_model_dir, decode=decode)
+    assert engine._slot_prefill is not None and engine.decoder is not None
+    return engine
+
+
+def _chunked(engine: TorchEngine, prompt: list[int], n: int) -> tuple[Any, Any, int]:
+    """The prompt prefilled chunk by chunk: (its Prefilling, its sequence, the chunks)."""
+    prefilling = engine.start_prefill(prompt, [], greedy(n))
+    chunks, out = 0, None
+    while out is None:
+        out = engine.prefill_chunk(prefilling)
+        chunks += 1
+    seq, first = out
+    assert first == seq.output_ids[0]
+    return prefilling, seq, chunks
+
+
+def _decoded(engine: TorchEngine, seq: Any, n: int) -> list[int]:
+    tokens = list(seq.output_ids)
+    while len(tokens) < n:
+        tokens += engine.step([seq])
+    engine.release(seq)
+    return tokens
+
+
+def test_chunks_prefill_straight_into_blocks_and_give_generates_tokens(tiny_model_dir: Path) -> None:
+    """On the fused layers a long prompt's chunks write their keys and values
+    into the blocks the prompt took at its first chunk (no cache of the
+    model's own, nothing copied into the pool after), each chunk attending
+    over the ones before it there: the stream is generate()'s."""
+    engine = _fused(tiny_model_dir, budget=40)  # chunks of 32: whole blocks
+    prompt = list(engine.tokenizer(" ".join(f"word{i}" for i in range(60)))["input_ids"])
+    assert len(prompt) > 96
+    prefilling, seq, chunks = _chunked(engine, prompt, N)
+    assert prefilling.into_blocks and prefilling.blocks is None  # the sequence holds them now
+    assert chunks == -(-len(prompt) // 32)
+    assert seq.cache is None and seq.slot >= 0 and len(seq.blocks) == engine.decoder.blocks_for(len(prompt))
+    assert _decoded(engine, seq, N) == reference_generate(tiny_model_dir, prompt, [], N)
+    pool = engine.decoder.pool
+    assert pool.num_free == pool.capacity
+
+
+def test_a_later_turn_chunks_only_past_its_cached_prefix(tiny_model_dir: Path) -> None:
+    engine = _fused(tiny_model_dir, budget=32)
+    first = list(engine.tokenizer(" ".join(f"word{i}" for i in range(60)))["input_ids"])
+    _, seq, _ = _chunked(engine, first, 2)
+    _decoded(engine, seq, 2)
+    later = first + list(engine.tokenizer(" and then some more words to say", add_special_tokens=False)["input_ids"])
+    prefilling, seq, chunks = _chunked(engine, later, N)
+    cached = len(first) // 16 * 16
+    assert seq.cached_tokens == prefilling.cached == cached
+    assert chunks == -(-(len(later) - cached) // 32)
+    assert _decoded(engine, seq, N) == reference_generate(tiny_model_dir, later, [], N)
+
+
+def test_a_chunked_prefill_given_up_gives_its_blocks_back(tiny_model_dir: Path) -> None:
+    engine = _fused(tiny_model_dir, budget=32)
+    pool = engine.decoder.pool
+    prompt = list(engine.tokenizer(" ".join(f"word{i}" for i in range(60)))["input_ids"])
+    prefilling = engine.start_prefill(prompt, [], greedy(N))
+    assert engine.prefill_chunk(prefilling) is None
+    assert pool.num_free == pool.capacity - engine.decoder.blocks_for(len(prompt))
+    engine.drop_prefill(prefilling)
+    assert pool.num_free == pool.capacity
+    engine.drop_prefill(prefilling)  # again: nothing held
+    assert pool.num_free == pool.capacity
+
+
+def test_a_chunked_prompt_that_finds_no_row_joins_the_batch_as_one_leaves(tiny_model_dir: Path) -> None:
+    """Its last chunk done while every decoder row is taken, the sequence
+    waits with its cache in its blocks; it takes a row once one is free and
+    decodes generate()'s tokens from there."""
+    engine = _fused(tiny_model_dir, budget=32, slots=1)
+    short = list(engine.tokenizer("Hi there")["input_ids"])
+    [(running, _)] = engine.prefill([short], [[]], [greedy(N)])
+    assert running.slot == 0
+    prompt = list(engine.tokenizer(" ".join(f"word{i}" for i in range(60)))["input_ids"])
+    _, seq, _ = _chunked(engine, prompt, N)
+    assert seq.slot < 0 and seq.cache is None and seq.blocks
+    assert engine.step([running, seq])[1] is None  # no row for it yet
+    engine.release(running)
+    assert _decoded(engine, seq, N) == reference_generate(tiny_model_dir, prompt, [], N)
+
+
+async def test_a_long_prompt_cancelled_between_its_chunks_leaves_no_block_held(tiny_model_dir: Path) -> None:
+    """A client gone while its prompt is part way through its chunks: the
+    blocks the prompt took at its first chunk go back to the pool, after
+    the chunk the engine's thread was running."""
+    torch_engine = _fused(tiny_model_dir, budget=16)
+    engine = TorchHopEngine("encode+prefill+decode", torch_engine, max_batch=4)
+    stage: HopStage[Any] = HopStage(engine.role, engine, "tiny")
+    processor = Processor(load_traits(resolve_model(str(tiny_model_dir), "tiny")))
+    words = TextPart(" ".join(f"word{i}" for i in range(40)))
+    req = processor.process(GenerateRequest("c3", "tiny", [ChatMessage("user", [words])], SamplingParams(N, 0.0)))
+    assert len(req.prompt_token_ids) > 3 * 16
+    gate, calls = threading.Event(), 0
+    real = torch_engine.prefill_chunk
+
+    def gated(*args: Any, **kwargs: Any) -> Any:
+        nonlocal calls
+        calls += 1
+        if calls == 2:
+            gate.wait(30)  # the second chunk waits on the engine's thread while the client goes
+        return real(*args, **kwargs)
+
+    torch_engine.prefill_chunk = gated  # type: ignore[method-assign]
+    pool = torch_engine.decoder.pool
+    await engine.start()
+    try:
+        task = asyncio.ensure_future(_stream(stage, req, HopContext()))
+        await eventually(lambda: calls >= 2, within=10.0)
+        assert pool.num_free < pool.capacity
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        gate.set()
+        await eventually(lambda: pool.num_free == pool.capacity, within=10.0)
+    finally:
+        gate.set()
+        await engine.close()
+    assert calls == 2  # no chunk after the client went
+
+
+def test_a_prompt_chunked_into_a_prefill_roles_blocks_hands_off_its_cache(tiny_model_dir: Path) -> None:
+    """A role that ends at prefill (E/P/D's prefill) chunks a long prompt
+    into its pool's blocks; the cache it exports from them decodes to
+    generate()'s tokens in another engine."""
+    decode = DecodeSettings(slots=4, max_len=512, fused=True, max_num_batched_tokens=32, decodes=False)
+    prefill = TorchEngine(tiny_model_dir, decode=decode)
+    prompt = list(prefill.tokenizer(" ".join(f"word{i}" for i in range(60)))["input_ids"])
+    prefilling, seq, chunks = _chunked(prefill, prompt, N)
+    assert prefilling.into_blocks and chunks > 2
+    tensors, state = prefill.export_kv(seq)
+    prefill.release(seq)
+    decoder = TorchEngine(tiny_model_dir, decode=DecodeSettings(slots=4, max_len=512))
+    moved = decoder.import_kv(tensors, state, greedy(N))
+    assert _decoded(decoder, moved, N) == reference_generate(tiny_model_dir, prompt, [], N)
