@@ -398,15 +398,7 @@ class TorchEngine:
         p.done = end
         if end < p.length:
             return None
-        seq = Sequence(
-            prompt_len=p.length,
-            output_ids=[],
-            sampling=p.sampling,
-            rope_delta=p.delta,
-            cache=p.cache,
-            prefix_keys=p.keys,
-            prefix_ids=p.ids,
-        )
+        seq = p.sequence(p.cache)
         self._with_lora(seq, p.lora)
         p.cache = p.embeds = None
         return seq, self._select(seq, logits, defer)
@@ -463,17 +455,7 @@ class TorchEngine:
             p.done = end
             if end < p.length:
                 return None
-            seq = Sequence(
-                prompt_len=p.length,
-                output_ids=[],
-                sampling=p.sampling,
-                rope_delta=p.delta,
-                cache=None,
-                blocks=p.blocks,
-                cached_tokens=p.cached,
-                prefix_keys=p.keys,
-                prefix_ids=p.ids,
-            )
+            seq = p.sequence()
             p.blocks = p.embeds = None  # the sequence's now
             self._with_lora(seq, p.lora)
             self._register_prefix(seq)
@@ -1456,6 +1438,21 @@ class Prefilling:
     into_blocks: bool | None = None
     blocks: list[int] | None = None
     cached: int = 0
+
+    def sequence(self, cache: Any = None) -> Sequence:
+        """Its sequence once its last chunk is done: its cache the chunks'
+        (``cache``, the modules'), or in its blocks."""
+        return Sequence(
+            prompt_len=self.length,
+            output_ids=[],
+            sampling=self.sampling,
+            rope_delta=self.delta,
+            cache=cache,
+            blocks=list(self.blocks or []),
+            cached_tokens=self.cached,
+            prefix_keys=self.keys,
+            prefix_ids=self.ids,
+        )
 
 
 def _runs(indices: list[int]) -> list[tuple[int, int]]:
