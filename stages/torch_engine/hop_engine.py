@@ -392,10 +392,11 @@ class TorchHopEngine:
         engine = self.torch
         # Placeholders expanded: each media item's one id becomes its tokens.
         expanded = len(req.prompt_token_ids) + sum(m.num_tokens - 1 for m in media)
-        if req.request.prompt_embeds is not None or req.lora:
-            # In one piece, alone: embeddings look up no cached prefix, and
-            # neither they nor an adapter's prompt are batched or chunked.
-            embeds = self._embeds(req) if req.request.prompt_embeds is not None else None
+        lora = req.lora or None
+        if req.request.prompt_embeds is not None:
+            # In one piece, alone: embeddings look up no cached prefix and are
+            # neither batched nor chunked.
+            embeds = self._embeds(req)
             try:
                 return await self._prefill_alone(req, media, ctx, embeds)
             except MediaNotEncoded:
@@ -411,10 +412,11 @@ class TorchHopEngine:
                 media = await self._encoded_after_all(req, ctx)
         # A prompt that finds its prefix cached goes alone (its rest in chunks
         # only where the rest is long; chunks into blocks start past the prefix).
-        cached = 0 if ctx.emitted else engine.prefix_cached(req.prompt_token_ids, media)
+        cached = 0 if ctx.emitted else engine.prefix_cached(req.prompt_token_ids, media, lora)
         if not ctx.emitted and engine.chunked(expanded - cached):
             return await self._prefill_in_chunks(req, media, ctx)
-        if self.prefills.max_items > 1 and not ctx.emitted and not cached:
+        # Prompts prefilled together run without adapters (the batcher's jobs carry none).
+        if self.prefills.max_items > 1 and not ctx.emitted and not cached and not lora:
             seq, _ = await self.prefills.submit((req.prompt_token_ids, media, sampling(req)))
             return seq
         return await self._prefill_alone(req, media, ctx)
@@ -470,7 +472,9 @@ class TorchHopEngine:
         """A long prompt in chunks of ``--max-num-batched-tokens``, one engine
         call each: the decode loop's steps go between them (chunked prefill)."""
         engine = self.torch
-        prefilling = await self.thread.call(engine.start_prefill, req.prompt_token_ids, media, sampling(req))
+        prefilling = await self.thread.call(
+            engine.start_prefill, req.prompt_token_ids, media, sampling(req), req.lora or None
+        )
 
         def prefill_chunk() -> tuple[Sequence, int] | None:
             return engine.prefill_chunk(prefilling, defer=True)

@@ -10,6 +10,7 @@ import threading
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import pytest
 
 from schemas.chunk import TokenChunk
@@ -229,3 +230,29 @@ def test_a_prompt_chunked_into_a_prefill_roles_blocks_hands_off_its_cache(tiny_m
     decoder = TorchEngine(tiny_model_dir, decode=DecodeSettings(slots=4, max_len=512))
     moved = decoder.import_kv(tensors, state, greedy(N))
     assert _decoded(decoder, moved, N) == reference_generate(tiny_model_dir, prompt, [], N)
+
+
+async def test_a_long_prompt_of_an_adapter_goes_in_chunks_with_it(tiny_model_dir: Path, tmp_path: Path) -> None:
+    """A LoRA adapter's long prompt is chunked too (into blocks, on the fused
+    layers with the adapter's stacks): transformers + PEFT generate()'s tokens."""
+    pytest.importorskip("peft")
+    from tests.stages.test_lora import _reference, make_adapter
+
+    peft_model = make_adapter(tiny_model_dir, tmp_path / "adapter", seed=7)
+    torch_engine = _fused(tiny_model_dir, budget=16)
+    torch_engine.load_lora("adapter", tmp_path / "adapter")
+    engine = TorchHopEngine("encode+prefill+decode", torch_engine, max_batch=4)
+    stage: HopStage[Any] = HopStage(engine.role, engine, "tiny")
+    processor = Processor(load_traits(resolve_model(str(tiny_model_dir), "tiny")))
+    words = TextPart(" ".join(f"word{i}" for i in range(40)))
+    asked = GenerateRequest("c4", "tiny", [ChatMessage("user", [words])], SamplingParams(N, 0.0, min_tokens=N))
+    req = msgspec.structs.replace(processor.process(asked), lora="adapter")
+    await engine.start()
+    try:
+        ctx = HopContext()
+        tokens = await _stream(stage, req, ctx)
+    finally:
+        await engine.close()
+    assert ctx.trace["prefill_chunks"] == -(-len(req.prompt_token_ids) // 16)
+    assert tokens == _reference(tiny_model_dir, peft_model, req.prompt_token_ids, [], N)
+    assert tokens != reference_generate(tiny_model_dir, req.prompt_token_ids, [], N)
