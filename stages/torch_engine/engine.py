@@ -457,12 +457,16 @@ class TorchEngine:
                 return None
             seq = p.sequence()
             p.blocks = p.embeds = None  # the sequence's now
-            self._with_lora(seq, p.lora)
-            self._register_prefix(seq)
-            # A row now where one is free; else the batch decoder seats it as others leave (``_admit``).
-            if slots.can_take(p.length, held=seq.blocks):
-                slots.take(seq, p.length)
-            return seq, self._select(seq, logits, defer)
+            try:
+                self._with_lora(seq, p.lora)
+                self._register_prefix(seq)
+                # A row now where one is free; else the batch decoder seats it as others leave (``_admit``).
+                if slots.can_take(p.length, held=seq.blocks):
+                    slots.take(seq, p.length)
+                return seq, self._select(seq, logits, defer)
+            except BaseException:
+                slots.free(seq)  # nobody else holds it yet
+                raise
 
     def prompt_logprobs(self, prompt_ids: list[int], top: int, lora: str | None = None) -> list[Logprobs]:
         """Each text prompt token's logprob after the first, under the model's
