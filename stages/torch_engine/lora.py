@@ -337,6 +337,8 @@ class LoraSet:
         """The loaded adapters as the fused layer step takes them
         (stages/torch_engine/fused_lora.py), on the model's device; None
         with none loaded."""
+        if not self.adapters:
+            return None
         from stages.torch_engine.batch_decoder import _language_model
 
         lm = _language_model(model)
