@@ -12,6 +12,7 @@ from typing import Any
 
 import msgspec
 import pytest
+import torch
 
 from schemas.chunk import TokenChunk
 from schemas.processed import ProcessedRequest
@@ -90,10 +91,11 @@ async def test_running_sequences_step_between_the_chunks_of_a_long_prompt(tiny_m
     assert len(second) == N
 
 
-def _fused(tiny_model_dir: Path, budget: int, slots: int = 4) -> TorchEngine:
-    """The fused layers prefilling into the pool (a GPU's default), on the CPU in float32."""
-    decode = DecodeSettings(slots=slots, max_len=512, fused=True, max_num_batched_tokens=budget)
-    engine = TorchEngine(tiny_model_dir, decode=decode)
+def _fused(tiny_model_dir: Path, device: str, budget: int, slots: int = 4, **settings: Any) -> TorchEngine:
+    """The fused layers prefilling into the pool (a GPU's default), in float32
+    on the test device (``--engine-device``)."""
+    decode = DecodeSettings(slots=slots, max_len=512, fused=True, max_num_batched_tokens=budget, **settings)
+    engine = TorchEngine(tiny_model_dir, device=device, dtype=torch.float32, decode=decode)
     assert engine._slot_prefill is not None and engine.decoder is not None
     return engine
 
@@ -118,12 +120,14 @@ def _decoded(engine: TorchEngine, seq: Any, n: int) -> list[int]:
     return tokens
 
 
-def test_chunks_prefill_straight_into_blocks_and_give_generates_tokens(tiny_model_dir: Path) -> None:
+def test_chunks_prefill_straight_into_blocks_and_give_generates_tokens(
+    tiny_model_dir: Path, engine_device: str
+) -> None:
     """On the fused layers a long prompt's chunks write their keys and values
     into the blocks the prompt took at its first chunk (no cache of the
     model's own, nothing copied into the pool after), each chunk attending
     over the ones before it there: the stream is generate()'s."""
-    engine = _fused(tiny_model_dir, budget=40)  # chunks of 32: whole blocks
+    engine = _fused(tiny_model_dir, engine_device, budget=40)  # chunks of 32: whole blocks
     prompt = list(engine.tokenizer(" ".join(f"word{i}" for i in range(60)))["input_ids"])
     assert len(prompt) > 96
     prefilling, seq, chunks = _chunked(engine, prompt, N)
@@ -135,8 +139,8 @@ def test_chunks_prefill_straight_into_blocks_and_give_generates_tokens(tiny_mode
     assert pool.num_free == pool.capacity
 
 
-def test_a_later_turn_chunks_only_past_its_cached_prefix(tiny_model_dir: Path) -> None:
-    engine = _fused(tiny_model_dir, budget=32)
+def test_a_later_turn_chunks_only_past_its_cached_prefix(tiny_model_dir: Path, engine_device: str) -> None:
+    engine = _fused(tiny_model_dir, engine_device, budget=32)
     first = list(engine.tokenizer(" ".join(f"word{i}" for i in range(60)))["input_ids"])
     _, seq, _ = _chunked(engine, first, 2)
     _decoded(engine, seq, 2)
@@ -148,8 +152,8 @@ def test_a_later_turn_chunks_only_past_its_cached_prefix(tiny_model_dir: Path) -
     assert _decoded(engine, seq, N) == reference_generate(tiny_model_dir, later, [], N)
 
 
-def test_a_chunked_prefill_given_up_gives_its_blocks_back(tiny_model_dir: Path) -> None:
-    engine = _fused(tiny_model_dir, budget=32)
+def test_a_chunked_prefill_given_up_gives_its_blocks_back(tiny_model_dir: Path, engine_device: str) -> None:
+    engine = _fused(tiny_model_dir, engine_device, budget=32)
     pool = engine.decoder.pool
     prompt = list(engine.tokenizer(" ".join(f"word{i}" for i in range(60)))["input_ids"])
     prefilling = engine.start_prefill(prompt, [], greedy(N))
@@ -161,11 +165,13 @@ def test_a_chunked_prefill_given_up_gives_its_blocks_back(tiny_model_dir: Path) 
     assert pool.num_free == pool.capacity
 
 
-def test_a_chunked_prompt_that_finds_no_row_joins_the_batch_as_one_leaves(tiny_model_dir: Path) -> None:
+def test_a_chunked_prompt_that_finds_no_row_joins_the_batch_as_one_leaves(
+    tiny_model_dir: Path, engine_device: str
+) -> None:
     """Its last chunk done while every decoder row is taken, the sequence
     waits with its cache in its blocks; it takes a row once one is free and
     decodes generate()'s tokens from there."""
-    engine = _fused(tiny_model_dir, budget=32, slots=1)
+    engine = _fused(tiny_model_dir, engine_device, budget=32, slots=1)
     short = list(engine.tokenizer("Hi there")["input_ids"])
     [(running, _)] = engine.prefill([short], [[]], [greedy(N)])
     assert running.slot == 0
@@ -177,11 +183,13 @@ def test_a_chunked_prompt_that_finds_no_row_joins_the_batch_as_one_leaves(tiny_m
     assert _decoded(engine, seq, N) == reference_generate(tiny_model_dir, prompt, [], N)
 
 
-async def test_a_long_prompt_cancelled_between_its_chunks_leaves_no_block_held(tiny_model_dir: Path) -> None:
+async def test_a_long_prompt_cancelled_between_its_chunks_leaves_no_block_held(
+    tiny_model_dir: Path, engine_device: str
+) -> None:
     """A client gone while its prompt is part way through its chunks: the
     blocks the prompt took at its first chunk go back to the pool, after
     the chunk the engine's thread was running."""
-    torch_engine = _fused(tiny_model_dir, budget=16)
+    torch_engine = _fused(tiny_model_dir, engine_device, budget=16)
     engine = TorchHopEngine("encode+prefill+decode", torch_engine, max_batch=4)
     stage: HopStage[Any] = HopStage(engine.role, engine, "tiny")
     processor = Processor(load_traits(resolve_model(str(tiny_model_dir), "tiny")))
@@ -216,30 +224,33 @@ async def test_a_long_prompt_cancelled_between_its_chunks_leaves_no_block_held(t
     assert calls == 2  # no chunk after the client went
 
 
-def test_a_prompt_chunked_into_a_prefill_roles_blocks_hands_off_its_cache(tiny_model_dir: Path) -> None:
+def test_a_prompt_chunked_into_a_prefill_roles_blocks_hands_off_its_cache(
+    tiny_model_dir: Path, engine_device: str
+) -> None:
     """A role that ends at prefill (E/P/D's prefill) chunks a long prompt
     into its pool's blocks; the cache it exports from them decodes to
     generate()'s tokens in another engine."""
-    decode = DecodeSettings(slots=4, max_len=512, fused=True, max_num_batched_tokens=32, decodes=False)
-    prefill = TorchEngine(tiny_model_dir, decode=decode)
+    prefill = _fused(tiny_model_dir, engine_device, budget=32, decodes=False)
     prompt = list(prefill.tokenizer(" ".join(f"word{i}" for i in range(60)))["input_ids"])
     prefilling, seq, chunks = _chunked(prefill, prompt, N)
     assert prefilling.into_blocks and chunks > 2
     tensors, state = prefill.export_kv(seq)
     prefill.release(seq)
-    decoder = TorchEngine(tiny_model_dir, decode=DecodeSettings(slots=4, max_len=512))
+    decoder = TorchEngine(tiny_model_dir, device=engine_device, dtype=torch.float32, decode=DecodeSettings(slots=4))
     moved = decoder.import_kv(tensors, state, greedy(N))
     assert _decoded(decoder, moved, N) == reference_generate(tiny_model_dir, prompt, [], N)
 
 
-async def test_a_long_prompt_of_an_adapter_goes_in_chunks_with_it(tiny_model_dir: Path, tmp_path: Path) -> None:
+async def test_a_long_prompt_of_an_adapter_goes_in_chunks_with_it(
+    tiny_model_dir: Path, engine_device: str, tmp_path: Path
+) -> None:
     """A LoRA adapter's long prompt is chunked too (into blocks, on the fused
     layers with the adapter's stacks): transformers + PEFT generate()'s tokens."""
     pytest.importorskip("peft")
     from tests.stages.test_lora import _reference, make_adapter
 
     peft_model = make_adapter(tiny_model_dir, tmp_path / "adapter", seed=7)
-    torch_engine = _fused(tiny_model_dir, budget=16)
+    torch_engine = _fused(tiny_model_dir, engine_device, budget=16)
     torch_engine.load_lora("adapter", tmp_path / "adapter")
     engine = TorchHopEngine("encode+prefill+decode", torch_engine, max_batch=4)
     stage: HopStage[Any] = HopStage(engine.role, engine, "tiny")
