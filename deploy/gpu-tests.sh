@@ -25,6 +25,8 @@ exec "${PYTHON:-python3}" -m pytest -p no:cacheprovider -v --timeout 900 \
   tests/stages/test_fused_decode.py \
   tests/stages/test_triton_linear.py \
   tests/stages/test_slot_prefill.py \
+  tests/stages/test_chunked_prefill.py \
+  tests/stages/test_lora.py \
   tests/stages/test_tower_graphs.py \
   tests/stages/test_device_copy.py \
   tests/pipeline/test_transport.py \
