@@ -6,7 +6,9 @@ to it as one message.
 The worker keeps NATS, the chunks and their text; the core keeps the model,
 the KV pool, the decode loop and media decoding. A sequence and a request's
 embeddings stay in the core: the worker holds their numbers (and the
-embeddings' sizes, which the context check reads).
+embeddings' sizes, which the context check reads). The engine's
+operations beside serving (LoRA adapters, sleep and wake, the canary) are
+one message each too, answered with the engine's state after them.
 
 Only roles that hand no tensors to another hop run this way so far (EPD):
 a split role's NIXL agent would have to live beside the tensors, in the core.
@@ -44,14 +46,18 @@ from stages.torch_engine.core_wire import (
     Abort,
     Broken,
     CacheReset,
+    Canary,
     Cancel,
     Decode,
+    Done,
     DropMedia,
     Encode,
     Encoded,
     Failed,
     Finished,
     FromCore,
+    LoadLora,
+    Operation,
     Prefill,
     Prefilled,
     Ready,
@@ -59,9 +65,12 @@ from stages.torch_engine.core_wire import (
     Room,
     Scrape,
     Scraped,
+    Sleep,
     StartFailed,
     ToCore,
     Tokens,
+    UnloadLora,
+    WakeUp,
     frame,
     read_frame,
 )
@@ -126,6 +135,9 @@ class ProcessHopEngine:
         self._gone: str | None = None
         self._broken: str | None = None
         self._eos: frozenset[int] = frozenset()
+        # The core's engine as its last answer told it: device bytes held, adapters loaded.
+        self._held: dict[str, int] = {}
+        self._loras: list[str] = []
         self._loop: asyncio.AbstractEventLoop | None = None
 
     # -- what the chunks and the context check read -------------------------------
@@ -179,6 +191,7 @@ class ProcessHopEngine:
             raise RuntimeError(f"the engine core did not start: {error}")
         self._ready = msg
         self._eos = frozenset(msg.eos_token_ids)
+        self._held = msg.held
         self._reading = asyncio.create_task(self._read(), name="engine-core-reader")
         log.info("engine_core_started", pid=msg.pid, device=msg.device, role=self.role)
 
@@ -226,6 +239,39 @@ class ProcessHopEngine:
         reply = await self._call(ResetCache(next(self._ids)))
         assert isinstance(reply, CacheReset)
         return reply.blocks
+
+    # -- the engine's operations: LoRA adapters, sleep mode, the canary --------------
+
+    async def load_lora(self, name: str, path: str) -> None:
+        """Load a LoRA adapter into the core's engine (again: nothing)."""
+        await self._operate(LoadLora(next(self._ids), name, path))
+
+    async def unload_lora(self, name: str) -> None:
+        await self._operate(UnloadLora(next(self._ids), name))
+
+    def loras(self) -> list[str]:
+        return list(self._loras)
+
+    async def sleep(self, level: int) -> dict[str, int]:
+        """The core's engine asleep (``TorchHopEngine.sleep``): the bytes it held."""
+        return (await self._operate(Sleep(next(self._ids), level))).result
+
+    async def wake_up(self) -> None:
+        await self._operate(WakeUp(next(self._ids)))
+
+    def held_bytes(self) -> dict[str, int]:
+        """The core's engine's device bytes as it last told them (at start and after each operation)."""
+        return dict(self._held)
+
+    async def canary(self) -> None:
+        """The worker's canary health check, through the core's engine and its thread."""
+        await self._operate(Canary(next(self._ids)))
+
+    async def _operate(self, msg: Operation) -> Done:
+        reply = await self._call(msg)
+        assert isinstance(reply, Done)
+        self._held, self._loras = reply.held, reply.loras
+        return reply
 
     # -- the hop's steps -------------------------------------------------------------
 
@@ -401,7 +447,7 @@ class ProcessHopEngine:
                 queue.put_nowait(error)
             elif (reply := self._replies.pop(msg.call, None)) is not None and not reply.done():
                 reply.set_exception(error)
-        elif isinstance(msg, Encoded | Prefilled | Scraped | CacheReset):
+        elif isinstance(msg, Encoded | Prefilled | Scraped | CacheReset | Done):
             reply = self._replies.pop(msg.call, None)
             if reply is not None and not reply.done():
                 reply.set_result(msg)

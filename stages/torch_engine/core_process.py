@@ -36,8 +36,10 @@ from stages.torch_engine.core_wire import (
     Abort,
     Broken,
     CacheReset,
+    Canary,
     Cancel,
     Decode,
+    Done,
     DropMedia,
     EmbeddingInfo,
     Encode,
@@ -45,6 +47,8 @@ from stages.torch_engine.core_wire import (
     Failed,
     Finished,
     FromCore,
+    LoadLora,
+    Operation,
     Prefill,
     Prefilled,
     Ready,
@@ -52,9 +56,12 @@ from stages.torch_engine.core_wire import (
     Room,
     Scrape,
     Scraped,
+    Sleep,
     StartFailed,
     ToCore,
     Tokens,
+    UnloadLora,
+    WakeUp,
     frame,
     read_frame,
 )
@@ -123,7 +130,9 @@ class EngineCore:
     async def serve(self, reader: asyncio.StreamReader) -> None:
         await self.hop.start()
         engine = self.hop.torch
-        self._send(Ready(os.getpid(), sorted(engine.eos_token_ids), engine.max_model_len, str(engine.device)))
+        ready = Ready(os.getpid(), sorted(engine.eos_token_ids), engine.max_model_len, str(engine.device))
+        ready.held = self.hop.held_bytes()
+        self._send(ready)
         watch = asyncio.create_task(self._watch(), name="core-watch")
         try:
             while (payload := await read_frame(reader)) is not None:
@@ -167,6 +176,23 @@ class EngineCore:
             self._send(Scraped(msg.call, generate_latest()))
         elif isinstance(msg, ResetCache):
             self._start(msg.call, self._reset_cache(msg.call))
+        elif isinstance(msg, Operation):
+            self._start(msg.call, self._operate(msg))
+
+    async def _operate(self, msg: Operation) -> Done:
+        hop, result = self.hop, None
+        if isinstance(msg, LoadLora):
+            await hop.load_lora(msg.name, msg.path)
+        elif isinstance(msg, UnloadLora):
+            await hop.unload_lora(msg.name)
+        elif isinstance(msg, Sleep):
+            result = await hop.sleep(msg.level)
+        elif isinstance(msg, WakeUp):
+            await hop.wake_up()
+        elif isinstance(msg, Canary):
+            await hop.canary()
+        self._count()
+        return Done(msg.call, hop.held_bytes(), hop.loras(), result or {})
 
     async def _reset_cache(self, call: int) -> FromCore:
         return CacheReset(call, await self.hop.reset_prefix_cache())

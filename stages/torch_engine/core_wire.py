@@ -66,7 +66,40 @@ class ResetCache(msgspec.Struct, tag=True, array_like=True):
     call: int
 
 
-ToCore = Encode | Prefill | Decode | Cancel | Abort | DropMedia | Scrape | ResetCache
+class LoadLora(msgspec.Struct, tag=True, array_like=True):
+    """Load a LoRA adapter (PEFT's directory) for requests that name it."""
+
+    call: int
+    name: str
+    path: str
+
+
+class UnloadLora(msgspec.Struct, tag=True, array_like=True):
+    call: int
+    name: str
+
+
+class Sleep(msgspec.Struct, tag=True, array_like=True):
+    """The engine's sleep mode at ``level`` (1: KV cache freed, weights to host memory; 2: weights dropped)."""
+
+    call: int
+    level: int
+
+
+class WakeUp(msgspec.Struct, tag=True, array_like=True):
+    call: int
+
+
+class Canary(msgspec.Struct, tag=True, array_like=True):
+    """A tiny request through the core's engine (the worker's canary health check)."""
+
+    call: int
+
+
+# The engine's operations beside serving: each answered with ``Done``.
+Operation = LoadLora | UnloadLora | Sleep | WakeUp | Canary
+
+ToCore = Encode | Prefill | Decode | Cancel | Abort | DropMedia | Scrape | ResetCache | Operation
 
 # -- core → worker -------------------------------------------------------------
 
@@ -76,6 +109,8 @@ class Ready(msgspec.Struct, tag=True, array_like=True):
     eos_token_ids: list[int]
     max_model_len: int
     device: str
+    # The engine's device bytes by what holds them (weights, kv_cache).
+    held: dict[str, int] = {}
 
 
 class StartFailed(msgspec.Struct, tag=True, array_like=True):
@@ -156,7 +191,19 @@ class CacheReset(msgspec.Struct, tag=True, array_like=True):
     blocks: int | None
 
 
-FromCore = Ready | StartFailed | Encoded | Prefilled | Tokens | Finished | Failed | Room | Broken | Scraped | CacheReset
+class Done(msgspec.Struct, tag=True, array_like=True):
+    """An ``Operation`` done: what it gave (a sleep: the bytes held before)
+    and the engine as it is after (its bytes held, its adapters)."""
+
+    call: int
+    held: dict[str, int]
+    loras: list[str]
+    result: dict[str, int] = {}
+
+
+FromCore = (
+    Ready | StartFailed | Encoded | Prefilled | Tokens | Finished | Failed | Room | Broken | Scraped | CacheReset | Done
+)
 
 # Frames past this are a bug, not a request (a ProcessedRequest with inline media stays far below).
 MAX_FRAME = 1 << 30

@@ -86,6 +86,7 @@ async def start_stack(
     drain_grace_s: float = 30.0,
     frontend_decode: bool | tuple[bool, bool] = False,
     bridge_tensor_ttl_s: float = 60.0,
+    engine_process: bool = False,
 ) -> tuple[Stack, Any]:
     """Every role of ``config.mode`` (one worker each unless ``counts`` says
     otherwise), each with its own NATS connection and, where it moves
@@ -95,7 +96,8 @@ async def start_stack(
     every worker's (how long a draining or sleeping worker lets its
     requests finish). ``frontend_decode``: the processor's (bridge's) and
     the workers' --frontend-decode, one for both or (processor, workers);
-    ``bridge_tensor_ttl_s``: how long the bridge holds what it decoded."""
+    ``bridge_tensor_ttl_s``: how long the bridge holds what it decoded;
+    ``engine_process``: the workers' built-in engine in a core process of its own."""
     front, behind = frontend_decode if isinstance(frontend_decode, tuple) else (frontend_decode, frontend_decode)
     conns: list[Any] = []
     transports: list[Any] = []
@@ -106,6 +108,7 @@ async def start_stack(
         served_model_name=spec.served_name,
         media=MediaPolicy(allow_internal=allow_internal, frontend_decode=behind),
         modalities=modalities,
+        engine_process=engine_process,
     )
     processing = dataclasses.replace(settings, media=dataclasses.replace(settings.media, frontend_decode=front))
 

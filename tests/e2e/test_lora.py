@@ -38,10 +38,11 @@ async def complete_text(c: openai.AsyncOpenAI, model: str) -> str:
 
 
 @pytest.mark.e2e
-@pytest.mark.parametrize("mode", ["epd", "e-p-d"])
+@pytest.mark.parametrize(("mode", "engine_process"), [("epd", False), ("e-p-d", False), ("epd", True)])
 async def test_an_adapter_loaded_at_run_time_gives_peft_generates_tokens(
-    pipeline_config: PipelineConfig, model_spec: ModelSpec, tmp_path: Path, mode: str
+    pipeline_config: PipelineConfig, model_spec: ModelSpec, tmp_path: Path, mode: str, engine_process: bool
 ) -> None:
+    """In each mode; in EPD with the engine in a core process of its own (--engine-process) too."""
     model_dir = model_spec.path
     tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
     ids = tokenizer(PROMPT)["input_ids"]
@@ -51,7 +52,7 @@ async def test_an_adapter_loaded_at_run_time_gives_peft_generates_tokens(
     )
     (tmp_path / "empty").mkdir()
     config = PipelineConfig(nats_url=pipeline_config.nats_url, namespace=pipeline_config.namespace, mode=mode)
-    stack, stop = await start_stack(config, model_spec)
+    stack, stop = await start_stack(config, model_spec, engine_process=engine_process)
     session = aiohttp.ClientSession()
     try:
         async with client(stack) as c:

@@ -38,11 +38,13 @@ async def _call(session: aiohttp.ClientSession, method: str, url: str) -> tuple[
 
 
 @pytest.mark.e2e
+@pytest.mark.parametrize("engine_process", [False, True], ids=["engine", "engine-process"])
 async def test_sleep_under_load_loses_nothing_and_waking_serves_again(
-    pipeline_config: PipelineConfig, model_spec: ModelSpec, reference: Any
+    pipeline_config: PipelineConfig, model_spec: ModelSpec, reference: Any, engine_process: bool
 ) -> None:
+    """In the worker's process or in its engine core's (--engine-process)."""
     # No grace: what the worker holds when it goes to sleep goes back to the queue at once.
-    stack, stop = await start_stack(pipeline_config, model_spec, drain_grace_s=0.0)
+    stack, stop = await start_stack(pipeline_config, model_spec, drain_grace_s=0.0, engine_process=engine_process)
     openai_client = client(stack)
     session = aiohttp.ClientSession()
     base = stack.base_url

@@ -232,3 +232,36 @@ async def test_the_core_reuses_a_cached_prefix_says_so_and_forgets_it_when_asked
     assert await stage.reset_prefix_cache() >= 4
     third = await run(stage, processor.process(request("p3", 4, text=text)))
     assert third[-1].usage is not None and third[-1].usage.cached_tokens == 0
+
+
+async def test_the_cores_engine_loads_adapters_sleeps_wakes_and_answers_its_canary(
+    stage: HopStage, processor: Processor, tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    """The engine's operations beside serving reach the core's engine: an
+    adapter loaded there serves a request naming it (PEFT's generate()
+    tokens) and is listed; sleep frees the core's KV cache and waking serves
+    generate()'s tokens again; the canary runs through the core."""
+    pytest.importorskip("peft")
+    from tests.stages.test_lora import _reference, make_adapter
+
+    peft_model = make_adapter(tiny_model_dir, tmp_path / "adapter", seed=3)
+    assert stage.load_lora is not None and stage.loras is not None and stage.held_bytes is not None
+    assert stage.sleep is not None and stage.wake_up is not None and stage.canary is not None
+    assert stage.held_bytes()["weights"] > 0  # told at start
+    await stage.load_lora("adapter", str(tmp_path / "adapter"))
+    assert stage.loras() == ["adapter"] and stage.models[1:] == ["adapter"]
+    asked = processor.process(request("l1", 6, text="Say something."))
+    adapted = await run(stage, msgspec.structs.replace(asked, lora="adapter"))
+    assert tokens(adapted) == _reference(tiny_model_dir, peft_model, asked.prompt_token_ids, [], 6)
+    base = reference_generate(tiny_model_dir, asked.prompt_token_ids, [], 6)
+    assert tokens(adapted) != base
+    assert stage.unload_lora is not None
+    await stage.unload_lora("adapter")
+    assert stage.loras() == []
+
+    before = await stage.sleep(1)
+    assert before["kv_cache"] > 0 and stage.held_bytes()["kv_cache"] == 0
+    await stage.wake_up()
+    assert stage.held_bytes()["kv_cache"] == before["kv_cache"]
+    assert tokens(await run(stage, processor.process(request("l2", 6, text="Say something.")))) == base
+    await stage.canary()
