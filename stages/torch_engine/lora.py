@@ -76,16 +76,23 @@ class LoraAdapter:
     salt: str
 
 
-def language_linears(model: Any) -> dict[str, nn.Linear]:
-    """The language model's linear layers (and the output head) by their
-    names in ``model``, each a plain ``nn.Linear`` (a wrapper's base)."""
+def language_model(model: Any) -> tuple[str, Any] | None:
+    """The language model inside ``model`` and its name there (None: none found)."""
     from stages.torch_engine.batch_decoder import _language_model
 
     lm = _language_model(model)
-    out: dict[str, nn.Linear] = {}
     lm_name = next((n for n, m in model.named_modules() if m is lm), None)
-    if lm is None or lm_name is None:
+    return None if lm is None or lm_name is None else (lm_name, lm)
+
+
+def language_linears(model: Any) -> dict[str, nn.Linear]:
+    """The language model's linear layers (and the output head) by their
+    names in ``model``, each a plain ``nn.Linear`` (a wrapper's base)."""
+    out: dict[str, nn.Linear] = {}
+    found = language_model(model)
+    if found is None:
         return out
+    lm_name, lm = found
     for name, module in lm.named_modules(prefix=lm_name):
         if isinstance(module, LoraLinear):
             out[name] = module.base
@@ -327,7 +334,7 @@ class LoraSet:
                 parent = model.get_submodule(parent_name) if parent_name else model
                 setattr(parent, child, LoraLinear(module, self.rows))
                 self.wrapped = True
-        slots = max(self.slots.values(), default=0) + 1
+        slots = self._slot_count()
         for name, module in model.named_modules():
             if isinstance(module, LoraLinear):
                 weights = {self.slots[a.name]: a.modules[name] for a in self.adapters.values() if name in a.modules}
@@ -337,17 +344,19 @@ class LoraSet:
         """The loaded adapters as the fused layer step takes them
         (stages/torch_engine/fused_lora.py), on the model's device; None
         with none loaded."""
-        if not self.adapters:
+        found = language_model(model) if self.adapters else None
+        if found is None:
             return None
-        from stages.torch_engine.batch_decoder import _language_model
-
-        lm = _language_model(model)
-        lm_name = next(n for n, m in model.named_modules() if m is lm)
+        lm_name, lm = found
         sizes = {name: (linear.in_features, linear.out_features) for name, linear in language_linears(model).items()}
         layers = [f"{lm_name}.layers.{i}" if lm_name else f"layers.{i}" for i in range(len(lm.layers))]
         by_slot = {self.slots[name]: adapter for name, adapter in self.adapters.items()}
         weight = lm.layers[0].self_attn.o_proj.weight
-        return layer_loras(layers, sizes, by_slot, max(self.slots.values(), default=0) + 1, weight.device, weight.dtype)
+        return layer_loras(layers, sizes, by_slot, self._slot_count(), weight.device, weight.dtype)
+
+    def _slot_count(self) -> int:
+        # Slot 0 (no adapter) and every slot up to the highest taken.
+        return max(self.slots.values(), default=0) + 1
 
     def forget_model(self) -> None:
         """The model went (a deep sleep): the next ``apply`` wraps a new one."""
