@@ -557,28 +557,37 @@ async def test_vllms_own_kv_events_publisher_is_configured_by_mmpipes_flag(
     from schemas.kv_events import BlockStored, KVEventBatch
 
     port = _free_port()
-    ctx = zmq.Context.instance()
-    sub = ctx.socket(zmq.SUB)
-    sub.setsockopt(zmq.SUBSCRIBE, b"")
-    sub.connect(f"tcp://127.0.0.1:{port}")
-    try:
-        with vllm_up(
-            tmp_path, mmpipe_home, "epd", vllm_model_dir, ENGINE_ARGS, "--kv-events-endpoint", f"tcp://*:{port}"
-        ) as stack:
-            long_text = "Tell me about the sea and the mountains and the long way between them. " * 8
-            await _ask(stack, long_text, stream=False, n=4)
-            deadline = time.monotonic() + 30
+    with vllm_up(
+        tmp_path, mmpipe_home, "epd", vllm_model_dir, ENGINE_ARGS, "--kv-events-endpoint", f"tcp://*:{port}"
+    ) as stack:
+        # Connected only once vLLM has bound the port: a SUB that connects to
+        # a port nobody listens on retries from ephemeral ports, and one of
+        # those can be the port itself (a TCP self-connect), which then holds
+        # it and vLLM's bind fails.
+        sub = zmq.Context.instance().socket(zmq.SUB)
+        sub.setsockopt(zmq.SUBSCRIBE, b"")
+        sub.connect(f"tcp://127.0.0.1:{port}")
+        try:
+            deadline = time.monotonic() + 60
             stored: list[BlockStored] = []
+            attempt = 0
             while not stored:
+                # A SUB that joins late misses what came before: each try a new
+                # prompt (a repeated one would find its blocks cached, stored before).
                 assert time.monotonic() < deadline, "no BlockStored from vLLM"
-                if sub.poll(200):
-                    _, _, payload = sub.recv_multipart()
-                    batch = msgspec.msgpack.decode(payload, type=KVEventBatch)
-                    stored += [e for e in batch.events if isinstance(e, BlockStored)]
+                attempt += 1
+                long_text = f"Tell me, for the {attempt}th time, about the sea and the mountains. " * 8
+                await _ask(stack, long_text, stream=False, n=4)
+                until = time.monotonic() + 5
+                while not stored and time.monotonic() < until:
+                    if sub.poll(200):
+                        _, _, payload = sub.recv_multipart()
+                        batch = msgspec.msgpack.decode(payload, type=KVEventBatch)
+                        stored += [e for e in batch.events if isinstance(e, BlockStored)]
             assert stored[0].block_size == CPU_DEFAULTS["block_size"] and stored[0].token_ids
-        assert_clean_exit(stack)
-    finally:
-        sub.close(linger=0)
+        finally:
+            sub.close(linger=0)
+    assert_clean_exit(stack)
 
 
 @pytest.mark.e2e
