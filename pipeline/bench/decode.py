@@ -47,6 +47,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="random LoRA adapters (rank 16) spread over the rows, for the modules' and the fused step with "
         "adapters (0: skip)",
     )
+    p.add_argument(
+        "--chunk",
+        type=int,
+        default=512,
+        help="tokens of a long prompt's chunk (its second, past one as long) run in a step (a mixed step), "
+        "against the step and the chunk alone (0: skip)",
+    )
     p.add_argument("--no-cuda-graphs", dest="cuda_graphs", action="store_false")
     p.add_argument("--no-baseline", dest="baseline", action="store_false", help="skip generate()")
     p.add_argument("--output", default="", metavar="FILE", help="also write the results here, as JSON")
@@ -147,6 +154,8 @@ def _preset(preset: str, batches: list[int], args: argparse.Namespace, device: A
         row["sampling_overhead"] = row["decoder_sampled_step_ms"] / row["decoder_paired_step_ms"] - 1
         if args.lora_adapters:
             row.update(_lora_step(model, ids, args, device))
+        if args.chunk:
+            row.update(_mixed_step(model, ids, args, device))
         if args.profile:
             _profile(decoder, ids, args.context)
         row["greedy_agree"] = _agreement(model, decoder, ids[:1], args.new_tokens) if batch == batches[0] else None
@@ -371,6 +380,69 @@ def _lora_step(model: Any, ids: Any, args: argparse.Namespace, device: Any) -> d
     return out
 
 
+def _mixed_step(model: Any, ids: Any, args: argparse.Namespace, device: Any) -> dict[str, float]:
+    """A decode step of every row carrying a chunk of ``--chunk`` tokens of a
+    long prompt (its second: its rows attend over the first's blocks too),
+    in one forward (``BatchDecoder.step(chunk=...)``, as the engine runs a
+    chunk beside running sequences), against the step alone (a CUDA graph
+    where graphs are on) plus the same chunk alone (``SlotPrefill.run(chunk=True)``,
+    as a chunk between two steps ran): what a running row's next token
+    waits for while a long prompt prefills, each way."""
+    import torch
+
+    from stages.torch_engine.batch_decoder import BLOCK_SIZE, BatchDecoder
+    from stages.torch_engine.block_pool import blocks_for
+    from stages.torch_engine.slot_prefill import SlotPrefill
+
+    batch, context = ids.shape
+    chunk = args.chunk
+    max_len = max(args.max_len or context + args.new_tokens + 1, 2 * chunk)
+    # The rows' blocks, the prompt's and the null block.
+    blocks = batch * blocks_for(context + 1, BLOCK_SIZE) + blocks_for(2 * chunk, BLOCK_SIZE) + 1
+    decoder = BatchDecoder(
+        model, max_slots=batch, max_len=max_len, use_graphs=args.cuda_graphs, fused=True, num_blocks=blocks
+    )
+    if decoder.fused is None:
+        return {}
+    prefill = SlotPrefill(decoder, use_graphs=False, longest=chunk)
+    if prefill.max_tokens < chunk:
+        return {}
+    seated = _seat(decoder, batch, context + 1)
+    prompt = decoder.pool.allocate(decoder.blocks_for(2 * chunk))
+    generator = torch.Generator().manual_seed(1)
+    with torch.inference_mode():
+        embeds = model.get_input_embeddings()(torch.randint(0, 150_000, (chunk,), generator=generator).to(device))
+    positions = torch.arange(chunk, 2 * chunk, device=device)[None]
+    tokens, lengths = ids[:, -1].tolist(), [context] * batch
+    repeats = max(args.repeats, 10)
+    try:
+        with torch.inference_mode():
+            prefill.run(embeds, positions - chunk, prompt, chunk=True)  # the first chunk, once
+            step = _timed(lambda: decoder.step(tokens, lengths, lengths), device, repeats)
+            alone = _timed(lambda: prefill.run(embeds, positions, prompt, start=chunk, chunk=True), device, repeats)
+
+            def mixed() -> Any:
+                return decoder.step(
+                    tokens, lengths, lengths, chunk=prefill.chunk_rows(embeds, positions, prompt, chunk)
+                )
+
+            both = _timed(mixed, device, repeats)
+            # The rows' choices either way (alike on a CPU; bf16 sums round by the matrices' shapes).
+            agree = (mixed().argmax(-1) == decoder.step(tokens, lengths, lengths).argmax(-1)).float().mean().item()
+    finally:
+        decoder.pool.free(prompt)
+        _unseat(decoder, seated)
+    return {
+        "chunk_tokens": chunk,
+        "decoder_plain_step_ms": step,
+        "chunk_alone_ms": alone,
+        "mixed_step_ms": both,
+        # < 1: the running rows' next token comes sooner in a mixed step.
+        "mixed_vs_step_and_chunk": both / (step + alone),
+        "mixed_step_agree": agree,
+    }
+
+
 def _seat(decoder: Any, batch: int, tokens: int) -> list[list[int]]:
     """Rows 0..batch-1 of the decoder, each with blocks for ``tokens`` positions."""
     seated = []
@@ -438,7 +510,7 @@ def _table(results: dict[str, Any]) -> None:
     print()
     print(
         f"{'preset':<12} {'batch':>5} {'generate ms/step':>17} {'decoder ms/step':>16} {'read each ms':>13} "
-        f"{'speedup':>8} {'extras':>7} {'sampling':>8} {'lora':>7} {'lora fused':>10} "
+        f"{'speedup':>8} {'extras':>7} {'sampling':>8} {'lora':>7} {'lora fused':>10} {'mixed/step+chunk':>16} "
         f"{'generate tok/s':>15} {'decoder tok/s':>14} {'roofline ms':>12} {'of roofline':>12} {'greedy agree':>13}"
     )
     for r in results["runs"]:
@@ -447,6 +519,7 @@ def _table(results: dict[str, Any]) -> None:
             f"{r['decoder_step_ms']:>16.3f} {r['decoder_sync_step_ms']:>13.3f} {r.get('speedup', float('nan')):>8.2f} "
             f"{r['extras_overhead']:>+7.1%} {r['sampling_overhead']:>+8.1%} "
             f"{r.get('lora_overhead', float('nan')):>+7.1%} {r.get('lora_fused_overhead', float('nan')):>+10.1%} "
+            f"{r.get('mixed_vs_step_and_chunk', float('nan')):>16.2f} "
             f"{r.get('generate_tok_s', float('nan')):>15.1f} {r['decoder_tok_s']:>14.1f} "
             f"{r.get('roofline_step_ms', float('nan')):>12.3f} {r.get('roofline_fraction', float('nan')):>12.1%} "
             f"{'' if r['greedy_agree'] is None else format(r['greedy_agree'], '.0%'):>13}"

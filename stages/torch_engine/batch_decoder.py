@@ -34,7 +34,7 @@ wait on the host between steps, as vLLM's async scheduling.
 from __future__ import annotations
 
 import bisect
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
@@ -128,6 +128,26 @@ class Launched:
         chosen, *rest = self._report_rows[row]
         ids, values = rest[:MAX_TOP][:top], rest[MAX_TOP:][:top]
         return Logprobs(chosen, tuple(zip(map(int, ids), values, strict=True)))
+
+
+@dataclass
+class ChunkRows:
+    """A chunk of a long prompt's prefill, carried by a step (a mixed step):
+    its rows [T, hidden] beside the step's in each layer's projections,
+    their rotary cos and sin [T, 1, d], where each row's key and value go
+    (``blocks``, ``offsets`` [T]), each row's adapter slot (None: the decoder
+    holds none), and its attention ((q [T, heads, d], layer) → [T, heads *
+    d], over the prompt's blocks). ``hidden``: the chunk's last row after
+    the final norm, once the step has run (the caller applies the head)."""
+
+    embeds: torch.Tensor
+    cos: torch.Tensor
+    sin: torch.Tensor
+    blocks: torch.Tensor
+    offsets: torch.Tensor
+    slots: torch.Tensor | None
+    attend: Callable[[torch.Tensor, int], torch.Tensor]
+    hidden: torch.Tensor | None = None
 
 
 @dataclass(frozen=True)
@@ -389,6 +409,7 @@ class BatchDecoder:
         lora: list[int] | None = None,
         extras: bool = False,
         samples: bool = False,
+        chunk: ChunkRows | None = None,
     ) -> torch.Tensor:
         """Logits [n, vocab] of one new token for slots 0..n-1; their greedy
         choices land in ``sampled[:n]``.
@@ -400,7 +421,13 @@ class BatchDecoder:
         EOS mask, every row asked, each write in the block its table has).
         ``extras``: the rows' penalties, bias and logprobs too (``row_sampling``);
         ``samples``: and rows that sample draw their tokens (implies ``extras``).
+        ``chunk``: a prompt chunk's rows to run in the same forward (the
+        fused step only, without a graph): each layer's weights are read
+        once for both, where a chunk between two steps read them twice and
+        held the running rows' next token for the chunk's whole forward.
         """
+        if chunk is not None and self.fused is None:
+            raise ValueError("a chunk in a step needs the fused layers")
         n = len(tokens)
         if n > self.max_slots:
             raise ValueError(f"{n} sequences for {self.max_slots} slots")
@@ -430,15 +457,20 @@ class BatchDecoder:
         extras = extras or samples
         if extras and self.row_sampling is None:
             raise ValueError("a step with extras before any row asked for them")
+        if chunk is not None:
+            return self._forward_fused(bucket, span, extras, samples, chunk)[:n]
         if not self.use_graphs:
             return self._forward(bucket, span, extras, samples)[:n]
         graph, out = self._graph(bucket, span, extras, samples)
         graph.replay()
         return out[:n]
 
-    def launch(self, inputs: StepInputs, extras: bool = False, samples: bool = False) -> Launched:
-        """Queue a step; its tokens are read later (the next step may be queued first)."""
-        self.step(*inputs, extras=extras, samples=samples)
+    def launch(
+        self, inputs: StepInputs, extras: bool = False, samples: bool = False, chunk: ChunkRows | None = None
+    ) -> Launched:
+        """Queue a step (with ``chunk``: a mixed one, as ``step``); its tokens
+        are read later (the next step may be queued first)."""
+        self.step(*inputs, extras=extras, samples=samples, chunk=chunk)
         return Launched(self.sampled, len(inputs.tokens), reports=self.row_sampling if extras or samples else None)
 
     def capture(self) -> list[int]:
@@ -518,7 +550,9 @@ class BatchDecoder:
         logits: torch.Tensor = self.model.lm_head(hidden)[:, 0]
         return self._choose(bucket, logits, tokens, extras, samples)
 
-    def _forward_fused(self, bucket: int, span: int, extras: bool, samples: bool) -> torch.Tensor:
+    def _forward_fused(
+        self, bucket: int, span: int, extras: bool, samples: bool, chunk: ChunkRows | None = None
+    ) -> torch.Tensor:
         assert self.fused is not None
         s, k = self.shape, self.kernels
         blocks, offsets = self._write_address(bucket)
@@ -530,6 +564,14 @@ class BatchDecoder:
         delta = None
         # Without adapters the pieces take no slots (the graphs compiled before adapters existed).
         slots = self.lora[:bucket] if self.adapters is not None else None
+        if chunk is not None:
+            # The chunk's rows after the step's: one projection of each kind over both.
+            hidden = torch.cat([hidden, chunk.embeds.to(hidden.dtype)])
+            cos, sin = torch.cat([cos, chunk.cos]), torch.cat([sin, chunk.sin])
+            blocks, offsets = torch.cat([blocks, chunk.blocks]), torch.cat([offsets, chunk.offsets])
+            if slots is not None:
+                assert chunk.slots is not None
+                slots = torch.cat([slots, chunk.slots])
         for i, w in enumerate(self.fused):
             keys, values = self.keys[i], self.values[i]
             lo = self.adapters[i] if self.adapters is not None else NO_LORA
@@ -551,13 +593,21 @@ class BatchDecoder:
                 lo.qkv,
                 slots,
             )
-            attended = k.attend(q, keys, values, step, self.scaling)
+            if chunk is None:
+                attended = k.attend(q, keys, values, step, self.scaling)
+            else:
+                stepped = k.attend(q[:bucket], keys, values, step, self.scaling)
+                attended = torch.cat([stepped, chunk.attend(q[bucket:], i)])
             projected = project_out(attended, w.o, lo.o, slots, k.project)
             hidden, delta = k.after_attention(
                 hidden, projected, w.ln2, w.gate_up, w.down, w.eps, lo.gate_up, lo.down, slots
             )
         assert delta is not None
         norm = self.lm.norm
+        if chunk is not None:
+            # Only the chunk's last row makes a token (the caller's head: its adapter's).
+            chunk.hidden = k.final(hidden[-1:], delta[-1:], norm.weight, float(norm.variance_epsilon))
+            hidden, delta = hidden[:bucket], delta[:bucket]
         logits: torch.Tensor = self.model.lm_head(k.final(hidden, delta, norm.weight, float(norm.variance_epsilon)))
         return self._choose(bucket, logits, tokens, extras, samples)
 

@@ -39,7 +39,7 @@ from stages.prefix_keys import MediaSpan, block_keys
 from stages.progress import Step, on_terminal
 from stages.sampling import Logprobs, SamplingConfig
 from stages.torch_engine import batch_decoder, metrics, row_sampling
-from stages.torch_engine.batch_decoder import BatchDecoder, Launched, from_blocks, to_blocks
+from stages.torch_engine.batch_decoder import BatchDecoder, ChunkRows, Launched, from_blocks, to_blocks
 from stages.torch_engine.block_pool import blocks_for
 from stages.torch_engine.grammar import Grammars
 from stages.torch_engine.lora import LoraSet, read_adapter
@@ -384,6 +384,7 @@ class TorchEngine:
         p = prefilling
         if p.done >= p.length:
             raise ValueError("the prompt is prefilled already")
+        metrics.PREFILL_CHUNKS.labels("alone").inc()
         if p.into_blocks is None:
             with self._lock:
                 p.into_blocks = self._chunks_into_blocks(p)
@@ -444,8 +445,8 @@ class TorchEngine:
         return True
 
     def _chunk_into_blocks(self, p: Prefilling, defer: bool) -> tuple[Sequence, int] | None:
-        prefill, decoder, slots = self._slot_prefill, self.decoder, self._slots
-        assert prefill is not None and decoder is not None and slots is not None and p.blocks is not None
+        prefill = self._slot_prefill
+        assert prefill is not None and p.blocks is not None
         end = min(p.length, p.done + self._chunk_len())
         slot = self._loras.slot(p.lora)
         with self._lock, torch.inference_mode(), self._loras.for_step(prefill.lora_slot, [slot], False):
@@ -453,20 +454,60 @@ class TorchEngine:
                 p.embeds[0, p.done : end], p.positions[..., p.done : end], p.blocks, start=p.done, lora=slot, chunk=True
             )
             p.done = end
+            return self._chunked_sequence(p, logits, defer) if end == p.length else None
+
+    def _chunked_sequence(self, p: Prefilling, logits: torch.Tensor, defer: bool) -> tuple[Sequence, int]:
+        """A prompt whose last chunk went into its blocks: its sequence (in a
+        decoder row where one is free) and first token (under the lock)."""
+        slots = self._slots
+        assert slots is not None
+        seq = p.sequence()
+        p.blocks = p.embeds = None  # the sequence's now
+        try:
+            self._with_lora(seq, p.lora)
+            self._register_prefix(seq)
+            # A row now where one is free; else the batch decoder seats it as others leave (``_admit``).
+            if slots.can_take(p.length, held=seq.blocks):
+                slots.take(seq, p.length)
+            return seq, self._select(seq, logits, defer)
+        except BaseException:
+            slots.free(seq)  # nobody else holds it yet
+            raise
+
+    def _carried_chunk(self, p: Prefilling) -> tuple[ChunkRows, int] | None:
+        """``p``'s next chunk as rows a decode step carries, and where it
+        ends; None where its chunks do not prefill into blocks (under the
+        lock; decides that at its first chunk)."""
+        if p.done >= p.length:
+            raise ValueError("the prompt is prefilled already")
+        if p.into_blocks is None:
+            p.into_blocks = self._chunks_into_blocks(p)
+        prefill = self._slot_prefill
+        if not p.into_blocks or prefill is None:
+            return None
+        assert p.blocks is not None
+        end = min(p.length, p.done + self._chunk_len())
+        rows = prefill.chunk_rows(
+            p.embeds[0, p.done : end], p.positions[..., p.done : end], p.blocks, p.done, self._loras.slot(p.lora)
+        )
+        return rows, end
+
+    def _carried_done(
+        self, p: Prefilling, rows: ChunkRows, end: int, defer: bool
+    ) -> tuple[Sequence, int] | BaseException | None:
+        """After the step that carried ``p``'s chunk: as ``prefill_chunk``
+        gives it, or the error that ends the prompt (not the step's rows)."""
+        try:
+            p.done = end
             if end < p.length:
                 return None
-            seq = p.sequence()
-            p.blocks = p.embeds = None  # the sequence's now
-            try:
-                self._with_lora(seq, p.lora)
-                self._register_prefix(seq)
-                # A row now where one is free; else the batch decoder seats it as others leave (``_admit``).
-                if slots.can_take(p.length, held=seq.blocks):
-                    slots.take(seq, p.length)
-                return seq, self._select(seq, logits, defer)
-            except BaseException:
-                slots.free(seq)  # nobody else holds it yet
-                raise
+            assert rows.hidden is not None
+            with self._loras.for_rows([self._loras.slot(p.lora)], self.device):
+                logits = self.model.lm_head(rows.hidden)[0]
+            return self._chunked_sequence(p, logits, defer)
+        except Exception as exc:
+            log.error("chunk_failed", error=repr(exc), exc_info=exc)
+            return exc
 
     def prompt_logprobs(self, prompt_ids: list[int], top: int, lora: str | None = None) -> list[Logprobs]:
         """Each text prompt token's logprob after the first, under the model's
@@ -539,7 +580,7 @@ class TorchEngine:
                 chosen = self._select_batch(batched, logits, extras)
             return [chosen[id(q)] if q.slot >= 0 else None if self._ever_fits(q) else self._step_one(q) for q in seqs]
 
-    def launch(self, seqs: list[Sequence]) -> Launch | None:
+    def launch(self, seqs: list[Sequence], chunk: Prefilling | None = None) -> Launch | None:
         """Queue one step of ``seqs`` on the device and return without waiting
         for it; ``collect`` reads its tokens and appends them. A sequence with
         a launched step not yet collected feeds that step's token from the
@@ -556,7 +597,15 @@ class TorchEngine:
 
         A step may run for a sequence that the previous step's token ends (it
         is launched before that token is read): it writes one position past
-        the last token, in a block it is given, and its token is dropped."""
+        the last token, in a block it is given, and its token is dropped.
+
+        ``chunk``: a long prompt whose next chunk the step carries, as vLLM
+        v1 mixes prefill and decode in one batch: in the step's forward
+        where its chunks prefill into blocks (each weight read once for the
+        chunk and the rows), else just after the step; ``Launch.chunk`` has
+        what it gave. A launch that returns None (or raises) ran no chunk.
+        In float32 a chunk's keys and values are the chunk path's sums over
+        other matrix shapes: the last bits may differ from it."""
         decoder, slots = self.decoder, self._slots
         if decoder is None or slots is None:
             return None
@@ -579,13 +628,33 @@ class TorchEngine:
             with self._settle_lock:
                 stepped = self._grown([seq for seq in seqs if seq.slot >= 0])
                 inputs = slots.step_inputs({seq.slot for seq in stepped})
+            # The running rows took their blocks first: a chunk that finds none left goes the modules' way.
+            carried: tuple[ChunkRows, int] | None = None
+            out: tuple[Sequence, int] | BaseException | None = None
+            if chunk is not None and stepped:
+                try:
+                    carried = self._carried_chunk(chunk)
+                except Exception as exc:  # the prompt's error, not the running rows'
+                    log.error("chunk_failed", error=repr(exc), exc_info=exc)
+                    out = exc
             with self._loras.for_step(decoder.lora, inputs.lora, decoder.use_graphs):
-                launched = decoder.launch(inputs, *self._extras(stepped))
+                launched = decoder.launch(inputs, *self._extras(stepped), chunk=carried[0] if carried else None)
             for seq in stepped:
                 seq.inflight += 1
                 decoder.free_first(seq.feed_row)  # read by this step, and by no later one
                 seq.feed_row = seq.slot
-            return Launch([(seq, seq.slot) for seq in seqs], launched)
+            if carried is not None:
+                assert chunk is not None
+                metrics.PREFILL_CHUNKS.labels("mixed").inc()
+                out = self._carried_done(chunk, *carried, defer=True)
+        if chunk is not None and carried is None and out is None:
+            # Its own forward, queued behind the step (whose host side is done).
+            try:
+                out = self.prefill_chunk(chunk, defer=True)
+            except Exception as exc:
+                log.error("chunk_failed", error=repr(exc), exc_info=exc)
+                out = exc
+        return Launch([(seq, seq.slot) for seq in seqs], launched, carried=chunk is not None, chunk=out)
 
     def collect(self, launch: Launch) -> list[int | None]:
         """The tokens of a launched step (waits for it), each appended to its

@@ -469,8 +469,9 @@ class TorchHopEngine:
         return seq
 
     async def _prefill_in_chunks(self, req: ProcessedRequest, media: list[MediaEmbedding], ctx: HopContext) -> Sequence:
-        """A long prompt in chunks of ``--max-num-batched-tokens``, one engine
-        call each: the decode loop's steps go between them (chunked prefill)."""
+        """A long prompt in chunks of ``--max-num-batched-tokens``: where this
+        role decodes, each carried by a decode step (in its forward where the
+        fused layers prefill into blocks), else one engine call each."""
         engine = self.torch
         prefilling = await self.thread.call(
             engine.start_prefill, req.prompt_token_ids, media, sampling(req), req.lora or None
@@ -487,7 +488,10 @@ class TorchHopEngine:
         out = None
         try:
             while out is None:
-                out = await self.thread.call_or_release(release, prefill_chunk)
+                if self.scheduler is not None:
+                    out = await self.scheduler.prefill_chunk(prefilling)
+                else:
+                    out = await self.thread.call_or_release(release, prefill_chunk)
                 chunks += 1
         finally:
             if out is None:

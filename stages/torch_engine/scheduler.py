@@ -277,6 +277,14 @@ _FENCE_POLL_S = 0.0002
 _BLOCKED_POLL_S = 0.05
 
 
+@dataclass(eq=False)
+class _Chunk:
+    """A long prompt waiting for its next chunk, and who waits for what it gives."""
+
+    prefilling: Any
+    result: asyncio.Future[Any]
+
+
 @dataclass
 class Running:
     seq: Any
@@ -310,6 +318,8 @@ class DecodeScheduler:
         self._to_release: collections.deque[Any] = collections.deque()
         self._blocked = False
         self._handed_out_at: float | None = None
+        # Long prompts' next chunks, each carried by a step (one a step, in order).
+        self._chunks: collections.deque[_Chunk] = collections.deque()
         thread.decoding = lambda: bool(self._running)
 
     def start(self) -> None:
@@ -337,7 +347,14 @@ class DecodeScheduler:
             self._to_release.append(entry.seq)
         self._running.clear()
         self._waiting.clear()
+        self._fail_chunks(error)
         self._flush_releases()
+
+    def _fail_chunks(self, error: BaseException) -> None:
+        while self._chunks:
+            result = self._chunks.popleft().result
+            if not result.done():
+                result.set_exception(error)
 
     async def close(self) -> None:
         self._closing = True
@@ -350,6 +367,7 @@ class DecodeScheduler:
             except Exception:  # it died before: logged then (_stopped)
                 pass
             self._loop_task = None
+        self._fail_chunks(RuntimeError("the decode loop is closed"))
         self._flush_releases()
 
     def _flush_releases(self) -> None:
@@ -370,6 +388,44 @@ class DecodeScheduler:
                 yield token
         finally:
             self.leave(entry)
+
+    async def prefill_chunk(self, prefilling: Any) -> Any:
+        """The next chunk of a long prompt (the engine's ``start_prefill``),
+        carried by the loop's next step (``launch(seqs, chunk)``: a running
+        sequence's next token waits for one mixed step, not for a step and a
+        chunk), or run on its own while nothing decodes. What the engine's
+        ``prefill_chunk`` gives. Cancelled, a chunk not begun never runs, and
+        a sequence one made is released."""
+        self.check()
+        chunk = _Chunk(prefilling, asyncio.get_running_loop().create_future())
+        self._chunks.append(chunk)
+        self._wake.set()
+        try:
+            return await chunk.result
+        finally:
+            if chunk in self._chunks:
+                self._chunks.remove(chunk)
+
+    def _chunk_done(self, chunk: _Chunk, out: Any) -> None:
+        if not chunk.result.done():
+            if isinstance(out, BaseException):
+                chunk.result.set_exception(out)
+            else:
+                chunk.result.set_result(out)
+        elif out is not None and not isinstance(out, BaseException):
+            self._to_release.append(out[0])  # its prompt given up meanwhile: the sequence it made goes
+
+    async def _chunk_alone(self) -> None:
+        """The first waiting chunk in an engine call of its own."""
+        chunk = self._chunks.popleft()
+        engine = self._engine
+        try:
+            # Urgent, as a step: it is the loop's work (a later step waits for it), not a new request's.
+            prefill_chunk = _releasing(engine, self._to_release, engine.prefill_chunk)
+            out = await self._thread.call(prefill_chunk, chunk.prefilling, True, urgent=True)
+        except Exception as exc:
+            out = exc
+        self._chunk_done(chunk, out)
 
     def join(self, seq: Any, is_last: Callable[[int], bool]) -> Running:
         """``seq`` joins the batch at the loop's next step; its tokens come
@@ -431,6 +487,9 @@ class DecodeScheduler:
             self._admit(admissible)
             if not self._running and self._ahead is None:
                 self._handed_out_at = None  # idle time is no step interval
+                if self._chunks:
+                    await self._chunk_alone()  # no step to carry it
+                    continue
                 if self._to_release:
                     # No step to carry them: what finished gives its blocks back
                     # now (the first waiting may fit then, the worker take more).
@@ -448,6 +507,8 @@ class DecodeScheduler:
             batch = list(self._running)
             if self._pipelined and await self._advance(batch):
                 continue
+            if self._chunks:
+                await self._chunk_alone()  # between two steps: this batch's steps take no chunk
             try:
                 tokens = await self._thread.call(
                     _releasing(self._engine, self._to_release, self._engine.step), [e.seq for e in batch], urgent=True
@@ -462,35 +523,54 @@ class DecodeScheduler:
             await asyncio.sleep(0)
 
     async def _advance(self, batch: list[Running]) -> bool:
-        """Launch the batch's step, then hand out the previous launch's
-        tokens. False where the batch must ``step`` instead (the engine would
-        not launch it), with nothing launched left over."""
+        """Launch the batch's step (carrying the first waiting chunk), then
+        hand out the previous launch's tokens. False where the batch must
+        ``step`` instead (the engine would not launch it), with nothing
+        launched left over."""
         ahead, self._ahead = self._ahead, None
         engine, releases = self._engine, self._to_release
+        # Taken here and submitted below with no await between: a prompt given
+        # up after this finds its chunk gone and the call's result released.
+        chunk = self._chunks.popleft() if batch and self._chunks else None
 
-        def launch_then_collect() -> tuple[Any, Any]:
+        def launch_then_collect() -> tuple[Any, Any, Any]:
             # One hop to the engine thread: free what finished, queue the next
-            # step, then wait for the last. Errors come back as values: each is its batch's.
+            # step, then wait for the last. Errors come back as values: each is
+            # its batch's (or its chunk's).
             _release_all(engine, releases)
             launched: Any = None
             if batch:
                 try:
-                    launched = engine.launch([e.seq for e in batch])
+                    seqs = [e.seq for e in batch]
+                    launched = engine.launch(seqs) if chunk is None else engine.launch(seqs, chunk=chunk.prefilling)
                 except Exception as exc:
                     launched = exc
+            chunk_out: Any = None
+            if chunk is not None:
+                if getattr(launched, "carried", False):
+                    chunk_out = launched.chunk
+                else:  # the step ran no chunk (it could not launch, or failed): on its own
+                    try:
+                        chunk_out = engine.prefill_chunk(chunk.prefilling, True)
+                    except Exception as exc:
+                        chunk_out = exc
             collected: Any = None
             if ahead is not None:
                 try:
                     collected = engine.collect(ahead[0])
                 except Exception as exc:
                     collected = exc
-            return launched, collected
+            return launched, collected, chunk_out
 
         try:
-            launched, tokens = await self._thread.call(launch_then_collect, urgent=True)
+            launched, tokens, chunk_out = await self._thread.call(launch_then_collect, urgent=True)
         except Exception as exc:  # the engine thread itself failed
             self._fail(batch + (ahead[1] if ahead is not None else []), exc)
+            if chunk is not None:
+                self._chunk_done(chunk, exc)
             return True
+        if chunk is not None:
+            self._chunk_done(chunk, chunk_out)
         if ahead is not None:
             if isinstance(tokens, BaseException):
                 self._fail(ahead[1], tokens)

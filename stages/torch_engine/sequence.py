@@ -104,10 +104,15 @@ class Sequence:
 @dataclass(frozen=True)
 class Launch:
     """A launched step: the sequences asked for with their rows (-1: not in
-    the step, waiting for blocks), and the device step."""
+    the step, waiting for blocks), and the device step. ``carried``: whether
+    it ran the chunk of a long prompt it was given; ``chunk``: what that
+    gave (as ``TorchEngine.prefill_chunk``: None before its last chunk), or
+    the error that ended that prompt."""
 
     rows: list[tuple[Sequence, int]]
     launched: Launched
+    carried: bool = False
+    chunk: Any = None
 
     @property
     def stepped(self) -> list[bool]:

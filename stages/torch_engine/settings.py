@@ -67,8 +67,9 @@ class DecodeSettings:
     # vLLM's name; its default for an API server.
     max_num_batched_tokens: int = setting(
         2048,
-        help="a prompt longer than this (media expanded) is prefilled in chunks of this many tokens, one engine "
-        "call each, and running sequences step between them (0: every prompt in one call)",
+        help="a prompt longer than this (media expanded) is prefilled in chunks of this many tokens, each carried "
+        "by a running decode step (in its forward, with the fused layers) or alone when none runs "
+        "(0: every prompt in one call)",
     )
     step_priority_ms: float | None = setting(
         None,

@@ -55,7 +55,7 @@ from stages import compiled as compiled_options
 from stages import cuda_graph
 from stages.device_copy import to_device
 from stages.progress import counted
-from stages.torch_engine.batch_decoder import BatchDecoder
+from stages.torch_engine.batch_decoder import BatchDecoder, ChunkRows
 from stages.torch_engine.block_pool import NULL_BLOCK
 from stages.torch_engine.decode_attention import gather_blocks
 from stages.torch_engine.fused_decode import FusedLayer, after_attention, project_out, project_qkv, rms_norm, rope
@@ -184,6 +184,43 @@ class SlotPrefill:
         graph, out = self._graph(bucket, past)
         graph.replay()
         return out
+
+    def chunk_rows(
+        self, embeds: torch.Tensor, positions: torch.Tensor, blocks: list[int], start: int, lora: int = 0
+    ) -> ChunkRows:
+        """One chunk of a long prompt (as ``run(chunk=True)`` takes it) as rows
+        for the decoder's next step to carry (``BatchDecoder.step``'s
+        ``chunk``): the step's forward writes its keys and values into
+        ``blocks`` and attends over them as ``run`` would."""
+        length = int(embeds.shape[0])
+        d = self.decoder
+        if length < 1 or start % d.block_size or start < 0 or d.blocks_for(start + length) > len(blocks):
+            raise ValueError(f"a chunk of {length} tokens past {start} in {len(blocks)} blocks of {d.block_size}")
+        if lora and d.adapters is None:
+            raise ValueError(f"adapter slot {lora}, and the decoder holds no adapters")
+        cos, sin = self._rotary(positions)
+        # Its own table: the step runs after this returns, and run()'s buffers are a graph's.
+        table = d.table_row(blocks).to(d.device, non_blocking=True)
+        write_at = start + torch.arange(length, device=d.device)
+        span = d.blocks_for(start + length) * d.block_size
+        keys_table = table[None, : span // d.block_size]
+        mask = torch.arange(span, device=d.device)[None, :] <= write_at[:, None]  # [length, span]
+
+        def attend(q: torch.Tensor, layer: int) -> torch.Tensor:
+            keys = gather_blocks(d.keys[layer], keys_table)[0]  # [kv_heads, span, d]
+            values = gather_blocks(d.values[layer], keys_table)[0]
+            return _attention(q, keys, values, d.scaling, mask=mask)
+
+        slots = torch.full((length,), lora, dtype=torch.long, device=d.device) if d.adapters is not None else None
+        return ChunkRows(
+            embeds=to_device(embeds, d.device).to(d.dtype),
+            cos=cos,
+            sin=sin,
+            blocks=table[write_at // d.block_size],
+            offsets=write_at % d.block_size,
+            slots=slots,
+            attend=attend,
+        )
 
     def capture(self) -> list[int]:
         """Capture every bucket's graph (largest first, so the smaller reuse

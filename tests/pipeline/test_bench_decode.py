@@ -14,7 +14,7 @@ from pipeline.cli import parser
 
 def test_bench_decode_prints_and_writes_every_row(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     out = tmp_path / "decode.json"
-    flags = ["--presets", "qwen2-vl-smoke", "--batches", "1,3", "--context", "12", "--new-tokens", "6"]
+    flags = ["--presets", "qwen2-vl-smoke", "--batches", "1,3", "--context", "12", "--new-tokens", "6", "--chunk", "16"]
     args = parser().parse_args(["bench", "decode", *flags, "--repeats", "1", "--output", str(out)])
     assert bench(args) == 0
     results = json.loads(out.read_text())
@@ -41,6 +41,12 @@ def test_bench_decode_prints_and_writes_every_row(tmp_path: Path, capsys: pytest
         assert row["sampling_overhead"] == pytest.approx(
             row["decoder_sampled_step_ms"] / row["decoder_paired_step_ms"] - 1
         )
+        # And a step carrying a 16-token chunk of a long prompt, against the step and the chunk alone.
+        assert row["chunk_tokens"] == 16 and row["mixed_step_ms"] > 0 and row["chunk_alone_ms"] > 0
+        assert row["mixed_vs_step_and_chunk"] == pytest.approx(
+            row["mixed_step_ms"] / (row["decoder_plain_step_ms"] + row["chunk_alone_ms"])
+        )
+        assert row["mixed_step_agree"] == 1.0
     # The first batch checks the decoder's greedy tokens against generate() on the same prefill.
     assert 0 < results["runs"][0]["greedy_agree"] <= 1
     table = capsys.readouterr().out

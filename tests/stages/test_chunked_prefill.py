@@ -1,7 +1,8 @@
 """Chunked prefill (--max-num-batched-tokens): a prompt longer than the
-budget is prefilled in chunks, one engine call each; its stream is still
-generate()'s greedy tokens, and a running sequence's decode steps go in
-between the chunks instead of waiting for the whole prompt."""
+budget is prefilled in chunks; its stream is still generate()'s greedy
+tokens, and a running sequence's decode steps carry the chunks (in the
+step's forward where the fused layers prefill into blocks: a mixed step)
+instead of waiting for the whole prompt."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from typing import Any
 import msgspec
 import pytest
 import torch
+from prometheus_client import REGISTRY
 
 from schemas.chunk import TokenChunk
 from schemas.processed import ProcessedRequest
@@ -63,6 +65,12 @@ async def test_a_prompt_prefilled_in_chunks_gives_generates_tokens(tiny_model_di
     assert ctx.trace["prefill_chunks"] == -(-prompt_len // 8)
 
 
+def _chunks_run() -> dict[str, float]:
+    return {
+        how: REGISTRY.get_sample_value("mmpipe_prefill_chunks_total", {"how": how}) or 0.0 for how in ("mixed", "alone")
+    }
+
+
 async def test_running_sequences_step_between_the_chunks_of_a_long_prompt(tiny_model_dir: Path) -> None:
     processor = Processor(load_traits(resolve_model(str(tiny_model_dir), "tiny")))
     running, long = processor.process(image_request("c1", max_tokens=60)), processor.process(image_request("c2"))
@@ -87,8 +95,115 @@ async def test_running_sequences_step_between_the_chunks_of_a_long_prompt(tiny_m
         await engine.close()
     chunks = [i for i, c in enumerate(calls) if c == "chunk" and i >= start]
     assert len(chunks) > 2, calls
-    assert "step" in calls[chunks[0] : chunks[-1]], calls  # the running sequence stepped meanwhile
+    # The modules' chunks (the CPU's default) each go with a step, run just after it.
+    assert all(calls[i - 1] == "step" for i in chunks), calls
     assert len(second) == N
+
+
+def test_a_decode_step_carries_a_chunk_in_its_forward_and_both_keep_generates_tokens(
+    tiny_model_dir: Path, engine_device: str
+) -> None:
+    """vLLM v1's mixed batch: each chunk of a long prompt runs in a running
+    sequence's decode step, one forward over the step's row and the chunk's
+    rows (each layer's weights read once for both); the running stream and
+    the prompt's are both generate()'s."""
+    engine = _fused(tiny_model_dir, engine_device, budget=32)
+    short = list(engine.tokenizer("Count with me:")["input_ids"])
+    [(running, _)] = engine.prefill([short], [[]], [greedy(40)])
+    prompt = list(engine.tokenizer(" ".join(f"word{i}" for i in range(60)))["input_ids"])
+    prefilling = engine.start_prefill(prompt, [], greedy(N))
+    before = _chunks_run()
+    chunks, out = 0, None
+    while out is None:
+        launch = engine.launch([running], chunk=prefilling)
+        assert launch is not None and launch.carried and launch.stepped == [True]
+        engine.collect(launch)
+        out = launch.chunk
+        chunks += 1
+    assert not isinstance(out, BaseException)
+    seq, first = out
+    after = _chunks_run()
+    assert chunks == -(-len(prompt) // 32) and len(running.output_ids) == 1 + chunks
+    assert after["mixed"] - before["mixed"] == chunks and after["alone"] == before["alone"]
+    assert engine.settle(seq) == first and seq.slot >= 0
+    assert _decoded(engine, running, 40) == reference_generate(tiny_model_dir, short, [], 40)
+    assert _decoded(engine, seq, N) == reference_generate(tiny_model_dir, prompt, [], N)
+    pool = engine.decoder.pool
+    assert pool.num_free == pool.capacity
+
+
+def test_a_mixed_step_of_an_adapters_chunk_beside_a_row_without_one(
+    tiny_model_dir: Path, engine_device: str, tmp_path: Path
+) -> None:
+    """The chunk's rows take its adapter's update in the step's projections
+    (and the head its adapter's), the step's row none: PEFT's tokens for the
+    prompt, generate()'s for the running sequence."""
+    pytest.importorskip("peft")
+    from tests.stages.test_lora import _reference, make_adapter
+
+    peft_model = make_adapter(tiny_model_dir, tmp_path / "adapter", seed=7)
+    engine = _fused(tiny_model_dir, engine_device, budget=32)
+    engine.load_lora("adapter", tmp_path / "adapter")
+    short = list(engine.tokenizer("Count with me:")["input_ids"])
+    [(running, _)] = engine.prefill([short], [[]], [greedy(N)])
+    prompt = list(engine.tokenizer(" ".join(f"word{i}" for i in range(60)))["input_ids"])
+    prefilling = engine.start_prefill(prompt, [], greedy(N), lora="adapter")
+    out = None
+    while out is None:
+        launch = engine.launch([running], chunk=prefilling)
+        assert launch is not None and launch.carried
+        engine.collect(launch)
+        out = launch.chunk
+    assert not isinstance(out, BaseException)
+    seq = out[0]
+    engine.settle(seq)
+    assert _decoded(engine, running, N) == reference_generate(tiny_model_dir, short, [], N)
+    assert _decoded(engine, seq, N) == _reference(tiny_model_dir, peft_model, prompt, [], N)
+
+
+async def test_a_long_prompt_beside_running_streams_goes_in_mixed_steps_through_the_hop(
+    tiny_model_dir: Path, engine_device: str
+) -> None:
+    """Through the decode loop: while a stream decodes, a long prompt's
+    chunks all ride its steps (none alone), and both streams are generate()'s."""
+    torch_engine = _fused(tiny_model_dir, engine_device, budget=16)
+    engine = TorchHopEngine("encode+prefill+decode", torch_engine, max_batch=4)
+    stage: HopStage[Any] = HopStage(engine.role, engine, "tiny")
+    processor = Processor(load_traits(resolve_model(str(tiny_model_dir), "tiny")))
+
+    def text(rid: str, words: str, n: int) -> ProcessedRequest:
+        asked = GenerateRequest(
+            rid, "tiny", [ChatMessage("user", [TextPart(words)])], SamplingParams(n, 0.0, min_tokens=n)
+        )
+        return processor.process(asked)
+
+    running = text("m0", "Count with me", 200)
+    long = text("m1", " ".join(f"word{i}" for i in range(40)), N)
+    steps = 0
+    real = torch_engine.launch
+
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        nonlocal steps
+        steps += 1
+        return real(*args, **kwargs)
+
+    torch_engine.launch = counted  # type: ignore[method-assign]
+    await engine.start()
+    try:
+        first = asyncio.ensure_future(_stream(stage, running, HopContext()))
+        await eventually(lambda: steps >= 3, within=10.0)  # the first request is decoding
+        before = _chunks_run()
+        ctx = HopContext()
+        second = await _stream(stage, long, ctx)
+        after = _chunks_run()
+        assert not first.done()  # still decoding: every chunk had a step to ride
+        tokens = await first
+    finally:
+        await engine.close()
+    assert after["mixed"] - before["mixed"] == ctx.trace["prefill_chunks"] > 2
+    assert after["alone"] == before["alone"]
+    assert second == reference_generate(tiny_model_dir, long.prompt_token_ids, [], N)
+    assert tokens == reference_generate(tiny_model_dir, running.prompt_token_ids, [], 200)
 
 
 def _fused(tiny_model_dir: Path, device: str, budget: int, slots: int = 4, **settings: Any) -> TorchEngine:
@@ -267,3 +382,51 @@ async def test_a_long_prompt_of_an_adapter_goes_in_chunks_with_it(
     assert ctx.trace["prefill_chunks"] == -(-len(req.prompt_token_ids) // 16)
     assert tokens == _reference(tiny_model_dir, peft_model, req.prompt_token_ids, [], N)
     assert tokens != reference_generate(tiny_model_dir, req.prompt_token_ids, [], N)
+
+
+async def test_a_long_prompt_given_up_between_mixed_steps_leaves_only_the_running_blocks(
+    tiny_model_dir: Path, engine_device: str
+) -> None:
+    """Its client gone while a step carries its second chunk: no chunk of it
+    runs after, its blocks go back, and the running stream goes on to
+    generate()'s tokens."""
+    torch_engine = _fused(tiny_model_dir, engine_device, budget=16)
+    engine = TorchHopEngine("encode+prefill+decode", torch_engine, max_batch=4)
+    stage: HopStage[Any] = HopStage(engine.role, engine, "tiny")
+    processor = Processor(load_traits(resolve_model(str(tiny_model_dir), "tiny")))
+    count = GenerateRequest(
+        "m2", "tiny", [ChatMessage("user", [TextPart("Count with me")])], SamplingParams(120, 0.0, min_tokens=120)
+    )
+    words = TextPart(" ".join(f"word{i}" for i in range(40)))
+    long = processor.process(GenerateRequest("m3", "tiny", [ChatMessage("user", [words])], SamplingParams(N, 0.0)))
+    running = processor.process(count)
+    gate, carried = threading.Event(), 0
+    real = torch_engine.launch
+
+    def gated(seqs: list[Any], chunk: Any = None) -> Any:
+        nonlocal carried
+        if chunk is not None:
+            carried += 1
+            if carried == 2:
+                gate.wait(30)  # the step carrying the second chunk waits while the client goes
+        return real(seqs, chunk=chunk)
+
+    torch_engine.launch = gated  # type: ignore[method-assign]
+    pool = torch_engine.decoder.pool
+    await engine.start()
+    try:
+        first = asyncio.ensure_future(_stream(stage, running, HopContext()))
+        await eventually(lambda: pool.num_free < pool.capacity, within=10.0)  # the first request is decoding
+        task = asyncio.ensure_future(_stream(stage, long, HopContext()))
+        await eventually(lambda: carried >= 2, within=10.0)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        gate.set()
+        tokens = await first
+        await eventually(lambda: pool.num_free == pool.capacity, within=10.0)
+    finally:
+        gate.set()
+        await engine.close()
+    assert carried == 2  # no chunk after the client went
+    assert tokens == reference_generate(tiny_model_dir, running.prompt_token_ids, [], 120)
