@@ -105,6 +105,9 @@ class RemotePrefilled:
     output_ids: list[int] = field(default_factory=list)
     aborted: bool = False
     cached_tokens: int = 0
+    # Where asked: its tokens' logprobs by index among the generated tokens, and its prompt's.
+    logprobs: dict[int, Logprobs] = field(default_factory=dict)
+    prompt_logprobs: list[Logprobs] | None = None
 
 
 class ProcessHopEngine:
@@ -326,17 +329,23 @@ class ProcessHopEngine:
             assert isinstance(reply, Prefilled)
             replay_steps(reply.steps)
         ctx.trace.update(reply.trace)
-        return RemotePrefilled(reply.seq, reply.prompt_len, reply.output_ids, cached_tokens=reply.cached_tokens)
+        return RemotePrefilled(
+            reply.seq,
+            reply.prompt_len,
+            reply.output_ids,
+            cached_tokens=reply.cached_tokens,
+            prompt_logprobs=reply.prompt_logprobs,
+        )
 
-    # The engine core's tokens come over its pipe without their logprobs.
-    supports_logprobs = False
+    # The core sends them beside the tokens (the prompt's with the prefill's reply).
+    supports_logprobs = True
     engine_flag = "--engine-process"  # named in what it refuses
 
     def logprobs(self, handle: RemotePrefilled, index: int) -> Logprobs | None:
-        return None
+        return handle.logprobs.get(index)
 
     def prompt_logprobs(self, handle: RemotePrefilled) -> list[Logprobs] | None:
-        return None
+        return handle.prompt_logprobs
 
     def first_token(self, handle: RemotePrefilled) -> int | None:
         return handle.output_ids[-1]
@@ -367,18 +376,21 @@ class ProcessHopEngine:
             self._send(Decode(call, handle.seq, req, list(ctx.emitted)))
             while True:
                 item = await queue.get()
-                if first_step is not None and not isinstance(item, BaseException) and item is not _END:
-                    received += len(item)
-                    if received > before:
-                        first_step.end()
-                        first_step = None
                 if item is _END:
                     ended = True
                     return
                 if isinstance(item, BaseException):
                     ended = True
                     raise item
-                for token in item:
+                made, logprobs = item
+                if first_step is not None:
+                    received += len(made)
+                    if received > before:
+                        first_step.end()
+                        first_step = None
+                if logprobs:
+                    handle.logprobs.update(logprobs)  # before their tokens go to the stage, which reads them
+                for token in made:
                     yield token
         finally:
             if first_step is not None:
@@ -432,7 +444,7 @@ class ProcessHopEngine:
         if isinstance(msg, Tokens):
             for call, tokens in msg.streams:
                 if (queue := self._streams.get(call)) is not None:
-                    queue.put_nowait(tokens)
+                    queue.put_nowait((tokens, msg.logprobs.get(call)))
         elif isinstance(msg, Finished):
             if (queue := self._streams.get(msg.call)) is not None:
                 queue.put_nowait(_END)

@@ -32,6 +32,7 @@ import structlog
 
 from stages.contract import HopContext
 from stages.families import MediaEmbedding
+from stages.sampling import Logprobs
 from stages.torch_engine.core_wire import (
     Abort,
     Broken,
@@ -119,6 +120,8 @@ class EngineCore:
         self._aborts: set[asyncio.Task[None]] = set()
         # Decode calls' tokens not yet sent, in the order they came.
         self._tokens: dict[int, list[int]] = {}
+        # By decode call, the logprobs of its tokens in ``_tokens``.
+        self._logprobs: dict[int, dict[int, Logprobs]] = {}
         self._flush_soon = False
         self._room: bool | None = None
         self._broken = False
@@ -239,6 +242,7 @@ class EngineCore:
             ctx.trace,
             ctx.steps or [],
             handle.seq.cached_tokens,
+            handle.prompt_logprobs,
         )
 
     async def _decode(self, msg: Decode) -> Finished:
@@ -253,9 +257,15 @@ class EngineCore:
             return token in eos and not ignore_eos
 
         ctx = HopContext(emitted=msg.emitted)
+        logprobs = handle.seq.logprobs if msg.req.request.sampling.logprobs is not None else None
+        sent = 0
         async with contextlib.aclosing(self.hop.decode(handle, msg.req, ctx, is_eos)) as tokens:
             async for token in tokens:
                 self._token(msg.call, token)
+                if logprobs is not None and len(logprobs) > sent:
+                    # Made in order, each before its token is handed out: the newest come last.
+                    self._logprobs.setdefault(msg.call, {}).update(itertools.islice(logprobs.items(), sent, None))
+                    sent = len(logprobs)
         return Finished(msg.call)
 
     # -- to the worker -------------------------------------------------------------
@@ -271,8 +281,9 @@ class EngineCore:
         self._flush_soon = False
         if self._tokens:
             streams = list(self._tokens.items())
+            logprobs, self._logprobs = self._logprobs, {}
             self._tokens.clear()
-            self._write(Tokens(streams))
+            self._write(Tokens(streams, logprobs))
 
     def _send(self, msg: FromCore) -> None:
         self._flush()  # tokens made before this message go before it

@@ -15,6 +15,7 @@ import asyncio
 import msgspec
 
 from schemas.processed import ProcessedRequest
+from stages.sampling import Logprobs
 
 # -- worker → core -------------------------------------------------------------
 
@@ -146,13 +147,18 @@ class Prefilled(msgspec.Struct, tag=True, array_like=True):
     trace: dict[str, float]
     steps: list[Step]
     cached_tokens: int = 0
+    # Where the request asked for them, its prompt's logprobs (its tokens' come with them).
+    prompt_logprobs: list[Logprobs] | None = None
 
 
 class Tokens(msgspec.Struct, tag=True, array_like=True):
     """What the decode loop made since the last frame: each open decode
-    call's tokens, in order (one frame for every stream a step fed)."""
+    call's tokens, in order (one frame for every stream a step fed), and
+    for a call whose request asked for logprobs, those of its tokens, by
+    index among the generated tokens."""
 
     streams: list[tuple[int, list[int]]]
+    logprobs: dict[int, dict[int, Logprobs]] = {}
 
 
 class Finished(msgspec.Struct, tag=True, array_like=True):

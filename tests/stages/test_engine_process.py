@@ -128,6 +128,32 @@ async def test_a_consumer_leaving_mid_stream_frees_its_sequence_in_the_core(
     assert tokens(await run(stage, again)) == reference_generate(tiny_model_dir, again.prompt_token_ids, [], 5)
 
 
+@pytest.mark.parametrize("image", [True, False], ids=["image", "text"])
+async def test_logprobs_come_from_the_core_as_the_engine_in_the_worker_gives_them(
+    stage: HopStage, processor: Processor, tiny_model_dir: Path, image: bool
+) -> None:
+    """Each token's logprob and its step's best (and a text prompt's own)
+    cross the core's pipe beside the tokens: the same chunks as the engine
+    in the worker's own process gives (float32 on the CPU: the same values)."""
+    asked = request("lp", 6, png_data_url(gradient(60, 44, 3)) if image else None)
+    sampling = msgspec.structs.replace(asked.sampling, logprobs=3, prompt_logprobs=None if image else 2)
+    processed = processor.process(msgspec.structs.replace(asked, sampling=sampling))
+    in_worker = build_stage(EPD, PipelineConfig(), WorkerSettings(model=str(tiny_model_dir), device="cpu"))
+    assert isinstance(in_worker, HopStage)
+    await in_worker.start()
+    try:
+        want = await run(in_worker, processed)
+    finally:
+        await in_worker.close()
+    got = await run(stage, processed)
+    assert [t.logprobs for t in got] == [t.logprobs for t in want]
+    assert sum(len(t.logprobs or []) for t in got) == 6 and all(
+        len(lp.top) == 3 for t in got for lp in t.logprobs or []
+    )
+    assert got[0].prompt_logprobs == want[0].prompt_logprobs
+    assert (got[0].prompt_logprobs is None) is image
+
+
 @pytest.mark.parametrize("after_s", [0.0, 0.005, 0.02, 0.08])
 async def test_a_request_cancelled_at_any_point_leaves_nothing_held_in_the_core(
     stage: HopStage, processor: Processor, after_s: float
