@@ -41,8 +41,9 @@ from stages.sampling import Logprobs, SamplingConfig
 from stages.torch_engine import batch_decoder, metrics, row_sampling
 from stages.torch_engine.batch_decoder import BatchDecoder, ChunkRows, Launched, from_blocks, to_blocks
 from stages.torch_engine.block_pool import blocks_for
+from stages.torch_engine.fused_lora import refill
 from stages.torch_engine.grammar import Grammars
-from stages.torch_engine.lora import LoraSet, read_adapter
+from stages.torch_engine.lora import LoraAdapter, LoraSet, read_adapter
 from stages.torch_engine.sampling import greedy_choice, rows_logprobs, select_token, token_logprobs
 from stages.torch_engine.sequence import KvState, Launch, Sequence
 from stages.torch_engine.settings import DecodeSettings, parse_memory
@@ -117,6 +118,12 @@ class TorchEngine:
         # (an adapter a live one uses cannot be unloaded).
         self._loras = LoraSet()
         self._lora_seqs: weakref.WeakSet[Sequence] = weakref.WeakSet()
+        # --max-loras, --max-lora-rank (None: no limit, the stacks sized to what is loaded).
+        if decode.max_loras < 0 or decode.max_lora_rank < 1:
+            raise ValueError(
+                f"--max-loras {decode.max_loras}, --max-lora-rank {decode.max_lora_rank}: 0 or more, 1 or more"
+            )
+        self._lora_room = (decode.max_loras, decode.max_lora_rank) if decode.max_loras > 0 else None
         self._build_decoder(decode)
 
     def _build_decoder(self, decode: DecodeSettings) -> None:
@@ -153,7 +160,8 @@ class TorchEngine:
         self._slots = SlotTable(self.decoder) if self.decoder is not None else None
         if self.decoder is not None:
             if self.decoder.fused is not None:
-                self.decoder.adapters = self._loras.fused(self.model)  # those loaded before a sleep
+                # Those loaded before a sleep; with --max-loras room for the rest too, before the graphs.
+                self.decoder.adapters = self._loras.fused(self.model, self._lora_room)
             started = time.monotonic()
             capturing = self.device.type == "cuda" and decode.cuda_graphs
             if capturing:
@@ -248,6 +256,7 @@ class TorchEngine:
         if self.sleeping or self.model is None:
             raise InvalidRequest(f"the engine is asleep (level {self.sleeping}): wake it up to load an adapter")
         adapter = read_adapter(name, path, self.model)
+        self._check_room(adapter)
         with self._lock:
             self._loras.add(adapter)
             try:
@@ -271,11 +280,36 @@ class TorchEngine:
         log.info("lora_unloaded", name=name)
         return True
 
+    def _check_room(self, adapter: LoraAdapter) -> None:
+        """InvalidRequest for an adapter past ``--max-loras``' room."""
+        if self._lora_room is None:
+            return
+        most, rank = self._lora_room
+        if len(self._loras.adapters) >= most:
+            raise InvalidRequest(f"--max-loras {most}: that many LoRA adapters are loaded; unload one first")
+        ranks = {target: w.rank for target, w in adapter.modules.items()}
+        if max(ranks.values(), default=0) > rank:
+            raise InvalidRequest(
+                f"LoRA adapter {adapter.name!r}: rank {max(ranks.values())} is past --max-lora-rank {rank}"
+            )
+        head = self.model.get_output_embeddings() if self.model is not None else None
+        if any(self.model.get_submodule(t) is head for t in adapter.modules):
+            # The graphs captured at start run the head as it was: a wrapper on it now would not replay.
+            raise InvalidRequest(f"LoRA adapter {adapter.name!r}: with --max-loras, an adapter on the output head")
+
     def _adapters_changed(self) -> None:
         """The loaded adapters changed: the wrapped modules' stacks and the
         fused step's made again, and no graph captured over the old ones
         (those wait for a step or prefill that needs them: the first after a
-        load captures, on a GPU compiles too)."""
+        load captures, on a GPU compiles too). With ``--max-loras`` the fused
+        step's stacks are written in place instead, its graphs kept."""
+        decoder = self.decoder
+        if self._lora_room is not None and decoder is not None and decoder.adapters is not None:
+            self._loras.apply(self.model)  # the modules' wrappers (eager, never graphed)
+            made = self._loras.fused(self.model, self._lora_room)
+            assert made is not None
+            refill(decoder.adapters, made)
+            return
         if self.decoder is not None:
             self.decoder.forget_graphs()  # none still queued reads the old stacks
         if self._slot_prefill is not None:

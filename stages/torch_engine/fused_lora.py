@@ -78,21 +78,36 @@ def layer_loras(
     slots: int,
     device: torch.device,
     dtype: torch.dtype,
+    rank: int = 0,
 ) -> list[LayerLora] | None:
     """The stacks of every decoder layer (``layers``: their module paths in
     the model; ``sizes``: each linear layer's (in, out) by path) for
     ``adapters`` by slot, ``slots`` slots in all; None when no adapter is
-    loaded."""
-    if not adapters:
+    loaded. ``rank``: every module's columns that many in each slot, on
+    every projection, adapters or not (vLLM's max_lora_rank): the shapes of
+    every load, which ``refill`` writes in place."""
+    if not adapters and not rank:
         return None
     out = []
     for layer in layers:
         made = {
-            name: _projection([f"{layer}.{m}" for m in modules], sizes, adapters, slots, device, dtype)
+            name: _projection([f"{layer}.{m}" for m in modules], sizes, adapters, slots, device, dtype, rank)
             for name, modules in PROJECTIONS.items()
         }
         out.append(LayerLora(**made))
     return out
+
+
+def refill(stacks: list[LayerLora], made: list[LayerLora]) -> None:
+    """``made``'s values written into ``stacks`` of the same shapes, in
+    place: a CUDA graph captured over ``stacks`` replays ``made`` (queued in
+    stream order: a step launched before reads the old)."""
+    for old, new in zip(stacks, made, strict=True):
+        for name in PROJECTIONS:
+            was, now = getattr(old, name), getattr(new, name)
+            assert was is not None and now is not None, "stacks of a fixed rank cover every projection"
+            for kept, value in zip(was, now, strict=True):
+                kept.copy_(value)
 
 
 def _projection(
@@ -102,8 +117,11 @@ def _projection(
     slots: int,
     device: torch.device,
     dtype: torch.dtype,
+    rank: int = 0,
 ) -> ProjectionLora | None:
-    ranks = [max((a.modules[m].rank for a in adapters.values() if m in a.modules), default=0) for m in modules]
+    ranks = [rank] * len(modules) if rank else [
+        max((a.modules[m].rank for a in adapters.values() if m in a.modules), default=0) for m in modules
+    ]  # fmt: skip
     width = sum(ranks)
     if not width:
         return None

@@ -340,11 +340,12 @@ class LoraSet:
                 weights = {self.slots[a.name]: a.modules[name] for a in self.adapters.values() if name in a.modules}
                 module.set_adapters(weights, slots)
 
-    def fused(self, model: Any) -> list[LayerLora] | None:
+    def fused(self, model: Any, reserved: tuple[int, int] | None = None) -> list[LayerLora] | None:
         """The loaded adapters as the fused layer step takes them
         (stages/torch_engine/fused_lora.py), on the model's device; None
-        with none loaded."""
-        found = language_model(model) if self.adapters else None
+        with none loaded. ``reserved``: (adapters, rank) the stacks have
+        room for, made even with none loaded (``--max-loras``)."""
+        found = language_model(model) if self.adapters or reserved else None
         if found is None:
             return None
         lm_name, lm = found
@@ -352,7 +353,8 @@ class LoraSet:
         layers = [f"{lm_name}.layers.{i}" if lm_name else f"layers.{i}" for i in range(len(lm.layers))]
         by_slot = {self.slots[name]: adapter for name, adapter in self.adapters.items()}
         weight = lm.layers[0].self_attn.o_proj.weight
-        return layer_loras(layers, sizes, by_slot, self._slot_count(), weight.device, weight.dtype)
+        slots, rank = (reserved[0] + 1, reserved[1]) if reserved else (self._slot_count(), 0)
+        return layer_loras(layers, sizes, by_slot, slots, weight.device, weight.dtype, rank)
 
     def _slot_count(self) -> int:
         # Slot 0 (no adapter) and every slot up to the highest taken.

@@ -71,6 +71,17 @@ class DecodeSettings:
         "by a running decode step (in its forward, with the fused layers) or alone when none runs "
         "(0: every prompt in one call)",
     )
+    # vLLM's names. 0: the stacks sized to the adapters loaded (remade, and graphs captured again, at each load).
+    max_loras: int = setting(
+        0,
+        help="LoRA adapters loaded at once, their room in the fused step's stacks reserved at start (vLLM's "
+        "--max-loras): a load or unload writes the stacks in place, no graph captured or compiled again, each step "
+        "a rank's matrix products more; 0: no limit, the stacks remade and the graphs captured again on first "
+        "use after a load",
+    )
+    max_lora_rank: int = setting(
+        16, help="with --max-loras: the highest rank of an adapter's module that a load takes (vLLM's)"
+    )
     step_priority_ms: float | None = setting(
         None,
         help="engine-thread time the calls that admit requests (encodes, prefills) get before a waiting decode "

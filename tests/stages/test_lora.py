@@ -13,6 +13,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+import safetensors.torch
 import torch
 from PIL import Image
 
@@ -20,6 +21,7 @@ from schemas.errors import InvalidRequest, ModelNotFound
 from stages.models import builtin_path
 from stages.torch_engine.engine import TorchEngine
 from stages.torch_engine.fused_decode import FusedKernels
+from stages.torch_engine.fused_lora import PROJECTIONS
 from stages.torch_engine.lora import LoraLinear
 from stages.torch_engine.reference import load_reference_model, reference_generate
 from stages.torch_engine.settings import DecodeSettings
@@ -352,6 +354,68 @@ def test_the_fused_step_runs_adapters_loaded_and_unloaded_while_it_serves(
         engine.release(seq)
     assert engine.unload_lora("two") and engine.unload_lora("whole") and decoder.adapters is None
     assert _run(engine, prompt, [], None) == base_expected
+
+
+def test_with_max_loras_adapters_load_into_the_stacks_made_at_start(
+    model_dir: Path, engine_device: str, adapters: Any, base_model: Any, tmp_path: Path
+) -> None:
+    """vLLM's --max-loras and --max-lora-rank: the fused step's stacks are
+    made at start, before the graphs, with room for two adapters of rank 8;
+    a load or an unload writes them in place (the same tensors, no graph
+    dropped: on a GPU nothing is captured or compiled again), and prompts of
+    each adapter and of none decode together to PEFT's and generate()'s
+    tokens. Past the room, a load is refused and the engine serves on."""
+    decode = DecodeSettings(slots=4, max_len=256, fused=True, max_loras=2, max_lora_rank=8)
+    engine = engine_on(engine_device, model_dir, decode)
+    decoder = engine.decoder
+    assert decoder is not None and decoder.adapters is not None
+
+    def stacks() -> list[torch.Tensor]:
+        assert decoder.adapters is not None
+        return [t for layer in decoder.adapters for name in PROJECTIONS for t in getattr(layer, name)]
+
+    addresses, graphs = [t.data_ptr() for t in stacks()], dict(decoder._graphs)
+    assert not any(t.any() for t in stacks())  # nothing loaded: every slot adds zero
+    prompt = list(engine.tokenizer("Tell me about the sea.")["input_ids"])
+    base = _reference(model_dir, base_model, prompt, [])
+    assert _run(engine, prompt, [], None) == base
+    engine.load_lora("one", adapters["one"][0])
+    engine.load_lora("two", adapters["two"][0])
+    assert [t.data_ptr() for t in stacks()] == addresses and decoder._graphs == graphs
+
+    def together(loras: list[str | None]) -> list[list[int]]:
+        made = engine.prefill([prompt] * len(loras), [[]] * len(loras), [greedy(N)] * len(loras), loras=loras)
+        outputs = [[token] for _, token in made]
+        while len(outputs[0]) < N:
+            for out, token in zip(outputs, engine.step([seq for seq, _ in made]), strict=True):
+                out.append(token)
+        for seq, _ in made:
+            engine.release(seq)
+        return outputs
+
+    one, two = (_reference(model_dir, adapters[name][1], prompt, []) for name in ("one", "two"))
+    assert together(["one", None, "two"]) == [one, base, two] and one != base != two
+    for name, change in (("three", {"seed": 3}), ("wide", {"seed": 4, "r": 16})):
+        make_adapter(model_dir, tmp_path / name, **change)
+    # "one" and the output head too (PEFT saves a tied head's own weight beside its LoRA: written here).
+    shutil.copytree(adapters["one"][0], tmp_path / "head")
+    weights = safetensors.torch.load_file(tmp_path / "head" / "adapter_model.safetensors")
+    head = engine.model.get_output_embeddings()
+    weights["base_model.model.lm_head.lora_A.weight"] = torch.randn(4, head.in_features) * 0.1
+    weights["base_model.model.lm_head.lora_B.weight"] = torch.randn(head.out_features, 4) * 0.1
+    safetensors.torch.save_file(weights, tmp_path / "head" / "adapter_model.safetensors")
+    with pytest.raises(InvalidRequest, match="--max-loras 2"):
+        engine.load_lora("three", tmp_path / "three")
+    assert engine.unload_lora("one") and [t.data_ptr() for t in stacks()] == addresses
+    with pytest.raises(InvalidRequest, match="past --max-lora-rank 8"):
+        engine.load_lora("wide", tmp_path / "wide")
+    with pytest.raises(InvalidRequest, match="output head"):
+        engine.load_lora("head", tmp_path / "head")
+    assert engine.loras() == ["two"] and together([None, "two"]) == [base, two]
+    engine.load_lora("three", tmp_path / "three")  # into the slot "one" left
+    three = _reference(model_dir, make_adapter(model_dir, tmp_path / "three-again", seed=3), prompt, [])
+    assert together(["three", "two"]) == [three, two] and decoder._graphs.keys() >= graphs.keys()
+    assert [t.data_ptr() for t in stacks()] == addresses
 
 
 def test_an_adapter_of_an_older_layout_maps_onto_the_model(alone: TorchEngine, adapters: Any, tmp_path: Path) -> None:
