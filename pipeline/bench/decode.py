@@ -370,6 +370,14 @@ def _lora_step(model: Any, ids: Any, args: argparse.Namespace, device: Any) -> d
         # The two forms' greedy tokens, step by step (equal on a CPU; bf16 rounds each its own way).
         pairs = [(a, b) for x, y in zip(seen["modules"], seen["fused"], strict=True) for a, b in zip(x, y, strict=True)]
         out["lora_fused_agree"] = sum(a == b for a, b in pairs) / len(pairs)
+        # --max-loras: the fused stacks with room for as many adapters of rank 16, none
+        # loaded (every row slot 0): what the room reserved at start costs a step.
+        fused = decoders["fused"]
+        fused.adapters = LoraSet().fused(model, reserved=(args.lora_adapters, LORA_RANK))
+        fused.forget_graphs()
+        reserved = _decoder_step_ms(model, fused, ids, args.new_tokens, args.repeats, device, ahead=True)[0]
+        out["decoder_fused_reserved_step_ms"] = reserved
+        out["lora_reserved_overhead"] = reserved / plain["fused"] - 1
     finally:
         # The wrappers off again: the model goes on to the next batch size plain.
         for name, module in list(model.named_modules()):
@@ -510,7 +518,8 @@ def _table(results: dict[str, Any]) -> None:
     print()
     print(
         f"{'preset':<12} {'batch':>5} {'generate ms/step':>17} {'decoder ms/step':>16} {'read each ms':>13} "
-        f"{'speedup':>8} {'extras':>7} {'sampling':>8} {'lora':>7} {'lora fused':>10} {'mixed/step+chunk':>16} "
+        f"{'speedup':>8} {'extras':>7} {'sampling':>8} {'lora':>7} {'lora fused':>10} {'lora room':>9} "
+        f"{'mixed/step+chunk':>16} "
         f"{'generate tok/s':>15} {'decoder tok/s':>14} {'roofline ms':>12} {'of roofline':>12} {'greedy agree':>13}"
     )
     for r in results["runs"]:
@@ -519,6 +528,7 @@ def _table(results: dict[str, Any]) -> None:
             f"{r['decoder_step_ms']:>16.3f} {r['decoder_sync_step_ms']:>13.3f} {r.get('speedup', float('nan')):>8.2f} "
             f"{r['extras_overhead']:>+7.1%} {r['sampling_overhead']:>+8.1%} "
             f"{r.get('lora_overhead', float('nan')):>+7.1%} {r.get('lora_fused_overhead', float('nan')):>+10.1%} "
+            f"{r.get('lora_reserved_overhead', float('nan')):>+9.1%} "
             f"{r.get('mixed_vs_step_and_chunk', float('nan')):>16.2f} "
             f"{r.get('generate_tok_s', float('nan')):>15.1f} {r['decoder_tok_s']:>14.1f} "
             f"{r.get('roofline_step_ms', float('nan')):>12.3f} {r.get('roofline_fraction', float('nan')):>12.1%} "

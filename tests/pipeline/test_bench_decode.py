@@ -36,6 +36,11 @@ def test_bench_decode_prints_and_writes_every_row(tmp_path: Path, capsys: pytest
             row["decoder_fused_lora_step_ms"] / row["decoder_fused_step_ms"] - 1
         )
         assert row["lora_fused_agree"] == 1.0  # float32 on the CPU: the two forms' tokens alike
+        # And the fused step with room for those adapters (--max-loras), none loaded.
+        assert row["decoder_fused_reserved_step_ms"] > 0
+        assert row["lora_reserved_overhead"] == pytest.approx(
+            row["decoder_fused_reserved_step_ms"] / row["decoder_fused_step_ms"] - 1
+        )
         # And with every row sampling in the step.
         assert row["decoder_sampled_step_ms"] > 0
         assert row["sampling_overhead"] == pytest.approx(
