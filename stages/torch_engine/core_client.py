@@ -417,8 +417,12 @@ class ProcessHopEngine:
         try:
             return await reply
         except asyncio.CancelledError:
-            if self._replies.pop(call, None) is not None and self._gone is None:
-                self._send(Cancel(call))
+            if self._replies.pop(call, None) is not None:
+                if self._gone is None:
+                    self._send(Cancel(call))
+            elif reply.done() and not reply.cancelled() and reply.exception() is None:
+                # The reply came, and the caller was cancelled before it woke to take it.
+                self._orphaned(reply.result())
             raise
 
     def _send(self, msg: ToCore) -> None:
@@ -463,10 +467,17 @@ class ProcessHopEngine:
             reply = self._replies.pop(msg.call, None)
             if reply is not None and not reply.done():
                 reply.set_result(msg)
-            elif isinstance(msg, Prefilled):
-                self._send(Abort(msg.seq))  # its caller left while the core prefilled: free it
-            elif isinstance(msg, Encoded) and msg.media:
-                self._send(DropMedia(msg.media))
+            else:
+                self._orphaned(msg)  # its caller left while the core worked
+
+    def _orphaned(self, msg: FromCore) -> None:
+        """A reply no caller takes: what it holds in the core is freed."""
+        if self._gone is not None:
+            return
+        if isinstance(msg, Prefilled):
+            self._send(Abort(msg.seq))
+        elif isinstance(msg, Encoded) and msg.media:
+            self._send(DropMedia(msg.media))
 
     def _lost(self, reason: str) -> None:
         if self._gone is None:

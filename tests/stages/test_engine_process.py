@@ -28,6 +28,7 @@ from stages.models import resolve_model
 from stages.models.traits import load_traits
 from stages.processor import Processor
 from stages.torch_engine.core_client import EngineCoreDied, ProcessHopEngine
+from stages.torch_engine.core_wire import Encoded, Prefilled
 from stages.torch_engine.reference import reference_generate
 from tests.e2e.conftest import gradient, png_data_url
 from tests.polling import eventually_true
@@ -166,6 +167,37 @@ async def test_a_request_cancelled_at_any_point_leaves_nothing_held_in_the_core(
     with pytest.raises(asyncio.CancelledError):
         await task
     await eventually_true(lambda: _all_zero(stage), what="what the cancelled request held freed in the core")
+
+
+async def test_a_reply_whose_caller_is_cancelled_before_it_wakes_frees_what_it_holds(
+    stage: HopStage, processor: Processor
+) -> None:
+    """The core's reply comes (an encode's media, a prefill's sequence) and
+    its caller is cancelled before it wakes to take it: the worker has the
+    core free them, which would otherwise stay held there for good."""
+    core = engine(stage)
+    processed = processor.process(request("o", 4, png_data_url(gradient(60, 44, 3))))
+    caller: asyncio.Future[Any] | None = None
+    real = core._on
+
+    def on(msg: Any) -> None:
+        real(msg)  # the caller's reply is set here; it wakes only later
+        if isinstance(msg, Encoded | Prefilled) and caller is not None and not caller.done():
+            caller.cancel()
+
+    core._on = on  # type: ignore[method-assign]
+    try:
+        caller = asyncio.ensure_future(core.encode(processed, HopContext()))
+        with pytest.raises(asyncio.CancelledError):
+            await caller
+        await eventually_true(lambda: _all_zero(stage), what="the media of an encode whose caller left")
+        media = await core.encode(processed, HopContext())
+        caller = asyncio.ensure_future(core.prefill(processed, media, HopContext()))
+        with pytest.raises(asyncio.CancelledError):
+            await caller
+        await eventually_true(lambda: _all_zero(stage), what="the sequence of a prefill whose caller left")
+    finally:
+        core._on = real  # type: ignore[method-assign]
 
 
 async def test_errors_from_the_core_keep_their_code_and_the_core_serves_on(
