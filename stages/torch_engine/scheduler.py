@@ -402,6 +402,13 @@ class DecodeScheduler:
         self._wake.set()
         try:
             return await chunk.result
+        except asyncio.CancelledError:
+            result = chunk.result
+            if result.done() and not result.cancelled() and result.exception() is None and result.result():
+                # Its sequence came, and the caller was cancelled before it woke to take it.
+                self._to_release.append(result.result()[0])
+                self._wake.set()
+            raise
         finally:
             if chunk in self._chunks:
                 self._chunks.remove(chunk)

@@ -430,3 +430,43 @@ async def test_a_long_prompt_given_up_between_mixed_steps_leaves_only_the_runnin
         await engine.close()
     assert carried == 2  # no chunk after the client went
     assert tokens == reference_generate(tiny_model_dir, running.prompt_token_ids, [], 120)
+
+
+async def test_a_last_chunks_sequence_whose_caller_is_cancelled_as_it_comes_is_released(
+    tiny_model_dir: Path, engine_device: str
+) -> None:
+    """The decode loop hands the last chunk's sequence over and its caller is
+    cancelled before it wakes to take it: the loop releases the sequence
+    (else its blocks and its decoder row stay taken for good)."""
+    torch_engine = _fused(tiny_model_dir, engine_device, budget=16)
+    engine = TorchHopEngine("encode+prefill+decode", torch_engine, max_batch=4)
+    scheduler = engine.scheduler
+    assert scheduler is not None and torch_engine.decoder is not None
+    pool = torch_engine.decoder.pool
+    prompt = list(torch_engine.tokenizer(" ".join(f"word{i}" for i in range(40)))["input_ids"])
+    prefilling = torch_engine.start_prefill(prompt, [], greedy(N))
+    caller: asyncio.Future[Any] | None = None
+    real = scheduler._chunk_done
+
+    def done(chunk: Any, out: Any) -> None:
+        real(chunk, out)  # the caller's result is set here; it wakes only later
+        if out is not None and caller is not None:
+            caller.cancel()
+
+    scheduler._chunk_done = done  # type: ignore[method-assign]
+
+    async def every_chunk() -> Any:
+        out = None
+        while out is None:
+            out = await scheduler.prefill_chunk(prefilling)
+        return out
+
+    await engine.start()
+    try:
+        caller = asyncio.ensure_future(every_chunk())
+        with pytest.raises(asyncio.CancelledError):
+            await caller
+        assert prefilling.done == prefilling.length  # the last chunk ran
+        await eventually(lambda: pool.num_free == pool.capacity, within=10.0)
+    finally:
+        await engine.close()
