@@ -34,6 +34,7 @@ from schemas.routes import MODES, PROCESSOR, moves_tensors
 from stages.media import MediaPolicy
 from stages.models import ModelSpec, resolve_model
 from stages.torch_engine.reference import load_reference_model, reference_generate
+from stages.torch_engine.settings import DecodeSettings
 
 
 def png_data_url(image: Image.Image) -> str:
@@ -87,6 +88,7 @@ async def start_stack(
     frontend_decode: bool | tuple[bool, bool] = False,
     bridge_tensor_ttl_s: float = 60.0,
     engine_process: bool = False,
+    decode: DecodeSettings | None = None,
 ) -> tuple[Stack, Any]:
     """Every role of ``config.mode`` (one worker each unless ``counts`` says
     otherwise), each with its own NATS connection and, where it moves
@@ -97,7 +99,8 @@ async def start_stack(
     requests finish). ``frontend_decode``: the processor's (bridge's) and
     the workers' --frontend-decode, one for both or (processor, workers);
     ``bridge_tensor_ttl_s``: how long the bridge holds what it decoded;
-    ``engine_process``: the workers' built-in engine in a core process of its own."""
+    ``engine_process``: the workers' built-in engine in a core process of its own;
+    ``decode``: the workers' decode settings (default: mmpipe's)."""
     front, behind = frontend_decode if isinstance(frontend_decode, tuple) else (frontend_decode, frontend_decode)
     conns: list[Any] = []
     transports: list[Any] = []
@@ -109,6 +112,7 @@ async def start_stack(
         media=MediaPolicy(allow_internal=allow_internal, frontend_decode=behind),
         modalities=modalities,
         engine_process=engine_process,
+        decode=decode or DecodeSettings(),
     )
     processing = dataclasses.replace(settings, media=dataclasses.replace(settings.media, frontend_decode=front))
 

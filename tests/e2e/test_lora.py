@@ -18,6 +18,7 @@ from transformers import AutoTokenizer
 from pipeline.config import PipelineConfig
 from stages.models import ModelSpec
 from stages.torch_engine.reference import reference_generate
+from stages.torch_engine.settings import DecodeSettings
 from tests.e2e.conftest import N, client, start_stack
 from tests.stages.test_lora import make_adapter
 
@@ -84,6 +85,44 @@ async def test_an_adapter_loaded_at_run_time_gives_peft_generates_tokens(
             status, _ = await post_json(session, unload, {"lora_name": "sea"})
             assert status == 404
             assert await complete_text(c, BASE) == base
+    finally:
+        await session.close()
+        await stop()
+
+
+@pytest.mark.e2e
+async def test_with_max_loras_a_load_past_the_room_is_a_400_and_the_loaded_one_serves_on(
+    pipeline_config: PipelineConfig, model_spec: ModelSpec, tmp_path: Path
+) -> None:
+    """--max-loras 1 on the fused step (the stacks made at start, written in
+    place at each load): a second adapter is a 400 naming the flag, the first
+    still gives PEFT's text, and once it is unloaded the second loads into its
+    room and gives its own."""
+    model_dir = model_spec.path
+    tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
+    ids = tokenizer(PROMPT)["input_ids"]
+    texts = {}
+    for name, seed in (("sea", 3), ("sky", 4)):
+        peft_model = make_adapter(model_dir, tmp_path / name, seed=seed)
+        made = reference_generate(model_dir, ids, [], N, model=peft_model.get_base_model())
+        texts[name] = tokenizer.decode(made, skip_special_tokens=True)
+    config = PipelineConfig(nats_url=pipeline_config.nats_url, namespace=pipeline_config.namespace, mode="epd")
+    decode = DecodeSettings(fused=True, max_loras=1, max_lora_rank=8)
+    stack, stop = await start_stack(config, model_spec, decode=decode)
+    session = aiohttp.ClientSession()
+    load, unload = f"{stack.base_url}/v1/load_lora_adapter", f"{stack.base_url}/v1/unload_lora_adapter"
+    try:
+        async with client(stack) as c:
+            status, _ = await post_json(session, load, {"lora_name": "sea", "lora_path": str(tmp_path / "sea")})
+            assert status == 200 and await complete_text(c, "sea") == texts["sea"]
+            status, text = await post_json(session, load, {"lora_name": "sky", "lora_path": str(tmp_path / "sky")})
+            assert status == 400 and "--max-loras 1" in text
+            assert {m.id for m in (await c.models.list()).data} == {BASE, "sea"}
+            assert await complete_text(c, "sea") == texts["sea"]
+            status, _ = await post_json(session, unload, {"lora_name": "sea"})
+            assert status == 200
+            status, _ = await post_json(session, load, {"lora_name": "sky", "lora_path": str(tmp_path / "sky")})
+            assert status == 200 and await complete_text(c, "sky") == texts["sky"]
     finally:
         await session.close()
         await stop()
