@@ -531,6 +531,7 @@ class TorchEngine:
     ) -> tuple[Sequence, int] | BaseException | None:
         """After the step that carried ``p``'s chunk: as ``prefill_chunk``
         gives it, or the error that ends the prompt (not the step's rows)."""
+        metrics.PREFILL_CHUNKS.labels("mixed").inc()
         try:
             p.done = end
             if end < p.length:
@@ -587,6 +588,15 @@ class TorchEngine:
         are not free, or it was swapped out for an older one to grow) takes
         no step: None in its place.
         """
+        return self.step_carrying(seqs, None)[0]
+
+    def step_carrying(
+        self, seqs: list[Sequence], chunk: Prefilling | None
+    ) -> tuple[list[int | None], tuple[Sequence, int] | BaseException | None]:
+        """``step``, carrying ``chunk``'s next chunk as ``launch`` does (where
+        the host chooses a row's token and the batch cannot be launched: a
+        grammar, say): the tokens, and what the chunk gave (``Launch.chunk``).
+        A step that raises ran no chunk."""
         for seq in seqs:
             if seq.released:
                 raise ValueError("step on a released sequence")
@@ -603,6 +613,8 @@ class TorchEngine:
             with self._settle_lock:
                 batched = self._grown([seq for seq in seqs if self._admit(seq)])
                 inputs = self._slots.step_inputs({q.slot for q in batched}) if batched and self._slots else None
+            carried, failed = self._chunk_rows(chunk, bool(batched))
+            out: tuple[Sequence, int] | BaseException | None = failed
             chosen: dict[int, int] = {}
             if batched:
                 assert self.decoder is not None and inputs is not None
@@ -610,9 +622,42 @@ class TorchEngine:
                 # value again: idempotent); only the asked ones take a token.
                 extras, samples = self._extras(batched)
                 with self._loras.for_step(self.decoder.lora, inputs.lora, self.decoder.use_graphs):
-                    logits = self.decoder.step(*inputs, extras=extras, samples=samples)
+                    logits = self.decoder.step(
+                        *inputs, extras=extras, samples=samples, chunk=carried[0] if carried else None
+                    )
                 chosen = self._select_batch(batched, logits, extras)
-            return [chosen[id(q)] if q.slot >= 0 else None if self._ever_fits(q) else self._step_one(q) for q in seqs]
+            if chunk is not None and carried is not None:
+                out = self._carried_done(chunk, *carried, defer=True)
+            tokens = [chosen[id(q)] if q.slot >= 0 else None if self._ever_fits(q) else self._step_one(q) for q in seqs]
+        return tokens, self._chunk_alone(chunk, carried, out)
+
+    def _chunk_rows(
+        self, chunk: Prefilling | None, stepping: bool
+    ) -> tuple[tuple[ChunkRows, int] | None, BaseException | None]:
+        """A step's chunk as rows for its forward (None: it cannot ride it),
+        or the error that ends its prompt (under the lock, after the running
+        rows took their blocks: a chunk that finds none left goes the
+        modules' way)."""
+        if chunk is None or not stepping:
+            return None, None
+        try:
+            return self._carried_chunk(chunk), None
+        except Exception as exc:  # the prompt's error, not the running rows'
+            log.error("chunk_failed", error=repr(exc), exc_info=exc)
+            return None, exc
+
+    def _chunk_alone(
+        self, chunk: Prefilling | None, carried: Any, out: tuple[Sequence, int] | BaseException | None
+    ) -> tuple[Sequence, int] | BaseException | None:
+        """What a step's chunk gave: ``out`` where it rode the step (or
+        failed), else its own forward now, queued behind the step."""
+        if chunk is None or carried is not None or out is not None:
+            return out
+        try:
+            return self.prefill_chunk(chunk, defer=True)
+        except Exception as exc:
+            log.error("chunk_failed", error=repr(exc), exc_info=exc)
+            return exc
 
     def launch(self, seqs: list[Sequence], chunk: Prefilling | None = None) -> Launch | None:
         """Queue one step of ``seqs`` on the device and return without waiting
@@ -662,32 +707,17 @@ class TorchEngine:
             with self._settle_lock:
                 stepped = self._grown([seq for seq in seqs if seq.slot >= 0])
                 inputs = slots.step_inputs({seq.slot for seq in stepped})
-            # The running rows took their blocks first: a chunk that finds none left goes the modules' way.
-            carried: tuple[ChunkRows, int] | None = None
-            out: tuple[Sequence, int] | BaseException | None = None
-            if chunk is not None and stepped:
-                try:
-                    carried = self._carried_chunk(chunk)
-                except Exception as exc:  # the prompt's error, not the running rows'
-                    log.error("chunk_failed", error=repr(exc), exc_info=exc)
-                    out = exc
+            carried, failed = self._chunk_rows(chunk, bool(stepped))
+            out: tuple[Sequence, int] | BaseException | None = failed
             with self._loras.for_step(decoder.lora, inputs.lora, decoder.use_graphs):
                 launched = decoder.launch(inputs, *self._extras(stepped), chunk=carried[0] if carried else None)
             for seq in stepped:
                 seq.inflight += 1
                 decoder.free_first(seq.feed_row)  # read by this step, and by no later one
                 seq.feed_row = seq.slot
-            if carried is not None:
-                assert chunk is not None
-                metrics.PREFILL_CHUNKS.labels("mixed").inc()
+            if chunk is not None and carried is not None:
                 out = self._carried_done(chunk, *carried, defer=True)
-        if chunk is not None and carried is None and out is None:
-            # Its own forward, queued behind the step (whose host side is done).
-            try:
-                out = self.prefill_chunk(chunk, defer=True)
-            except Exception as exc:
-                log.error("chunk_failed", error=repr(exc), exc_info=exc)
-                out = exc
+        out = self._chunk_alone(chunk, carried, out)
         return Launch([(seq, seq.slot) for seq in seqs], launched, carried=chunk is not None, chunk=out)
 
     def collect(self, launch: Launch) -> list[int | None]:

@@ -271,6 +271,8 @@ def _cuda_fence() -> Any:
 
 
 _END = object()
+# A step's chunk that the step did not run.
+_NOT_RUN = object()
 # How often a thread holding back another call looks whether the device is done with the earlier ones.
 _FENCE_POLL_S = 0.0002
 # How often a loop with nothing running looks again for blocks for a waiting sequence.
@@ -514,14 +516,21 @@ class DecodeScheduler:
             batch = list(self._running)
             if self._pipelined and await self._advance(batch):
                 continue
-            if self._chunks:
-                await self._chunk_alone()  # between two steps: this batch's steps take no chunk
+            seqs = [e.seq for e in batch]
+            chunk = self._chunks.popleft() if self._chunks and hasattr(self._engine, "step_carrying") else None
             try:
-                tokens = await self._thread.call(
-                    _releasing(self._engine, self._to_release, self._engine.step), [e.seq for e in batch], urgent=True
-                )
+                if chunk is None:
+                    step = _releasing(self._engine, self._to_release, self._engine.step)
+                    tokens = await self._thread.call(step, seqs, urgent=True)
+                else:
+                    # The host chooses a row's tokens (a grammar, say): the step carries the chunk all the same.
+                    step = _releasing(self._engine, self._to_release, self._engine.step_carrying)
+                    tokens, out = await self._thread.call(step, seqs, chunk.prefilling, urgent=True)
+                    self._chunk_done(chunk, out)
             except Exception as exc:
                 self._fail(batch, exc)
+                if chunk is not None and not chunk.result.done():
+                    self._chunks.appendleft(chunk)  # the step ran no chunk: the next one takes it
                 continue
             self._hand_out(batch, tokens)
             self._set_aside(batch, [token is not None for token in tokens])
@@ -552,15 +561,10 @@ class DecodeScheduler:
                     launched = engine.launch(seqs) if chunk is None else engine.launch(seqs, chunk=chunk.prefilling)
                 except Exception as exc:
                     launched = exc
-            chunk_out: Any = None
-            if chunk is not None:
-                if getattr(launched, "carried", False):
-                    chunk_out = launched.chunk
-                else:  # the step ran no chunk (it could not launch, or failed): on its own
-                    try:
-                        chunk_out = engine.prefill_chunk(chunk.prefilling, True)
-                    except Exception as exc:
-                        chunk_out = exc
+            # What the chunk gave; _NOT_RUN where the step ran none (it could not launch, or failed).
+            chunk_out: Any = _NOT_RUN
+            if chunk is not None and getattr(launched, "carried", False):
+                chunk_out = launched.chunk
             collected: Any = None
             if ahead is not None:
                 try:
@@ -577,7 +581,11 @@ class DecodeScheduler:
                 self._chunk_done(chunk, exc)
             return True
         if chunk is not None:
-            self._chunk_done(chunk, chunk_out)
+            if chunk_out is _NOT_RUN:
+                if not chunk.result.done():
+                    self._chunks.appendleft(chunk)  # for the next step (stepped, not launched) or alone
+            else:
+                self._chunk_done(chunk, chunk_out)
         if ahead is not None:
             if isinstance(tokens, BaseException):
                 self._fail(ahead[1], tokens)

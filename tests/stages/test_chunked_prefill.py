@@ -470,3 +470,50 @@ async def test_a_last_chunks_sequence_whose_caller_is_cancelled_as_it_comes_is_r
         await eventually(lambda: pool.num_free == pool.capacity, within=10.0)
     finally:
         await engine.close()
+
+
+async def test_steps_whose_tokens_the_host_chooses_carry_the_chunks_too(
+    tiny_model_dir: Path, engine_device: str
+) -> None:
+    """A running request whose tokens the host chooses (a stop id masked
+    below min_tokens: its batch is stepped, not launched ahead) still has
+    its steps carry a long prompt's chunks (mixed, none alone), and both
+    streams are generate()'s."""
+    torch_engine = _fused(tiny_model_dir, engine_device, budget=16)
+    engine = TorchHopEngine("encode+prefill+decode", torch_engine, max_batch=4)
+    stage: HopStage[Any] = HopStage(engine.role, engine, "tiny")
+    processor = Processor(load_traits(resolve_model(str(tiny_model_dir), "tiny")))
+    count = processor.process(GenerateRequest("h0", "tiny", [ChatMessage("user", [TextPart("Count with me")])]))
+    want = reference_generate(tiny_model_dir, count.prompt_token_ids, [], 200)
+    unused = next(t for t in range(100, 1000) if t not in want)  # masked, it changes no greedy choice
+    sampling = SamplingParams(200, 0.0, min_tokens=200, stop_token_ids=[unused])
+    running = msgspec.structs.replace(
+        processor.process(GenerateRequest("h1", "tiny", [ChatMessage("user", [TextPart("Count with me")])], sampling)),
+    )
+    words = TextPart(" ".join(f"word{i}" for i in range(40)))
+    long = processor.process(GenerateRequest("h2", "tiny", [ChatMessage("user", [words])], SamplingParams(N, 0.0)))
+    steps = 0
+    real = torch_engine.step_carrying
+
+    def counted(*args: Any) -> Any:
+        nonlocal steps
+        steps += 1
+        return real(*args)
+
+    torch_engine.step_carrying = counted  # type: ignore[method-assign]
+    await engine.start()
+    try:
+        first = asyncio.ensure_future(_stream(stage, running, HopContext()))
+        await eventually(lambda: steps >= 3, within=10.0)  # stepped, not launched
+        before = _chunks_run()
+        ctx = HopContext()
+        second = await _stream(stage, long, ctx)
+        after = _chunks_run()
+        assert not first.done()
+        tokens = await first
+    finally:
+        await engine.close()
+    assert after["mixed"] - before["mixed"] == ctx.trace["prefill_chunks"] > 2
+    assert after["alone"] == before["alone"]
+    assert second == reference_generate(tiny_model_dir, long.prompt_token_ids, [], N)
+    assert tokens == want
