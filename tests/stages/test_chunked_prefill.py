@@ -161,37 +161,43 @@ def test_a_mixed_step_of_an_adapters_chunk_beside_a_row_without_one(
     assert _decoded(engine, seq, N) == _reference(tiny_model_dir, peft_model, prompt, [], N)
 
 
+@pytest.mark.parametrize("chosen_by", ["device", "host"])
 async def test_a_long_prompt_beside_running_streams_goes_in_mixed_steps_through_the_hop(
-    tiny_model_dir: Path, engine_device: str
+    tiny_model_dir: Path, engine_device: str, chosen_by: str
 ) -> None:
     """Through the decode loop: while a stream decodes, a long prompt's
-    chunks all ride its steps (none alone), and both streams are generate()'s."""
+    chunks all ride its steps (none alone), and both streams are
+    generate()'s. Its tokens chosen on the device (steps launched ahead), or
+    by the host (a stop id masked below min_tokens: its batch is stepped,
+    not launched; the id one generate() never chooses, so it changes no
+    greedy choice)."""
     torch_engine = _fused(tiny_model_dir, engine_device, budget=16)
     engine = TorchHopEngine("encode+prefill+decode", torch_engine, max_batch=4)
     stage: HopStage[Any] = HopStage(engine.role, engine, "tiny")
     processor = Processor(load_traits(resolve_model(str(tiny_model_dir), "tiny")))
 
-    def text(rid: str, words: str, n: int) -> ProcessedRequest:
-        asked = GenerateRequest(
-            rid, "tiny", [ChatMessage("user", [TextPart(words)])], SamplingParams(n, 0.0, min_tokens=n)
-        )
-        return processor.process(asked)
+    def text(rid: str, words: str, n: int, stop: list[int] | None = None) -> ProcessedRequest:
+        sampling = SamplingParams(n, 0.0, min_tokens=n, stop_token_ids=stop or [])
+        return processor.process(GenerateRequest(rid, "tiny", [ChatMessage("user", [TextPart(words)])], sampling))
 
-    running = text("m0", "Count with me", 200)
+    want = reference_generate(tiny_model_dir, text("m0", "Count with me", 200).prompt_token_ids, [], 200)
+    unused = next(t for t in range(100, 1000) if t not in want)
+    running = text("m0", "Count with me", 200, [unused] if chosen_by == "host" else None)
     long = text("m1", " ".join(f"word{i}" for i in range(40)), N)
     steps = 0
-    real = torch_engine.launch
+    name = "launch" if chosen_by == "device" else "step_carrying"
+    real = getattr(torch_engine, name)
 
     def counted(*args: Any, **kwargs: Any) -> Any:
         nonlocal steps
         steps += 1
         return real(*args, **kwargs)
 
-    torch_engine.launch = counted  # type: ignore[method-assign]
+    setattr(torch_engine, name, counted)
     await engine.start()
     try:
         first = asyncio.ensure_future(_stream(stage, running, HopContext()))
-        await eventually(lambda: steps >= 3, within=10.0)  # the first request is decoding
+        await eventually(lambda: steps >= 3, within=10.0)  # the first request is decoding (launched, or stepped)
         before = _chunks_run()
         ctx = HopContext()
         second = await _stream(stage, long, ctx)
@@ -203,7 +209,7 @@ async def test_a_long_prompt_beside_running_streams_goes_in_mixed_steps_through_
     assert after["mixed"] - before["mixed"] == ctx.trace["prefill_chunks"] > 2
     assert after["alone"] == before["alone"]
     assert second == reference_generate(tiny_model_dir, long.prompt_token_ids, [], N)
-    assert tokens == reference_generate(tiny_model_dir, running.prompt_token_ids, [], 200)
+    assert tokens == want
 
 
 def _fused(tiny_model_dir: Path, device: str, budget: int, slots: int = 4, **settings: Any) -> TorchEngine:
@@ -470,50 +476,3 @@ async def test_a_last_chunks_sequence_whose_caller_is_cancelled_as_it_comes_is_r
         await eventually(lambda: pool.num_free == pool.capacity, within=10.0)
     finally:
         await engine.close()
-
-
-async def test_steps_whose_tokens_the_host_chooses_carry_the_chunks_too(
-    tiny_model_dir: Path, engine_device: str
-) -> None:
-    """A running request whose tokens the host chooses (a stop id masked
-    below min_tokens: its batch is stepped, not launched ahead) still has
-    its steps carry a long prompt's chunks (mixed, none alone), and both
-    streams are generate()'s."""
-    torch_engine = _fused(tiny_model_dir, engine_device, budget=16)
-    engine = TorchHopEngine("encode+prefill+decode", torch_engine, max_batch=4)
-    stage: HopStage[Any] = HopStage(engine.role, engine, "tiny")
-    processor = Processor(load_traits(resolve_model(str(tiny_model_dir), "tiny")))
-    count = processor.process(GenerateRequest("h0", "tiny", [ChatMessage("user", [TextPart("Count with me")])]))
-    want = reference_generate(tiny_model_dir, count.prompt_token_ids, [], 200)
-    unused = next(t for t in range(100, 1000) if t not in want)  # masked, it changes no greedy choice
-    sampling = SamplingParams(200, 0.0, min_tokens=200, stop_token_ids=[unused])
-    running = msgspec.structs.replace(
-        processor.process(GenerateRequest("h1", "tiny", [ChatMessage("user", [TextPart("Count with me")])], sampling)),
-    )
-    words = TextPart(" ".join(f"word{i}" for i in range(40)))
-    long = processor.process(GenerateRequest("h2", "tiny", [ChatMessage("user", [words])], SamplingParams(N, 0.0)))
-    steps = 0
-    real = torch_engine.step_carrying
-
-    def counted(*args: Any) -> Any:
-        nonlocal steps
-        steps += 1
-        return real(*args)
-
-    torch_engine.step_carrying = counted  # type: ignore[method-assign]
-    await engine.start()
-    try:
-        first = asyncio.ensure_future(_stream(stage, running, HopContext()))
-        await eventually(lambda: steps >= 3, within=10.0)  # stepped, not launched
-        before = _chunks_run()
-        ctx = HopContext()
-        second = await _stream(stage, long, ctx)
-        after = _chunks_run()
-        assert not first.done()
-        tokens = await first
-    finally:
-        await engine.close()
-    assert after["mixed"] - before["mixed"] == ctx.trace["prefill_chunks"] > 2
-    assert after["alone"] == before["alone"]
-    assert second == reference_generate(tiny_model_dir, long.prompt_token_ids, [], N)
-    assert tokens == want
