@@ -287,12 +287,10 @@ class TorchEngine:
         most, rank = self._lora_room
         if len(self._loras.adapters) >= most:
             raise InvalidRequest(f"--max-loras {most}: that many LoRA adapters are loaded; unload one first")
-        ranks = {target: w.rank for target, w in adapter.modules.items()}
-        if max(ranks.values(), default=0) > rank:
-            raise InvalidRequest(
-                f"LoRA adapter {adapter.name!r}: rank {max(ranks.values())} is past --max-lora-rank {rank}"
-            )
-        head = self.model.get_output_embeddings() if self.model is not None else None
+        top = max((w.rank for w in adapter.modules.values()), default=0)
+        if top > rank:
+            raise InvalidRequest(f"LoRA adapter {adapter.name!r}: rank {top} is past --max-lora-rank {rank}")
+        head = self.model.get_output_embeddings()
         if any(self.model.get_submodule(t) is head for t in adapter.modules):
             # The graphs captured at start run the head as it was: a wrapper on it now would not replay.
             raise InvalidRequest(f"LoRA adapter {adapter.name!r}: with --max-loras, an adapter on the output head")

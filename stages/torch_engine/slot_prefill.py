@@ -203,14 +203,6 @@ class SlotPrefill:
         table = d.table_row(blocks).to(d.device, non_blocking=True)
         write_at = start + torch.arange(length, device=d.device)
         span = d.blocks_for(start + length) * d.block_size
-        keys_table = table[None, : span // d.block_size]
-        mask = torch.arange(span, device=d.device)[None, :] <= write_at[:, None]  # [length, span]
-
-        def attend(q: torch.Tensor, layer: int) -> torch.Tensor:
-            keys = gather_blocks(d.keys[layer], keys_table)[0]  # [kv_heads, span, d]
-            values = gather_blocks(d.values[layer], keys_table)[0]
-            return _attention(q, keys, values, d.scaling, mask=mask)
-
         slots = torch.full((length,), lora, dtype=torch.long, device=d.device) if d.adapters is not None else None
         return ChunkRows(
             embeds=to_device(embeds, d.device).to(d.dtype),
@@ -219,7 +211,7 @@ class SlotPrefill:
             blocks=table[write_at // d.block_size],
             offsets=write_at % d.block_size,
             slots=slots,
-            attend=attend,
+            attend=self._past_attention(write_at, span, table),
         )
 
     def capture(self) -> list[int]:
@@ -284,7 +276,7 @@ class SlotPrefill:
         logits: torch.Tensor = d.model.lm_head(rms_norm(last, norm.weight, float(norm.variance_epsilon)))
         return logits[0]
 
-    def _past_attention(self, reads: torch.Tensor, span: int = 0) -> Any:
+    def _past_attention(self, reads: torch.Tensor, span: int = 0, table: torch.Tensor | None = None) -> Any:
         """Attention of rows past a cached prefix, row r over positions 0 to
         reads[r] of the prompt's blocks (written already: the prefix's, and
         this layer's rows up to r): (q [bucket, heads, d], layer) → [bucket,
@@ -292,27 +284,29 @@ class SlotPrefill:
         SDPA under a mask over the table's first ``span`` positions (whole
         blocks, past every read) even where the Triton kernel runs (0: the
         Triton kernel where it runs, else SDPA over the whole table, so that
-        one graph serves every prefix length)."""
+        one graph serves every prefix length). ``table``: the prompt's block
+        table (default: the graphs' static one)."""
         d = self.decoder
         bucket = int(reads.shape[0])
+        table = self._table if table is None else table
         if self._counters is not None and not span:
             lengths = reads + 1
-            table = self._table[None].expand(bucket, -1)  # every row the prompt's table
+            rows_table = table[None].expand(bucket, -1)  # every row the prompt's table
 
             def triton(q: torch.Tensor, layer: int) -> torch.Tensor:
                 return triton_decode.attend(
-                    q, d.keys[layer], d.values[layer], lengths, table, d.scaling, self._counters
+                    q, d.keys[layer], d.values[layer], lengths, rows_table, d.scaling, self._counters
                 )
 
             return triton
 
-        span = span or self._table.shape[0] * d.block_size
-        table = self._table[None, : span // d.block_size]
+        span = span or table.shape[0] * d.block_size
+        spanned = table[None, : span // d.block_size]
         mask = torch.arange(span, device=reads.device)[None, :] <= reads[:, None]  # [bucket, span]
 
         def sdpa(q: torch.Tensor, layer: int) -> torch.Tensor:
-            keys = gather_blocks(d.keys[layer], table)[0]  # [kv_heads, span, d]
-            values = gather_blocks(d.values[layer], table)[0]
+            keys = gather_blocks(d.keys[layer], spanned)[0]  # [kv_heads, span, d]
+            values = gather_blocks(d.values[layer], spanned)[0]
             return _attention(q, keys, values, d.scaling, mask=mask)
 
         return sdpa
