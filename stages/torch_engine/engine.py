@@ -627,7 +627,7 @@ class TorchEngine:
             if chunk is not None and carried is not None:
                 out = self._carried_done(chunk, *carried, defer=True)
             tokens = [chosen[id(q)] if q.slot >= 0 else None if self._ever_fits(q) else self._step_one(q) for q in seqs]
-        return tokens, self._chunk_alone(chunk, carried, out)
+        return tokens, self._chunk_after_step(chunk, carried, out)
 
     def _chunk_rows(
         self, chunk: Prefilling | None, stepping: bool
@@ -644,7 +644,7 @@ class TorchEngine:
             log.error("chunk_failed", error=repr(exc), exc_info=exc)
             return None, exc
 
-    def _chunk_alone(
+    def _chunk_after_step(
         self, chunk: Prefilling | None, carried: Any, out: tuple[Sequence, int] | BaseException | None
     ) -> tuple[Sequence, int] | BaseException | None:
         """What a step's chunk gave: ``out`` where it rode the step (or
@@ -715,7 +715,7 @@ class TorchEngine:
                 seq.feed_row = seq.slot
             if chunk is not None and carried is not None:
                 out = self._carried_done(chunk, *carried, defer=True)
-        out = self._chunk_alone(chunk, carried, out)
+        out = self._chunk_after_step(chunk, carried, out)
         return Launch([(seq, seq.slot) for seq in seqs], launched, carried=chunk is not None, chunk=out)
 
     def collect(self, launch: Launch) -> list[int | None]:

@@ -424,6 +424,11 @@ class DecodeScheduler:
         elif out is not None and not isinstance(out, BaseException):
             self._to_release.append(out[0])  # its prompt given up meanwhile: the sequence it made goes
 
+    def _requeue(self, chunk: _Chunk) -> None:
+        """A chunk taken for a step that ran none: first for the next, unless its prompt was given up."""
+        if not chunk.result.done():
+            self._chunks.appendleft(chunk)
+
     async def _chunk_alone(self) -> None:
         """The first waiting chunk in an engine call of its own."""
         chunk = self._chunks.popleft()
@@ -529,8 +534,8 @@ class DecodeScheduler:
                     self._chunk_done(chunk, out)
             except Exception as exc:
                 self._fail(batch, exc)
-                if chunk is not None and not chunk.result.done():
-                    self._chunks.appendleft(chunk)  # the step ran no chunk: the next one takes it
+                if chunk is not None:
+                    self._requeue(chunk)  # the step ran no chunk
                 continue
             self._hand_out(batch, tokens)
             self._set_aside(batch, [token is not None for token in tokens])
@@ -582,8 +587,7 @@ class DecodeScheduler:
             return True
         if chunk is not None:
             if chunk_out is _NOT_RUN:
-                if not chunk.result.done():
-                    self._chunks.appendleft(chunk)  # for the next step (stepped, not launched) or alone
+                self._requeue(chunk)  # for the next step (stepped, not launched) or alone
             else:
                 self._chunk_done(chunk, chunk_out)
         if ahead is not None:
