@@ -437,10 +437,19 @@ def _mixed_step(model: Any, ids: Any, args: argparse.Namespace, device: Any) -> 
             both = _timed(mixed, device, repeats)
             # The rows' choices either way (alike on a CPU; bf16 sums round by the matrices' shapes).
             agree = (mixed().argmax(-1) == decoder.step(tokens, lengths, lengths).argmax(-1)).float().mean().item()
+            graphed = None
+            if decoder.use_graphs:
+                # As the engine runs it with graphs: right after the step, its span's graph.
+                graphs = SlotPrefill(decoder, use_graphs=True, longest=chunk)
+                graphs.chunk_tokens = chunk
+                graphed = _timed(
+                    lambda: graphs.run(embeds, positions, prompt, start=chunk, chunk=True), device, repeats
+                )
+                del graphs
     finally:
         decoder.pool.free(prompt)
         _unseat(decoder, seated)
-    return {
+    out = {
         "chunk_tokens": chunk,
         "decoder_plain_step_ms": step,
         "chunk_alone_ms": alone,
@@ -449,6 +458,10 @@ def _mixed_step(model: Any, ids: Any, args: argparse.Namespace, device: Any) -> 
         "mixed_vs_step_and_chunk": both / (step + alone),
         "mixed_step_agree": agree,
     }
+    if graphed is not None:
+        out["chunk_graph_ms"] = graphed
+        out["step_and_chunk_graph_vs_mixed"] = (step + graphed) / both
+    return out
 
 
 def _seat(decoder: Any, batch: int, tokens: int) -> list[list[int]]:
@@ -519,7 +532,7 @@ def _table(results: dict[str, Any]) -> None:
     print(
         f"{'preset':<12} {'batch':>5} {'generate ms/step':>17} {'decoder ms/step':>16} {'read each ms':>13} "
         f"{'speedup':>8} {'extras':>7} {'sampling':>8} {'lora':>7} {'lora fused':>10} {'lora room':>9} "
-        f"{'mixed/step+chunk':>16} "
+        f"{'mixed/step+chunk':>16} {'chunk graph ms':>14} "
         f"{'generate tok/s':>15} {'decoder tok/s':>14} {'roofline ms':>12} {'of roofline':>12} {'greedy agree':>13}"
     )
     for r in results["runs"]:
@@ -529,7 +542,7 @@ def _table(results: dict[str, Any]) -> None:
             f"{r['extras_overhead']:>+7.1%} {r['sampling_overhead']:>+8.1%} "
             f"{r.get('lora_overhead', float('nan')):>+7.1%} {r.get('lora_fused_overhead', float('nan')):>+10.1%} "
             f"{r.get('lora_reserved_overhead', float('nan')):>+9.1%} "
-            f"{r.get('mixed_vs_step_and_chunk', float('nan')):>16.2f} "
+            f"{r.get('mixed_vs_step_and_chunk', float('nan')):>16.2f} {r.get('chunk_graph_ms', float('nan')):>14.2f} "
             f"{r.get('generate_tok_s', float('nan')):>15.1f} {r['decoder_tok_s']:>14.1f} "
             f"{r.get('roofline_step_ms', float('nan')):>12.3f} {r.get('roofline_fraction', float('nan')):>12.1%} "
             f"{'' if r['greedy_agree'] is None else format(r['greedy_agree'], '.0%'):>13}"

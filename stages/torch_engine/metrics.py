@@ -15,10 +15,12 @@ PREFIX_HITS = Counter("mmpipe_prefix_cache_hits", "Prompt tokens whose KV blocks
 PREFILL_FORKS = Counter(
     "mmpipe_prefill_forks_total", "Sequences forked from another's prefill of the same prompt (a choice of n)"
 )
-# vLLM v1's mixed batches: a long prompt's chunk in the decode step's forward, or between two steps.
+# vLLM v1's mixed batches: a long prompt's chunk in the decode step's forward, in the
+# same engine call right after it (its own graph), or with no step to ride.
 PREFILL_CHUNKS = Counter(
     "mmpipe_prefill_chunks_total",
-    "Chunks of long prompts prefilled, by how: in a decode step's forward (mixed) or on their own",
+    "Chunks of long prompts prefilled, by how: in a decode step's forward (mixed), right after a step "
+    "(after_step) or on their own (alone)",
     ["how"],
 )
 PREEMPTIONS = Counter("mmpipe_preemptions_total", "Running sequences swapped out of the KV pool to let older ones grow")

@@ -67,9 +67,9 @@ class DecodeSettings:
     # vLLM's name; its default for an API server.
     max_num_batched_tokens: int = setting(
         2048,
-        help="a prompt longer than this (media expanded) is prefilled in chunks of this many tokens, each carried "
-        "by a running decode step (in its forward, with the fused layers) or alone when none runs "
-        "(0: every prompt in one call)",
+        help="a prompt longer than this (media expanded) is prefilled in chunks of this many tokens, each with a "
+        "running decode step (in its forward on the fused layers without CUDA graphs; with them right after it, "
+        "the chunk's own graph) or alone when none runs (0: every prompt in one call)",
     )
     # vLLM's names. 0: the stacks sized to the adapters loaded (remade, and graphs captured again, at each load).
     max_loras: int = setting(

@@ -31,10 +31,16 @@ clients, a fifth of the prompts partly cached, 2026-11-28), so under load
 a partial hit cost more than it saved.
 
 A chunk of a long prompt (chunked prefill, ``run(chunk=True)``) runs the
-same layers without a graph, its rows attending over the blocks the chunks
-before it filled by SDPA under a mask: the decode kernel's one query a row
-would read the whole prefix again for each of a chunk's thousands of rows
-(twice the prefill's time through graphs, H200, 2026-11-29).
+same layers, its rows attending over the blocks the chunks before it filled
+by SDPA under a mask: the decode kernel's one query a row would read the
+whole prefix again for each of a chunk's thousands of rows (twice the
+prefill's time through graphs, H200, 2026-11-29). Its first chunk is a
+prompt like any (its bucket's graph); each later one replays a graph too,
+its rows padded to the chunk length's bucket (``chunk_tokens``) and its
+attention over the table's first ``span`` positions, a power of two blocks
+(one graph for each). Without graphs a 512-token chunk of the 2B preset
+took 26.6 ms of the host for 7.2 ms of the GPU's work (H200, 2026-12-02):
+launches, not matrix products, were its time.
 
 The arithmetic is the fused decode step's (stages/torch_engine/fused_decode.py):
 the models' own, with concatenated projections, so in bf16 it rounds
@@ -125,8 +131,10 @@ class SlotPrefill:
         self.use_graphs = use_graphs and device.type == "cuda"
         self._before = torch.compile(_before_attention, **compiled_options.OPTIONS) if compiled else _before_attention
         self._after = torch.compile(after_attention, **compiled_options.OPTIONS) if compiled else after_attention
-        # By (bucket, past a prefix).
-        self._graphs: dict[tuple[int, bool], tuple[Any, torch.Tensor]] = {}
+        # Tokens a chunk of a long prompt takes (0: no graphs for chunks past the first).
+        self.chunk_tokens = 0
+        # By (bucket, past a prefix, span: a chunk's positions attended, 0 where not a chunk).
+        self._graphs: dict[tuple[int, bool, int], tuple[Any, torch.Tensor]] = {}
 
     def fits(self, length: int) -> bool:
         return 0 < length <= self.max_tokens
@@ -158,14 +166,14 @@ class SlotPrefill:
         The decode kernel's form (one query a row, each row reading every
         position before it) suits a few rows past a long prefix and not a
         chunk of thousands (each would read the whole prefix again); a chunk
-        is bound by its matrix products, which a graph does not shorten."""
+        is bound by its matrix products. With graphs a chunk past the
+        first replays its span's graph (padded to ``chunk_tokens``' bucket)."""
         length = int(embeds.shape[0])
         if not self.fits(length):
             raise ValueError(f"a prompt of {length} tokens; slot prefill takes 1 to {self.max_tokens}")
         d = self.decoder
         if start % d.block_size or start < 0 or d.blocks_for(start + length) > len(blocks):
             raise ValueError(f"a prefix of {start} tokens and {length} more in {len(blocks)} blocks of {d.block_size}")
-        bucket = self.bucket_for(length)
         cos, sin = self._rotary(positions)
         self._embeds[:length].copy_(embeds)
         self._cos[:length].copy_(cos)
@@ -179,11 +187,41 @@ class SlotPrefill:
         if past:
             self._start.fill_(start)
             self._count.fill_(length)
-        if chunk or not self.use_graphs:
-            return self._forward(bucket, past, span=d.blocks_for(start + length) * d.block_size if chunk else 0)
-        graph, out = self._graph(bucket, past)
+        graphed = self.use_graphs and not (chunk and past and not self.chunk_tokens)
+        bucket, span = self.bucket_for(length), 0
+        if chunk and past:
+            bucket, span = (
+                self.chunk_form(length, start) if graphed else (bucket, d.blocks_for(start + length) * d.block_size)
+            )
+        if not graphed:
+            return self._forward(bucket, past, span)
+        graph, out = self._graph(bucket, past, span)
         graph.replay()
         return out
+
+    def chunk_form(self, length: int, start: int) -> tuple[int, int]:
+        """The rows and the span a chunk of ``length`` tokens past ``start``
+        runs as in its graph."""
+        if not 0 < length <= self.chunk_tokens:
+            raise ValueError(f"a chunk of {length} tokens; chunks take up to {self.chunk_tokens}")
+        return self.bucket_for(self.chunk_tokens), self.span_for(start + length)
+
+    def span_for(self, positions: int) -> int:
+        """The positions a chunk past ``positions`` - its length attends over
+        in its graph: a power of two blocks, within the table."""
+        d = self.decoder
+        blocks = 1 << max(d.blocks_for(positions) - 1, 0).bit_length()
+        return min(blocks, d.blocks_per_seq) * d.block_size
+
+    def chunk_spans(self) -> list[int]:
+        """Every span a chunk past the first can take (``span_for``)."""
+        d = self.decoder
+        if not self.chunk_tokens or self.chunk_tokens >= d.max_len:
+            return []
+        spans = [self.span_for(self.chunk_tokens + 1)]
+        while spans[-1] < d.blocks_per_seq * d.block_size:
+            spans.append(self.span_for(spans[-1] + 1))
+        return spans
 
     def chunk_rows(
         self, embeds: torch.Tensor, positions: torch.Tensor, blocks: list[int], start: int, lora: int = 0
@@ -220,12 +258,16 @@ class SlotPrefill:
         captured."""
         if not self.use_graphs:
             return []
-        forms = [(bucket, past) for past in ((False, True) if self.past else (False,)) for bucket in self.buckets]
+        forms = [(bucket, past, 0) for past in ((False, True) if self.past else (False,)) for bucket in self.buckets]
+        if self.chunk_tokens:
+            forms += [(self.bucket_for(self.chunk_tokens), True, span) for span in self.chunk_spans()]
+        # Largest first: the rest reuse their memory.
+        forms.sort(key=lambda form: (form[0] * max(form[2], form[0]), form), reverse=True)
         with torch.inference_mode():
             self._table.zero_()
             self._count.zero_()  # past a prefix: every row padding, written to the null block
-            for bucket, past in counted("prefill graphs", sorted(forms, reverse=True), len(forms)):
-                self._graph(bucket, past)
+            for bucket, past, span in counted("prefill graphs", forms, len(forms)):
+                self._graph(bucket, past, span)
         return list(self.buckets)
 
     def forget_graphs(self) -> None:
@@ -235,12 +277,12 @@ class SlotPrefill:
             torch.cuda.synchronize(self.decoder.device)
         self._graphs.clear()
 
-    def _graph(self, bucket: int, past: bool) -> tuple[Any, torch.Tensor]:
-        if (bucket, past) not in self._graphs:
+    def _graph(self, bucket: int, past: bool, span: int = 0) -> tuple[Any, torch.Tensor]:
+        if (bucket, past, span) not in self._graphs:
             pool = next(iter(self._graphs.values()))[0].pool() if self._graphs else None
-            graph = cuda_graph.capture(lambda: self._forward(bucket, past), warmups=2, pool=pool)
-            self._graphs[bucket, past] = graph
-        return self._graphs[bucket, past]
+            graph = cuda_graph.capture(lambda: self._forward(bucket, past, span), warmups=2, pool=pool)
+            self._graphs[bucket, past, span] = graph
+        return self._graphs[bucket, past, span]
 
     def _forward(self, bucket: int, past: bool, span: int = 0) -> torch.Tensor:
         d, s = self.decoder, self.decoder.shape

@@ -67,7 +67,8 @@ async def test_a_prompt_prefilled_in_chunks_gives_generates_tokens(tiny_model_di
 
 def _chunks_run() -> dict[str, float]:
     return {
-        how: REGISTRY.get_sample_value("mmpipe_prefill_chunks_total", {"how": how}) or 0.0 for how in ("mixed", "alone")
+        how: REGISTRY.get_sample_value("mmpipe_prefill_chunks_total", {"how": how}) or 0.0
+        for how in ("mixed", "after_step", "alone")
     }
 
 
@@ -76,11 +77,11 @@ async def test_running_sequences_step_between_the_chunks_of_a_long_prompt(tiny_m
     running, long = processor.process(image_request("c1", max_tokens=60)), processor.process(image_request("c2"))
     torch_engine, engine, stage = _engine(tiny_model_dir, budget=4)
     calls: list[str] = []
-    for name in ("launch", "step", "prefill_chunk"):
+    for name in ("launch", "step", "_prefill_chunk"):
         real = getattr(torch_engine, name)
 
         def logged(*args: Any, real: Any = real, name: str = name, **kwargs: Any) -> Any:
-            calls.append("chunk" if name == "prefill_chunk" else "step")
+            calls.append("chunk" if name == "_prefill_chunk" else "step")
             return real(*args, **kwargs)
 
         setattr(torch_engine, name, logged)
@@ -106,8 +107,9 @@ def test_a_decode_step_carries_a_chunk_in_its_forward_and_both_keep_generates_to
     """vLLM v1's mixed batch: each chunk of a long prompt runs in a running
     sequence's decode step, one forward over the step's row and the chunk's
     rows (each layer's weights read once for both); the running stream and
-    the prompt's are both generate()'s."""
-    engine = _fused(tiny_model_dir, engine_device, budget=32)
+    the prompt's are both generate()'s. Without graphs: with them the
+    chunk replays its own after the step (a GPU's default)."""
+    engine = _fused(tiny_model_dir, engine_device, budget=32, cuda_graphs=False)
     short = list(engine.tokenizer("Count with me:")["input_ids"])
     [(running, _)] = engine.prefill([short], [[]], [greedy(40)])
     prompt = list(engine.tokenizer(" ".join(f"word{i}" for i in range(60)))["input_ids"])
@@ -124,7 +126,8 @@ def test_a_decode_step_carries_a_chunk_in_its_forward_and_both_keep_generates_to
     seq, first = out
     after = _chunks_run()
     assert chunks == -(-len(prompt) // 32) and len(running.output_ids) == 1 + chunks
-    assert after["mixed"] - before["mixed"] == chunks and after["alone"] == before["alone"]
+    assert after["mixed"] - before["mixed"] == chunks
+    assert after["alone"] == before["alone"] and after["after_step"] == before["after_step"]
     assert engine.settle(seq) == first and seq.slot >= 0
     assert _decoded(engine, running, 40) == reference_generate(tiny_model_dir, short, [], 40)
     assert _decoded(engine, seq, N) == reference_generate(tiny_model_dir, prompt, [], N)
@@ -142,7 +145,7 @@ def test_a_mixed_step_of_an_adapters_chunk_beside_a_row_without_one(
     from tests.stages.test_lora import _reference, make_adapter
 
     peft_model = make_adapter(tiny_model_dir, tmp_path / "adapter", seed=7)
-    engine = _fused(tiny_model_dir, engine_device, budget=32)
+    engine = _fused(tiny_model_dir, engine_device, budget=32, cuda_graphs=False)
     engine.load_lora("adapter", tmp_path / "adapter")
     short = list(engine.tokenizer("Count with me:")["input_ids"])
     [(running, _)] = engine.prefill([short], [[]], [greedy(N)])
@@ -166,7 +169,8 @@ async def test_a_long_prompt_beside_running_streams_goes_in_mixed_steps_through_
     tiny_model_dir: Path, engine_device: str, chosen_by: str
 ) -> None:
     """Through the decode loop: while a stream decodes, a long prompt's
-    chunks all ride its steps (none alone), and both streams are
+    chunks all ride its steps (none alone: in the step's forward, or with
+    graphs each its own graph right after the step), and both streams are
     generate()'s. Its tokens chosen on the device (steps launched ahead), or
     by the host (a stop id masked below min_tokens: its batch is stepped,
     not launched; the id one generate() never chooses, so it changes no
@@ -206,8 +210,10 @@ async def test_a_long_prompt_beside_running_streams_goes_in_mixed_steps_through_
         tokens = await first
     finally:
         await engine.close()
-    assert after["mixed"] - before["mixed"] == ctx.trace["prefill_chunks"] > 2
-    assert after["alone"] == before["alone"]
+    assert torch_engine._slot_prefill is not None
+    how, other = ("after_step", "mixed") if torch_engine._slot_prefill.use_graphs else ("mixed", "after_step")
+    assert after[how] - before[how] == ctx.trace["prefill_chunks"] > 2
+    assert after["alone"] == before["alone"] and after[other] == before[other]
     assert second == reference_generate(tiny_model_dir, long.prompt_token_ids, [], N)
     assert tokens == want
 

@@ -122,6 +122,53 @@ def test_past_a_cached_prefix_the_slot_prefill_gives_the_modules_logits_and_cach
         prefill.run(embeds[0, 3:], positions[..., 3:], blocks, start=3)  # not whole blocks
 
 
+def test_a_chunk_past_the_first_runs_padded_over_a_power_of_two_span_as_its_graph_does(
+    mmpipe_home: Path, engine_device: str
+) -> None:
+    """A long prompt's chunks past the first replay one graph per span: the
+    rows padded to the chunk length's bucket, attention over the table's
+    first span positions (a power of two blocks, past the prompt's own). That
+    form, run eagerly here (what each graph captures), gives the unpadded
+    chunk's logits and the modules' cache, and its padding rows write no
+    block but the null one. On a GPU ``run`` replays the graphs captured at
+    start."""
+    engine = _engine(engine_device, max_num_batched_tokens=40, max_len=512)
+    prefill, decoder = engine._slot_prefill, engine.decoder
+    assert prefill is not None and decoder is not None
+    assert prefill.chunk_tokens == 32  # the budget in whole blocks
+    assert prefill.chunk_spans() == [64, 128, 256, 512]
+    if engine_device != "cpu":
+        assert {(32, True, span) for span in prefill.chunk_spans()} <= set(prefill._graphs)
+    fam = engine.family
+    prompt = engine.tokenizer(" ".join(f"word{i}" for i in range(60)))["input_ids"][:72]
+    ids, positions, _ = engine._prepare(prompt, [], [])
+    n = len(ids)
+    assert n == 72  # chunks of 32, 32 and 8
+    blocks = list(range(3, 3 + 2 * decoder.blocks_for(n), 2))[::-1]
+    with torch.inference_mode():
+        embeds = fam.embed_prompt(engine.model, ids, [])
+        want, cache = fam.forward(engine.model, positions, None, inputs_embeds=embeds)
+        decoder.keys.fill_(7.0)
+        for start in (0, 32):
+            prefill.run(embeds[0, start : start + 32], positions[..., start : start + 32], blocks, start, chunk=True)
+        got = prefill.run(embeds[0, 64:], positions[..., 64:], blocks, start=64, chunk=True)
+        bucket, span = prefill.chunk_form(8, 64)
+        assert (bucket, span) == (32, 128) and span > len(blocks) * decoder.block_size
+        # run() left the last chunk's inputs in the static buffers, as a replay reads them.
+        padded = prefill._forward(bucket, True, span).clone()
+        unpadded = prefill._forward(prefill.bucket_for(8), True, decoder.blocks_for(n) * decoder.block_size)
+    _close(got, want, engine_device, atol=0.2)
+    _close(padded, unpadded, engine_device)
+    _close(padded, want, engine_device, atol=0.2)
+    for i, layer in enumerate(cache.layers):
+        _close(from_blocks(decoder.keys[i, blocks], n), layer.keys[0], engine_device, atol=0.2)
+        _close(from_blocks(decoder.values[i, blocks], n), layer.values[0], engine_device, atol=0.2)
+    others = [b for b in range(1, decoder.pool.num_blocks) if b not in blocks]
+    assert bool((decoder.keys[:, others] == 7.0).all())
+    with pytest.raises(ValueError, match="chunks take up to 32"):
+        prefill.chunk_form(33, 64)
+
+
 def test_a_prompt_with_a_cached_prefix_prefills_its_rest_into_its_slot_and_decodes_the_modules_tokens(
     mmpipe_home: Path, engine_device: str
 ) -> None:
