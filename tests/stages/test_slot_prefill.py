@@ -89,7 +89,7 @@ def test_past_a_cached_prefix_the_slot_prefill_gives_the_modules_logits_and_cach
     prefill, decoder = engine._slot_prefill, engine.decoder
     assert prefill is not None and decoder is not None and prefill.past
     if engine_device != "cpu":
-        assert {(bucket, True) for bucket in prefill.buckets} <= set(prefill._graphs)
+        assert {(bucket, True, 0) for bucket in prefill.buckets} <= set(prefill._graphs)
     fam = engine.family
     prompt = engine.tokenizer("Describe the picture in three words, please. " + " ".join(["word"] * 140))["input_ids"]
     media = []
