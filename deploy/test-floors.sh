@@ -8,10 +8,21 @@
 # torch is not floored here: the only torch reachable offline on a CPU host is
 # the CPU build TORCH_SPEC (default torch==2.13.0, as deploy/install.sh). The
 # project's floor (torch>=2.11) is what the GPU machines run.
+#
+# `--install` only builds the venv, `--test` only runs the smoke subset in the
+# venv an earlier `--install` built (.ci/run builds it while other suites
+# run); neither: both.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VENV=${VENV:-.venv-floors}
 PYTHON=${PYTHON:-python3}
+step=${1:-all}
+case $step in
+  all | --install | --test) ;;
+  *) echo "usage: $0 [--install | --test]" >&2; exit 2 ;;
+esac
+py="$VENV/bin/python"
+if [[ $step != --test ]]; then
 rm -rf "$VENV"
 "$PYTHON" -m venv "$VENV"
 py="$VENV/bin/python"
@@ -47,13 +58,21 @@ open(sys.argv[2], "w").write("\n".join(names) + "\n")
 EOF
 echo "--- floors ($floors)"
 cat "$floors"
+# An editable install writes mmpipe.egg-info in this tree: one at a time
+# (.ci/run builds the venvs while the main suite's install may run).
+if command -v flock >/dev/null; then exec 9>"${TMPDIR:-/tmp}/mmpipe-editable.lock"; flock 9; fi
 "${pip[@]}" install -c "$floors" -e ".[test]"
+exec 9>&-
 
 echo "--- installed"
 names=$(sed 's/[-_.]/[-_.]/g' "$VENV/names.txt" | paste -sd '|')
 "$py" -m pip --disable-pip-version-check freeze | grep -iE "^($names)==" || true
 
-echo "--- installed in ${SECONDS}s; smoke tests"
+echo "--- installed in ${SECONDS}s"
+fi
+[[ $step == --install ]] && exit 0
+[ -x "$py" ] || { echo "no $VENV: run $0 --install first" >&2; exit 1; }
+echo "--- smoke tests"
 # Left out: test_up's other modes and setting sources (one of each runs) and the
 # documents' checks (no dependency in them; the full suite runs them).
 "$py" -m pytest -q -p no:cacheprovider --timeout 600 \
