@@ -34,11 +34,8 @@ pip_quiet install "$VLLM_SPEC"
 pip_quiet uninstall -y torchvision torchaudio torchcodec triton
 # mmpipe without its dependency list (torch and transformers stay vLLM's;
 # nixl comes below), then its other dependencies and the test tools by name.
-# An editable install writes mmpipe.egg-info in this tree: one at a time
-# (.ci/run builds the venvs while the main suite's install may run).
-if command -v flock >/dev/null; then exec 9>"${TMPDIR:-/tmp}/mmpipe-editable.lock"; flock 9; fi
-pip_quiet install --no-deps -e .
-exec 9>&-
+source deploy/one-editable-install.sh
+one_editable_install pip_quiet install --no-deps -e .
 mapfile -t deps < <("$VENV/bin/python" - <<'PY'
 import re, tomllib
 project = tomllib.load(open("pyproject.toml", "rb"))["project"]

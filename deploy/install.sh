@@ -15,9 +15,6 @@ pip=("$VENV/bin/python" -m pip --disable-pip-version-check -q)
 if ! "$VENV/bin/python" -c "import torch" 2>/dev/null; then
   "${pip[@]}" install "${TORCH_SPEC:-torch==2.13.0}"
 fi
-# An editable install writes mmpipe.egg-info in this tree: one at a time
-# (.ci/run builds the venvs while the main suite's install may run).
-if command -v flock >/dev/null; then exec 9>"${TMPDIR:-/tmp}/mmpipe-editable.lock"; flock 9; fi
-"${pip[@]}" install -e ".$extra"
-exec 9>&-
+source deploy/one-editable-install.sh
+one_editable_install "${pip[@]}" install -e ".$extra"
 echo "mmpipe installed in $VENV"

@@ -25,7 +25,6 @@ py="$VENV/bin/python"
 if [[ $step != --test ]]; then
 rm -rf "$VENV"
 "$PYTHON" -m venv "$VENV"
-py="$VENV/bin/python"
 pip=("$py" -m pip --disable-pip-version-check -q)
 "${pip[@]}" install --upgrade pip
 "${pip[@]}" install "${TORCH_SPEC:-torch==2.13.0}"
@@ -58,11 +57,8 @@ open(sys.argv[2], "w").write("\n".join(names) + "\n")
 EOF
 echo "--- floors ($floors)"
 cat "$floors"
-# An editable install writes mmpipe.egg-info in this tree: one at a time
-# (.ci/run builds the venvs while the main suite's install may run).
-if command -v flock >/dev/null; then exec 9>"${TMPDIR:-/tmp}/mmpipe-editable.lock"; flock 9; fi
-"${pip[@]}" install -c "$floors" -e ".[test]"
-exec 9>&-
+source deploy/one-editable-install.sh
+one_editable_install "${pip[@]}" install -c "$floors" -e ".[test]"
 
 echo "--- installed"
 names=$(sed 's/[-_.]/[-_.]/g' "$VENV/names.txt" | paste -sd '|')
