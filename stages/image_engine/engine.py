@@ -10,7 +10,9 @@ steps and guidance give the same bytes as the pipeline called directly.
 from __future__ import annotations
 
 import io
+import os
 import threading
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -64,6 +66,11 @@ class ImageEngine:
         self.default_size = int(unet.sample_size) * vae_factor
         # Each side through the VAE and every downsampling of the UNet, and at least Stable Diffusion's 8.
         self.multiple = max(8, vae_factor * 2 ** (len(unet.block_out_channels) - 1))
+        # Pillow lets go of the GIL while it compresses, so a request's images
+        # are written side by side: one 512x512 PNG takes 25-30 ms of a core,
+        # eight one after another about 0.25 s, against the 0.38 s an H100
+        # request of eight took beyond the pipeline's own call.
+        self._writers = ThreadPoolExecutor(min(self.limits.max_n, os.cpu_count() or 1), thread_name_prefix="png")
 
     def drawing(self, params: ImageParams, seed: int, prompt: str = "") -> Drawing:
         """The call ``params`` ask for (``prompt``: the text in place of an
@@ -112,7 +119,7 @@ class ImageEngine:
                 output_type="pil",
                 callback_on_step_end=check,
             )
-        return [png(image) for image in out.images]
+        return list(self._writers.map(png, out.images))
 
 
 def png(image: Any) -> bytes:
