@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import threading
 from collections.abc import AsyncGenerator
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import msgspec
@@ -43,6 +44,11 @@ class ImageStage:
         self.tensors = tensors
         self.inline_bytes = min(inline_bytes, MAX_INLINE_IMAGE)
         self._drawing: asyncio.Future[list[bytes]] | None = None
+        # Every drawing on the same thread: CUDA libraries keep state per
+        # thread (cuBLAS handles and workspaces, cuDNN's execution plans),
+        # which a drawing on whichever thread of the loop's pool was free
+        # could find cold.
+        self._drawer = ThreadPoolExecutor(1, thread_name_prefix="draw")
 
     @property
     def models(self) -> list[str]:
@@ -54,6 +60,7 @@ class ImageStage:
     async def close(self) -> None:
         if self._drawing is not None:
             await asyncio.wait([self._drawing])
+        self._drawer.shutdown(wait=False)
 
     def has_room(self) -> bool:
         return self._drawing is None
@@ -73,7 +80,7 @@ class ImageStage:
         if self._drawing is not None:
             raise RuntimeError("one drawing at a time: the worker fetched past has_room")
         cancelled = threading.Event()
-        drawing = asyncio.ensure_future(asyncio.to_thread(self.engine.draw, job, cancelled))
+        drawing = asyncio.get_running_loop().run_in_executor(self._drawer, self.engine.draw, job, cancelled)
         self._drawing = drawing
         drawing.add_done_callback(lambda _: setattr(self, "_drawing", None))
         try:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import io
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -141,3 +142,27 @@ async def test_an_image_over_the_inline_limit_with_nowhere_to_wait_is_refused_wh
     assert refused.value.http_status == 413
     # The limit is at most 1 MiB, whatever is asked.
     assert ImageStage(stage.engine, "tiny-sd", inline_bytes=1 << 30).inline_bytes == MAX_INLINE_IMAGE
+
+
+async def test_every_drawing_runs_on_the_same_thread(stage: ImageStage) -> None:
+    """CUDA libraries keep state per thread (cuBLAS workspaces, cuDNN's
+    plans): drawings stay on one thread of the stage's, also while the
+    loop's shared pool has other work that would take its idle threads."""
+    threads: list[int] = []
+    real = stage.engine.pipeline.scheduler.step
+
+    def noted(*args: Any, **kwargs: Any) -> Any:
+        threads.append(threading.get_ident())
+        return real(*args, **kwargs)
+
+    stage.engine.pipeline.scheduler.step = noted
+    release = threading.Event()
+    for seed in range(3):
+        # The loop's pool busy with a blocked call while each drawing starts.
+        blocked = asyncio.ensure_future(asyncio.to_thread(release.wait, 30))
+        await _draw(stage, ImageParams(prompt="cat", steps=2), seed=seed)
+        release.set()
+        await blocked
+        release.clear()
+    assert len(threads) == 6 and len(set(threads)) == 1
+    assert threads[0] != threading.get_ident()  # not the event loop's
