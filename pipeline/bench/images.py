@@ -11,13 +11,18 @@ pipeline alone, in one run.
   ``POST /v1/images/generations`` with ``n`` images, one at a time, through
   the bridge, NATS, the worker and back as PNGs (the stage's own cost:
   its queue, the PNG encoding, the reply, base64 and HTTP).
-- images/s of each, and mmpipe's over diffusers'.
+- images/s of each, and mmpipe's over diffusers'; and the seconds the
+  stage's own drawing took (its hop trace's ``generate_image_s``, median of
+  the timed requests) beside diffusers' call: what the worker adds inside
+  the drawing, apart from what the hop and the reply add around it.
 """
 
 from __future__ import annotations
 
 import argparse
 import gc
+import json
+import statistics
 import sys
 import tempfile
 import time
@@ -79,15 +84,18 @@ def diffusers_alone(
 
 def through_mmpipe(
     path: Path, device: str, batches: list[int], steps: int, size: tuple[int, int], repeats: int
-) -> dict[int, float]:
-    """Seconds a request of each batch takes, through ``mmpipe up``."""
+) -> tuple[dict[int, float], dict[int, float]]:
+    """Seconds a request of each batch takes, through ``mmpipe up``, and
+    seconds the stage's drawing took of it (medians of the timed requests)."""
     import openai
 
     from pipeline.bench.modes import mmpipe_up
 
     out = {}
+    asked: dict[int, list[str]] = {}
     with tempfile.TemporaryDirectory(prefix="mmpipe-bench-images-") as tmp:
-        extra = ("--device", device, "--image-model", str(path))
+        # INFO: the worker logs each request's hop trace, its drawing's seconds in it.
+        extra = ("--device", device, "--image-model", str(path), "--log-level", "INFO")
         with mmpipe_up("epd", "tiny-qwen2-vl", "nats", Path(tmp), extra=extra) as (url, _):
             with openai.OpenAI(base_url=url, api_key="unused", max_retries=0, timeout=3600) as client:
                 # The bridge's ready line may come before the image worker's.
@@ -103,15 +111,36 @@ def through_mmpipe(
                 for n in batches:
 
                     def call(n: int = n) -> Any:
-                        return client.images.generate(
+                        reply = client.images.generate(
                             prompt=PROMPT,
                             n=n,
                             size=f"{size[0]}x{size[1]}",
                             extra_body={"num_inference_steps": steps, "seed": 0},
                         )
+                        asked.setdefault(n, []).append(reply._request_id or "")
+                        return reply
 
                     out[n] = median_seconds(call, repeats, lambda: None)
-    return out
+        # Read once the stack has stopped: every worker's log is in by then.
+        drawn = drawing_seconds(Path(tmp) / "up.log")
+    # Each batch's first request is median_seconds' unmeasured one.
+    draw = {n: statistics.median(drawn[rid] for rid in asked[n][1:]) for n in batches}
+    return out, draw
+
+
+def drawing_seconds(log: Path) -> dict[str, float]:
+    """Request id -> the image stage's ``generate_image_s``, from the hop
+    trace lines (JSON) of a stack's log."""
+    found = {}
+    for line in log.read_text(errors="replace").splitlines():
+        if '"hop_trace"' not in line or "generate_image_s" not in line:
+            continue
+        try:
+            trace = json.loads(line[line.index("{") :])
+        except ValueError:
+            continue
+        found[trace["request_id"]] = float(trace["generate_image_s"])
+    return found
 
 
 def _model(args: argparse.Namespace, scratch: Path) -> Path:
@@ -138,7 +167,7 @@ def main(args: argparse.Namespace) -> int:
     with tempfile.TemporaryDirectory(prefix="mmpipe-bench-images-model-") as scratch:
         path = _model(args, Path(scratch))
         alone = diffusers_alone(path, device, batches, args.steps, (width, height), args.repeats)
-        served = through_mmpipe(path, device, batches, args.steps, (width, height), args.repeats)
+        served, draw = through_mmpipe(path, device, batches, args.steps, (width, height), args.repeats)
     card = torch.cuda.get_device_name() if device.startswith("cuda") else "cpu"
     rows = [
         {
@@ -149,6 +178,9 @@ def main(args: argparse.Namespace) -> int:
             "diffusers_images_per_s": n / alone[n],
             "mmpipe_images_per_s": n / served[n],
             "ratio": alone[n] / served[n],
+            "diffusers_call_s": alone[n],
+            "stage_drawing_s": draw[n],
+            "request_s": served[n],
         }
         for n in batches
     ]
@@ -159,10 +191,13 @@ def main(args: argparse.Namespace) -> int:
         print(json.dumps(rows, indent=1))
         return 0
     print(f"mmpipe bench images  model={path.name}  device={card}  size={width}x{height}  steps={args.steps}")
-    print(f"{'batch':>5} {'diffusers img/s':>16} {'mmpipe img/s':>13} {'mmpipe/diffusers':>17}")
+    print(
+        f"{'batch':>5} {'diffusers img/s':>16} {'mmpipe img/s':>13} {'mmpipe/diffusers':>17}"
+        f" {'diffusers call s':>17} {'stage drawing s':>16} {'request s':>10}"
+    )
     for r in rows:
         print(
             f"{r['batch']:>5} {r['diffusers_images_per_s']:>16.3f} {r['mmpipe_images_per_s']:>13.3f} "
-            f"{r['ratio']:>17.3f}"
+            f"{r['ratio']:>17.3f} {r['diffusers_call_s']:>17.3f} {r['stage_drawing_s']:>16.3f} {r['request_s']:>10.3f}"
         )
     return 0
