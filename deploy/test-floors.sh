@@ -10,8 +10,7 @@
 # project's floor (torch>=2.11) is what the GPU machines run.
 #
 # `--install` only builds the venv, `--test` only runs the smoke subset in the
-# venv an earlier `--install` built (.ci/run builds it while other suites
-# run); neither: both.
+# venv an earlier `--install` built; neither (what .ci/run does): both.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VENV=${VENV:-.venv-floors}
