@@ -186,8 +186,6 @@ def main(args: argparse.Namespace) -> int:
     ]
     write_json(rows, args.output, "bench_images.json")
     if args.images_json:
-        import json
-
         print(json.dumps(rows, indent=1))
         return 0
     print(f"mmpipe bench images  model={path.name}  device={card}  size={width}x{height}  steps={args.steps}")
