@@ -17,7 +17,7 @@ import pytest
 from pipeline.cli import parser
 from pipeline.config import PipelineConfig
 from pipeline.launcher import check_mode, role_settings
-from pipeline.serve import WorkerSettings, build_stage
+from pipeline.serve import WorkerSettings, build_stage, runs_engine_process
 from pipeline.settings import SettingError, load_kind
 from pipeline.settings.kinds import UpSettings
 from schemas.codec import encode
@@ -215,3 +215,20 @@ def test_a_torch_worker_applies_its_thread_count(tiny_model_dir: Path) -> None:
         torch.set_num_threads(before)
     with pytest.raises(SettingError, match="torch-threads"):
         _worker("decode", "--torch-threads", "0")
+
+
+def test_the_engine_core_runs_apart_by_default_only_where_it_can_on_a_gpu() -> None:
+    """Unset, a GPU's aggregated role runs its engine core in a process of
+    its own; a split role (its tensors handed on), a CPU, another engine, or
+    media decoded by the processor keep it in the worker. Said either way,
+    the flag wins."""
+    epd = "encode+prefill+decode"
+    assert runs_engine_process(epd, _worker(epd, "--device", "cuda"))
+    assert runs_engine_process(epd, _worker(epd, "--device", "cuda:1"))
+    assert not runs_engine_process(epd, _worker(epd, "--device", "cpu"))
+    for role in ("encode", "prefill+decode", "encode+prefill", "prefill", "decode"):
+        assert not runs_engine_process(role, _worker(role, "--device", "cuda")), role
+    assert not runs_engine_process(epd, _worker(epd, "--device", "cuda", "--engine", "vllm"))
+    assert not runs_engine_process(epd, _worker(epd, "--device", "cuda", "--frontend-decode"))
+    assert not runs_engine_process(epd, _worker(epd, "--device", "cuda", "--no-engine-process"))
+    assert runs_engine_process(epd, _worker(epd, "--device", "cpu", "--engine-process"))
