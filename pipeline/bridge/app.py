@@ -30,7 +30,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pipeline import metrics, tracing
 from pipeline.bridge import processing, responses
 from pipeline.bridge.image_files import ImageFiles
-from pipeline.bridge.images import IMAGES_DECODER, image_params, images_response
+from pipeline.bridge.images import IMAGES_DECODER, image_params, images_body, images_response
 from pipeline.bridge.openai_types import (
     COMPLETION_DECODER,
     REQUEST_DECODER,
@@ -576,7 +576,8 @@ class Bridge:
                     base = f"{request.url.origin()}/v1/images/files"
                     ordered = sorted(images, key=lambda c: c.index)
                     urls = [f"{base}/{await self.image_files.put(c.data, c.media_type)}" for c in ordered]
-                return web.json_response(images_response(int(now), images, urls))
+                answer = images_body(images_response(int(now), images, urls))
+                return web.Response(body=answer, content_type="application/json")
             except asyncio.CancelledError:
                 await self._cancel(rid)
                 raise

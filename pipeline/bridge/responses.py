@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-import base64
 from typing import Any
 
 import msgspec
+import pybase64
 from aiohttp import web
 
 from schemas.chunk import ErrorChunk, ImageChunk, PromptLogprobs, TokenChunk, TokenLogprob, Usage
@@ -142,7 +142,7 @@ class Answer(msgspec.Struct):
 
 def image_part(image: ImageChunk) -> dict[str, Any]:
     """An image in a chat message's content, as a data: URL (as Dynamo's Omni handler writes it)."""
-    url = f"data:{image.media_type};base64,{base64.b64encode(image.data).decode()}"
+    url = f"data:{image.media_type};base64,{pybase64.b64encode_as_string(image.data)}"
     return {"type": "image_url", "image_url": {"url": url}}
 
 

@@ -116,13 +116,32 @@ class ImageEngine:
                 num_inference_steps=job.steps,
                 guidance_scale=job.guidance,
                 generator=torch.Generator("cpu").manual_seed(job.seed),
-                output_type="pil",
+                # Tensors, made bytes on the device (pixels), not diffusers' PIL images made on the host.
+                output_type="pt",
                 callback_on_step_end=check,
             )
-        return list(self._writers.map(png, out.images))
+        images = out.images
+        return list(self._writers.map(png, pixels(images) if isinstance(images, torch.Tensor) else images))
+
+
+def pixels(images: Any) -> Any:
+    """A batch of images in [0, 1] (N, C, H, W) as uint8 arrays (N, H, W, C),
+    by diffusers' own arithmetic (``numpy_to_pil``: float32 times 255,
+    rounded half to even) but on the images' device: an H100's eight
+    512x512 images leave it as 6 MB of bytes instead of 25 MB of floats, and
+    the host skips tens of milliseconds of numpy before the first PNG."""
+    import torch
+
+    return (images.permute(0, 2, 3, 1).float() * 255).round().to(torch.uint8).cpu().numpy()
 
 
 def png(image: Any) -> bytes:
+    """An image's PNG file: a PIL image, or a uint8 array (H, W, C) of RGB or one channel."""
+    from PIL import Image
+
+    if not isinstance(image, Image.Image):
+        # One channel: a 2-D array, which Pillow makes a grayscale ("L") image.
+        image = Image.fromarray(image.squeeze(-1) if image.shape[-1] == 1 else image)
     buf = io.BytesIO()
     image.save(buf, format="PNG")
     return buf.getvalue()

@@ -23,7 +23,7 @@ from schemas.request import GenerateRequest, ImageParams
 from schemas.routes import GENERATE_IMAGE
 from stages.contract import HopContext
 from stages.image_engine.checkpoint import TINY_TEXT_TO_IMAGE, image_model_path
-from stages.image_engine.engine import ImageEngine, ImageLimits
+from stages.image_engine.engine import ImageEngine, ImageLimits, pixels, png
 from stages.image_engine.stage import ImageStage
 from tests.polling import eventually
 
@@ -83,6 +83,22 @@ async def test_a_seed_draws_the_pipelines_own_bytes(stage: ImageStage, mmpipe_ho
     assert again[0].seed == 5 and again[0].data != chunks[0].data
     assert again[0].data == _reference(path, ImageParams(params.prompt, 1, 64, 48, 3, 7.5), 5)[0]
     assert image_model_path(TINY_TEXT_TO_IMAGE) == path  # built once, then found
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_pixels_are_diffusers_own_bytes_halves_and_all(dtype: torch.dtype) -> None:
+    """The device's uint8 of a batch equals diffusers' host path (float32
+    numpy, times 255, rounded half to even), at every half step too."""
+    from diffusers.image_processor import VaeImageProcessor
+
+    halves = (torch.arange(512, dtype=torch.float32) / 2 / 255).clamp(0, 1)
+    images = torch.cat([halves[: 3 * 8 * 8].reshape(1, 3, 8, 8), torch.rand(2, 3, 8, 8)]).to(dtype)
+    want = [image.tobytes() for image in VaeImageProcessor.numpy_to_pil(VaeImageProcessor.pt_to_numpy(images))]
+    assert [array.tobytes() for array in pixels(images)] == want
+    gray = images[:, :1]
+    want_gray = VaeImageProcessor.numpy_to_pil(VaeImageProcessor.pt_to_numpy(gray))[0]
+    with Image.open(io.BytesIO(png(pixels(gray)[0]))) as image:
+        assert (image.mode, image.tobytes()) == ("L", want_gray.tobytes())
 
 
 @pytest.mark.parametrize(
