@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import io
 import itertools
 import os
 from collections.abc import Awaitable, Callable
@@ -247,6 +248,15 @@ class MediaEncoder:
             return await asyncio.to_thread(self._decode, item, data)
         return await self.decode_pool.decode(item.kind, data, self.policy, self._options(item), item.format or None)
 
+    async def warm_up(self) -> None:
+        """Both ways a request's image is decoded, once: on a thread here
+        (PIL's PNG plugin loaded) and in every process of the pool (spawned,
+        their imports done)."""
+        data = _tiny_png()
+        await asyncio.to_thread(decode_image, data, self.policy)
+        if self.decode_pool is not None:
+            await self.decode_pool.warm(data, self.policy)
+
     def close(self) -> None:
         if self.decode_pool is not None:
             self.decode_pool.close()
@@ -339,3 +349,11 @@ def _unpack(cached: CachedEmbedding, kinds: list[MediaKind]) -> list[MediaEmbedd
     counts = list(cached.grid[2 + n * dims :])
     parts = torch.split(cached.embeddings, counts)
     return [MediaEmbedding(p, g, k, s) for p, g, k, s in zip(parts, grids, kinds, cached.scales, strict=True)]
+
+
+def _tiny_png() -> bytes:
+    from PIL import Image
+
+    buf = io.BytesIO()
+    Image.new("RGB", (28, 28), (128, 64, 32)).save(buf, format="PNG")
+    return buf.getvalue()

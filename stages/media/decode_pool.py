@@ -77,6 +77,18 @@ class DecodePool:
             self._replace(pool, kind, len(data))
             raise InvalidMedia(f"the {kind.value} decoder's process died twice decoding this input") from None
 
+    async def warm(self, data: bytes, policy: MediaPolicy) -> None:
+        """Every process started, its imports done, each decoding ``data``
+        (a small image): a fresh pool spawns them at its first decodes,
+        which wait for them."""
+        loop = asyncio.get_running_loop()
+        pool = self._executor()
+        # Submitted together, none finds an idle process: each starts one.
+        image = MediaKind.IMAGE
+        await asyncio.gather(
+            *(loop.run_in_executor(pool, decode_item, image, data, policy, None, None) for _ in range(self.processes))
+        )
+
     def _replace(self, broken: ProcessPoolExecutor, kind: MediaKind, nbytes: int) -> None:
         """The next decode starts a new pool; the first to see this one broken says so."""
         if self._pool is broken:

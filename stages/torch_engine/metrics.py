@@ -23,6 +23,9 @@ PREFILL_CHUNKS = Counter(
     "(after_step) or on their own (alone)",
     ["how"],
 )
+WARM_UP_FAILURES = Counter(
+    "mmpipe_engine_warm_up_failures_total", "Engine warm-ups at start that failed (the worker runs on)", ["role"]
+)
 PREEMPTIONS = Counter("mmpipe_preemptions_total", "Running sequences swapped out of the KV pool to let older ones grow")
 
 # Engine calls and steps last from tens of microseconds (a release) to tens

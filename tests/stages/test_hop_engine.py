@@ -277,3 +277,52 @@ async def test_sequences_the_pool_cannot_hold_wait_or_are_swapped_out(tiny_model
     assert False in rooms and rooms[-1]  # full while some waited; room again at the end
     assert torch_engine.decoder is not None
     assert torch_engine.decoder.pool.num_free == torch_engine.decoder.pool.capacity
+
+
+def _calls(name: str) -> float:
+    return sum(
+        s.value
+        for s in metrics.ENGINE_CALL_RUN.collect()[0].samples
+        if s.name.endswith("_count") and s.labels["call"] == name
+    )
+
+
+async def test_start_warms_the_media_decoders_the_tower_and_a_prefill(tiny_model_dir: Path) -> None:
+    """Before a first request: the decode pool's processes are up and the
+    engine thread has run an image through the tower and a prompt's prefill."""
+    import multiprocessing
+
+    from stages.media import MediaPolicy
+
+    before_children = {p.pid for p in multiprocessing.active_children()}
+    prefills, failures = _calls("prefill"), metrics.WARM_UP_FAILURES.labels("encode+prefill+decode")._value.get()
+    engine = TorchHopEngine(
+        "encode+prefill+decode", TorchEngine(tiny_model_dir), media_policy=MediaPolicy(decode_processes=2)
+    )
+    await engine.start()
+    try:
+        started = {p.pid for p in multiprocessing.active_children()} - before_children
+        assert len(started) == 2
+        assert _calls("prefill") == prefills + 1
+        assert metrics.WARM_UP_FAILURES.labels("encode+prefill+decode")._value.get() == failures
+        # Warm, with nothing held: the pool's blocks all free again.
+        assert engine.kv_usage()[0] == 0
+    finally:
+        await engine.close()
+
+
+async def test_a_failed_warm_up_is_counted_and_the_engine_starts(tiny_model_dir: Path) -> None:
+    role = "encode+prefill+decode"
+    engine = TorchHopEngine(role, TorchEngine(tiny_model_dir))
+
+    async def broken() -> None:
+        raise RuntimeError("no")
+
+    engine.canary = broken  # type: ignore[method-assign]
+    failures = metrics.WARM_UP_FAILURES.labels(role)._value.get()
+    await engine.start()
+    try:
+        assert metrics.WARM_UP_FAILURES.labels(role)._value.get() == failures + 1
+        await engine.health()
+    finally:
+        await engine.close()
