@@ -545,6 +545,8 @@ async def run_bridge(
         tensor_settings = dataclasses.replace(processing.tensor_settings, replicas=config.replicas or 1)
         tensors = await open_transport(processing.transport, nc, js, config.namespace, tensor_settings, "bridge")
     processor = load_processor(processing, config.mode, tensors)
+    if processor is not None:
+        processor.warm_up()
     image_model = Path(processing.image_model).name if processing.image_model else ""
     bridge = Bridge(nc, js, config, settings, processor, tensors, image_model=image_model)
     runner = web.AppRunner(bridge.app(), handler_cancellation=True, access_log=None)

@@ -166,3 +166,38 @@ def test_a_completions_prompt_is_taken_as_it_is(processor: Processor) -> None:
 def test_a_messages_name_goes_to_the_chat_template(processor: Processor) -> None:
     messages, _ = processor._template_messages([ChatMessage("user", "hi", name="ann"), ChatMessage("user", "yo")])
     assert messages == [{"role": "user", "content": "hi", "name": "ann"}, {"role": "user", "content": "yo"}]
+
+
+def _warm_up_failures() -> float:
+    from stages.processor import WARM_UP_FAILURES
+
+    return float(WARM_UP_FAILURES._value.get())
+
+
+@pytest.mark.parametrize(
+    ("modalities", "limits"),
+    [
+        (frozenset({MediaKind.IMAGE}), ProcessorLimits()),
+        (frozenset(), ProcessorLimits()),  # images off: the warm-up sends none
+        (frozenset({MediaKind.IMAGE}), ProcessorLimits(max_images=0)),
+    ],
+)
+def test_the_warm_up_is_a_request_the_deployment_takes(
+    processor: Processor, modalities: frozenset[MediaKind], limits: ProcessorLimits
+) -> None:
+    warm = Processor(processor.model, modalities=modalities, limits=limits)
+    before = _warm_up_failures()
+    warm.warm_up()
+    assert _warm_up_failures() == before
+
+
+def test_a_failed_warm_up_is_logged_and_counted_not_raised(processor: Processor) -> None:
+    warm = Processor(processor.model)
+
+    def broken(request: GenerateRequest) -> None:
+        raise RuntimeError(f"no template for {request.request_id}")
+
+    warm.process = broken  # type: ignore[method-assign,assignment]
+    before = _warm_up_failures()
+    warm.warm_up()
+    assert _warm_up_failures() == before + 1
