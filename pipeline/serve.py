@@ -263,12 +263,11 @@ def runs_engine_process(role: str, settings: WorkerSettings) -> bool:
     and every core counts."""
     if settings.engine_process is not None:
         return settings.engine_process
-    steps = role.split("+")
     return (
         settings.engine == "torch"
         and role in HOP_ROLES
         and not moves_tensors(role)
-        and not (settings.media.frontend_decode and "encode" in steps)
+        and not reads_decoded_media(role, settings)
         and resolve_device(settings.device).startswith("cuda")
     )
 

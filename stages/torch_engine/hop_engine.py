@@ -54,6 +54,8 @@ from stages.torch_engine.metrics import WARM_UP_FAILURES
 from stages.torch_engine.scheduler import DecodeScheduler, EngineThread, Running
 from stages.torch_engine.sequence import KvState, Sequence
 
+log = structlog.get_logger(__name__)
+
 # A new prompt to prefill: its ids (a placeholder per media item), its media, its sampling.
 PrefillJob = tuple[list[int], list[MediaEmbedding], SamplingConfig]
 
@@ -99,8 +101,6 @@ class TorchPrefilled:
     def cached_tokens(self) -> int:
         return self.seq.cached_tokens
 
-
-log = structlog.get_logger(__name__)
 
 # How long sleep waits for handed-back requests' sequences to leave the pool.
 _SLEEP_WAIT_S = 10.0
