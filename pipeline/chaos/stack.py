@@ -162,6 +162,12 @@ class ChaosStack:
                 raise RuntimeError(f"the bridge was not ready within {timeout_s}s")
             time.sleep(0.2)
 
+    def holds(self, queue_msgs: int) -> int:
+        """Requests the stack takes in before it must refuse one: every
+        worker's in-flight window plus each role's work queue."""
+        workers = sum(1 for m in self.members if m.alive)
+        return workers * self.options.max_inflight + len(self.roles) * queue_msgs
+
     def workers(self, role: str) -> list[Member]:
         return [m for m in self.members if m.role == role and m.alive]
 

@@ -8,9 +8,10 @@ the very scenarios ``mmpipe chaos`` runs and reports (pipeline/chaos/):
   undisturbed stack for seeded sampling), none duplicated, none missing;
 - nats-restart: the server restarted on its store with requests queued and
   in flight: nothing accepted is lost, everyone reconnects by themselves;
-- overload: 10x the sustainable rate with small queues: 429 with
-  Retry-After within 100 ms (in the bridge) for what cannot be taken, the rest completes,
-  and no worker grows beyond its budgets.
+- overload: 10x the sustainable rate, at least twice what the stack holds,
+  with small queues: 429 with Retry-After within 100 ms (in the bridge) for
+  what cannot be taken, the rest completes, and no worker grows beyond its
+  budgets.
 
 The decode workers' KV pools hold 11 blocks of 16 tokens, fewer than their
 eight requests in flight come to need: sequences wait for blocks and are
