@@ -120,6 +120,24 @@ class RequestResult:
     cached_tokens: int = 0
     # With trace_alternate: whether this request asked to be traced.
     traced: bool | None = None
+    # When it ended, time.monotonic(): one clock for every process of the host.
+    ended: float = 0.0
+
+
+def steady_rate(results: Sequence[RequestResult], concurrency: int) -> float | None:
+    """Completed requests a second while every client had one in flight: from
+    the ``concurrency``-th request to end to the (N − ``concurrency``)-th, after
+    which the closed loop has nothing left to send and its clients go idle one
+    by one. ``requests / wall`` counts that drain and the first wave's start,
+    both as long as one request's latency, which grows with the clients: at
+    the same request count, more clients weigh them more. None when the run
+    has too few requests for such a window (fewer than 2 × concurrency + 2)."""
+    ends = sorted(r.ended for r in results if r.ended)
+    first, last = concurrency - 1, len(ends) - concurrency - 1
+    if last - first < 2 or ends[last] <= ends[first]:
+        return None
+    inside = sum(1 for r in results if r.ok and ends[first] < r.ended <= ends[last])
+    return inside / (ends[last] - ends[first])
 
 
 def parse_image_size(text: str) -> tuple[int, int]:
@@ -268,11 +286,14 @@ async def one_request(
             if event.usage is not None:
                 tokens, prompt_tokens, cached = event.usage
     except Exception as exc:
-        return RequestResult(ok=False, e2e_s=time.perf_counter() - t0, error=_describe(exc), traced=traced)
+        return RequestResult(
+            ok=False, e2e_s=time.perf_counter() - t0, error=_describe(exc), traced=traced, ended=time.monotonic()
+        )
     end = time.perf_counter()
+    ended = time.monotonic()
     if first is None or tokens is None:
         error = "the stream ended without tokens" if first is None else "the stream ended without a usage chunk"
-        return RequestResult(ok=False, e2e_s=end - t0, error=error, traced=traced)
+        return RequestResult(ok=False, e2e_s=end - t0, error=error, traced=traced, ended=ended)
     return RequestResult(
         ok=True,
         e2e_s=end - t0,
@@ -283,6 +304,7 @@ async def one_request(
         finish_reason=finish,
         cached_tokens=cached,
         traced=traced,
+        ended=ended,
     )
 
 
@@ -315,6 +337,7 @@ class LoadReport:
             "short": sum(1 for r in done if r.tokens < self.spec.max_tokens),
             "wall_s": self.wall_s,
             "requests_per_s": len(done) / wall,
+            "steady_requests_per_s": steady_rate(self.results, self.spec.concurrency),
             "tokens_per_s": tokens / wall,
             "completion_tokens": tokens,
             "prompt_tokens_mean": sum(r.prompt_tokens for r in done) / len(done) if done else 0.0,
@@ -498,6 +521,10 @@ def _ms(value: float | None) -> str:
     return "-" if value is None else f"{value:.1f}"
 
 
+def _rate(value: float | None) -> str:
+    return "-" if value is None else f"{value:.2f}"
+
+
 def format_report(summary: dict[str, Any]) -> str:
     c = summary["config"]
     images = f"{c['images_per_request']}×{c['image_size']}" if c["images_per_request"] else "none"
@@ -506,7 +533,9 @@ def format_report(summary: dict[str, Any]) -> str:
         f"requests={c['requests']}  max_tokens={c['max_tokens']}  images={images}  seed={c['seed']}"
         f"  client={c.get('client', 'openai')}",
         f"completed {summary['completed']}  failed {summary['failed']}  short {summary['short']}  "
-        f"in {summary['wall_s']:.2f} s: {summary['requests_per_s']:.2f} req/s, {summary['tokens_per_s']:.1f} tokens/s, "
+        f"in {summary['wall_s']:.2f} s: {summary['requests_per_s']:.2f} req/s "
+        f"({_rate(summary.get('steady_requests_per_s'))} with every client busy), "
+        f"{summary['tokens_per_s']:.1f} tokens/s, "
         f"prompts of {summary['prompt_tokens_mean']:.0f} tokens on average"
         f" ({summary.get('cached_tokens_mean', 0.0):.0f} of them cached)",
     ]

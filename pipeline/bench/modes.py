@@ -276,7 +276,8 @@ def _progress(summary: dict[str, Any]) -> str:
     return (
         f"{summary['completed']} completed, {summary['failed']} failed; TTFT p50 "
         f"{_num(summary['ttft_ms']['p50'], '.1f')} ms, ITL p50 {_num(summary['itl_ms']['p50'], '.2f')} "
-        f"p99 {_num(summary['itl_ms']['p99'], '.1f')} ms, {summary['requests_per_s']:.2f} req/s"
+        f"p99 {_num(summary['itl_ms']['p99'], '.1f')} ms, {summary['requests_per_s']:.2f} req/s "
+        f"({_num(summary.get('steady_requests_per_s'), '.2f')} with every client busy)"
     )
 
 
@@ -295,7 +296,7 @@ def format_rows(rows: list[dict[str, Any]], command: str = "--compare-modes") ->
         f"images={images}"
     )
     cols = ["mode", "conc", "ok", "fail", "TTFT p50 ms", "TTFT p99 ms", "ITL p50 ms", "ITL p99 ms"]
-    cols += ["E2E p50 ms", "E2E p99 ms", "req/s", "tok/s"]
+    cols += ["E2E p50 ms", "E2E p99 ms", "req/s", "busy req/s", "tok/s"]
     cols += [f"TTFT ×{base}", f"ITL ×{base}", f"E2E ×{base}", f"req/s ×{base}"]
     table = [cols]
     for row in rows:
@@ -313,6 +314,7 @@ def format_rows(rows: list[dict[str, Any]], command: str = "--compare-modes") ->
                 _num(s["e2e_ms"]["p50"], ".1f"),
                 _num(s["e2e_ms"]["p99"], ".1f"),
                 _num(s["requests_per_s"], ".2f"),
+                _num(s.get("steady_requests_per_s"), ".2f"),
                 _num(s["tokens_per_s"], ".1f"),
                 _num(r["ttft_ms.p50"], ".2f"),
                 _num(r["itl_ms.p50"], ".2f"),

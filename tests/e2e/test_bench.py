@@ -16,6 +16,7 @@ import pytest
 from pipeline.bench.engine_calls import format_engine_calls, scrape, summarize
 from pipeline.bench.load import (
     LoadSpec,
+    RequestResult,
     client_processes,
     format_report,
     percentile,
@@ -23,6 +24,7 @@ from pipeline.bench.load import (
     run_load,
     scrape_engines,
     split,
+    steady_rate,
     synthetic_images,
 )
 from pipeline.bench.transport import format_rows, parse_size
@@ -44,6 +46,20 @@ def test_helpers() -> None:
     assert parse_size("2MB") == 2_000_000 and parse_size("1MiB") == 1 << 20 and parse_size("512") == 512
     with pytest.raises(ValueError):
         parse_size("2 parsecs")
+
+
+def test_the_busy_rate_leaves_out_the_first_wave_and_the_drain() -> None:
+    def ended(*times: float, failed: tuple[float, ...] = ()) -> list[RequestResult]:
+        return [RequestResult(ok=t not in failed, e2e_s=1.0, ended=t) for t in times]
+
+    # Two clients: from the 2nd end (t=2) to the 6th (t=6), four requests in four seconds;
+    # the slow last one (t=30, a client alone) is the drain that requests / wall would count.
+    results = ended(1, 2, 3, 4, 5, 6, 7, 30)
+    assert steady_rate(results, 2) == pytest.approx(1.0)
+    assert steady_rate(ended(1, 2, 3, 4, 5, 6, 7, 30, failed=(4,)), 2) == pytest.approx(0.75)
+    # Ends out of order (several client processes) are sorted; a request never run has no end.
+    assert steady_rate([*reversed(results), RequestResult(ok=False, e2e_s=0.0)], 2) == pytest.approx(1.0)
+    assert steady_rate(results, 4) is None  # eight requests, four clients: the first wave's end is the drain's start
 
 
 def test_a_load_shared_out_over_client_processes() -> None:
@@ -99,6 +115,7 @@ async def test_load_generator_against_the_epd_stack(stack: Stack, processes: int
         assert 0 < s["p50"] <= s["p90"] <= s["p99"], (key, s)
     assert summary["ttft_ms"]["p99"] < summary["e2e_ms"]["p99"]
     assert summary["requests_per_s"] > 0 and summary["tokens_per_s"] > 0
+    assert summary["steady_requests_per_s"] > 0 and "with every client busy" in format_report(summary)
     assert len(summary["client_cpu"]) == processes and all(0 < c for c in summary["client_cpu"])
     assert "TTFT ms" in format_report(summary) and f"client: {processes} process" in format_report(summary)
     assert f"client={client}" in format_report(summary)
