@@ -281,6 +281,13 @@ def _load_flags(p: argparse.ArgumentParser, after: bool = False) -> None:
     add("--api-key", default=os.environ.get("MMPIPE_API_KEY"), help="the bridge's API key ($MMPIPE_API_KEY)")
     add("--concurrency", type=int, default=8, help="requests in flight at once")
     add("--requests", type=int, default=64, help="measured requests (after one warm-up)")
+    add(
+        "--requests-per-client",
+        type=int,
+        default=0,
+        help="measured requests for each client, at every concurrency (instead of --requests): levels compared "
+        "with the same number of rounds",
+    )
     add("--max-tokens", type=int, default=32, help="tokens per request (min_tokens too)")
     add("--image-size", default="224x224", help="WIDTHxHEIGHT of the synthetic images")
     add("--images-per-request", type=int, default=1, help="images in each request")

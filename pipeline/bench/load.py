@@ -92,6 +92,8 @@ class LoadSpec:
     # What sends the requests: the official openai client, or a bare aiohttp
     # reader of the server-sent events (as vLLM's serving benchmark does).
     client: str = "openai"
+    # Instead of ``requests``, at every concurrency: this many per client.
+    requests_per_client: int = 0
 
     def __post_init__(self) -> None:
         if self.client not in CLIENTS:
@@ -99,8 +101,8 @@ class LoadSpec:
         for name in ("concurrency", "requests", "max_tokens"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1")
-        if self.processes < 0 or self.filler_words < 0:
-            raise ValueError("processes and filler_words must not be negative")
+        if self.processes < 0 or self.filler_words < 0 or self.requests_per_client < 0:
+            raise ValueError("processes, filler_words and requests_per_client must not be negative")
         if self.images_per_request < 0:
             raise ValueError("images_per_request must not be negative")
         if min(self.image_size) < 1:
@@ -140,6 +142,12 @@ def steady_rate(results: Sequence[RequestResult], concurrency: int) -> float | N
     return inside / (ends[last] - ends[first])
 
 
+def at_concurrency(spec: LoadSpec, concurrency: int) -> LoadSpec:
+    """``spec`` at ``concurrency`` clients, with its requests per client if it says so."""
+    requests = spec.requests_per_client * concurrency if spec.requests_per_client else spec.requests
+    return replace(spec, concurrency=concurrency, requests=requests)
+
+
 def parse_image_size(text: str) -> tuple[int, int]:
     width, sep, height = text.lower().partition("x")
     if not sep or not width.isdigit() or not height.isdigit():
@@ -149,7 +157,7 @@ def parse_image_size(text: str) -> tuple[int, int]:
 
 def spec_from_args(args: argparse.Namespace, url: str | None = None, model: str | None = None) -> LoadSpec:
     try:
-        return LoadSpec(
+        spec = LoadSpec(
             url=url or args.url,
             model=model or args.model,
             concurrency=args.concurrency,
@@ -163,7 +171,9 @@ def spec_from_args(args: argparse.Namespace, url: str | None = None, model: str 
             filler_words=args.filler_words,
             trace_alternate=getattr(args, "trace_alternate", False),
             client=getattr(args, "client", "openai"),
+            requests_per_client=getattr(args, "requests_per_client", 0),
         )
+        return at_concurrency(spec, spec.concurrency)
     except ValueError as exc:
         raise SystemExit(f"mmpipe bench: {exc}") from None
 

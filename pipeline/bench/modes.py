@@ -27,7 +27,7 @@ from typing import Any
 
 from pipeline.bench import run_async
 from pipeline.bench.cpu import stack_cpu_s
-from pipeline.bench.load import PROMPT, LoadSpec, run_load, spec_from_args, synthetic_images
+from pipeline.bench.load import PROMPT, LoadSpec, at_concurrency, run_load, spec_from_args, synthetic_images
 from pipeline.serve import resolve_device
 from schemas.routes import MODES
 
@@ -146,7 +146,7 @@ def compare_stacks(
     after a stack's load; their answers are on its rows (``answers``), and
     how many equal the baseline stack's (``same_answers``)."""
     levels = concurrencies or [spec.concurrency]
-    loads = [(c, replace(spec, concurrency=c, seed=spec.seed + 1000 * i)) for i, c in enumerate(levels)]
+    loads = [(c, replace(at_concurrency(spec, c), seed=spec.seed + 1000 * i)) for i, c in enumerate(levels)]
     images = {c: synthetic_images(s) for c, s in loads}  # the very same bytes for every stack
     # The baseline runs where the workers do.
     device = resolve_device(device)
@@ -290,9 +290,11 @@ def format_rows(rows: list[dict[str, Any]], command: str = "--compare-modes") ->
     images = f"{c['images_per_request']}×{c['image_size']}" if c["images_per_request"] else "none"
     base = rows[0]["baseline"]
     levels = sorted({row["concurrency"] for row in rows})
+    per_client = c.get("requests_per_client", 0)
+    requests = f"{per_client} per client" if per_client else str(c["requests"])
     head = (
         f"mmpipe bench {command}  transport={rows[-1]['transport']}  model={c['model']}  "
-        f"concurrency={','.join(map(str, levels))}  requests={c['requests']}  max_tokens={c['max_tokens']}  "
+        f"concurrency={','.join(map(str, levels))}  requests={requests}  max_tokens={c['max_tokens']}  "
         f"images={images}"
     )
     cols = ["mode", "conc", "ok", "fail", "TTFT p50 ms", "TTFT p99 ms", "ITL p50 ms", "ITL p99 ms"]

@@ -17,12 +17,14 @@ from pipeline.bench.engine_calls import format_engine_calls, scrape, summarize
 from pipeline.bench.load import (
     LoadSpec,
     RequestResult,
+    at_concurrency,
     client_processes,
     format_report,
     percentile,
     report_engine_calls,
     run_load,
     scrape_engines,
+    spec_from_args,
     split,
     steady_rate,
     synthetic_images,
@@ -60,6 +62,20 @@ def test_the_busy_rate_leaves_out_the_first_wave_and_the_drain() -> None:
     # Ends out of order (several client processes) are sorted; a request never run has no end.
     assert steady_rate([*reversed(results), RequestResult(ok=False, e2e_s=0.0)], 2) == pytest.approx(1.0)
     assert steady_rate(results, 4) is None  # eight requests, four clients: the first wave's end is the drain's start
+
+
+def test_requests_per_client_give_every_level_the_same_rounds() -> None:
+    args = parser().parse_args(["bench", "--concurrency", "4", "--requests-per-client", "6", "--requests", "10"])
+    spec = spec_from_args(args)
+    assert (spec.concurrency, spec.requests) == (4, 24)
+    assert [(s.concurrency, s.requests) for s in (at_concurrency(spec, 64), at_concurrency(spec, 128))] == [
+        (64, 384),
+        (128, 768),
+    ]
+    plain = spec_from_args(parser().parse_args(["bench", "--concurrency", "4", "--requests", "10"]))
+    assert at_concurrency(plain, 64).requests == 10
+    with pytest.raises(SystemExit, match="must not be negative"):
+        spec_from_args(parser().parse_args(["bench", "--requests-per-client", "-1"]))
 
 
 def test_a_load_shared_out_over_client_processes() -> None:
