@@ -72,6 +72,10 @@ class ImageEngine:
         # request of eight took beyond the pipeline's own call.
         self._writers = ThreadPoolExecutor(min(self.limits.max_n, os.cpu_count() or 1), thread_name_prefix="png")
 
+    def close(self) -> None:
+        """Let the PNG writers' threads go (a drawing in progress finishes first)."""
+        self._writers.shutdown(wait=True)
+
     def drawing(self, params: ImageParams, seed: int, prompt: str = "") -> Drawing:
         """The call ``params`` ask for (``prompt``: the text in place of an
         empty ``params.prompt``), or InvalidRequest saying what is wrong."""

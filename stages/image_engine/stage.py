@@ -61,6 +61,7 @@ class ImageStage:
         if self._drawing is not None:
             await asyncio.wait([self._drawing])
         self._drawer.shutdown(wait=False)
+        self.engine.close()
 
     def has_room(self) -> bool:
         return self._drawing is None

@@ -182,3 +182,14 @@ async def test_every_drawing_runs_on_the_same_thread(stage: ImageStage) -> None:
         release.clear()
     assert len(threads) == 6 and len(set(threads)) == 1
     assert threads[0] != threading.get_ident()  # not the event loop's
+
+
+async def test_closing_the_stage_lets_its_threads_go(stage: ImageStage) -> None:
+    before = set(threading.enumerate())
+    await _draw(stage, ImageParams(prompt="cat", steps=1, n=2), seed=0)
+    started = [t for t in set(threading.enumerate()) - before if t.name.startswith(("png", "draw"))]
+    assert {t.name[:3] for t in started} == {"png", "dra"}
+    await stage.close()
+    for thread in started:
+        thread.join(timeout=10)
+    assert not [t for t in started if t.is_alive()]
