@@ -78,9 +78,12 @@ def first_token_path(spans: Iterable[SpanRecord]) -> tuple[float, list[Step]] | 
         nxt = hops[i + 1] if i + 1 < len(hops) and hops[i + 1].start_ns < end and not replied else None
         until = min(replied) if replied else min(end, queued(nxt)) if nxt is not None else end
         inside = 0.0
-        for step in sorted(children[hop.span_id], key=lambda s: s.start_ns):
-            if step.name == "queue_wait" or step.start_ns >= until:
-                continue
+        timed = [
+            c
+            for c in sorted(children[hop.span_id], key=lambda s: s.start_ns)
+            if c.name != "queue_wait" and c.start_ns < until
+        ]
+        for step in timed:
             ms = _ms(min(step.end_ns, until) - step.start_ns)
             inside += ms
             steps.append(Step(f"{role}: {step.name}", ms))
@@ -90,11 +93,32 @@ def first_token_path(spans: Iterable[SpanRecord]) -> tuple[float, list[Step]] | 
                         Step(f"{role}: {step.name} › {sub.name}", _ms(min(sub.end_ns, until) - sub.start_ns), True)
                     )
         steps.append(Step(f"{role}: other", max(0.0, _ms(until - hop.start_ns) - inside)))
+        steps += [Step(f"{role}: other › {where}", ms, True) for where, ms in _gaps(hop.start_ns, timed, until)]
         if nxt is None:
             if until < end:
                 steps.append(Step("reply: to the bridge", _ms(end - until)))
             break
     return _ms(end - bridge.start_ns), steps
+
+
+# Gaps shorter than this between a hop's steps are not listed on their own.
+_GAP_MS = 0.05
+
+
+def _gaps(start_ns: int, steps: list[SpanRecord], until_ns: int) -> list[tuple[str, float]]:
+    """Where a hop's "other" time lies: the stretches inside it that none of
+    its steps cover, each named by the steps on either side (free to find:
+    the spans are already there)."""
+    out: list[tuple[str, float]] = []
+    cursor, before = start_ns, ""
+    for step in steps:
+        if step.start_ns > cursor and _ms(step.start_ns - cursor) >= _GAP_MS:
+            where = f"{before} to {step.name}" if before else f"before {step.name}"
+            out.append((where, _ms(step.start_ns - cursor)))
+        cursor, before = max(cursor, min(step.end_ns, until_ns)), step.name
+    if until_ns > cursor and _ms(until_ns - cursor) >= _GAP_MS:
+        out.append((f"after {before}" if before else "no step", _ms(until_ns - cursor)))
+    return out
 
 
 def _roots(spans: list[SpanRecord]) -> list[SpanRecord]:

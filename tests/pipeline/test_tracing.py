@@ -69,6 +69,7 @@ def test_the_first_token_path_adds_up_to_the_bridges_ttft() -> None:
         ("processor: queue wait", 0.5, False),
         ("processor: forward", 0.5, False),  # until the next hop's message was stored (3.5)
         ("processor: other", 1.0, False),
+        ("processor: other › before forward", 1.0, True),  # where the other time lies
         ("encode+prefill+decode: queue wait", 1.5, False),
         ("encode+prefill+decode: get", 2.0, False),
         ("encode+prefill+decode: get › read", 1.0, True),
@@ -78,6 +79,29 @@ def test_the_first_token_path_adds_up_to_the_bridges_ttft() -> None:
         ("reply: to the bridge", 1.0, False),
     ]
     assert sum(s.ms for s in steps if not s.nested) == pytest.approx(ttft)
+
+
+def test_a_hops_other_time_is_placed_between_its_steps() -> None:
+    spans = [
+        _span("bridge", "b", "", 0, 20),
+        _span("first_token", "f", "b", 1, 12),
+        _span("encode+prefill+decode", "w", "b", 2, 19, hop=True),
+        _span("queue_wait", "wq", "w", 1.5, 2),
+        _span("media_decode", "wm", "w", 2.02, 3),  # 0.02 ms after the hop began: too short to list
+        _span("encode", "we", "w", 4, 5),
+        _span("prefill", "wp", "w", 4.5, 8),  # overlaps the encode: no gap between them
+        _span("first_reply", "wf", "w", 10, 11),
+    ]
+    path = first_token_path(spans)
+    assert path is not None
+    gaps = [(s.label, round(s.ms, 3)) for s in path[1] if "other ›" in s.label]
+    assert gaps == [
+        ("encode+prefill+decode: other › media_decode to encode", 1.0),
+        ("encode+prefill+decode: other › prefill to first_reply", 2.0),
+    ]
+    other = next(s for s in path[1] if s.label == "encode+prefill+decode: other")
+    # "other" is the hop less its steps' sum, which counts the overlap twice; the gaps are where nothing ran.
+    assert other.ms == pytest.approx(9.0 - (0.98 + 1.0 + 3.5 + 1.0))
 
 
 def test_the_summary_skips_traces_from_before_the_load_and_says_when_it_has_none() -> None:
