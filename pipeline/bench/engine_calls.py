@@ -165,4 +165,7 @@ def format_engine_calls(url: str, summary: dict[str, Any]) -> str:
             whole = f" (the process: {process:.2f})" if process is not None else ""
             each = ", ".join(f"{name} {cores:.2f}" for name, cores in threads.items())
             lines.append(f"  cores used by {whose} Python threads{whole}: {each}")
+    if len(lines) == 1 and not summary["calls"]:
+        # `mmpipe up --health-port P` gives P to its processor, which has no engine.
+        lines[0] += " no engine calls or chunk timings here (a worker's /metrics has them; not a processor's)"
     return "\n".join(lines)

@@ -78,6 +78,12 @@ def test_requests_per_client_give_every_level_the_same_rounds() -> None:
         spec_from_args(parser().parse_args(["bench", "--requests-per-client", "-1"]))
 
 
+def test_metrics_with_no_engine_say_so() -> None:
+    # A processor's /metrics (mmpipe up's first health port): nothing of an engine's to show.
+    text = format_engine_calls("http://p/metrics", summarize({}, {}, 1.0))
+    assert text.startswith("http://p/metrics: no engine calls") and "not a processor's" in text
+
+
 def test_a_load_shared_out_over_client_processes() -> None:
     spec = LoadSpec(concurrency=7, requests=23, seed=5)
     loads = split(spec, 3)
