@@ -181,11 +181,12 @@ def format_summary(summary: dict[str, Any]) -> str:
         return "breakdown: no complete traces (is the stack running with --trace-nats on this NATS and namespace?)"
     median = summary["median_request"]
     at_median = {s["step"]: s["ms"] for s in median["steps"]}
+    width = max([52] + [len(row["step"]) + 6 for row in summary["steps"]])
     lines = [
         f"time to first token, from {summary['requests']} traces: p50 {summary['ttft_ms']:.2f} ms "
         f"(the request at the median: {median['ttft_ms']:.2f} ms)",
         "",
-        f"{'step':<52}{'p50 ms':>10}{'median request ms':>20}",
+        f"{'step':<{width}}{'p50 ms':>10}{'median request ms':>20}",
     ]
     total = 0.0
     for row in summary["steps"]:
@@ -193,6 +194,6 @@ def format_summary(summary: dict[str, Any]) -> str:
         mine = at_median.get(row["step"])
         if mine is not None and not row["nested"]:
             total += mine
-        lines.append(f"{label:<52}{row['p50_ms']:>10.2f}{'' if mine is None else f'{mine:.2f}':>20}")
-    lines.append(f"{'  sum of the steps (not nested)':<52}{'':>10}{total:>20.2f}")
+        lines.append(f"{label:<{width}}{row['p50_ms']:>10.2f}{'' if mine is None else f'{mine:.2f}':>20}")
+    lines.append(f"{'  sum of the steps (not nested)':<{width}}{'':>10}{total:>20.2f}")
     return "\n".join(lines)

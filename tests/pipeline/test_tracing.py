@@ -99,6 +99,11 @@ def test_a_hops_other_time_is_placed_between_its_steps() -> None:
         ("encode+prefill+decode: other › media_decode to encode", 1.0),
         ("encode+prefill+decode: other › prefill to first_reply", 2.0),
     ]
+    # Labels longer than the table's first column widen it: every figure stays in its column.
+    sink = SpanSink()
+    sink.traces["t1"] = spans
+    rows = format_summary(summarize(sink)).splitlines()[3:]
+    assert len({len(row) for row in rows if not row.startswith("  sum")}) == 1
     other = next(s for s in path[1] if s.label == "encode+prefill+decode: other")
     # "other" is the hop less its steps' sum, which counts the overlap twice; the gaps are where nothing ran.
     assert other.ms == pytest.approx(9.0 - (0.98 + 1.0 + 3.5 + 1.0))
