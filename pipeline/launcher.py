@@ -227,8 +227,10 @@ def up(settings: UpProcess, external_nats: bool) -> int:
     try:
         # Where `mmpipe send` (run in the same folder, or given --data-dir) finds this deployment.
         record_nats_url(data_dir, nats_url)
+        ports: list[str] = []
         for planned in plan(spec_settings, nats_url, plans, data_dir):
             if planned.health_port:
+                ports.append(f"{planned.role} :{planned.health_port}")
                 base = f"http://127.0.0.1:{planned.health_port}"
                 log.info(
                     "worker_health_port", role=planned.role, ready=f"{base}/health/ready", metrics=f"{base}/metrics"
@@ -243,7 +245,11 @@ def up(settings: UpProcess, external_nats: bool) -> int:
         workers = ", ".join(_placed(role, p) for role, p in plans.items() if p.count)
         if not counts.get(PROCESSOR):
             workers += ", processor×1 for NATS callers (requests processed in the bridge)"
-        _say(f"mmpipe ready: {base}/v1  mode={mode} model={spec.served_name} nats={nats_url} workers: {workers}")
+        # Each worker's /metrics and health, in start order (the processor's first: it runs no engine).
+        metrics = f"  metrics: {', '.join(ports)}" if ports else ""
+        _say(
+            f"mmpipe ready: {base}/v1  mode={mode} model={spec.served_name} nats={nats_url} workers: {workers}{metrics}"
+        )
         while not stop.requested:
             for child in children:
                 if child.poll() is not None:

@@ -102,6 +102,9 @@ def test_up_serves_every_mode_as_processes_and_stops_cleanly(
             # Every worker's /metrics is up with no flag: each got a port of its own, logged at start.
             logged = [e for e in events if e["event"] == "worker_health_port"]
             assert sorted(e["role"] for e in logged) == ["encode+prefill+decode"] * 2 + ["processor"]
+            # The ready line names them too: which port is whose /metrics.
+            ports = [f"{e['role']} :{e['metrics'].split(':')[-1].split('/')[0]}" for e in logged]
+            assert ready.endswith(f"metrics: {', '.join(ports)}"), ready
             for event in logged:
                 with urllib.request.urlopen(event["metrics"], timeout=10) as r:
                     assert b"mmpipe_" in r.read()
