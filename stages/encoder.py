@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import io
 import itertools
 import os
 from collections.abc import Awaitable, Callable
@@ -39,6 +38,7 @@ from stages.media import (
     decode_image,
     decode_video,
     media_set_key,
+    parse_data_url,
     parse_embeddings,
 )
 from stages.media.cache import item_digest_off_loop
@@ -47,6 +47,7 @@ from stages.media.decoded import DecodedMediaCache
 from stages.media.frontend import from_tensor
 from stages.media.layouts import MediaLayouts
 from stages.media.video import video_options
+from stages.processor import WARM_UP_IMAGE_URL
 from stages.torch_engine.encode_batcher import EncodeBatcher
 from stages.torch_engine.engine import TorchEngine
 from stages.torch_engine.scheduler import EngineThread
@@ -252,7 +253,7 @@ class MediaEncoder:
         """Both ways a request's image is decoded, once: on a thread here
         (PIL's PNG plugin loaded) and in every process of the pool (spawned,
         their imports done)."""
-        data = _tiny_png()
+        data = parse_data_url(WARM_UP_IMAGE_URL, len(WARM_UP_IMAGE_URL)).data
         await asyncio.to_thread(decode_image, data, self.policy)
         if self.decode_pool is not None:
             await self.decode_pool.warm(data, self.policy)
@@ -349,11 +350,3 @@ def _unpack(cached: CachedEmbedding, kinds: list[MediaKind]) -> list[MediaEmbedd
     counts = list(cached.grid[2 + n * dims :])
     parts = torch.split(cached.embeddings, counts)
     return [MediaEmbedding(p, g, k, s) for p, g, k, s in zip(parts, grids, kinds, cached.scales, strict=True)]
-
-
-def _tiny_png() -> bytes:
-    from PIL import Image
-
-    buf = io.BytesIO()
-    Image.new("RGB", (28, 28), (128, 64, 32)).save(buf, format="PNG")
-    return buf.getvalue()

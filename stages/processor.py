@@ -48,8 +48,8 @@ WARM_UP_FAILURES = Counter("mmpipe_processor_warm_up_failures", "Processor warm-
 
 _ROLES = ("system", "user", "assistant")
 _MEDIA_SCHEMES = ("data:", "https://", "http://", "file://")
-# A 28x28 PNG of one colour: the warm-up's image.
-_TINY_PNG_URL = (
+# A 28x28 PNG of one colour: the warm-up's image (the processor's and the encoder's).
+WARM_UP_IMAGE_URL = (
     "data:image/png;base64,iVBORw0KGgoAAAANSUhEUgAAABwAAAAcCAIAAAD9b0jDAAAAJ0lEQVR4nGNscFBgoDZgorqJo4aOGjpq6Kiho4aO"
     "Gjpq6Kihg9JQAC9DARhyvFo7AAAAAElFTkSuQmCC"
 )
@@ -150,7 +150,7 @@ class Processor:
         parts: list[Any] = [TextPart("ok")]
         images = MediaKind.IMAGE in self.modalities and MediaKind.IMAGE in self.model.placeholders
         if images and self.limits.max_images > 0:
-            parts.insert(0, ImagePart(ImageURL(_TINY_PNG_URL)))
+            parts.insert(0, ImagePart(ImageURL(WARM_UP_IMAGE_URL)))
         try:
             self.process(
                 GenerateRequest(
