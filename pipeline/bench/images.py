@@ -181,16 +181,17 @@ def main(args: argparse.Namespace) -> int:
         served, draw = through_mmpipe(path, device, batches, args.steps, (width, height), args.repeats)
         after = diffusers_alone(path, device, batches, args.steps, (width, height), args.repeats)
     card = torch.cuda.get_device_name() if device.startswith("cuda") else "cpu"
+    fastest = {n: min(*alone[n], *after[n]) for n in batches}
     rows = [
         {
             "batch": n,
             "device": card,
             "steps": args.steps,
             "size": f"{width}x{height}",
-            "diffusers_images_per_s": n / min(*alone[n], *after[n]),
+            "diffusers_images_per_s": n / fastest[n],
             "mmpipe_images_per_s": n / served[n],
-            "ratio": min(*alone[n], *after[n]) / served[n],
-            "diffusers_call_s": min(*alone[n], *after[n]),
+            "ratio": fastest[n] / served[n],
+            "diffusers_call_s": fastest[n],
             "diffusers_main_thread_s": alone[n][0],
             "diffusers_own_thread_s": alone[n][1],
             "diffusers_after_main_thread_s": after[n][0],
