@@ -54,6 +54,7 @@ from collections.abc import AsyncIterator, Sequence
 from dataclasses import asdict, dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
+from pipeline.bench.results import figure
 from pipeline.bench.sse import SseChat, StreamEvent
 
 if TYPE_CHECKING:
@@ -528,11 +529,11 @@ def _run_processes(spec: LoadSpec, n: int, warmup: bool) -> LoadReport:
 
 
 def _ms(value: float | None) -> str:
-    return "-" if value is None else f"{value:.1f}"
+    return figure(value, ".1f")
 
 
 def _rate(value: float | None) -> str:
-    return "-" if value is None else f"{value:.2f}"
+    return figure(value, ".2f")
 
 
 def format_report(summary: dict[str, Any]) -> str:

@@ -28,6 +28,7 @@ from typing import Any
 from pipeline.bench import run_async
 from pipeline.bench.cpu import stack_cpu_s
 from pipeline.bench.load import PROMPT, LoadSpec, at_concurrency, run_load, spec_from_args, synthetic_images
+from pipeline.bench.results import figure
 from pipeline.serve import resolve_device
 from schemas.routes import MODES
 
@@ -275,14 +276,10 @@ def _progress(summary: dict[str, Any]) -> str:
     """A level's figures as it ends: a run cut short keeps what it measured."""
     return (
         f"{summary['completed']} completed, {summary['failed']} failed; TTFT p50 "
-        f"{_num(summary['ttft_ms']['p50'], '.1f')} ms, ITL p50 {_num(summary['itl_ms']['p50'], '.2f')} "
-        f"p99 {_num(summary['itl_ms']['p99'], '.1f')} ms, {summary['requests_per_s']:.2f} req/s "
-        f"({_num(summary.get('steady_requests_per_s'), '.2f')} with every client busy)"
+        f"{figure(summary['ttft_ms']['p50'], '.1f')} ms, ITL p50 {figure(summary['itl_ms']['p50'], '.2f')} "
+        f"p99 {figure(summary['itl_ms']['p99'], '.1f')} ms, {summary['requests_per_s']:.2f} req/s "
+        f"({figure(summary.get('steady_requests_per_s'), '.2f')} with every client busy)"
     )
-
-
-def _num(value: float | None, fmt: str) -> str:
-    return "-" if value is None else format(value, fmt)
 
 
 def format_rows(rows: list[dict[str, Any]], command: str = "--compare-modes") -> str:
@@ -309,19 +306,19 @@ def format_rows(rows: list[dict[str, Any]], command: str = "--compare-modes") ->
                 str(row["concurrency"]),
                 str(s["completed"]),
                 str(s["failed"]),
-                _num(s["ttft_ms"]["p50"], ".1f"),
-                _num(s["ttft_ms"]["p99"], ".1f"),
-                _num(s["itl_ms"]["p50"], ".1f"),
-                _num(s["itl_ms"]["p99"], ".1f"),
-                _num(s["e2e_ms"]["p50"], ".1f"),
-                _num(s["e2e_ms"]["p99"], ".1f"),
-                _num(s["requests_per_s"], ".2f"),
-                _num(s.get("steady_requests_per_s"), ".2f"),
-                _num(s["tokens_per_s"], ".1f"),
-                _num(r["ttft_ms.p50"], ".2f"),
-                _num(r["itl_ms.p50"], ".2f"),
-                _num(r["e2e_ms.p50"], ".2f"),
-                _num(r["requests_per_s"], ".2f"),
+                figure(s["ttft_ms"]["p50"], ".1f"),
+                figure(s["ttft_ms"]["p99"], ".1f"),
+                figure(s["itl_ms"]["p50"], ".1f"),
+                figure(s["itl_ms"]["p99"], ".1f"),
+                figure(s["e2e_ms"]["p50"], ".1f"),
+                figure(s["e2e_ms"]["p99"], ".1f"),
+                figure(s["requests_per_s"], ".2f"),
+                figure(s.get("steady_requests_per_s"), ".2f"),
+                figure(s["tokens_per_s"], ".1f"),
+                figure(r["ttft_ms.p50"], ".2f"),
+                figure(r["itl_ms.p50"], ".2f"),
+                figure(r["e2e_ms.p50"], ".2f"),
+                figure(r["requests_per_s"], ".2f"),
             ]
         )
     widths = [max(len(line[i]) for line in table) for i in range(len(cols))]
@@ -348,7 +345,7 @@ def _cpu_lines(rows: list[dict[str, Any]]) -> list[str]:
     table = [["mode", "conc", *roles]]
     for row in measured:
         cpu = row["cpu_ms_per_request"]
-        table.append([row["mode"], str(row["concurrency"]), *(_num(cpu.get(role), ".2f") for role in roles)])
+        table.append([row["mode"], str(row["concurrency"]), *(figure(cpu.get(role), ".2f") for role in roles)])
     widths = [max(len(line[i]) for line in table) for i in range(len(table[0]))]
     out = ["", "CPU ms per request, by process (user + system, while the load ran):"]
     for line in table:

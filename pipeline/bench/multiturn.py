@@ -42,6 +42,7 @@ from pipeline.bench.load import (
     spec_from_args,
     synthetic_images,
 )
+from pipeline.bench.results import figure
 from pipeline.config import ROUTERS
 
 
@@ -151,7 +152,7 @@ def summarize(
 
 def format_summary(s: dict[str, Any]) -> str:
     def ms(v: float | None) -> str:
-        return "-" if v is None else f"{v:.1f}"
+        return figure(v, ".1f")
 
     lines = [
         f"mmpipe bench --workload multiturn  users={s['users']}  turns={s['turns']}  max_tokens={s['max_tokens']}  "
@@ -222,9 +223,6 @@ def encode_hops_skipped(url: str) -> int | None:
 
 
 def format_routers(rows: list[dict[str, Any]]) -> str:
-    def num(v: float | None, fmt: str) -> str:
-        return "-" if v is None else format(v, fmt)
-
     one = next((r for r in rows if r["router"] == ONE_WORKER), None)
     rr = next((r for r in rows if r["router"] == "round-robin"), None)
     lines = []
@@ -240,8 +238,9 @@ def format_routers(rows: list[dict[str, Any]]) -> str:
         base = rr["ttft_ms_p50_after_first"] if rr else None
         ttft_x = ttft / base if ttft is not None and base else None
         lines.append(
-            f"{r['router']:<14}{num(r['requests_per_s'], '.2f'):>8}{num(hit, '.2f'):>10}{num(hit_x, '.2f'):>14}"
-            f"{num(ttft, '.1f'):>18}{num(ttft_x, '.2f'):>15}{num(r.get('encode_skipped'), 'd'):>17}"
+            f"{r['router']:<14}{figure(r['requests_per_s'], '.2f'):>8}"
+            f"{figure(hit, '.2f'):>10}{figure(hit_x, '.2f'):>14}"
+            f"{figure(ttft, '.1f'):>18}{figure(ttft_x, '.2f'):>15}{figure(r.get('encode_skipped'), 'd'):>17}"
         )
     return "\n".join(lines)
 

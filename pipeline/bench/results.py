@@ -1,4 +1,4 @@
-"""Where a benchmark's results go besides the terminal."""
+"""Where a benchmark's results go besides the terminal, and how its tables print a figure."""
 
 from __future__ import annotations
 
@@ -14,3 +14,8 @@ def write_json(results: Any, output: str, name: str) -> None:
     if out:
         with open(out, "w") as f:
             json.dump(results, f, indent=1)
+
+
+def figure(value: float | None, fmt: str) -> str:
+    """A table's cell: ``value`` in ``fmt``, or ``-`` where nothing was measured."""
+    return "-" if value is None else format(value, fmt)
