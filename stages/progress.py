@@ -6,6 +6,7 @@ terminal a bar for the steps that count their items as they go."""
 
 from __future__ import annotations
 
+import contextlib
 import sys
 import time
 from collections.abc import Iterable, Iterator
@@ -53,3 +54,18 @@ def _bar(name: str, n: int, total: int, width: int) -> None:
     filled = width * n // total
     sys.stderr.write(f"\r{name} [{'#' * filled}{' ' * (width - filled)}] {n}/{total}")
     sys.stderr.flush()
+
+
+@contextlib.contextmanager
+def no_transformers_bars() -> Iterator[None]:
+    """transformers' own tqdm bars ("Loading weights", save_pretrained's) off
+    for a while: on stderr they are noise in a worker's log or a cache fill."""
+    from transformers.utils import logging as hf_logging
+
+    enabled = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if enabled:
+            hf_logging.enable_progress_bar()

@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from stages.models.tokenizer import QWEN2_ADDED_TOKEN_IDS, TOKENIZER_FILES, write_qwen2_vl_tokenizer
+from stages.progress import no_transformers_bars
 
 BUILDER_VERSION = 2
 MARKER_FILE = "mmpipe_builtin.json"
@@ -126,7 +127,7 @@ def _save(model: Any, out_dir: Path, eos_token_ids: list[int], preprocessor: dic
         eos_token_id=eos_token_ids,
         pad_token_id=QWEN2_ADDED_TOKEN_IDS["<|endoftext|>"],
     )
-    with _no_progress_bars():
+    with no_transformers_bars():
         model.save_pretrained(out_dir)
     (out_dir / "preprocessor_config.json").write_text(json.dumps(preprocessor, indent=2) + "\n")
 
@@ -510,20 +511,6 @@ def copy_qwen_tokenizer(out_dir: Path, model_max_length: int) -> None:
     src = _tokenizer_cache_dir(model_max_length)
     for file in TOKENIZER_FILES:
         shutil.copyfile(src / file, out_dir / file)
-
-
-@contextlib.contextmanager
-def _no_progress_bars() -> Iterator[None]:
-    # save_pretrained draws a tqdm bar on stderr; a cache fill should be quiet.
-    from transformers.utils import logging as hf_logging
-
-    enabled = hf_logging.is_progress_bar_enabled()
-    hf_logging.disable_progress_bar()
-    try:
-        yield
-    finally:
-        if enabled:
-            hf_logging.enable_progress_bar()
 
 
 def _read_marker(directory: Path) -> object:

@@ -21,7 +21,6 @@ import gc
 import threading
 import time
 import weakref
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import SimpleNamespace
@@ -36,7 +35,7 @@ from stages.device_copy import tensor_on, to_device
 from stages.families import Grid, Media, MediaEmbedding, family_for_architecture
 from stages.families.tower_graphs import TowerGraphs
 from stages.prefix_keys import MediaSpan, block_keys
-from stages.progress import Step, on_terminal
+from stages.progress import Step, no_transformers_bars, on_terminal
 from stages.sampling import Logprobs, SamplingConfig
 from stages.torch_engine import batch_decoder, metrics, row_sampling
 from stages.torch_engine.batch_decoder import BatchDecoder, ChunkRows, Launched, from_blocks, to_blocks
@@ -78,7 +77,7 @@ class TorchEngine:
         self.family = family_for_architecture(architectures[0])(self.model_dir, config)
         loading = Step("model_load", path=str(self.model_dir), device=str(self.device), dtype=str(self.dtype))
         # transformers' own bar on a terminal; not in a log.
-        with contextlib.nullcontext() if on_terminal() else _quiet_progress_bars():
+        with contextlib.nullcontext() if on_terminal() else no_transformers_bars():
             model: Any = self.family.model_class.from_pretrained(str(self.model_dir), dtype=self.dtype)
         self.model = model.to(self.device).eval()
         weights = sum(p.numel() * p.element_size() for p in self.model.parameters())
@@ -1361,7 +1360,7 @@ class TorchEngine:
         started = time.monotonic()
         with self._lock:
             if self.model is None:
-                with contextlib.nullcontext() if on_terminal() else _quiet_progress_bars():
+                with contextlib.nullcontext() if on_terminal() else no_transformers_bars():
                     model: Any = self.family.model_class.from_pretrained(str(self.model_dir), dtype=self.dtype)
                 self.model = model.eval()
             self.model = self.model.to(self.device)
@@ -1628,21 +1627,6 @@ def _free_memory(device: torch.device) -> int:
     import os
 
     return int(os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"))
-
-
-@contextlib.contextmanager
-def _quiet_progress_bars() -> Iterator[None]:
-    # from_pretrained draws a "Loading weights" tqdm bar on stderr; a worker's
-    # log is no place for it.
-    from transformers.utils import logging as hf_logging
-
-    enabled = hf_logging.is_progress_bar_enabled()
-    hf_logging.disable_progress_bar()
-    try:
-        yield
-    finally:
-        if enabled:
-            hf_logging.enable_progress_bar()
 
 
 def checkpoint_eos_ids(model_dir: Path, config: Any) -> frozenset[int]:
