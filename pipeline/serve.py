@@ -37,7 +37,7 @@ from schemas.settings import section, setting
 from stages.contract import Stage, TensorStore
 from stages.media import EmbeddingCache, MediaPolicy
 from stages.models import DEFAULT_MODEL, ModelSpec, resolve_model
-from stages.processor import ProcessorLimits
+from stages.processor import Processor, ProcessorLimits
 from stages.torch_engine.settings import DecodeSettings, intra_op_threads, step_priority_s
 from stages.vllm_engine.args import STORAGE_TTL_S, KvConnectorSettings, engine_args_file, host_defaults
 
@@ -194,6 +194,28 @@ def parse_modalities(spec: str) -> frozenset[MediaKind]:
         raise SystemExit(f"--modalities {spec!r}: each must be one of {known}") from None
 
 
+def build_processor(
+    spec: ModelSpec,
+    mode: str,
+    limits: ProcessorLimits,
+    modalities: str,
+    media: MediaPolicy,
+    tensors: TensorStore | None = None,
+) -> Processor:
+    """The processor of a model (a worker's or a bridge's own). With
+    --frontend-decode, ``tensors`` holds the media it decodes."""
+    from stages.models.traits import load_traits
+
+    traits = load_traits(spec)
+    frontend = None
+    if media.frontend_decode:
+        from stages.media.frontend import FrontendDecoder
+
+        assert tensors is not None, "--frontend-decode needs a tensor transport"
+        frontend = FrontendDecoder(media, tensors, traits.video_frame_multiple)
+    return Processor(traits, mode=mode, limits=limits, modalities=parse_modalities(modalities), frontend=frontend)
+
+
 def build_stage(
     role: str,
     config: PipelineConfig,
@@ -207,23 +229,7 @@ def build_stage(
         return _image_stage(settings, tensors)
     spec = spec or resolve_model(settings.model, settings.served_model_name)
     if role == PROCESSOR:
-        from stages.models.traits import load_traits
-        from stages.processor import Processor
-
-        traits = load_traits(spec)
-        frontend = None
-        if settings.media.frontend_decode:
-            from stages.media.frontend import FrontendDecoder
-
-            assert tensors is not None, "--frontend-decode needs a tensor transport"
-            frontend = FrontendDecoder(settings.media, tensors, traits.video_frame_multiple)
-        return Processor(
-            traits,
-            mode=config.mode,
-            limits=settings.limits,
-            modalities=parse_modalities(settings.modalities),
-            frontend=frontend,
-        )
+        return build_processor(spec, config.mode, settings.limits, settings.modalities, settings.media, tensors)
     if role not in HOP_ROLES:
         raise SystemExit(f"unknown role {role!r}; roles: {PROCESSOR}, {', '.join(HOP_ROLES)}")
     if settings.engine == "sglang":

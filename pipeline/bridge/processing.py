@@ -65,26 +65,11 @@ def load_processor(processing: BridgeProcessing, mode: str, tensors: TensorStore
     --frontend-decode, ``tensors`` holds the media it decodes."""
     if not processing.model:
         return None
-    from pipeline.serve import parse_modalities
+    from pipeline.serve import build_processor
     from stages.models import resolve_model
-    from stages.models.traits import load_traits
-    from stages.processor import Processor
 
     spec = resolve_model(processing.model, processing.served_model_name)
-    traits = load_traits(spec)
-    frontend = None
-    if processing.media.frontend_decode:
-        from stages.media.frontend import FrontendDecoder
-
-        assert tensors is not None, "--frontend-decode needs a tensor transport"
-        frontend = FrontendDecoder(processing.media, tensors, traits.video_frame_multiple)
-    return Processor(
-        traits,
-        mode=mode,
-        limits=processing.limits,
-        modalities=parse_modalities(processing.modalities),
-        frontend=frontend,
-    )
+    return build_processor(spec, mode, processing.limits, processing.modalities, processing.media, tensors)
 
 
 async def process(processor: Processor, request: GenerateRequest, body_bytes: int) -> ProcessedRequest:
