@@ -15,9 +15,11 @@ pipeline alone, in one run.
   the bridge, NATS, the worker and back as PNGs (the stage's own cost:
   its queue, the PNG encoding, the reply, base64 and HTTP).
 - images/s of each, and mmpipe's over diffusers'; and the seconds the
-  stage's own drawing took (its hop trace's ``generate_image_s``, median of
-  the timed requests) beside diffusers' call: what the worker adds inside
-  the drawing, apart from what the hop and the reply add around it.
+  stage's own drawing took (its hop trace's ``generate_image_s``: the
+  pipeline's call, its images made bytes on the device; median of the
+  timed requests) beside diffusers' call, then its PNGs (``png_s``): what
+  the worker adds inside the drawing, apart from the PNGs, and what the
+  hop and the reply add around them.
 """
 
 from __future__ import annotations
@@ -95,9 +97,10 @@ def diffusers_alone(
 
 def through_mmpipe(
     path: Path, device: str, batches: list[int], steps: int, size: tuple[int, int], repeats: int
-) -> tuple[dict[int, float], dict[int, float]]:
+) -> tuple[dict[int, float], dict[int, tuple[float, float]]]:
     """Seconds a request of each batch takes, through ``mmpipe up``, and
-    seconds the stage's drawing took of it (medians of the timed requests)."""
+    seconds the stage's drawing and its PNGs took of it (medians of the
+    timed requests)."""
     import openai
 
     from pipeline.bench.modes import mmpipe_up
@@ -135,13 +138,20 @@ def through_mmpipe(
         # Read once the stack has stopped: every worker's log is in by then.
         drawn = drawing_seconds(Path(tmp) / "up.log")
     # Each batch's first request is median_seconds' unmeasured one.
-    draw = {n: statistics.median(drawn[rid] for rid in asked[n][1:]) for n in batches}
+    draw = {
+        n: (
+            statistics.median(drawn[rid][0] for rid in asked[n][1:]),
+            statistics.median(drawn[rid][1] for rid in asked[n][1:]),
+        )
+        for n in batches
+    }
     return out, draw
 
 
-def drawing_seconds(log: Path) -> dict[str, float]:
-    """Request id -> the image stage's ``generate_image_s``, from the hop
-    trace lines (JSON) of a stack's log."""
+def drawing_seconds(log: Path) -> dict[str, tuple[float, float]]:
+    """Request id -> the image stage's ``generate_image_s`` (the pipeline's
+    call) and ``png_s`` (its PNGs), from the hop trace lines (JSON) of a
+    stack's log."""
     found = {}
     for line in log.read_text(errors="replace").splitlines():
         if '"hop_trace"' not in line or "generate_image_s" not in line:
@@ -150,7 +160,7 @@ def drawing_seconds(log: Path) -> dict[str, float]:
             trace = json.loads(line[line.index("{") :])
         except ValueError:
             continue
-        found[trace["request_id"]] = float(trace["generate_image_s"])
+        found[trace["request_id"]] = (float(trace["generate_image_s"]), float(trace.get("png_s", 0.0)))
     return found
 
 
@@ -196,7 +206,8 @@ def main(args: argparse.Namespace) -> int:
             "diffusers_own_thread_s": alone[n][1],
             "diffusers_after_main_thread_s": after[n][0],
             "diffusers_after_own_thread_s": after[n][1],
-            "stage_drawing_s": draw[n],
+            "stage_drawing_s": draw[n][0],
+            "stage_png_s": draw[n][1],
             "request_s": served[n],
         }
         for n in batches
@@ -213,13 +224,14 @@ def main(args: argparse.Namespace) -> int:
     head = "diffusers call s main / own thread"
     print(
         f"{'batch':>5} {'diffusers img/s':>16} {'mmpipe img/s':>13} {'mmpipe/diffusers':>17}"
-        f" {head + ', before':>43} {'after':>15} {'stage drawing s':>16} {'request s':>10}"
+        f" {head + ', before':>43} {'after':>15} {'stage drawing s':>16} {'png s':>6} {'request s':>10}"
     )
     for r in rows:
         before = f"{r['diffusers_main_thread_s']:.3f} / {r['diffusers_own_thread_s']:.3f}"
         later = f"{r['diffusers_after_main_thread_s']:.3f} / {r['diffusers_after_own_thread_s']:.3f}"
         print(
             f"{r['batch']:>5} {r['diffusers_images_per_s']:>16.3f} {r['mmpipe_images_per_s']:>13.3f} "
-            f"{r['ratio']:>17.3f} {before:>43} {later:>15} {r['stage_drawing_s']:>16.3f} {r['request_s']:>10.3f}"
+            f"{r['ratio']:>17.3f} {before:>43} {later:>15} {r['stage_drawing_s']:>16.3f} {r['stage_png_s']:>6.3f}"
+            f" {r['request_s']:>10.3f}"
         )
     return 0

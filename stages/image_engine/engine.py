@@ -104,6 +104,11 @@ class ImageEngine:
     def draw(self, job: Drawing, cancelled: threading.Event | None = None) -> list[bytes]:
         """The job's images as PNG files' bytes (blocks: on a thread of its
         own). ``cancelled`` set: DrawingCancelled at the next step."""
+        return self.pngs(self.draw_pixels(job, cancelled))
+
+    def draw_pixels(self, job: Drawing, cancelled: threading.Event | None = None) -> list[Any]:
+        """The job's images as uint8 arrays (H, W, C), or PIL images where
+        the pipeline gives no tensors: ``draw`` before the PNGs."""
         import torch
 
         def check(pipeline: Any, step: int, timestep: Any, tensors: dict[str, Any]) -> dict[str, Any]:
@@ -125,7 +130,11 @@ class ImageEngine:
                 callback_on_step_end=check,
             )
         images = out.images
-        return list(self._writers.map(png, pixels(images) if isinstance(images, torch.Tensor) else images))
+        return list(pixels(images)) if isinstance(images, torch.Tensor) else list(images)
+
+    def pngs(self, images: list[Any]) -> list[bytes]:
+        """``draw_pixels``' images as PNG files' bytes, side by side on the writers."""
+        return list(self._writers.map(png, images))
 
 
 def pixels(images: Any) -> Any:
