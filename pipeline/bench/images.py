@@ -160,7 +160,7 @@ def drawing_seconds(log: Path) -> dict[str, tuple[float, float]]:
             trace = json.loads(line[line.index("{") :])
         except ValueError:
             continue
-        found[trace["request_id"]] = (float(trace["generate_image_s"]), float(trace.get("png_s", 0.0)))
+        found[trace["request_id"]] = (float(trace["generate_image_s"]), float(trace["png_s"]))
     return found
 
 
