@@ -123,8 +123,10 @@ class MediaEncoder:
             await asyncio.gather(*(item_digest_off_loop(m, d) for m, d in zip(req.media, datas, strict=True)))
         )
         if any(m.embeds for m in req.media):
-            return _digested(await self._with_precomputed(req, datas, ctx), digests)
-        return await self._encoded(req, digests, lambda: self._encode_media(req.media, datas, ctx), ctx, reuse_prefix)
+            return _digested(await self._with_precomputed(req, datas, digests, ctx), digests)
+        return await self._encoded(
+            req, digests, lambda: self._encode_media(req.media, datas, digests, ctx), ctx, reuse_prefix
+        )
 
     async def _encode_decoded(
         self, req: ProcessedRequest, decoded: DecodedMedia, ctx: HopContext, reuse_prefix: bool
@@ -233,11 +235,11 @@ class MediaEncoder:
             return decode_audio(data, self.policy, item.format or None)
         return decode_image(data, self.policy)
 
-    async def _decoded(self, item: MediaItem, data: bytes) -> Decoded:
+    async def _decoded(self, item: MediaItem, data: bytes, digest: str) -> Decoded:
         """The item decoded, from the decoded-media cache when these bytes were read this way before."""
         if self.decoded_cache is None:
             return await self._decode_off_loop(item, data)
-        return await self.decoded_cache.get_or_decode(item, data, lambda: self._decode_off_loop(item, data))
+        return await self.decoded_cache.get_or_decode(digest, lambda: self._decode_off_loop(item, data))
 
     async def _decode_off_loop(self, item: MediaItem, data: bytes) -> Decoded:
         if self.decode_pool is None or self.thread.quiet:
@@ -262,9 +264,13 @@ class MediaEncoder:
         if self.decode_pool is not None:
             self.decode_pool.close()
 
-    async def _encode_media(self, items: list[MediaItem], datas: list[bytes], ctx: HopContext) -> list[MediaEmbedding]:
+    async def _encode_media(
+        self, items: list[MediaItem], datas: list[bytes], digests: list[str], ctx: HopContext
+    ) -> list[MediaEmbedding]:
         with ctx.timed("media_decode", items=len(items)):
-            decoded = await asyncio.gather(*(self._decoded(m, d) for m, d in zip(items, datas, strict=True)))
+            decoded = await asyncio.gather(
+                *(self._decoded(m, d, g) for m, d, g in zip(items, datas, digests, strict=True))
+            )
         return await self._encode_prepared(list(decoded), ctx)
 
     async def _encode_prepared(self, decoded: list[Decoded], ctx: HopContext) -> list[MediaEmbedding]:
@@ -281,12 +287,16 @@ class MediaEncoder:
             return await self.batcher.encode(prepared)
 
     async def _with_precomputed(
-        self, req: ProcessedRequest, datas: list[bytes], ctx: HopContext
+        self, req: ProcessedRequest, datas: list[bytes], digests: list[str], ctx: HopContext
     ) -> list[MediaEmbedding]:
         """Images sent as embeddings skip the tower; the other items still go
         through it in one call. Not cached: the client already holds them."""
-        others = [(m, d) for m, d in zip(req.media, datas, strict=True) if not m.embeds]
-        encoded = iter(await self._encode_media([m for m, _ in others], [d for _, d in others], ctx) if others else [])
+        others = [(m, d, g) for m, d, g in zip(req.media, datas, digests, strict=True) if not m.embeds]
+        encoded = iter(
+            await self._encode_media([m for m, _, _ in others], [d for _, d, _ in others], [g for *_, g in others], ctx)
+            if others
+            else []
+        )
         out: list[MediaEmbedding] = []
         for data, item in zip(datas, req.media, strict=True):
             if item.embeds:

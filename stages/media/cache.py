@@ -96,15 +96,6 @@ async def item_digest_off_loop(item: MediaItem, data: bytes) -> str:
     return item_digest(item, data)
 
 
-async def decoded_key(item: MediaItem, data: bytes) -> str:
-    """The decoded-media cache's key of an item: its bytes and how they are
-    read (kind, a video's sampling, an audio's declared format), never its URL."""
-    how = json.dumps([item.kind.value, item.num_frames, item.fps, item.max_frames, item.format])
-    if len(data) > _THREAD_HASH_BYTES:
-        return await asyncio.to_thread(content_key, data, model="", kind="decoded", options=how)
-    return content_key(data, model="", kind="decoded", options=how)
-
-
 def media_set_key(digests: list[str]) -> str:
     """A request's media, in order, by content alone (no model): what an
     encoding worker tells it holds the embeddings of, and what a router

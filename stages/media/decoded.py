@@ -13,16 +13,13 @@ Event-loop only, like the embedding cache.
 
 from __future__ import annotations
 
-import builtins
 from collections.abc import Awaitable, Callable
 from typing import Final
 
 from PIL import Image
 from prometheus_client import Counter
 
-from schemas.processed import MediaItem
 from stages.media.audio import DecodedAudio
-from stages.media.cache import decoded_key
 from stages.media.lru import ByteLRU
 from stages.media.video import DecodedVideo
 
@@ -68,13 +65,14 @@ class DecodedMediaCache:
         if key not in self._lru:
             self._lru.put(key, media)
 
-    async def get_or_decode(
-        self, item: MediaItem, data: builtins.bytes, decode: Callable[[], Awaitable[Decoded]]
-    ) -> Decoded:
-        """The item as these bytes were decoded before (read this way), or ``decode()``'s, kept."""
-        key = await decoded_key(item, data)
-        if (hit := self.get(key)) is not None:
+    async def get_or_decode(self, digest: str, decode: Callable[[], Awaitable[Decoded]]) -> Decoded:
+        """The item whose ``item_digest`` this is as it was decoded before,
+        or ``decode()``'s, kept. The digest covers the bytes and how they are
+        read (kind, a video's sampling, an audio's declared format): the
+        caller has it already, for the embedding cache and the prefix cache,
+        so 600 KB of PNG are hashed once a request, not twice."""
+        if (hit := self.get(digest)) is not None:
             return hit
         media = await decode()
-        self.put(key, media)
+        self.put(digest, media)
         return media

@@ -65,7 +65,10 @@ class FrontendDecoder:
         digests = list(await asyncio.gather(*(item_digest_off_loop(m, d) for m, d in pairs)))
         with ctx.timed("media_decode", items=len(req.media)):
             decoded = await asyncio.gather(
-                *(self._decoded(m, d, o) for m, d, o in zip(req.media, datas, options, strict=True))
+                *(
+                    self._decoded(m, d, o, digest)
+                    for m, d, o, digest in zip(req.media, datas, options, digests, strict=True)
+                )
             )
         tensors, items = [], []
         for media, digest in zip(decoded, digests, strict=True):
@@ -81,10 +84,10 @@ class FrontendDecoder:
             self.pool.close()
         await self.fetcher.close()
 
-    async def _decoded(self, item: MediaItem, data: bytes, options: VideoOptions | None) -> Decoded:
+    async def _decoded(self, item: MediaItem, data: bytes, options: VideoOptions | None, digest: str) -> Decoded:
         if self.cache is None:
             return await self._decode(item, data, options)
-        return await self.cache.get_or_decode(item, data, lambda: self._decode(item, data, options))
+        return await self.cache.get_or_decode(digest, lambda: self._decode(item, data, options))
 
     async def _decode(self, item: MediaItem, data: bytes, options: VideoOptions | None) -> Decoded:
         fmt = item.format or None
