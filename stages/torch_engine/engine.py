@@ -714,8 +714,14 @@ class TorchEngine:
                 inputs = slots.step_inputs({seq.slot for seq in stepped})
             carried, failed = self._chunk_rows(chunk, bool(stepped))
             out: tuple[Sequence, int] | BaseException | None = failed
-            with self._loras.for_step(decoder.lora, inputs.lora, decoder.use_graphs):
-                launched = decoder.launch(inputs, *self._extras(stepped), chunk=carried[0] if carried else None)
+            launched = None
+            # None of them in a row (each waits for blocks, the one running
+            # swapped out just now to let an older prompt's blocks be): no
+            # step to queue, and where no other sequence holds a row the
+            # decoder has no row to step at all. The chunk still runs, alone.
+            if stepped:
+                with self._loras.for_step(decoder.lora, inputs.lora, decoder.use_graphs):
+                    launched = decoder.launch(inputs, *self._extras(stepped), chunk=carried[0] if carried else None)
             for seq in stepped:
                 seq.inflight += 1
                 decoder.free_first(seq.feed_row)  # read by this step, and by no later one
@@ -728,11 +734,12 @@ class TorchEngine:
     def collect(self, launch: Launch) -> list[int | None]:
         """The tokens of a launched step (waits for it), each appended to its
         sequence unless that was released meanwhile (None: not in the step)."""
-        values = launch.launched.tokens()
+        launched = launch.launched
+        values = launched.tokens() if launched is not None else []
         with self._lock:
             tokens: list[int | None] = []
             for seq, row in launch.rows:
-                if row < 0:
+                if row < 0 or launched is None:
                     tokens.append(None)
                     continue
                 seq.inflight -= 1
@@ -742,7 +749,7 @@ class TorchEngine:
                     self.settle(seq)  # its prefill's token comes before this step's (and is on the host by now)
                 if not seq.released:
                     if seq.sampling.logprobs is not None:
-                        seq.logprobs[seq.num_generated] = launch.launched.logprobs(row, seq.sampling.logprobs)
+                        seq.logprobs[seq.num_generated] = launched.logprobs(row, seq.sampling.logprobs)
                     seq.output_ids.append(values[row])
                 tokens.append(values[row])
             return tokens

@@ -110,7 +110,8 @@ class Launch:
     the error that ended that prompt."""
 
     rows: list[tuple[Sequence, int]]
-    launched: Launched
+    # None: no sequence of the step had a row (every one waits for blocks).
+    launched: Launched | None
     carried: bool = False
     chunk: Any = None
 

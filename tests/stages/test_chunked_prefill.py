@@ -485,3 +485,34 @@ async def test_a_last_chunks_sequence_whose_caller_is_cancelled_as_it_comes_is_r
         await eventually(lambda: pool.num_free == pool.capacity, within=10.0)
     finally:
         await engine.close()
+
+
+def test_a_lone_sequence_swapped_out_for_a_waiting_prompts_blocks_launches_no_step(
+    tiny_model_dir: Path, engine_device: str
+) -> None:
+    """One decoder row, and a chunked prompt that took all but the pool's
+    spare block and waits for the row: the running sequence, out of room,
+    is swapped out (the youngest of its own step), and with no row held by
+    anyone its launch queues nothing (it used to launch a step of no rows,
+    which raised and failed the request; seen under `--kv-cache-memory`
+    small enough for one conversation). The waiting sequence then takes the
+    row, the swapped one comes back after it: both are generate()'s."""
+    engine = _fused(tiny_model_dir, engine_device, budget=32, slots=1, kv_cache_memory=str(33 * 8192))
+    pool = engine.decoder.pool
+    short = list(engine.tokenizer("Count with me:")["input_ids"])
+    [(running, _)] = engine.prefill([short], [[]], [greedy(40)])
+    words = list(engine.tokenizer(" ".join(f"w{i}" for i in range(400)))["input_ids"])
+    prompt = words[: (pool.num_free - engine._spare()) * engine.block_size - 4]
+    _, waiting, _ = _chunked(engine, prompt, N)
+    assert waiting.slot < 0 and len(waiting.blocks) == engine.decoder.blocks_for(len(prompt))
+    tokens: list[int | None] = []
+    for _ in range(64):
+        launch = engine.launch([running])
+        assert launch is not None
+        tokens = engine.collect(launch)
+        if running.slot < 0:
+            break
+    assert running.slot < 0 and running.swapped and launch.launched is None and tokens == [None]
+    assert _decoded(engine, waiting, N) == reference_generate(tiny_model_dir, prompt, [], N)
+    assert _decoded(engine, running, 40) == reference_generate(tiny_model_dir, short, [], 40)
+    assert pool.num_free == pool.capacity
