@@ -790,8 +790,9 @@ class TorchEngine:
         one in the batch decoder, or never to be in it (it steps on its own
         cache), goes; one that needs blocks goes if they are free beside
         those taken by the ones before it, and once one must wait, the ones
-        behind it that need blocks wait too. (Read without the engine's
-        lock: a step admits again, and one it cannot take waits a step.)"""
+        behind it that need blocks wait too; one whose cache is in its blocks
+        already needs only a row. (Read without the engine's lock: a step
+        admits again, and one it cannot take waits a step.)"""
         decoder, slots = self.decoder, self._slots
         if decoder is None or slots is None:
             return [True] * len(seqs)
@@ -803,7 +804,20 @@ class TorchEngine:
                 continue
             # One swapped out comes back as it was; a new one leaves a few blocks to grow into.
             swapped = seq.swapped  # once: the engine's thread may take it meanwhile
-            need = len(swapped[0][0]) if swapped else decoder.blocks_for(seq.length) - len(seq.blocks) + self._spare()
+            short = 0 if swapped else decoder.blocks_for(seq.length) - len(seq.blocks)
+            if not swapped and seq.cache is None and seq.blocks and not seq.receiving:
+                # Its whole cache in blocks already (a prompt chunked into
+                # them, a hand-off's READ): it needs only a row, and goes
+                # ahead of one waiting for blocks, which its running to its
+                # end frees; held back, the two would wait on each other for
+                # ever (seen: a lone sequence swapped out for such a one's
+                # blocks, then first in line, short of them).
+                joins = rows >= 1 and short <= free
+                if joins:
+                    free, rows = free - short, rows - 1
+                out.append(joins)
+                continue
+            need = len(swapped[0][0]) if swapped else short + self._spare()
             waiting = waiting or need > free or rows < 1
             if not waiting:
                 free, rows = free - need, rows - 1

@@ -487,22 +487,24 @@ async def test_a_last_chunks_sequence_whose_caller_is_cancelled_as_it_comes_is_r
         await engine.close()
 
 
-def test_a_lone_sequence_swapped_out_for_a_waiting_prompts_blocks_launches_no_step(
+def test_a_lone_sequence_swapped_out_for_a_waiting_prompts_blocks_launches_no_step_then_lets_it_run(
     tiny_model_dir: Path, engine_device: str
 ) -> None:
     """One decoder row, and a chunked prompt that took all but the pool's
     spare block and waits for the row: the running sequence, out of room,
     is swapped out (the youngest of its own step), and with no row held by
     anyone its launch queues nothing (it used to launch a step of no rows,
-    which raised and failed the request; seen under `--kv-cache-memory`
-    small enough for one conversation). The waiting sequence then takes the
-    row, the swapped one comes back after it: both are generate()'s."""
+    which raised and failed the request). Then, first in line, it is short
+    of blocks that the prompt behind it holds: the prompt, its cache in its
+    blocks already, goes first (it used to wait behind it, and the two
+    waited on each other for ever; seen under `--kv-cache-memory` small
+    enough for one conversation). Both streams are generate()'s."""
     engine = _fused(tiny_model_dir, engine_device, budget=32, slots=1, kv_cache_memory=str(33 * 8192))
     pool = engine.decoder.pool
-    short = list(engine.tokenizer("Count with me:")["input_ids"])
-    [(running, _)] = engine.prefill([short], [[]], [greedy(40)])
     words = list(engine.tokenizer(" ".join(f"w{i}" for i in range(400)))["input_ids"])
-    prompt = words[: (pool.num_free - engine._spare()) * engine.block_size - 4]
+    first = words[:150]  # ten blocks: more than the pool's spare, to come back into
+    [(running, _)] = engine.prefill([first], [[]], [greedy(40)])
+    prompt = words[150:][: (pool.num_free - engine._spare()) * engine.block_size - 4]
     _, waiting, _ = _chunked(engine, prompt, N)
     assert waiting.slot < 0 and len(waiting.blocks) == engine.decoder.blocks_for(len(prompt))
     tokens: list[int | None] = []
@@ -513,6 +515,17 @@ def test_a_lone_sequence_swapped_out_for_a_waiting_prompts_blocks_launches_no_st
         if running.slot < 0:
             break
     assert running.slot < 0 and running.swapped and launch.launched is None and tokens == [None]
+    # Another long prompt's first chunk takes the blocks the swapped one gave back.
+    third = words[150 + len(prompt) :][: (pool.num_free - engine._spare()) * engine.block_size - 4]
+    prefilling = engine.start_prefill(third, [], greedy(N))
+    assert engine.prefill_chunk(prefilling) is None and pool.num_free == engine._spare()
+    assert engine.admissible([running, waiting]) == [False, True]
     assert _decoded(engine, waiting, N) == reference_generate(tiny_model_dir, prompt, [], N)
-    assert _decoded(engine, running, 40) == reference_generate(tiny_model_dir, short, [], 40)
+    out = None
+    while out is None:
+        out = engine.prefill_chunk(prefilling)
+    later = out[0]
+    assert _decoded(engine, later, N) == reference_generate(tiny_model_dir, third, [], N)
+    assert engine.admissible([running]) == [True]
+    assert _decoded(engine, running, 40) == reference_generate(tiny_model_dir, first, [], 40)
     assert pool.num_free == pool.capacity
