@@ -64,6 +64,11 @@ class WorkerSettings:
         help="the generate-image stage's text-to-image pipeline: the built-in tiny-sd or a diffusers pipeline "
         "folder (unset: tiny-sd)",
     )
+    image_cuda_graphs: bool = setting(
+        True,
+        help="the generate-image stage's denoiser (a diffusers pipeline's UNet) replayed from CUDA graphs, one a "
+        "batch and size, captured on first use (off: its modules eagerly, as the pipeline alone runs them)",
+    )
     image_inline_bytes: int = setting(
         MAX_INLINE_IMAGE,
         help="an image this size or smaller rides inside its reply chunk; a larger one waits in the tensor "
@@ -285,7 +290,7 @@ def _image_stage(settings: WorkerSettings, tensors: TensorStore | None) -> Stage
 
     name = settings.image_model or TINY_TEXT_TO_IMAGE
     path = image_model_path(name)
-    engine = ImageEngine(path, device=resolve_device(settings.device))
+    engine = ImageEngine(path, device=resolve_device(settings.device), cuda_graphs=settings.image_cuda_graphs)
     return ImageStage(engine, path.name, tensors, inline_bytes=settings.image_inline_bytes)
 
 

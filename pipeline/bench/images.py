@@ -20,6 +20,10 @@ pipeline alone, in one run.
   timed requests) beside diffusers' call, then its PNGs (``png_s``): what
   the worker adds inside the drawing, apart from the PNGs, and what the
   hop and the reply add around them.
+- The stage's defaults replay its denoiser from CUDA graphs on a GPU,
+  which the pipeline alone does not; ``--also-eager`` runs a second stack
+  with ``--no-image-cuda-graphs``, the same kernels as the pipeline's own
+  call, so the stage's cost over diffusers shows apart from the graphs' gain.
 """
 
 from __future__ import annotations
@@ -51,6 +55,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--size", dest="images_size", default="512x512", help="WIDTHxHEIGHT")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--device", dest="images_device", default="", help="default: cuda if there is one")
+    p.add_argument(
+        "--also-eager",
+        action="store_true",
+        help="also a stack with --no-image-cuda-graphs: the stage on the pipeline's own kernels, its cost over them",
+    )
     p.add_argument("--json", dest="images_json", action="store_true", help="print the rows as JSON")
     p.add_argument("--output", default="", metavar="FILE", help="also write the results here, as JSON")
 
@@ -96,7 +105,13 @@ def diffusers_alone(
 
 
 def through_mmpipe(
-    path: Path, device: str, batches: list[int], steps: int, size: tuple[int, int], repeats: int
+    path: Path,
+    device: str,
+    batches: list[int],
+    steps: int,
+    size: tuple[int, int],
+    repeats: int,
+    up_args: tuple[str, ...] = (),
 ) -> tuple[dict[int, float], dict[int, tuple[float, float]]]:
     """Seconds a request of each batch takes, through ``mmpipe up``, and
     seconds the stage's drawing and its PNGs took of it (medians of the
@@ -109,7 +124,7 @@ def through_mmpipe(
     asked: dict[int, list[str]] = {}
     with tempfile.TemporaryDirectory(prefix="mmpipe-bench-images-") as tmp:
         # INFO: the worker logs each request's hop trace, its drawing's seconds in it.
-        extra = ("--device", device, "--image-model", str(path), "--log-level", "INFO")
+        extra = ("--device", device, "--image-model", str(path), "--log-level", "INFO", *up_args)
         with mmpipe_up("epd", "tiny-qwen2-vl", "nats", Path(tmp), extra=extra) as (url, _):
             with openai.OpenAI(base_url=url, api_key="unused", max_retries=0, timeout=3600) as client:
                 # The bridge's ready line may come before the image worker's.
@@ -189,6 +204,13 @@ def main(args: argparse.Namespace) -> int:
         path = _model(args, Path(scratch))
         alone = diffusers_alone(path, device, batches, args.steps, (width, height), args.repeats)
         served, draw = through_mmpipe(path, device, batches, args.steps, (width, height), args.repeats)
+        eager = (
+            through_mmpipe(
+                path, device, batches, args.steps, (width, height), args.repeats, ("--no-image-cuda-graphs",)
+            )
+            if args.also_eager
+            else None
+        )
         after = diffusers_alone(path, device, batches, args.steps, (width, height), args.repeats)
     card = torch.cuda.get_device_name() if device.startswith("cuda") else "cpu"
     fastest = {n: min(*alone[n], *after[n]) for n in batches}
@@ -210,6 +232,16 @@ def main(args: argparse.Namespace) -> int:
             "stage_png_s": draw[n][1],
             "request_s": served[n],
         }
+        | (
+            {
+                "eager_ratio": fastest[n] / eager[0][n],
+                "eager_stage_drawing_s": eager[1][n][0],
+                "eager_stage_png_s": eager[1][n][1],
+                "eager_request_s": eager[0][n],
+            }
+            if eager
+            else {}
+        )
         for n in batches
     ]
     write_json(rows, args.output, "bench_images.json")
@@ -234,4 +266,12 @@ def main(args: argparse.Namespace) -> int:
             f"{r['ratio']:>17.3f} {before:>43} {later:>15} {r['stage_drawing_s']:>16.3f} {r['stage_png_s']:>6.3f}"
             f" {r['request_s']:>10.3f}"
         )
+    if eager:
+        print("the stage without CUDA graphs (--no-image-cuda-graphs), its own stack:")
+        print(f"{'batch':>5} {'mmpipe/diffusers':>17} {'stage drawing s':>16} {'png s':>6} {'request s':>10}")
+        for r in rows:
+            print(
+                f"{r['batch']:>5} {r['eager_ratio']:>17.3f} {r['eager_stage_drawing_s']:>16.3f}"
+                f" {r['eager_stage_png_s']:>6.3f} {r['eager_request_s']:>10.3f}"
+            )
     return 0

@@ -55,7 +55,8 @@ class ImageStage:
         return [self.served_name]
 
     async def start(self) -> None:
-        pass
+        if self.engine.denoiser is not None:
+            await asyncio.get_running_loop().run_in_executor(self._drawer, self.engine.warm_up)
 
     async def close(self) -> None:
         if self._drawing is not None:

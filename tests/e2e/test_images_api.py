@@ -33,15 +33,16 @@ from tests.e2e.conftest import N
 from tests.e2e.engine_crash import kill_tree, start_nats
 from tests.e2e.processes import Processes
 from tests.e2e.test_up import _free_port
-from tests.stages.test_image_stage import _reference
+from tests.stages.test_image_stage import _decoded, _reference
 
 INLINE = 4096
 
 
-def _png(url: str) -> bytes:
+def _png(url: str) -> tuple[str, tuple[int, int], bytes]:
+    """A data: URL's PNG, read back: its mode, size and pixels."""
     head, _, data = url.partition(",")
     assert head == "data:image/png;base64"
-    return base64.b64decode(data)
+    return _decoded(base64.b64decode(data))
 
 
 @pytest.mark.e2e
@@ -67,14 +68,14 @@ def test_images_come_from_the_image_stage_as_diffusers_draws_them(
             )
             got = [base64.b64decode(image.b64_json or "") for image in drawn.data or []]
             params = ImageParams(prompt="a lighthouse at night", n=2, width=64, height=48, steps=2, guidance=6.0)
-            assert got == _reference(image_model_path(TINY_TEXT_TO_IMAGE), params, 21)
+            assert [_decoded(g) for g in got] == _reference(image_model_path(TINY_TEXT_TO_IMAGE), params, 21)
             assert drawn.size == "64x48" and drawn.output_format == "png"
             # Over the inline limit (--image-inline-bytes, 1 MiB at most): the worker holds the
             # image and the bridge reads it through the tensor transport.
             big = client.images.generate(prompt="noise", extra_body={"seed": 4, "num_inference_steps": 1})
             [large] = [base64.b64decode(image.b64_json or "") for image in big.data or []]
             assert len(large) > INLINE
-            assert [large] == _reference(
+            assert [_decoded(large)] == _reference(
                 image_model_path(TINY_TEXT_TO_IMAGE), ImageParams("noise", 1, 64, 64, 1, 7.5), 4
             )
             assert '"put_s"' in up.text()  # the worker's trace: the image went by reference
@@ -200,7 +201,7 @@ async def test_a_killed_image_worker_s_request_is_drawn_once_by_another(tmp_path
         finally:
             await nc.close()
         assert sorted(c.index for c in chunks) == [0, 1]  # each image once
-        assert [c.data for c in sorted(chunks, key=lambda c: c.index)] == _reference(
+        assert [_decoded(c.data) for c in sorted(chunks, key=lambda c: c.index)] == _reference(
             image_model_path(TINY_TEXT_TO_IMAGE), params, 13
         )
         assert '"hop_trace"' in second.text() and '"hop_trace"' not in first.text()
