@@ -790,9 +790,10 @@ class TorchEngine:
         one in the batch decoder, or never to be in it (it steps on its own
         cache), goes; one that needs blocks goes if they are free beside
         those taken by the ones before it, and once one must wait, the ones
-        behind it that need blocks wait too; one whose cache is in its blocks
-        already needs only a row. (Read without the engine's lock: a step
-        admits again, and one it cannot take waits a step.)"""
+        behind it that need blocks wait too, but for one that holds blocks
+        already, which goes if the rest it needs is free. (Read without the
+        engine's lock: a step admits again, and one it cannot take waits a
+        step.)"""
         decoder, slots = self.decoder, self._slots
         if decoder is None or slots is None:
             return [True] * len(seqs)
@@ -802,22 +803,30 @@ class TorchEngine:
             if seq.slot >= 0 or not self._ever_fits(seq):
                 out.append(True)
                 continue
-            # One swapped out comes back as it was; a new one leaves a few blocks to grow into.
+            # One swapped out comes back as it was, with the block its next
+            # write needs (swapped out for want of it, back into just its own
+            # blocks its next step would swap it out again); a new one leaves
+            # a few blocks to grow into.
             swapped = seq.swapped  # once: the engine's thread may take it meanwhile
             short = 0 if swapped else decoder.blocks_for(seq.length) - len(seq.blocks)
-            if not swapped and seq.cache is None and seq.blocks and not seq.receiving:
-                # Its whole cache in blocks already (a prompt chunked into
-                # them, a hand-off's READ): it needs only a row, and goes
-                # ahead of one waiting for blocks, which its running to its
-                # end frees; held back, the two would wait on each other for
-                # ever (seen: a lone sequence swapped out for such a one's
-                # blocks, then first in line, short of them).
-                joins = rows >= 1 and short <= free
+            if swapped:
+                need = max(len(swapped[0][0]), seq.ahead // decoder.block_size + 1)
+            else:
+                need = short + self._spare()
+            if not swapped and seq.blocks and not seq.receiving:
+                # It holds blocks already (a prompt chunked into them, a
+                # cached prefix it prefilled past, a hand-off's READ): it goes
+                # ahead of one waiting for blocks if the rest it needs is
+                # free, as its running to its end frees what it holds. Held
+                # back, the two could wait on each other for ever (seen: a
+                # lone sequence swapped out, first in line, short of the
+                # blocks that a prompt behind it held or shared with it).
+                joins = rows >= 1 and need <= free
                 if joins:
-                    free, rows = free - short, rows - 1
+                    free, rows = free - max(short, 0), rows - 1
+                waiting = waiting or not joins
                 out.append(joins)
                 continue
-            need = len(swapped[0][0]) if swapped else short + self._spare()
             waiting = waiting or need > free or rows < 1
             if not waiting:
                 free, rows = free - need, rows - 1

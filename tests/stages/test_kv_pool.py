@@ -121,3 +121,59 @@ async def test_a_sequence_waiting_for_blocks_goes_once_a_transfer_gives_them_bac
         await scheduler.close()
         thread.close()
     assert tokens == expected
+
+
+async def test_a_prompt_holding_cached_blocks_goes_ahead_of_a_swapped_out_sequence_short_of_them(
+    mmpipe_home: Path, engine_device: str
+) -> None:
+    """A prompt that found a cached prefix holds those blocks while it waits
+    for the rest; the running sequence fills what is left of the pool, is
+    swapped out and, first in line, could come back only into blocks the
+    waiting prompt holds. The prompt goes first (it used to wait behind it
+    and both waited for ever: one worker under `--kv-cache-memory` for one
+    conversation at a time stalled for minutes), and the swapped one comes
+    back once it can grow (not into exactly the blocks it left, to be
+    swapped out again at once); both streams are the sequences decoded alone."""
+    model_dir = builtin_path("tiny-qwen2-vl")
+    max_len = 512
+    probe = engine_on(engine_device, model_dir, DecodeSettings(slots=4, max_len=max_len))
+    assert probe.decoder is not None
+    # 32 blocks of 16 tokens: one sequence of max_len, and no more.
+    memory = str(33 * probe.decoder.bytes_per_block)
+    engine = engine_on(engine_device, model_dir, DecodeSettings(slots=4, max_len=max_len, kv_cache_memory=memory))
+    decoder = engine.decoder
+    assert decoder is not None and decoder.pool.capacity == 32
+    words = engine.tokenizer(" ".join(f"w{i}" for i in range(300)))["input_ids"]
+    shared = words[:160]  # ten full blocks
+    earlier, first, second = shared + words[160:170], words[170:230], shared + words[230:520]
+    short = SamplingConfig(temperature=0.0, max_tokens=8, min_tokens=8)
+    long = SamplingConfig(temperature=0.0, max_tokens=400, min_tokens=400)
+    alone = engine_on(engine_device, model_dir, DecodeSettings(batched=False))
+    expected = [_alone(alone, first, long), _alone(alone, second, short)]
+    _alone(engine, earlier, short)  # its prompt's full blocks stay cached
+    thread = EngineThread()
+    scheduler = DecodeScheduler(engine, thread, max_batch=4)
+    scheduler.start()
+    preempted = metrics.PREEMPTIONS._value.get()
+    got: list[list[int]] = [[], []]
+
+    async def consume(i: int, seq: object, first_token: int, want: int) -> None:
+        got[i] = [first_token]
+        async for token in scheduler.stream(seq, lambda _: len(got[i]) + 1 >= want):
+            got[i].append(token)
+
+    try:
+        [(running, token)] = await thread.call(engine.prefill, [first], [[]], [long])
+        one = asyncio.ensure_future(consume(0, running, token, long.max_tokens))
+        await eventually(lambda: len(got[0]) > 2, within=30)
+        [(waiting, token)] = await thread.call(engine.prefill, [second], [[]], [short])
+        assert len(waiting.blocks) == 10 and waiting.slot < 0  # the cached prefix; no room for the rest yet
+        two = asyncio.ensure_future(consume(1, waiting, token, short.max_tokens))
+        await asyncio.wait_for(asyncio.gather(one, two), timeout=120)
+    finally:
+        await scheduler.close()
+    await thread.call(lambda: None)
+    thread.close()
+    assert got == expected
+    assert metrics.PREEMPTIONS._value.get() > preempted
+    assert decoder.pool.num_free == decoder.pool.capacity
