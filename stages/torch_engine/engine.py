@@ -833,6 +833,38 @@ class TorchEngine:
             out.append(not waiting)
         return out
 
+    def unblock(self, seqs: list[Sequence]) -> bool:
+        """With no sequence running and none of ``seqs`` (the waiting, first
+        in line first) admissible: the blocks waiting ones hold are let go,
+        the last in line's first, until the first in line fits. A cached
+        prefix's shares go (the sequence's own cache holds those positions
+        too: it joins into fresh blocks), a cache held in blocks goes to the
+        host (it comes back as a swapped-out one). Held, they could wait for
+        ever: each short of blocks another holds, and none running to free
+        them (seen: two prompts each holding a cached prefix, one worker,
+        `--kv-cache-memory` for about one conversation). Whether anything
+        was let go."""
+        decoder, slots = self.decoder, self._slots
+        if decoder is None or slots is None or not seqs:
+            return False
+        let_go = False
+        with self._lock, torch.inference_mode():
+            for seq in reversed(seqs):
+                if self.admissible(seqs)[0]:
+                    break
+                if seq.slot >= 0 or seq.swapped or seq.receiving or not seq.blocks:
+                    continue
+                if seq.cache is not None:
+                    decoder.pool.free(seq.blocks)
+                    seq.blocks = []
+                else:
+                    slots.swap_out(seq)
+                let_go = True
+            self._count_blocks()
+        if let_go:
+            log.info("kv_waiting_let_go", waiting=len(seqs), free_blocks=decoder.pool.num_free)
+        return let_go
+
     def has_room(self) -> bool:
         """Whether the pool has blocks for more than a few tokens: below that,
         a worker takes no more requests until running ones leave."""

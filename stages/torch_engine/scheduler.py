@@ -513,6 +513,12 @@ class DecodeScheduler:
                 if not self._waiting:
                     await self._wake.wait()
                     continue
+                unblock = getattr(self._engine, "unblock", None)
+                if self._blocked and unblock is not None:
+                    # Nothing runs to free blocks: those the waiting hold go, until the first fits.
+                    seqs = [e.seq for e in self._waiting]
+                    if await self._thread.call(unblock, seqs):
+                        continue
                 # Blocks can come back without a word to this loop (a KV
                 # transfer given up frees what it held): look again soon.
                 with contextlib.suppress(TimeoutError):

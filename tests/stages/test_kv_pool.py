@@ -177,3 +177,54 @@ async def test_a_prompt_holding_cached_blocks_goes_ahead_of_a_swapped_out_sequen
     assert got == expected
     assert metrics.PREEMPTIONS._value.get() > preempted
     assert decoder.pool.num_free == decoder.pool.capacity
+
+
+async def test_prompts_each_holding_a_cached_prefix_and_short_of_the_rest_let_go_until_one_fits(
+    mmpipe_home: Path, engine_device: str
+) -> None:
+    """Two prompts, each holding the cached prefix it found, each short of
+    blocks for the rest by what the other holds, nothing running: the last
+    in line lets its prefix's blocks go (its own cache holds them too), the
+    first runs, then the other; both streams are the prompts decoded alone
+    (they used to wait for ever: one worker, a pool for about one
+    conversation, four users)."""
+    model_dir = builtin_path("tiny-qwen2-vl")
+    max_len = 512
+    probe = engine_on(engine_device, model_dir, DecodeSettings(slots=4, max_len=max_len))
+    assert probe.decoder is not None
+    memory = str(33 * probe.decoder.bytes_per_block)
+    engine = engine_on(engine_device, model_dir, DecodeSettings(slots=4, max_len=max_len, kv_cache_memory=memory))
+    decoder = engine.decoder
+    assert decoder is not None and decoder.pool.capacity == 32
+    words = engine.tokenizer(" ".join(f"w{i}" for i in range(300)))["input_ids"]
+    a, b, rest = words[:192], words[192:384], words[384:]  # twelve blocks each
+    short = SamplingConfig(temperature=0.0, max_tokens=8, min_tokens=8)
+    prompts = [a + rest[:120], b + rest[120:240]]  # twenty blocks each
+    alone = engine_on(engine_device, model_dir, DecodeSettings(batched=False))
+    expected = [_alone(alone, p, short) for p in prompts]
+    for earlier in (a + rest[:4], b + rest[:4]):
+        _alone(engine, earlier, short)  # their prompts' full blocks stay cached
+    thread = EngineThread()
+    scheduler = DecodeScheduler(engine, thread, max_batch=4)
+    scheduler.start()
+    got: list[list[int]] = [[], []]
+
+    async def consume(i: int, seq: object, first_token: int) -> None:
+        got[i] = [first_token]
+        async for token in scheduler.stream(seq, lambda _: len(got[i]) + 1 >= short.max_tokens):
+            got[i].append(token)
+
+    try:
+        pairs = await thread.call(engine.prefill, prompts, [[], []], [short, short])
+        assert [len(seq.blocks) for seq, _ in pairs] == [12, 12]
+        # Each needs eight more (and the spare block) of the eight left free.
+        assert not any(engine.admissible([seq for seq, _ in pairs]))
+        await asyncio.wait_for(
+            asyncio.gather(*(consume(i, seq, token) for i, (seq, token) in enumerate(pairs))), timeout=120
+        )
+    finally:
+        await scheduler.close()
+    await thread.call(lambda: None)
+    thread.close()
+    assert got == expected
+    assert decoder.pool.num_free == decoder.pool.capacity
