@@ -4,7 +4,7 @@ call from one seeded generator.
 The generator lives on the CPU whatever the device (diffusers draws the
 first latents there and moves them), so a seed gives the same starting
 noise on every device; on a CPU in float32 the same seed, prompt, size,
-steps and guidance give the same bytes as the pipeline called directly.
+steps and guidance give the same pixels as the pipeline called directly.
 """
 
 from __future__ import annotations
