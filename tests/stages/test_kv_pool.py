@@ -134,21 +134,14 @@ async def test_a_prompt_holding_cached_blocks_goes_ahead_of_a_swapped_out_sequen
     conversation at a time stalled for minutes), and the swapped one comes
     back once it can grow (not into exactly the blocks it left, to be
     swapped out again at once); both streams are the sequences decoded alone."""
-    model_dir = builtin_path("tiny-qwen2-vl")
-    max_len = 512
-    probe = engine_on(engine_device, model_dir, DecodeSettings(slots=4, max_len=max_len))
-    assert probe.decoder is not None
-    # 32 blocks of 16 tokens: one sequence of max_len, and no more.
-    memory = str(33 * probe.decoder.bytes_per_block)
-    engine = engine_on(engine_device, model_dir, DecodeSettings(slots=4, max_len=max_len, kv_cache_memory=memory))
+    engine, words = _pool_of_one_sequence(engine_device)
     decoder = engine.decoder
-    assert decoder is not None and decoder.pool.capacity == 32
-    words = engine.tokenizer(" ".join(f"w{i}" for i in range(300)))["input_ids"]
+    assert decoder is not None
     shared = words[:160]  # ten full blocks
     earlier, first, second = shared + words[160:170], words[170:230], shared + words[230:520]
     short = SamplingConfig(temperature=0.0, max_tokens=8, min_tokens=8)
     long = SamplingConfig(temperature=0.0, max_tokens=400, min_tokens=400)
-    alone = engine_on(engine_device, model_dir, DecodeSettings(batched=False))
+    alone = engine_on(engine_device, builtin_path("tiny-qwen2-vl"), DecodeSettings(batched=False))
     expected = [_alone(alone, first, long), _alone(alone, second, short)]
     _alone(engine, earlier, short)  # its prompt's full blocks stay cached
     thread = EngineThread()
@@ -188,19 +181,13 @@ async def test_prompts_each_holding_a_cached_prefix_and_short_of_the_rest_let_go
     first runs, then the other; both streams are the prompts decoded alone
     (they used to wait for ever: one worker, a pool for about one
     conversation, four users)."""
-    model_dir = builtin_path("tiny-qwen2-vl")
-    max_len = 512
-    probe = engine_on(engine_device, model_dir, DecodeSettings(slots=4, max_len=max_len))
-    assert probe.decoder is not None
-    memory = str(33 * probe.decoder.bytes_per_block)
-    engine = engine_on(engine_device, model_dir, DecodeSettings(slots=4, max_len=max_len, kv_cache_memory=memory))
+    engine, words = _pool_of_one_sequence(engine_device)
     decoder = engine.decoder
-    assert decoder is not None and decoder.pool.capacity == 32
-    words = engine.tokenizer(" ".join(f"w{i}" for i in range(300)))["input_ids"]
+    assert decoder is not None
     a, b, rest = words[:192], words[192:384], words[384:]  # twelve blocks each
     short = SamplingConfig(temperature=0.0, max_tokens=8, min_tokens=8)
     prompts = [a + rest[:120], b + rest[120:240]]  # twenty blocks each
-    alone = engine_on(engine_device, model_dir, DecodeSettings(batched=False))
+    alone = engine_on(engine_device, builtin_path("tiny-qwen2-vl"), DecodeSettings(batched=False))
     expected = [_alone(alone, p, short) for p in prompts]
     for earlier in (a + rest[:4], b + rest[:4]):
         _alone(engine, earlier, short)  # their prompts' full blocks stay cached
@@ -228,3 +215,15 @@ async def test_prompts_each_holding_a_cached_prefix_and_short_of_the_rest_let_go
     thread.close()
     assert got == expected
     assert decoder.pool.num_free == decoder.pool.capacity
+
+
+def _pool_of_one_sequence(engine_device: str) -> tuple[TorchEngine, list[int]]:
+    """An engine whose pool holds one sequence of 512 tokens (32 blocks of
+    16) and no more, and 300 words' token ids to make prompts of."""
+    model_dir = builtin_path("tiny-qwen2-vl")
+    probe = engine_on(engine_device, model_dir, DecodeSettings(slots=4, max_len=512))
+    assert probe.decoder is not None
+    memory = str(33 * probe.decoder.bytes_per_block)
+    engine = engine_on(engine_device, model_dir, DecodeSettings(slots=4, max_len=512, kv_cache_memory=memory))
+    assert engine.decoder is not None and engine.decoder.pool.capacity == 32
+    return engine, list(engine.tokenizer(" ".join(f"w{i}" for i in range(300)))["input_ids"])
