@@ -21,7 +21,7 @@ from schemas.request import GenerateRequest, ImageParams
 from schemas.routes import GENERATE_IMAGE
 from stages.image_engine.checkpoint import TINY_TEXT_TO_IMAGE, image_model_path
 from tests.pipeline.test_worker import running  # noqa: F401  (the fixture)
-from tests.stages.test_image_stage import _reference
+from tests.stages.test_image_stage import _decoded, _reference
 
 
 async def _queue(js: Any, config: PipelineConfig, rid: str, params: ImageParams, seed: int) -> None:
@@ -59,7 +59,7 @@ async def test_a_worker_draws_a_queued_hops_images_onto_its_reply_subject(
     assert all(isinstance(c, ImageChunk) for c in chunks)
     images = [c for c in chunks if isinstance(c, ImageChunk)]
     assert [(c.index, c.count, c.seed) for c in images] == [(0, 2, 9), (1, 2, 9)]
-    assert [c.data for c in images] == _reference(image_model_path(TINY_TEXT_TO_IMAGE), params, 9)
+    assert [_decoded(c.data) for c in images] == _reference(image_model_path(TINY_TEXT_TO_IMAGE), params, 9)
 
     bad = await running.nc.subscribe(subjects.reply("draw-2"))
     await _queue(running.js, pipeline_config, "draw-2", ImageParams(prompt="x", width=63), seed=1)
