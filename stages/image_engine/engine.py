@@ -127,14 +127,10 @@ class ImageEngine:
             raise InvalidRequest(f"guidance is {guidance}; 0 to 50")
         return Drawing(text, params.n, width, height, steps, guidance, seed)
 
-    def draw(self, job: Drawing, cancelled: threading.Event | None = None) -> list[bytes]:
-        """The job's images as PNG files' bytes (blocks: on a thread of its
-        own). ``cancelled`` set: DrawingCancelled at the next step."""
-        return self.pngs(self.draw_pixels(job, cancelled))
-
     def draw_pixels(self, job: Drawing, cancelled: threading.Event | None = None) -> list[Any]:
         """The job's images as uint8 arrays (H, W, C), or PIL images where
-        the pipeline gives no tensors: ``draw`` before the PNGs."""
+        the pipeline gives no tensors (blocks: on a thread of its own; the
+        PNGs are ``pngs``'). ``cancelled`` set: DrawingCancelled at the next step."""
         import torch
 
         def check(pipeline: Any, step: int, timestep: Any, tensors: dict[str, Any]) -> dict[str, Any]:

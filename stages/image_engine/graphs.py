@@ -21,19 +21,21 @@ import structlog
 
 log = structlog.get_logger(__name__)
 
-# The keyword arguments a Stable Diffusion pipeline passes, as it passes
-# them when nothing beyond text-to-image is asked of it.
-_PLAIN = {
-    "class_labels": None,
-    "timestep_cond": None,
-    "attention_mask": None,
-    "cross_attention_kwargs": None,
-    "added_cond_kwargs": None,
-    "down_block_additional_residuals": None,
-    "mid_block_additional_residual": None,
-    "down_intrablock_additional_residuals": None,
-    "encoder_attention_mask": None,
-}
+# The UNet's optional inputs, which a Stable Diffusion pipeline passes as
+# None when nothing beyond text-to-image is asked of it.
+_OPTIONAL = frozenset(
+    {
+        "class_labels",
+        "timestep_cond",
+        "attention_mask",
+        "cross_attention_kwargs",
+        "added_cond_kwargs",
+        "down_block_additional_residuals",
+        "mid_block_additional_residual",
+        "down_intrablock_additional_residuals",
+        "encoder_attention_mask",
+    }
+)
 
 
 class _Captured:
@@ -101,8 +103,8 @@ class GraphedDenoiser:
         return_dict = kwargs.pop("return_dict", True)
         plain = (
             not args
-            and all(kwargs.get(name, _PLAIN[name]) is None for name in _PLAIN)
-            and set(kwargs) <= set(_PLAIN)
+            and kwargs.keys() <= _OPTIONAL
+            and all(value is None for value in kwargs.values())
             and isinstance(timestep, torch.Tensor)
             and timestep.ndim == 0
             and timestep.device == sample.device
