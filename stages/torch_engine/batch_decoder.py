@@ -56,6 +56,7 @@ from stages.torch_engine.fused_decode import (
 )
 from stages.torch_engine.fused_lora import NO_LORA, LayerLora
 from stages.torch_engine.row_sampling import MAX_TOP, RowSampling
+from stages.torch_engine.sampling import best_index
 
 # Batch sizes a step is padded up to (each a captured graph on CUDA).
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128)
@@ -646,7 +647,7 @@ class BatchDecoder:
             eos = logits[:, self._eos]
             logits[:, self._eos] = torch.where(self.mask_eos[:bucket, None] > 0, float("-inf"), eos)
         if sampled is None:
-            sampled = torch.where(self.asked[:bucket] > 0, logits.argmax(-1), tokens)
+            sampled = torch.where(self.asked[:bucket] > 0, best_index(logits), tokens)
         self.sampled[:bucket] = sampled
         return logits
 

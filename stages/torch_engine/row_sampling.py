@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 
 from stages.sampling import SamplingConfig
-from stages.torch_engine.sampling import sample_rows, sampling_params, weyl
+from stages.torch_engine.sampling import best_index, sample_rows, sampling_params, weyl
 
 # The most likely tokens a step reports for each row (OpenAI's and vLLM's cap).
 MAX_TOP = 20
@@ -169,7 +169,7 @@ def choose(
     out = torch.where(seen, torch.where(out < 0, out * rep, out / rep), out)
     out = out - frequency[:, None] * counts - presence[:, None] * (counts > 0).float()
     out = torch.where(mask_eos[:, None] & is_eos[None, :], float("-inf"), out)
-    sampled = torch.where(asked, out.argmax(-1), fed)
+    sampled = torch.where(asked, best_index(out), fed)
     chosen = logprobs.gather(1, sampled[:, None])
     reports = torch.cat([chosen, best.indices.float(), best.values], dim=1)
     if samples:

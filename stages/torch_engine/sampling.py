@@ -23,6 +23,14 @@ from stages.sampling import Logprobs, SamplingConfig
 _MASK64 = (1 << 64) - 1
 
 
+def best_index(scores: torch.Tensor, dim: int = -1) -> torch.Tensor:
+    """Each row's argmax, the first index on ties as generate()'s, taken from
+    ``max``: the same indices, and on CPU torch's argmax over a vocabulary
+    row is 3 to 4 times slower (32 rows of 151,936, one core: 12.6 ms
+    against 2.9), more than the tiny model's whole step without it."""
+    return scores.max(dim).indices
+
+
 def _splitmix64(x: int) -> int:
     x = (x + 0x9E3779B97F4A7C15) & _MASK64
     x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
@@ -156,7 +164,7 @@ def sample_rows(
     # min_p = 0: log 0 = -inf, nothing below it.
     floor = scores.amax(1, keepdim=True) + torch.log(min_p)[:, None]
     scores = torch.where(scores < floor, float("-inf"), scores)
-    return (scores + gumbel(keys, vocab, ids)).argmax(1)
+    return best_index(scores + gumbel(keys, vocab, ids), 1)
 
 
 # Eager inside the compiled step: inductor (torch 2.11, Triton, dynamic
@@ -209,7 +217,7 @@ def greedy_choice(
     stops = stopping_ids(eos_token_ids, config)
     if stops is not None and index < config.min_tokens:
         logits = _without(logits, stops)
-    return torch.argmax(logits)
+    return best_index(logits.reshape(-1), 0)
 
 
 def stopping_ids(eos_token_ids: torch.Tensor | None, config: SamplingConfig) -> torch.Tensor | None:

@@ -10,7 +10,7 @@ import math
 import pytest
 import torch
 
-from stages.torch_engine.sampling import draw_key, gumbel, sample_rows, uniform, weyl
+from stages.torch_engine.sampling import best_index, draw_key, gumbel, sample_rows, uniform, weyl
 
 
 def _params(*rows: tuple[float, float, float, float]) -> torch.Tensor:
@@ -132,3 +132,17 @@ def test_the_compiled_step_draws_what_the_host_draws() -> None:
         keys = torch.tensor([draw_key(seed, index) for seed in range(len(ROWS))])
         assert torch.equal(compiled(logits, params, keys, True, ids), sample_rows(logits, params, keys, True))
     assert torch.equal(gumbel(keys, 5000, ids), gumbel(keys, 5000))
+
+
+def test_best_index_is_the_first_of_tied_maxima_in_every_row() -> None:
+    # Rows of few distinct values tie often; the greedy token must be
+    # generate()'s (torch.argmax: the first of the tied), -inf and NaN rows too.
+    scores = torch.randint(0, 3, (33, 4099), generator=torch.Generator().manual_seed(4)).float()
+    scores[1] = 2.0
+    scores[2] = float("-inf")
+    scores[3, 7], scores[3, 4000] = float("nan"), float("nan")
+    scores[4, 4098] = 9.0
+    chosen = best_index(scores)
+    assert torch.equal(chosen, scores.argmax(-1))
+    assert chosen[1] == 0 and chosen[4] == 4098
+    assert torch.equal(best_index(scores.t(), 0), chosen)
