@@ -119,9 +119,10 @@ class MediaEncoder:
             )
         # Each item's content digest: what the prefix cache keys the KV blocks
         # showing it by, and (together) the embedding cache's key.
-        digests = list(
-            await asyncio.gather(*(item_digest_off_loop(m, d) for m, d in zip(req.media, datas, strict=True)))
-        )
+        with ctx.timed("digest", items=len(req.media)):
+            digests = list(
+                await asyncio.gather(*(item_digest_off_loop(m, d) for m, d in zip(req.media, datas, strict=True)))
+            )
         if any(m.embeds for m in req.media):
             return _digested(await self._with_precomputed(req, datas, digests, ctx), digests)
         return await self._encoded(
