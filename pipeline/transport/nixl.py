@@ -128,8 +128,6 @@ class NixlTransport:
         self._kv: KeyValue | None = None
         self._sub: Any = None
         self._poller: asyncio.Task[None] | None = None
-        # Copies out of the receive arena still queued on the GPU: each frees its region when run.
-        self._copies_out: set[asyncio.Task[None]] = set()
         # Lease requests waiting for their region's copy to land.
         self._landing_waits: set[asyncio.Task[None]] = set()
         # Threads that sleep in a blocking CUDA event's synchronize until a
@@ -137,9 +135,6 @@ class NixlTransport:
         # loop's backed-off polling saw it up to 2 ms late, on every split
         # request's path). Made on the first wait: CPU holders never wait.
         self._landing_threads: ThreadPoolExecutor | None = None
-        # One thread that sleeps in each queued copy-out's event in turn (one
-        # stream: they end in order), apart from the lease grants' threads.
-        self._copy_thread: ThreadPoolExecutor | None = None
         self._closed = False
         self._stopped = False
 
@@ -192,13 +187,10 @@ class NixlTransport:
                 break
             await asyncio.sleep(0.01)
         self._stopped = True
-        if self._copies_out:
-            await asyncio.wait(list(self._copies_out), timeout=5)
         for task in self._landing_waits:
             task.cancel()
-        for pool in (self._landing_threads, self._copy_thread):
-            if pool is not None:
-                pool.shutdown(wait=False, cancel_futures=True)
+        if self._landing_threads is not None:
+            self._landing_threads.shutdown(wait=False, cancel_futures=True)
         if self._poller is not None:
             self._poller.cancel()
             await asyncio.wait([self._poller], timeout=5)
@@ -299,12 +291,12 @@ class NixlTransport:
         has, or refused as ``landing`` (the reader asks again while its get
         may wait) before the reader's request would time out."""
         wait_s = req.wait_s or self.settings.request_timeout_s / 2
+        if self._landing_threads is None:
+            self._landing_threads = ThreadPoolExecutor(_LANDING_THREADS, thread_name_prefix="nixl-landing")
         event = held.landing
         landed = event is None or event.query()
         if not landed:
             # A thread left waiting past the timeout ends with the copy, which the GPU finishes regardless.
-            if self._landing_threads is None:
-                self._landing_threads = ThreadPoolExecutor(_LANDING_THREADS, thread_name_prefix="nixl-landing")
             waited = asyncio.get_running_loop().run_in_executor(self._landing_threads, event.synchronize)
             try:
                 await asyncio.wait_for(asyncio.shield(waited), wait_s)
@@ -470,33 +462,10 @@ class NixlTransport:
 
             await self._reads.read(ref, local, remote, deadline, tainted=quarantine)
             recv = self._recv[offset : offset + ref.nbytes]
-            if out.device == self.device and out.is_cuda:
-                # Queued, not waited for: whatever reads ``out`` next on this
-                # process's stream runs after it (the prefill of E/PD), and the
-                # region goes back once the copy has run. A host wait here was
-                # a thread hop and a device sync on every split request's way
-                # to its first token.
-                out.copy_(recv, non_blocking=True)
-                copied = torch.cuda.Event(blocking=True)
-                copied.record(torch.cuda.current_stream(self.device))
-                task = asyncio.create_task(self._free_recv_after(copied, offset))
-                self._copies_out.add(task)
-                task.add_done_callback(self._copies_out.discard)
-                offset = -1
-            else:
-                await copy_bytes(lambda: out.copy_(recv), ref.nbytes, self.device, out.device)
+            await copy_bytes(lambda: out.copy_(recv), ref.nbytes, self.device, out.device)
         finally:
-            if offset >= 0 and offset not in self._quarantined:
+            if offset not in self._quarantined:
                 self._free_recv(offset)
-
-    async def _free_recv_after(self, copied: torch.cuda.Event, offset: int) -> None:
-        try:
-            if not copied.query():
-                if self._copy_thread is None:
-                    self._copy_thread = ThreadPoolExecutor(1, thread_name_prefix="nixl-copied")
-                await asyncio.get_running_loop().run_in_executor(self._copy_thread, copied.synchronize)
-        finally:
-            self._free_recv(offset)
 
     def _free_recv(self, offset: int) -> None:
         self._quarantined.pop(offset, None)
