@@ -37,6 +37,7 @@ from schemas.request import (
 from schemas.routes import GENERATE_IMAGE, HOP_ROLES, route_for
 from schemas.settings import setting
 from stages import structured
+from stages.chat_tokens import SegmentTokenizer
 from stages.contract import HopContext, StageOutput
 
 if TYPE_CHECKING:  # the bridge imports this module, and torch only to decode media
@@ -116,6 +117,8 @@ class Processor:
         # LoRA adapters served (name -> directory): a request may name one as
         # its model. Kept current by the worker or bridge (pipeline/lora.py).
         self.adapters: dict[str, str] = {}
+        # A conversation's earlier turns, tokenized once (stages/chat_tokens.py).
+        self._chat_tokens = SegmentTokenizer(model.tokenizer)
 
     @property
     def models(self) -> list[str]:
@@ -327,8 +330,7 @@ class Processor:
 
     def _tokenize(self, messages: list[dict[str, Any]]) -> list[int]:
         text = self.model.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-        ids = self.model.tokenizer(text, add_special_tokens=False)["input_ids"]
-        return [int(t) for t in ids]
+        return self._chat_tokens(text)
 
     def _max_tokens(self, request: GenerateRequest, prompt_len: int, images: int) -> int:
         # Each placeholder becomes at least min_tokens_per_image tokens.
