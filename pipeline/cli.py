@@ -157,6 +157,13 @@ def _bench(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     bench.add_argument("--users", type=int, default=4, help="with --workload multiturn: conversations at once")
     bench.add_argument("--turns", type=int, default=3, help="with --workload multiturn: turns a conversation")
     bench.add_argument(
+        "--conversations",
+        type=int,
+        default=1,
+        help="with --workload multiturn: conversations each user holds one after another, each with its own image "
+        "(more samples of each turn)",
+    )
+    bench.add_argument(
         "--router",
         default="",
         help="with --workload multiturn: start `mmpipe up --router R` for each (comma separated: kv,round-robin) and "

@@ -11,9 +11,11 @@ of the hop outside them, up to the bridge receiving the first token.
 
 from __future__ import annotations
 
+import asyncio
 import statistics
 from collections import defaultdict
-from collections.abc import Iterable
+from collections.abc import AsyncIterator, Iterable, Sequence
+from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -29,6 +31,29 @@ class SpanSink:
     def take(self, data: bytes) -> None:
         for record in SPAN_RECORDS.decode(data):
             self.traces[record.trace_id].append(record)
+
+
+@asynccontextmanager
+async def spans_collected(nats_url: str, namespace: str) -> AsyncIterator[SpanSink]:
+    """Every span the stack publishes while the block runs (the stack must
+    run with --trace-nats on this NATS and namespace), and those of its last
+    requests still on their way once it ends."""
+    from pipeline.connection import connect, shutdown
+    from pipeline.subjects import Subjects
+
+    sink = SpanSink()
+    nc, _ = await connect(nats_url, name="mmpipe-bench")
+
+    async def take(msg: Any) -> None:
+        sink.take(msg.data)
+
+    try:
+        await nc.subscribe(Subjects(namespace).all_spans, cb=take)
+        yield sink
+        # The processes export spans in batches every 200 ms.
+        await asyncio.sleep(1.0)
+    finally:
+        await shutdown(nc)
 
 
 @dataclass(frozen=True)
@@ -132,13 +157,16 @@ def _ms(ns: float) -> float:
     return ns / 1e6
 
 
-def summarize(sink: SpanSink, since_ns: int = 0) -> dict[str, Any]:
-    """Medians over the traces that started after ``since_ns``, and the
-    steps of the request at the median TTFT."""
+def summarize(sink: SpanSink, since_ns: int = 0, within: Sequence[tuple[int, int]] | None = None) -> dict[str, Any]:
+    """Medians over the traces that started after ``since_ns`` (and, given
+    ``within``, inside one of its (start, end) windows of wall-clock ns),
+    and the steps of the request at the median TTFT."""
     paths = []
     for spans in sink.traces.values():
         roots = _roots(spans)
         if not roots or roots[0].start_ns < since_ns:
+            continue
+        if within is not None and not any(start <= roots[0].start_ns <= end for start, end in within):
             continue
         path = first_token_path(spans)
         if path is not None:

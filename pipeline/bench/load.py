@@ -261,8 +261,10 @@ async def stream_events(
             details = chunk.usage.prompt_tokens_details
             cached = int(getattr(details, "cached_tokens", 0) or 0)
             usage = (chunk.usage.completion_tokens, chunk.usage.prompt_tokens, cached)
-        finish = chunk.choices[0].finish_reason if chunk.choices else None
-        yield StreamEvent(bool(chunk.choices), finish, usage)
+        first = chunk.choices[0] if chunk.choices else None
+        finish = first.finish_reason if first is not None else None
+        text = (first.delta.content or "") if first is not None and first.delta is not None else ""
+        yield StreamEvent(first is not None, finish, usage, text)
 
 
 async def one_request(
@@ -615,24 +617,11 @@ def _with_breakdown(args: argparse.Namespace, spec: LoadSpec) -> int:
     """The load, with the stack's spans collected while it runs (the stack
     must run with --trace-nats on this NATS and namespace)."""
     from pipeline.bench import run_async
-    from pipeline.bench.breakdown import SpanSink, format_summary, summarize
-    from pipeline.connection import connect, shutdown
-    from pipeline.subjects import Subjects
+    from pipeline.bench.breakdown import SpanSink, format_summary, spans_collected, summarize
 
     async def run() -> tuple[LoadReport, SpanSink]:
-        sink = SpanSink()
-        nc, _ = await connect(args.nats_url, name="mmpipe-bench")
-
-        async def take(msg: Any) -> None:
-            sink.take(msg.data)
-
-        try:
-            await nc.subscribe(Subjects(args.namespace).all_spans, cb=take)
+        async with spans_collected(args.nats_url, args.namespace) as sink:
             report = await run_load(spec)
-            # The processes export spans in batches every 200 ms.
-            await asyncio.sleep(1.0)
-        finally:
-            await shutdown(nc)
         return report, sink
 
     before = scrape_engines(args)

@@ -3,12 +3,16 @@ chat clients hold them.
 
 Each of ``--users`` users sends one image and a long first message
 (``--filler-words``), then, once each answer is in, the whole conversation
-so far plus a short question, for ``--turns`` turns; the users run at once.
+so far plus a short question, for ``--turns`` turns; the users run at once,
+each holding ``--conversations`` conversations one after another (each with
+an image of its own: more samples of every turn).
 Every turn after the first starts as the one before it did, so a server
 that caches prefixes prefills only what is new. Reported per turn: TTFT,
 the prompt's tokens and how many the server says it served from its cache
 (``usage.prompt_tokens_details.cached_tokens``), and the hit rate (cached
-over prompt tokens); and requests/s over the whole run.
+over prompt tokens); and requests/s over the whole run. With ``--breakdown``
+(a stack run with --trace-nats), where the first token's time went, from
+the spans, for the first turns and for the later ones apart.
 
 ``--router kv,round-robin`` starts ``mmpipe up --router R`` for each (with
 ``--router-workers`` as its ``--workers``, and ``--up-arg`` flags), one
@@ -33,16 +37,20 @@ from typing import Any
 
 from prometheus_client.parser import text_string_to_metric_families
 
+from pipeline.bench.breakdown import format_summary as format_breakdown
+from pipeline.bench.breakdown import spans_collected
+from pipeline.bench.breakdown import summarize as summarize_spans
 from pipeline.bench.load import (
     PROMPT,
     LoadSpec,
     import_openai,
-    open_stream,
     percentile,
     spec_from_args,
+    stream_events,
     synthetic_images,
 )
 from pipeline.bench.results import figure
+from pipeline.bench.sse import SseChat
 from pipeline.config import ROUTERS
 
 
@@ -55,6 +63,9 @@ class Turn:
     prompt_tokens: int = 0
     cached_tokens: int = 0
     error: str | None = None
+    # Wall-clock ns (the spans' clock): sent, and its first token in.
+    sent_ns: int = 0
+    first_ns: int = 0
 
 
 async def _converse(client: Any, spec: LoadSpec, user: int, image_url: str, turns: int) -> list[Turn]:
@@ -65,27 +76,26 @@ async def _converse(client: Any, spec: LoadSpec, user: int, image_url: str, turn
     messages: list[dict[str, Any]] = [{"role": "user", "content": content}]
     out: list[Turn] = []
     for turn in range(1, turns + 1):
-        started = time.perf_counter()
+        sent_ns, started = time.time_ns(), time.perf_counter()
         first: float | None = None
         text: list[str] = []
-        usage: Any = None
+        usage: tuple[int, int, int] | None = None
         try:
-            stream = await open_stream(client, spec, messages)
-            async for chunk in stream:
-                if chunk.choices:
+            async for event in stream_events(client, spec, messages):
+                if event.choice:
                     first = first or time.perf_counter()
-                    text.append(chunk.choices[0].delta.content or "")
-                if chunk.usage is not None:
-                    usage = chunk.usage
+                    text.append(event.text)
+                if event.usage is not None:
+                    usage = event.usage
         except Exception as exc:
             out.append(Turn(user, turn, ok=False, error=f"{type(exc).__name__}: {exc}"[:200]))
             return out  # a conversation whose turn failed does not go on
         if first is None or usage is None:
             out.append(Turn(user, turn, ok=False, error="the stream ended without tokens or usage"))
             return out
-        details = getattr(usage, "prompt_tokens_details", None)
-        cached = int(getattr(details, "cached_tokens", 0) or 0)
-        out.append(Turn(user, turn, True, first - started, usage.prompt_tokens, cached))
+        _, prompt_tokens, cached = usage
+        first_ns = sent_ns + int((first - started) * 1e9)
+        out.append(Turn(user, turn, True, first - started, prompt_tokens, cached, None, sent_ns, first_ns))
         messages += [
             {"role": "assistant", "content": "".join(text)},
             {"role": "user", "content": f"Turn {turn + 1}: and what else do you see?"},
@@ -93,23 +103,62 @@ async def _converse(client: Any, spec: LoadSpec, user: int, image_url: str, turn
     return out
 
 
-async def run(spec: LoadSpec, users: int, turns: int) -> dict[str, Any]:
-    openai = import_openai()
-    warmup, images = synthetic_images(dataclasses.replace(spec, requests=users, images_per_request=1))
-    client = openai.AsyncOpenAI(base_url=spec.url, api_key=spec.api_key or "none", max_retries=0, timeout=600)
+async def run(spec: LoadSpec, users: int, turns: int, conversations: int = 1) -> dict[str, Any]:
+    done, wall, warmup_error = await _drive(spec, users, turns, conversations)
+    return summarize(done, wall, spec, users, turns, warmup_error, conversations)
+
+
+async def run_traced(
+    spec: LoadSpec, users: int, turns: int, conversations: int, nats_url: str, namespace: str
+) -> dict[str, Any]:
+    """``run``, and where the first token's time went in the first turns and
+    in the later ones (``--breakdown``: the stack runs with --trace-nats)."""
+    async with spans_collected(nats_url, namespace) as sink:
+        done, wall, warmup_error = await _drive(spec, users, turns, conversations)
+    summary = summarize(done, wall, spec, users, turns, warmup_error, conversations)
+    ok = [t for t in done if t.ok]
+    summary["breakdown"] = {
+        label: summarize_spans(sink, within=[(t.sent_ns, t.first_ns) for t in ok if (t.turn > 1) == later])
+        for label, later in (("turn 1", False), ("turns after the first", True))
+    }
+    return summary
+
+
+async def _drive(spec: LoadSpec, users: int, turns: int, conversations: int) -> tuple[list[Turn], float, str | None]:
+    """Each user's conversations one after another, the users at once: the
+    turns, the wall time and the warm-up's error."""
+    warmup, images = synthetic_images(dataclasses.replace(spec, requests=users * conversations, images_per_request=1))
+    client: Any = (
+        SseChat(spec.url, spec.api_key, spec.timeout_s)
+        if spec.client == "aiohttp"
+        else import_openai().AsyncOpenAI(base_url=spec.url, api_key=spec.api_key or "none", max_retries=0, timeout=600)
+    )
+
+    async def user(u: int) -> list[Turn]:
+        out: list[Turn] = []
+        for c in range(conversations):
+            out += await _converse(client, spec, u, images[u * conversations + c][0], turns)
+        return out
+
     try:
         # Lazy start-up paid outside the measured turns (its own image: no prefix shared).
         warm = await _converse(client, spec, -1, warmup[0], 1)
         t0 = time.monotonic()
-        done = await asyncio.gather(*(_converse(client, spec, u, images[u][0], turns) for u in range(users)))
+        done = await asyncio.gather(*(user(u) for u in range(users)))
         wall = time.monotonic() - t0
     finally:
         await client.close()
-    return summarize([t for conversation in done for t in conversation], wall, spec, users, turns, warm[0].error)
+    return [t for turns_of_user in done for t in turns_of_user], wall, warm[0].error
 
 
 def summarize(
-    turns_done: list[Turn], wall_s: float, spec: LoadSpec, users: int, turns: int, warmup_error: str | None = None
+    turns_done: list[Turn],
+    wall_s: float,
+    spec: LoadSpec,
+    users: int,
+    turns: int,
+    warmup_error: str | None = None,
+    conversations: int = 1,
 ) -> dict[str, Any]:
     ok = [t for t in turns_done if t.ok]
     per_turn = []
@@ -135,6 +184,8 @@ def summarize(
     return {
         "users": users,
         "turns": turns,
+        "conversations": conversations,
+        "client": spec.client,
         "max_tokens": spec.max_tokens,
         "filler_words": spec.filler_words,
         "completed": len(ok),
@@ -155,8 +206,8 @@ def format_summary(s: dict[str, Any]) -> str:
         return figure(v, ".1f")
 
     lines = [
-        f"mmpipe bench --workload multiturn  users={s['users']}  turns={s['turns']}  max_tokens={s['max_tokens']}  "
-        f"filler_words={s['filler_words']}",
+        f"mmpipe bench --workload multiturn  users={s['users']}  conversations={s['conversations']}  "
+        f"turns={s['turns']}  max_tokens={s['max_tokens']}  filler_words={s['filler_words']}  client={s['client']}",
         f"completed {s['completed']}  failed {s['failed']}  in {s['wall_s']:.2f} s: {s['requests_per_s']:.2f} req/s",
         "",
         f"{'turn':>4}{'done':>6}{'TTFT p50 ms':>13}{'TTFT p90 ms':>13}{'prompt tok':>12}{'cached tok':>12}"
@@ -175,6 +226,8 @@ def format_summary(s: dict[str, Any]) -> str:
     if s["warmup_error"]:
         lines += ["", f"warm-up failed: {s['warmup_error']}"]
     lines += [f"error: {e}" for e in s["errors"]]
+    for label, b in (s.get("breakdown") or {}).items():
+        lines += ["", f"== where the first token's time went, {label}", format_breakdown(b)]
     return "\n".join(lines)
 
 
@@ -200,7 +253,7 @@ def compare_routers(args: argparse.Namespace, routers: list[str]) -> list[dict[s
             extra = (*flags, *args.up_arg)
             with mmpipe_up(mode, spec.model, args.transport, Path(tmp), spec.api_key, extra=extra) as (url, _):
                 on = dataclasses.replace(spec, url=url, model=Path(spec.model).name)
-                row = run_async(run(on, args.users, args.turns))
+                row = run_async(run(on, args.users, args.turns, args.conversations))
                 rows.append({"router": label, **row, "encode_skipped": encode_hops_skipped(url)})
     return rows
 
@@ -248,9 +301,11 @@ def format_routers(rows: list[dict[str, Any]]) -> str:
 def main(args: argparse.Namespace) -> int:
     from pipeline.bench import run_async
 
-    if args.users < 1 or args.turns < 1:
-        raise SystemExit("mmpipe bench: --users and --turns must be at least 1")
+    if args.users < 1 or args.turns < 1 or args.conversations < 1:
+        raise SystemExit("mmpipe bench: --users, --turns and --conversations must be at least 1")
     routers = [r.strip() for r in (args.router or "").split(",") if r.strip()]
+    if routers and args.breakdown:
+        raise SystemExit("mmpipe bench: --breakdown reads a running stack's spans: not with --router (run one stack)")
     if routers:
         unknown = [r for r in routers if r not in ROUTERS]
         if unknown:
@@ -262,6 +317,10 @@ def main(args: argparse.Namespace) -> int:
             return 1
         print(json.dumps(rows, indent=2) if args.json else format_routers(rows), flush=True)
         return 1 if any(r["failed"] for r in rows) else 0
-    summary = run_async(run(spec_from_args(args), args.users, args.turns))
+    spec = spec_from_args(args)
+    if args.breakdown:
+        summary = run_async(run_traced(spec, args.users, args.turns, args.conversations, args.nats_url, args.namespace))
+    else:
+        summary = run_async(run(spec, args.users, args.turns, args.conversations))
     print(json.dumps(summary, indent=2) if args.json else format_summary(summary), flush=True)
     return 1 if summary["failed"] else 0

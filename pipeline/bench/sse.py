@@ -29,6 +29,8 @@ class StreamEvent:
     choice: bool
     finish_reason: str | None = None
     usage: tuple[int, int, int] | None = None
+    # The first choice's new text (a conversation goes on with it).
+    text: str = ""
 
 
 class _Usage(msgspec.Struct):
@@ -37,8 +39,13 @@ class _Usage(msgspec.Struct):
     prompt_tokens_details: dict[str, Any] | None = None
 
 
+class _Delta(msgspec.Struct):
+    content: str | None = None
+
+
 class _Choice(msgspec.Struct):
     finish_reason: str | None = None
+    delta: _Delta | None = None
 
 
 class _Chunk(msgspec.Struct):
@@ -83,5 +90,7 @@ class SseChat:
                         chunk.usage.prompt_tokens,
                         int(details.get("cached_tokens") or 0),
                     )
-                finish = chunk.choices[0].finish_reason if chunk.choices else None
-                yield StreamEvent(bool(chunk.choices), finish, usage)
+                first = chunk.choices[0] if chunk.choices else None
+                finish = first.finish_reason if first is not None else None
+                text = (first.delta.content or "") if first is not None and first.delta is not None else ""
+                yield StreamEvent(first is not None, finish, usage, text)

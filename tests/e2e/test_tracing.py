@@ -305,3 +305,41 @@ async def test_spans_go_to_an_otlp_collector(tmp_path: Path, mmpipe_home: Path, 
     # The bridge's request and the worker's prefill are one trace.
     bridge_traces = {t for service, name, t in received if name == "bridge"}
     assert {t for _, name, t in received if name == "prefill"} <= bridge_traces
+
+
+@pytest.mark.e2e
+async def test_the_multiturn_bench_tells_the_first_turns_time_from_the_later_turns(
+    tmp_path: Path, mmpipe_home: Path, tiny_model_dir: Path
+) -> None:
+    """``mmpipe bench --workload multiturn --breakdown``: each turn's trace
+    counted with its own kind of turn. A later turn's prefix holds the
+    image, so its hop encodes nothing, where every first turn's does."""
+    from pipeline.bench.load import LoadSpec
+    from pipeline.bench.multiturn import format_summary, run_traced
+
+    procs = Processes(tmp_path, mmpipe_home)
+    port, nats_port = _free_port(), _free_port()
+    up = procs.start(
+        "up", "--port", str(port), "--nats-port", str(nats_port), "--trace-nats",
+        "--data-dir", str(tmp_path / "data"), "--model", str(tiny_model_dir),
+    )  # fmt: skip
+    try:
+        up.wait_for("mmpipe ready")
+        url = re.search(r"nats=(\S+)", up.text())
+        assert url
+        spec = LoadSpec(
+            url=f"http://127.0.0.1:{port}/v1", max_tokens=2, image_size=(64, 48), filler_words=80, client="aiohttp"
+        )
+        summary = await run_traced(spec, users=1, turns=3, conversations=2, nats_url=url.group(1), namespace="default")
+    finally:
+        code = up.stop(signal.SIGINT)
+        procs.stop_all()
+    assert code == 0, up.text()[-3000:]
+    assert (summary["completed"], summary["failed"]) == (6, 0)
+    assert [t["completed"] for t in summary["per_turn"]] == [2, 2, 2]
+    first, later = summary["breakdown"]["turn 1"], summary["breakdown"]["turns after the first"]
+    assert (first["requests"], later["requests"]) == (2, 4)
+    steps = {label: {s["step"] for s in b["steps"]} for label, b in (("first", first), ("later", later))}
+    assert any(s.endswith(": encode") for s in steps["first"]), steps
+    assert not any(s.endswith(": encode") for s in steps["later"]), steps
+    assert "turns after the first" in format_summary(summary)
