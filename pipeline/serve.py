@@ -34,6 +34,7 @@ from schemas.chunk import MAX_INLINE_IMAGE
 from schemas.processed import MediaKind
 from schemas.routes import GENERATE_IMAGE, HOP_ROLES, PROCESSOR, holds_kv, moves_tensors
 from schemas.settings import section, setting
+from stages import compute_threads
 from stages.contract import Stage, TensorStore
 from stages.media import EmbeddingCache, MediaPolicy
 from stages.models import DEFAULT_MODEL, ModelSpec, resolve_model
@@ -313,7 +314,8 @@ def build_torch_hop_engine(
     )
     device = resolve_device(settings.device)
     threads = intra_op_threads(settings.torch_threads, device)
-    if threads is not None:
+    if compute_threads.engine_threads() is None and threads is not None:
+        # Not a worker (a bench, a test): the threads are the process's.
         import torch
 
         torch.set_num_threads(threads)
@@ -351,6 +353,7 @@ def engine_core_hop_engine(role: str, settings: WorkerSettings, spec: ModelSpec,
     from pipeline import logging as mm_logging
 
     mm_logging.configure(log_level)
+    compute_threads.reserve_on_loop(intra_op_threads(settings.torch_threads, resolve_device(settings.device)))
     return build_torch_hop_engine(role, settings, spec)
 
 
@@ -472,8 +475,16 @@ def relayed_events(role: str, config: PipelineConfig, settings: WorkerSettings) 
     return dataclasses.replace(settings, kv_events=dataclasses.replace(settings.kv_events, endpoint=endpoint))
 
 
+def computes_here(role: str, settings: WorkerSettings) -> bool:
+    """Whether the built-in engine computes in this worker's process (not in
+    an engine core process, nor in vLLM's or SGLang's)."""
+    return role in HOP_ROLES and settings.engine == "torch" and not runs_engine_process(role, settings)
+
+
 async def _serve_role(role: str, config: PipelineConfig, settings: WorkerSettings, health: WorkerHealth) -> None:
     settings = relayed_events(role, config, settings)
+    if computes_here(role, settings):
+        compute_threads.reserve_on_loop(intra_op_threads(settings.torch_threads, resolve_device(settings.device)))
     nc, js = await connect(config.nats_url, name=f"mmpipe-{role}")
     tracing.attach_nats(nc, config.subjects.spans(role))
     tensors: TensorTransport | None = None

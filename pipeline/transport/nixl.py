@@ -75,6 +75,7 @@ from pipeline.transport.packing import (
     unpack,
 )
 from schemas.tensors import LeaseReply, LeaseRequest, TensorRef
+from stages.compute_threads import helper_pool
 
 log = structlog.get_logger(__name__)
 
@@ -292,7 +293,7 @@ class NixlTransport:
         may wait) before the reader's request would time out."""
         wait_s = req.wait_s or self.settings.request_timeout_s / 2
         if self._landing_threads is None:
-            self._landing_threads = ThreadPoolExecutor(_LANDING_THREADS, thread_name_prefix="nixl-landing")
+            self._landing_threads = helper_pool("nixl-landing", _LANDING_THREADS)
         event = held.landing
         landed = event is None or event.query()
         if not landed:

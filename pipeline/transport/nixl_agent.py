@@ -28,6 +28,7 @@ import structlog
 import torch
 
 from pipeline.transport.base import TransportUnavailable
+from stages.compute_threads import one_thread
 
 log = structlog.get_logger(__name__)
 T = TypeVar("T")
@@ -69,7 +70,9 @@ def _ucx_defaults(device: torch.device) -> None:
 
 def _bind_thread(device: torch.device) -> None:
     """UCX moves VRAM with the CUDA driver API, which needs the device's
-    context current on the calling thread: make it so on the NIXL thread."""
+    context current on the calling thread: make it so on the NIXL thread
+    (whose copies compute on one core: stages/compute_threads.py)."""
+    one_thread()
     if device.type == "cuda":
         torch.cuda.set_device(device)
 

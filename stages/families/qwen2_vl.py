@@ -47,6 +47,7 @@ except ImportError:  # pragma: no cover - older transformers: the tower runs eag
 
 from schemas.processed import MediaKind
 from stages import compiled
+from stages.compute_threads import helper_pool
 from stages.device_copy import tensor_on, to_device
 from stages.families import vision_attention
 from stages.families.base import (
@@ -105,7 +106,7 @@ def _joined(prepared: list[PreparedImage]) -> tuple[torch.Tensor, torch.Tensor]:
 def _preprocess_pool() -> ThreadPoolExecutor:
     global _POOL
     if _POOL is None:
-        _POOL = ThreadPoolExecutor(max_workers=min(8, os.cpu_count() or 1), thread_name_prefix="preprocess")
+        _POOL = helper_pool("preprocess", max_workers=min(8, os.cpu_count() or 1))
     return _POOL
 
 

@@ -24,6 +24,7 @@ from typing import Any, TypeVar
 
 import structlog
 
+from stages import compute_threads
 from stages.torch_engine.metrics import (
     ENGINE_CALL_CPU,
     ENGINE_CALL_GPU,
@@ -138,6 +139,7 @@ class EngineThread:
         return future
 
     def _run(self) -> None:
+        compute_threads.enter_engine_thread()
         while True:
             with self._ready:
                 while not self._urgent and not self._normal and not self.closed:

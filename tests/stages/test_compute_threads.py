@@ -1,0 +1,77 @@
+"""A worker's torch CPU ops run on several cores on its engine thread only:
+every other thread (the main one, the event loop's helpers, the media
+preprocessing pool) computes on one and so keeps no OpenMP team, whose
+threads would otherwise outnumber the cores and make each of the engine's
+ops wake its team from sleep (stages/compute_threads.py).
+
+Each case runs in a process of its own: what it sets is per process."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+# Runs a parallel op (far past ATen's grain size) on each kind of thread and
+# reports each thread's intra-op count and the threads OpenMP started: the
+# process's threads that are not Python's, less those there before the ops.
+_SCRIPT = """
+import asyncio, json, os, sys, threading
+import torch
+from stages import compute_threads
+from stages.families.qwen2_vl import _preprocess_pool
+from stages.torch_engine.scheduler import EngineThread
+
+def natives():
+    python = {t.native_id for t in threading.enumerate()}
+    return {int(t) for t in os.listdir("/proc/self/task")} - python
+
+def work():
+    torch.ones(4_000_000).add_(1).sum()
+    return torch.get_num_threads()
+
+async def main(reserve):
+    if reserve:
+        compute_threads.reserve_on_loop(3)
+    engine = EngineThread()
+    await engine.call(lambda: None)  # the thread started, no op run yet
+    before = natives()
+    counts = {
+        "main": work(),
+        "helper": await asyncio.to_thread(work),
+        "preprocess": _preprocess_pool().submit(work).result(),
+        "engine": await engine.call(work),
+    }
+    counts["openmp_threads"] = len(natives() - before)
+    engine.close()
+    print(json.dumps(counts))
+
+asyncio.run(main(sys.argv[1] == "reserve"))
+"""
+
+
+def _threads(mode: str) -> dict[str, int]:
+    out = subprocess.run(
+        [sys.executable, "-c", _SCRIPT, mode], cwd=ROOT, capture_output=True, text=True, timeout=120, check=True
+    )
+    return dict(json.loads(out.stdout.strip().splitlines()[-1]))
+
+
+def test_a_worker_that_reserves_its_threads_computes_on_several_only_on_its_engine_thread() -> None:
+    counts = _threads("reserve")
+    assert counts == {"main": 1, "helper": 1, "preprocess": 1, "engine": 3, "openmp_threads": 2}
+
+
+@pytest.mark.skipif((os.cpu_count() or 1) < 2, reason="one core: OpenMP starts no team to count")
+def test_without_the_reservation_each_thread_that_computes_starts_a_team() -> None:
+    """The case above's control: the same ops, nothing reserved, start more
+    OpenMP threads than the engine's team alone."""
+    counts = _threads("none")
+    assert counts["main"] == counts["engine"] > 1
+    assert counts["openmp_threads"] > counts["engine"] - 1
