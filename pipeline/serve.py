@@ -87,8 +87,9 @@ class WorkerSettings:
     )
     torch_threads: int | None = setting(
         None,
-        help="torch's CPU threads (intra-op) in a built-in engine's worker (unset: 1 on a GPU worker, whose CPU "
-        "ops are small and share the cores with its other threads; torch's default, one a core, on a CPU one)",
+        help="torch's CPU threads (intra-op) of a built-in engine's thread; the worker's other threads compute on "
+        "one each, so that only the engine keeps an OpenMP team (unset: 1 on a GPU worker, whose CPU ops are small "
+        "and share the cores with its other threads; torch's default, one a core, on a CPU one)",
     )
     prefill_batch: int = setting(
         1,
