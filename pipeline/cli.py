@@ -35,6 +35,7 @@ from pipeline.settings import (
 )
 from pipeline.streams import ProvisioningConflict
 from schemas.routes import ROLES
+from stages import compute_threads
 from stages.models import DEFAULT_MODEL
 
 
@@ -338,6 +339,9 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _main(args: argparse.Namespace) -> int:
+    if args.command in ("worker", "up"):
+        # Before torch loads libgomp (mmpipe up's workers inherit it).
+        compute_threads.brief_spin()
     if args.command == "worker":
         from pipeline.serve import run_worker
 

@@ -75,3 +75,23 @@ def test_without_the_reservation_each_thread_that_computes_starts_a_team() -> No
     counts = _threads("none")
     assert counts["main"] == counts["engine"] > 1
     assert counts["openmp_threads"] > counts["engine"] - 1
+
+
+def _spin(env: dict[str, str], first: str = "") -> list[str]:
+    code = f"{first}\nimport os\nfrom stages.compute_threads import brief_spin\n"
+    code += "print(brief_spin(), os.environ.get('GOMP_SPINCOUNT'))"
+    clean = {k: v for k, v in os.environ.items() if k not in ("GOMP_SPINCOUNT", "OMP_WAIT_POLICY")}
+    out = subprocess.run(
+        [sys.executable, "-c", code], cwd=ROOT, env=clean | env, capture_output=True, text=True, timeout=120, check=True
+    )
+    return out.stdout.split()
+
+
+def test_a_workers_openmp_teams_spin_briefly_unless_its_environment_says_otherwise() -> None:
+    from stages.compute_threads import OPENMP_SPIN_COUNT
+
+    assert _spin({}) == ["True", OPENMP_SPIN_COUNT]
+    assert _spin({"GOMP_SPINCOUNT": "5"}) == ["True", "5"]
+    assert _spin({"OMP_WAIT_POLICY": "passive"}) == ["True", "None"]
+    # libgomp has read its environment once torch is loaded: too late to set it.
+    assert _spin({}, first="import torch") == ["False", "None"]
