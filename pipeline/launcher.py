@@ -25,11 +25,11 @@ from pipeline.bridge.processing import BridgeProcessing
 from pipeline.discovery import forget_nats_url, record_nats_url
 from pipeline.kv_events import KvEventsSettings, offset_endpoint
 from pipeline.nats_server import NatsServer, NatsServerConfig
-from pipeline.serve import WorkerSettings
+from pipeline.serve import WorkerSettings, resolve_device
 from pipeline.settings import BridgeProcess, UpProcess, WorkerProcess, handed_env
 from pipeline.settings.kinds import NatsServerSettings, UpSettings
 from schemas.errors import ModelNotFound
-from schemas.routes import GENERATE_IMAGE, MODES, PROCESSOR, ROLES, holds_kv
+from schemas.routes import GENERATE_IMAGE, HOP_ROLES, MODES, PROCESSOR, ROLES, holds_kv
 from stages.sglang_engine import SGLANG_ROLES
 from stages.vllm_engine.args import VLLM_ROLES
 
@@ -283,6 +283,7 @@ def plan(settings: UpProcess, nats_url: str, plans: dict[str, RolePlan], data_di
     out: list[Child] = []
     health_port = settings.worker.health.port
     kv_holders = 0
+    workers: list[tuple[str, WorkerSettings, dict[str, str]]] = []
     for role in ROLES:
         role_plan = plans.get(role, RolePlan(0))
         if role == PROCESSOR and not role_plan.count:
@@ -295,13 +296,34 @@ def plan(settings: UpProcess, nats_url: str, plans: dict[str, RolePlan], data_di
             worker = dataclasses.replace(worker, kv_events=kv_events_of(role, worker.kv_events, kv_holders))
             worker, placed = placed_on(worker, role_plan.device_of(i))
             kv_holders += holds_kv(role)
-            handed = handed_env("worker", WorkerProcess(common, worker))
-            out.append(Child(role, ["worker", role], {**env, **handed, **placed}, worker.health.port))
+            workers.append((role, worker, placed))
             health_port += 1 if health_port else 0
+    sharing = sum(on_cpu(role, worker) for role, worker, _ in workers)
+    for role, worker, placed in workers:
+        if sharing > 1 and on_cpu(role, worker) and worker.torch_threads is None:
+            worker = dataclasses.replace(worker, torch_threads=cores_each(sharing))
+        handed = handed_env("worker", WorkerProcess(common, worker))
+        out.append(Child(role, ["worker", role], {**env, **handed, **placed}, worker.health.port))
     counts = {role: p.count for role, p in plans.items()}
     bridge = BridgeProcess(common, settings.bridge, bridge_processing(settings.worker, counts))
     out.append(Child("bridge", ["bridge"], {**env, **handed_env("bridge", bridge)}))
     return out
+
+
+def on_cpu(role: str, worker: WorkerSettings) -> bool:
+    """Whether the worker runs the built-in engine on this host's CPU."""
+    return role in HOP_ROLES and worker.engine == "torch" and resolve_device(worker.device) == "cpu"
+
+
+def cores_each(workers: int) -> int:
+    """The intra-op threads each of ``workers`` built-in engines on this
+    host's CPU gets (``--torch-threads`` unset): the cores shared out. Each
+    worker's engine keeps one OpenMP team (stages/compute_threads.py); with
+    a team of every core a worker, four workers on 2 vCPUs spun 8 threads
+    on 2 cores (eight users' later turns 127 to 141 ms to their first
+    token under the kv router against 57 to 86 before one team a worker)."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return max(1, cores // workers)
 
 
 def placed_on(worker: WorkerSettings, device: str | None) -> tuple[WorkerSettings, dict[str, str]]:

@@ -94,3 +94,37 @@ def test_the_image_stage_is_placed_as_any_role_once_there_is_one() -> None:
     assert "generate-image" not in parse_workers("", "epd")
     with pytest.raises(SystemExit, match="generate-image needs --image-model"):
         parse_workers("generate-image=1", "epd")
+
+
+def _torch_threads(argv: list[str], tmp_path: Path) -> list[tuple[str, int | None]]:
+    up: UpProcess = load_kind("up", parser().parse_args(["up", *argv]), {}).settings
+    up = dataclasses.replace(up, worker=dataclasses.replace(up.worker, model="/models/m", served_model_name="m"))
+    out = []
+    for child in plan(up, "nats://embedded:4222", parse_workers(up.up.workers, up.common.pipeline.mode), tmp_path):
+        if child.role != "bridge":
+            args = parser().parse_args(child.argv)
+            out.append((child.role, load_kind(args.command, args, child.env).settings.worker.torch_threads))
+    return out
+
+
+def test_engines_sharing_this_hosts_cpu_share_its_cores_out(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each CPU worker's engine keeps one OpenMP team: several workers on one
+    host's CPU get the cores shared out (at least one each), not every core
+    each; one worker, a worker on a GPU, or --torch-threads given: untouched."""
+    monkeypatch.setattr("os.sched_getaffinity", lambda pid: set(range(8)))
+    four = _torch_threads(["--device", "cpu", "--workers", "encode+prefill+decode=4"], tmp_path)
+    assert four == [("processor", None)] + [("encode+prefill+decode", 2)] * 4
+    three = _torch_threads(["--device", "cpu", "--mode", "e-p-d"], tmp_path)
+    assert three == [("processor", None), ("encode", 2), ("prefill", 2), ("decode", 2)]
+    assert _torch_threads(["--device", "cpu"], tmp_path) == [("processor", None), ("encode+prefill+decode", None)]
+    given = _torch_threads(
+        ["--device", "cpu", "--torch-threads", "3", "--workers", "encode+prefill+decode=4"], tmp_path
+    )
+    assert {t for role, t in given if role != "processor"} == {3}
+    gpu = _torch_threads(["--workers", "encode+prefill+decode=2@cuda:0,cuda:1"], tmp_path)
+    assert gpu == [("processor", None), ("encode+prefill+decode", None), ("encode+prefill+decode", None)]
+    monkeypatch.setattr("os.sched_getaffinity", lambda pid: {0, 1})
+    assert (
+        _torch_threads(["--device", "cpu", "--workers", "encode+prefill+decode=4"], tmp_path)[1:]
+        == [("encode+prefill+decode", 1)] * 4
+    )
