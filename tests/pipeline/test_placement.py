@@ -108,14 +108,17 @@ def _torch_threads(argv: list[str], tmp_path: Path) -> list[tuple[str, int | Non
 
 
 def test_engines_sharing_this_hosts_cpu_share_its_cores_out(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Each CPU worker's engine keeps one OpenMP team: several workers on one
-    host's CPU get the cores shared out (at least one each), not every core
-    each; one worker, a worker on a GPU, or --torch-threads given: untouched."""
+    """Each CPU worker's engine keeps one OpenMP team: a role's replicas on
+    one host's CPU get the cores shared out (at least one each), not every
+    core each; a split pipeline's roles (one worker each), a worker on a
+    GPU, or --torch-threads given: untouched."""
     monkeypatch.setattr("os.sched_getaffinity", lambda pid: set(range(8)))
     four = _torch_threads(["--device", "cpu", "--workers", "encode+prefill+decode=4"], tmp_path)
     assert four == [("processor", None)] + [("encode+prefill+decode", 2)] * 4
     three = _torch_threads(["--device", "cpu", "--mode", "e-p-d"], tmp_path)
-    assert three == [("processor", None), ("encode", 2), ("prefill", 2), ("decode", 2)]
+    assert three == [("processor", None), ("encode", None), ("prefill", None), ("decode", None)]
+    split = _torch_threads(["--device", "cpu", "--mode", "e-pd", "--workers", "encode=1,prefill+decode=3"], tmp_path)
+    assert split == [("processor", None), ("encode", 2)] + [("prefill+decode", 2)] * 3
     assert _torch_threads(["--device", "cpu"], tmp_path) == [("processor", None), ("encode+prefill+decode", None)]
     given = _torch_threads(
         ["--device", "cpu", "--torch-threads", "3", "--workers", "encode+prefill+decode=4"], tmp_path
