@@ -301,7 +301,13 @@ def plan(settings: UpProcess, nats_url: str, plans: dict[str, RolePlan], data_di
             health_port += 1 if health_port else 0
     # Replicas of a role take requests from one queue at once; the roles of
     # a split pipeline work on a request one after another.
-    replicas = Counter(role for role, worker, _ in workers if on_cpu(role, worker))
+    engines = Counter(role for role, worker, _ in workers if role in HOP_ROLES and worker.engine == "torch")
+    # Where no role has replicas, the devices are not resolved (no torch import here).
+    replicas = (
+        Counter(role for role, worker, _ in workers if on_cpu(role, worker))
+        if max(engines.values(), default=0) > 1
+        else Counter()
+    )
     sharing = max(replicas.values(), default=0)
     for role, worker, placed in workers:
         if sharing > 1 and on_cpu(role, worker) and worker.torch_threads is None:
