@@ -354,7 +354,7 @@ def engine_core_hop_engine(role: str, settings: WorkerSettings, spec: ModelSpec,
     from pipeline import logging as mm_logging
 
     mm_logging.configure(log_level)
-    compute_threads.reserve_on_loop(intra_op_threads(settings.torch_threads, resolve_device(settings.device)))
+    reserve_engine_threads(settings)
     return build_torch_hop_engine(role, settings, spec)
 
 
@@ -476,6 +476,12 @@ def relayed_events(role: str, config: PipelineConfig, settings: WorkerSettings) 
     return dataclasses.replace(settings, kv_events=dataclasses.replace(settings.kv_events, endpoint=endpoint))
 
 
+def reserve_engine_threads(settings: WorkerSettings) -> None:
+    """This process's intra-op threads for its engine thread alone, the
+    rest of its threads on one each (stages/compute_threads.py)."""
+    compute_threads.reserve_on_loop(intra_op_threads(settings.torch_threads, resolve_device(settings.device)))
+
+
 def computes_here(role: str, settings: WorkerSettings) -> bool:
     """Whether the built-in engine computes in this worker's process (not in
     an engine core process, nor in vLLM's or SGLang's)."""
@@ -485,7 +491,7 @@ def computes_here(role: str, settings: WorkerSettings) -> bool:
 async def _serve_role(role: str, config: PipelineConfig, settings: WorkerSettings, health: WorkerHealth) -> None:
     settings = relayed_events(role, config, settings)
     if computes_here(role, settings):
-        compute_threads.reserve_on_loop(intra_op_threads(settings.torch_threads, resolve_device(settings.device)))
+        reserve_engine_threads(settings)
     nc, js = await connect(config.nats_url, name=f"mmpipe-{role}")
     tracing.attach_nats(nc, config.subjects.spans(role))
     tensors: TensorTransport | None = None

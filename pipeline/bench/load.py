@@ -55,7 +55,7 @@ from dataclasses import asdict, dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 from pipeline.bench.results import figure
-from pipeline.bench.sse import SseChat, StreamEvent
+from pipeline.bench.sse import SseChat, StreamEvent, choice_event
 
 if TYPE_CHECKING:
     import openai
@@ -239,6 +239,16 @@ async def open_stream(
     )
 
 
+def open_client(spec: LoadSpec, timeout_s: float | None = None) -> openai.AsyncOpenAI | SseChat:
+    """The client ``spec.client`` names, on ``spec.url`` (``close`` it);
+    ``timeout_s``: a request's limit, unset ``spec.timeout_s``."""
+    timeout = spec.timeout_s if timeout_s is None else timeout_s
+    if spec.client == "aiohttp":
+        return SseChat(spec.url, spec.api_key, timeout)
+    openai = import_openai()
+    return openai.AsyncOpenAI(base_url=spec.url, api_key=spec.api_key or "none", max_retries=0, timeout=timeout)
+
+
 async def stream_events(
     client: openai.AsyncOpenAI | SseChat, spec: LoadSpec, messages: Any, headers: dict[str, str] | None = None
 ) -> AsyncIterator[StreamEvent]:
@@ -261,10 +271,7 @@ async def stream_events(
             details = chunk.usage.prompt_tokens_details
             cached = int(getattr(details, "cached_tokens", 0) or 0)
             usage = (chunk.usage.completion_tokens, chunk.usage.prompt_tokens, cached)
-        first = chunk.choices[0] if chunk.choices else None
-        finish = first.finish_reason if first is not None else None
-        text = (first.delta.content or "") if first is not None and first.delta is not None else ""
-        yield StreamEvent(first is not None, finish, usage, text)
+        yield choice_event(chunk.choices, usage)
 
 
 async def one_request(
@@ -456,13 +463,7 @@ async def _run_client(
     """One process's closed loop; ``ready`` (a barrier) is passed once the
     warm-up is done, by every process at once."""
     warmup_urls, image_sets = images
-    client: Any
-    if spec.client == "aiohttp":
-        client = SseChat(spec.url, spec.api_key, spec.timeout_s)
-    else:
-        client = import_openai().AsyncOpenAI(
-            base_url=spec.url, api_key=spec.api_key or "none", max_retries=0, timeout=spec.timeout_s
-        )
+    client = open_client(spec)
     try:
         warmup_error = None
         if warmup:

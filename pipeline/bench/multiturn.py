@@ -43,14 +43,13 @@ from pipeline.bench.breakdown import summarize as summarize_spans
 from pipeline.bench.load import (
     PROMPT,
     LoadSpec,
-    import_openai,
+    open_client,
     percentile,
     spec_from_args,
     stream_events,
     synthetic_images,
 )
 from pipeline.bench.results import figure
-from pipeline.bench.sse import SseChat
 from pipeline.config import ROUTERS
 
 
@@ -128,11 +127,7 @@ async def _drive(spec: LoadSpec, users: int, turns: int, conversations: int) -> 
     """Each user's conversations one after another, the users at once: the
     turns, the wall time and the warm-up's error."""
     warmup, images = synthetic_images(dataclasses.replace(spec, requests=users * conversations, images_per_request=1))
-    client: Any = (
-        SseChat(spec.url, spec.api_key, spec.timeout_s)
-        if spec.client == "aiohttp"
-        else import_openai().AsyncOpenAI(base_url=spec.url, api_key=spec.api_key or "none", max_retries=0, timeout=600)
-    )
+    client = open_client(spec, timeout_s=600)
 
     async def user(u: int) -> list[Turn]:
         out: list[Turn] = []

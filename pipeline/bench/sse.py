@@ -8,7 +8,7 @@ vLLM's own serving benchmark drives servers with aiohttp the same way."""
 from __future__ import annotations
 
 import json
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -31,6 +31,16 @@ class StreamEvent:
     usage: tuple[int, int, int] | None = None
     # The first choice's new text (a conversation goes on with it).
     text: str = ""
+
+
+def choice_event(choices: Sequence[Any], usage: tuple[int, int, int] | None) -> StreamEvent:
+    """A chunk's event from its choices, as either client decodes them (each
+    choice with ``finish_reason`` and a ``delta`` with ``content``)."""
+    first = choices[0] if choices else None
+    if first is None:
+        return StreamEvent(False, None, usage)
+    text = (first.delta.content or "") if first.delta is not None else ""
+    return StreamEvent(True, first.finish_reason, usage, text)
 
 
 class _Usage(msgspec.Struct):
@@ -90,7 +100,4 @@ class SseChat:
                         chunk.usage.prompt_tokens,
                         int(details.get("cached_tokens") or 0),
                     )
-                first = chunk.choices[0] if chunk.choices else None
-                finish = first.finish_reason if first is not None else None
-                text = (first.delta.content or "") if first is not None and first.delta is not None else ""
-                yield StreamEvent(first is not None, finish, usage, text)
+                yield choice_event(chunk.choices, usage)
