@@ -16,6 +16,8 @@ and the host's single choices alike.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from stages.sampling import Logprobs, SamplingConfig
@@ -27,8 +29,63 @@ def best_index(scores: torch.Tensor, dim: int = -1) -> torch.Tensor:
     """Each row's argmax, the first index on ties as generate()'s, taken from
     ``max``: the same indices, and on CPU torch's argmax over a vocabulary
     row is 3 to 4 times slower (32 rows of 151,936, one core: 12.6 ms
-    against 2.9), more than the tiny model's whole step without it."""
+    against 2.9), more than the tiny model's whole step without it. On CPU
+    over a vocabulary's last dimension, found by blocks (``_first_max_by_blocks``)."""
+    if scores.device.type == "cpu" and scores.shape[dim] >= _BLOCKS_FROM and dim in (-1, scores.dim() - 1):
+        return _first_max_by_blocks(scores)
     return scores.max(dim).indices
+
+
+# Found by blocks from this many scores on (a vocabulary, not a handful of rows).
+_BLOCKS_FROM = 4096
+_BLOCK = 128
+
+
+def _first_max_by_blocks(scores: torch.Tensor) -> torch.Tensor:
+    """``scores.max(-1).indices`` in a fifth of its time on CPU (32 rows of
+    151,936: 0.63 against 3.84 ms on two cores, 1.27 against 6.17 on one):
+    ``max`` with indices walks each row on one thread, unvectorised, where
+    ``amax`` streams it in SIMD. So each block of ``_BLOCK`` scores' max by
+    ``amax``, then the first block that holds the row's max, then the first
+    index of it there: the first index of the max over the row, as ``max``
+    gives. A row with a NaN (no score equals its max) takes ``max`` itself.
+    Rows stored vocabulary-major (a [vocab, rows] product seen transposed)
+    are read in place, by columns."""
+    n = scores.shape[-1]
+    whole = n - n % _BLOCK
+    if scores.dim() == 2 and scores.stride(-1) != 1 and scores.stride(0) == 1:
+        by_vocab = scores.t()
+        cols = torch.arange(scores.shape[0])
+        blocks = by_vocab[:whole].view(whole // _BLOCK, _BLOCK, -1)
+        index = _first_max(blocks.amax(1).t(), lambda first: blocks[first, :, cols], scores[:, whole:])
+    else:
+        flat = scores.reshape(-1, n)
+        rows = torch.arange(flat.shape[0])
+        blocks = flat[:, :whole].view(flat.shape[0], whole // _BLOCK, _BLOCK)
+        index = _first_max(blocks.amax(-1), lambda first: blocks[rows, first], flat[:, whole:])
+    if index is None:
+        return scores.max(-1).indices
+    return index.reshape(scores.shape[:-1])
+
+
+def _first_max(
+    block_max: torch.Tensor, block: Callable[[torch.Tensor], torch.Tensor], tail: torch.Tensor
+) -> torch.Tensor | None:
+    """Each row's first index of its max, from its blocks' maxima
+    [rows, blocks], its scores in a given block of each row (``block``:
+    [rows, _BLOCK]) and its scores past the last whole block; None where a
+    row's max is nowhere (a NaN)."""
+    best = block_max.amax(-1, keepdim=True)
+    if tail.shape[-1]:
+        best = torch.maximum(best, tail.amax(-1, keepdim=True))
+    holds = block_max == best
+    first = holds.to(torch.uint8).argmax(-1)
+    index = first * _BLOCK + block(first).argmax(-1)
+    found = holds.any(-1)
+    if tail.shape[-1]:
+        index = torch.where(found, index, block_max.shape[-1] * _BLOCK + tail.argmax(-1))
+        found = found | (tail == best).any(-1)
+    return index if bool(found.all()) else None
 
 
 def _splitmix64(x: int) -> int:

@@ -315,6 +315,31 @@ def test_what_cannot_launch_steps_instead(engines: Any) -> None:
         batched.release(seq)
 
 
+@pytest.mark.parametrize("name", ["tiny-qwen2-vl", "tiny-llava"])
+def test_a_step_of_many_rows_gives_each_rows_tokens(mmpipe_home: Path, engine_device: str, name: str) -> None:
+    """Twenty greedy rows in one step (a bucket of 32: on CPU the head is a
+    vocabulary-major product there, its argmax read by columns) give each
+    row's tokens of one at a time."""
+    model_dir = builtin_path(name)
+    batched = engine_on(engine_device, model_dir, DecodeSettings(slots=24, max_len=512))
+    alone = engine_on(engine_device, model_dir, DecodeSettings(batched=False))
+    prompts = (_prompts(batched, name) * 4)[:20]
+    samplings = [SamplingConfig(temperature=0.0, max_tokens=12 - i % 5, min_tokens=12 - i % 5) for i in range(20)]
+    expected = [_alone(alone, p, m, s) for (p, m), s in zip(prompts, samplings, strict=True)]
+    started = [batched.prefill([p], [m], [s])[0] for (p, m), s in zip(prompts, samplings, strict=True)]
+    outputs = [[first] for _, first in started]
+    running = {i: seq for i, (seq, _) in enumerate(started)}
+    while running:
+        tokens = batched.step(list(running.values()))
+        for (i, seq), token in zip(list(running.items()), tokens, strict=True):
+            assert token is not None
+            outputs[i].append(token)
+            if len(outputs[i]) == samplings[i].max_tokens:
+                batched.release(seq)
+                del running[i]
+    assert outputs == expected
+
+
 def test_batched_decode_equals_generate(engines: Any, engine_device: str) -> None:
     name, batched, _ = engines
     model_dir = builtin_path(name)

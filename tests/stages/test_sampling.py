@@ -146,3 +146,27 @@ def test_best_index_is_the_first_of_tied_maxima_in_every_row() -> None:
     assert torch.equal(chosen, scores.argmax(-1))
     assert chosen[1] == 0 and chosen[4] == 4098
     assert torch.equal(best_index(scores.t(), 0), chosen)
+
+
+@pytest.mark.parametrize("vocab", [151936, 151939, 4096], ids=["whole-blocks", "with-a-tail", "one-vocab-of-blocks"])
+def test_best_index_over_a_vocabulary_is_max_s_index_wherever_the_maximum_lies(vocab: int) -> None:
+    # On CPU a vocabulary's argmax is found by blocks: each case below puts
+    # the row's maximum somewhere the blocks could miss or misorder it.
+    scores = _logits(12, vocab, 1.0, seed=5)
+    scores[0, 0] = 50.0  # the very first score
+    scores[1, vocab - 1] = 50.0  # the last, in the tail where there is one
+    scores[2, 300], scores[2, vocab - 300] = 50.0, 50.0  # tied in two blocks: the first
+    scores[3, 129], scores[3, 130] = 50.0, 50.0  # tied in one block: the first
+    scores[4, 127], scores[4, 128] = 50.0, 50.0  # tied across a block's edge
+    scores[5] = -3.0  # every score tied
+    scores[6, 17] = float("inf")
+    scores[7, 4000] = float("nan")  # a NaN wins, as max says
+    scores[8, vocab - 2], scores[8, 64] = 50.0, 50.0  # tied, one in the tail
+    expected = scores.max(-1).indices
+    assert torch.equal(best_index(scores), expected)
+    # As a step computes them on CPU: a [vocab, rows] product, seen as rows.
+    vocab_major = scores.t().contiguous().t()
+    assert torch.equal(best_index(vocab_major), expected)
+    assert int(expected[0]) == 0 and int(expected[2]) == 300 and int(expected[4]) == 127 and int(expected[7]) == 4000
+    for row in range(12):
+        assert int(best_index(scores[row], 0)) == int(expected[row])
