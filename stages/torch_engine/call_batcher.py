@@ -71,6 +71,11 @@ class CallBatcher(Generic[T, R]):
         self._queue: list[_Waiting[T, R]] = []
         self._runner: asyncio.Task[None] | None = None
 
+    @property
+    def busy(self) -> bool:
+        """Jobs waiting, or a shared call still to hand its results out."""
+        return bool(self._queue) or (self._runner is not None and not self._runner.done())
+
     async def submit(self, job: T) -> R:
         """``job``'s result, from a call shared with the jobs waiting beside it."""
         if self.max_items == 1:

@@ -239,12 +239,25 @@ class TorchHopEngine:
         """The engine's sleep (``TorchEngine.sleep``): the bytes it held.
         The requests were handed back before: their sequences leave as the
         decode loop and the engine thread get to them (under load, after
-        the calls queued before), so the pool is waited for, a while."""
+        the calls queued before), so the engine is waited for, a while,
+        until it is idle: no sequence in the pool or the decode loop, no
+        prefill running or queued (a cancelled caller's sequence is
+        released after it), no call on the engine thread."""
         deadline = time.monotonic() + _SLEEP_WAIT_S
-        # Polled: the pool changes on the engine thread, which signals no event.
-        while self.torch.holding and time.monotonic() < deadline:  # noqa: ASYNC110
+        # Polled: these change on the engine thread and in tasks, which signal no event.
+        while self._busy() and time.monotonic() < deadline:  # noqa: ASYNC110
             await asyncio.sleep(0.01)
         return await self.thread.call(self.torch.sleep, level)
+
+    def _busy(self) -> bool:
+        scheduler = self.scheduler
+        return bool(
+            self.torch.holding
+            or self.thread.unsettled
+            or not self.thread.quiet
+            or self.prefills.busy
+            or (scheduler is not None and scheduler.holds)
+        )
 
     async def wake_up(self) -> None:
         await self.thread.call(self.torch.wake_up)

@@ -88,7 +88,9 @@ class EngineThread:
         self._submitted = 0
         self._urgent: collections.deque[_Call] = collections.deque()
         self._normal: collections.deque[_Call] = collections.deque()
-        self._ready = threading.Condition()
+        # RLock: ``call_or_release`` submits and counts under one hold.
+        self._ready = threading.Condition(threading.RLock())
+        self._unsettled = 0
         # Whether a call is running on the thread now (read without the lock: a hint).
         self._calling = False
         self._thread = threading.Thread(target=self._run, name="engine_0", daemon=True)
@@ -105,20 +107,50 @@ class EngineThread:
     async def call(self, fn: Callable[..., T], *args: Any, urgent: bool = False) -> T:
         return await asyncio.wrap_future(self._submit(fn, args, urgent))
 
+    @property
+    def unsettled(self) -> int:
+        """Calls that allocate (``call_or_release``) still running or queued,
+        or whose result is still to be released: a pool read as empty now
+        may hold their sequences next (a hint, read without the lock)."""
+        return self._unsettled
+
     async def call_or_release(self, release: Callable[[T], Any], fn: Callable[[], T]) -> T:
         """``call`` for work that allocates: if the caller is cancelled while
         the thread runs it, the result is released once it exists."""
-        future = self._submit(fn, (), False)
+        with self._ready:
+            future = self._submit(fn, (), False)
+            self._unsettled += 1
         try:
-            return await asyncio.shield(asyncio.wrap_future(future))
+            result = await asyncio.shield(asyncio.wrap_future(future))
         except asyncio.CancelledError:
 
             def release_result(done: concurrent.futures.Future[T]) -> None:
-                if not done.cancelled() and done.exception() is None:
-                    self.submit(release, done.result())
+                if done.cancelled() or done.exception() is not None:
+                    self._settle()
+                    return
+                try:
+                    self._submit(self._release_then_settle, (release, done.result()), False)
+                except RuntimeError:
+                    # Closed: the engine is going away with what it holds.
+                    self._settle()
 
             future.add_done_callback(release_result)
             raise
+        except BaseException:
+            self._settle()
+            raise
+        self._settle()
+        return result
+
+    def _release_then_settle(self, release: Callable[[T], Any], result: T) -> None:
+        try:
+            release(result)
+        finally:
+            self._settle()
+
+    def _settle(self) -> None:
+        with self._ready:
+            self._unsettled -= 1
 
     def submit(self, fn: Callable[..., Any], *args: Any) -> None:
         """Fire and forget (for releases from a cancelled task)."""
@@ -382,6 +414,14 @@ class DecodeScheduler:
     @property
     def active(self) -> int:
         return len(self._running) + len(self._waiting)
+
+    @property
+    def holds(self) -> bool:
+        """Whether the loop has sequences: running, waiting to join (no row
+        of the pool yet, but one the next step may give them), in a step
+        launched ahead, a long prompt's chunks, or ended with their release
+        still owed."""
+        return bool(self._running or self._waiting or self._ahead is not None or self._chunks or self._to_release)
 
     async def stream(self, seq: Any, is_last: Callable[[int], bool]) -> AsyncGenerator[int, None]:
         """Tokens of a prefilled sequence as the shared loop produces them, up

@@ -126,8 +126,19 @@ async def test_a_result_whose_caller_left_is_released() -> None:
     task.cancel()
     with pytest.raises(asyncio.CancelledError):
         await task
+    assert thread.unsettled == 1  # what it allocates is still to come, and to go
     gate.set()
     await eventually(lambda: released == ["slot 3"], within=5.0)
+    await eventually(lambda: thread.unsettled == 0, within=5.0)
+    # A caller that stays, or a call that fails, settles too.
+    assert await thread.call_or_release(released.append, lambda: "slot 4") == "slot 4"
+
+    def fail() -> str:
+        raise ValueError("no room")
+
+    with pytest.raises(ValueError, match="no room"):
+        await thread.call_or_release(released.append, fail)
+    assert thread.unsettled == 0 and released == ["slot 3"]
     thread.close()
 
 
