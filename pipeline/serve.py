@@ -517,17 +517,16 @@ async def _serve_role(role: str, config: PipelineConfig, settings: WorkerSetting
             tensors=tensors,
             kv_events_endpoint=settings.kv_events.endpoint if holds_kv(role) else "",
             canary=settings.canary,
+            freeze_heap=True,
         )
         health.worker = worker
         _on_signals(worker.stop)
         # An engine core process (--engine-process) shows its metrics here.
         scrape = getattr(getattr(stage, "engine", None), "scrape", None)
         hide_core = show_engine_core(scrape) if scrape is not None else None
-        frozen = asyncio.create_task(_freeze_once_ready(worker))
         try:
             await worker.run()
         finally:
-            frozen.cancel()
             if hide_core is not None:
                 hide_core()
     finally:
@@ -550,12 +549,6 @@ def reads_decoded_media(role: str, settings: WorkerSettings) -> bool:
     """With --frontend-decode, the processor hands decoded media on and the
     role that encodes reads them: both need a tensor transport, EPD too."""
     return settings.media.frontend_decode and (role == PROCESSOR or "encode" in role.split("+"))
-
-
-async def _freeze_once_ready(worker: Worker) -> None:
-    # Once the stage has started (model loaded, graphs captured, warmed up).
-    await worker.ready.wait()
-    freeze_startup_heap()
 
 
 async def run_bridge(

@@ -24,6 +24,7 @@ from pipeline import metrics, tracing
 from pipeline.canary import Canary, CanarySettings
 from pipeline.cancel import CancelRegistry
 from pipeline.config import PipelineConfig
+from pipeline.gc_heap import freeze_startup_heap
 from pipeline.lora import LoraRegistry
 from pipeline.outcomes import Ack, Nak, Outcome, Reject, outcome_for
 from pipeline.replies import ReplyPublisher
@@ -137,6 +138,7 @@ class Worker:
         tensors: TensorTransport | None = None,
         kv_events_endpoint: str = "",
         canary: CanarySettings | None = None,
+        freeze_heap: bool = False,
     ) -> None:
         self.nc = nc
         self.js = js
@@ -148,6 +150,13 @@ class Worker:
         self.max_inflight = max_inflight
         self.worker_id = check_token(worker_id or f"{role_token(self.role)}-{uuid.uuid4().hex[:8]}", "worker id")
         self.drain_grace_s = drain_grace_s
+        # The process's startup heap frozen (pipeline/gc_heap.py) once the
+        # stage has started, before the first fetch: the collection before
+        # the freeze holds the GIL for seconds where the heap is large
+        # (SGLang's: 3 s on two cores), and a message fetched meanwhile
+        # waited for it past a short ack wait, to be redelivered to another
+        # worker while this one still ran it.
+        self.freeze_heap = freeze_heap
         self.tensors = tensors
         # Where the engine publishes its KV events when the stage does not say
         # (its engine in a process of its own, or vLLM's): relayed on NATS.
@@ -217,6 +226,8 @@ class Worker:
             await self.router.start()
         if self.canary is not None:
             background.append(asyncio.create_task(self.canary.run(self._stopping)))
+        if self.freeze_heap:
+            freeze_startup_heap()
         log.info("worker_started", role=self.role, worker_id=self.worker_id, max_inflight=self.max_inflight)
         self.ready.set()
         try:

@@ -539,3 +539,32 @@ async def test_a_restart_no_stream_answers_for_is_given_back_and_queued_once_it_
     psub = await running.js.pull_subscribe(config.subjects.work("encode"), stream=encode_stream)
     msgs = await psub.fetch(10, timeout=2)
     assert [Decoder(ProcessedRequest).decode(m.data).attempt for m in msgs] == [1]
+
+
+async def test_a_worker_that_freezes_its_heap_does_so_before_its_first_fetch(
+    running: Any, pipeline_config: PipelineConfig
+) -> None:
+    """``mmpipe worker``'s startup heap (pipeline/gc_heap.py) is frozen before
+    the worker fetches: the collection before the freeze holds the GIL, and
+    a message fetched meanwhile waits for it."""
+    import gc
+
+    stage = ScriptStage()
+    fetched_frozen: list[int] = []
+    run = stage.run
+
+    def observed(message: Any, ctx: HopContext) -> AsyncGenerator[StageOutput, None]:
+        fetched_frozen.append(gc.get_freeze_count())
+        return run(message, ctx)
+
+    stage.run = observed  # type: ignore[method-assign]
+    gc.unfreeze()
+    try:
+        await running(stage, freeze_heap=True)
+        assert gc.get_freeze_count() > 0  # frozen by the time the worker says it has started
+        sub = await running.nc.subscribe(pipeline_config.subjects.reply("f1"))
+        await publish(running.js, pipeline_config, request("f1", "one two"))
+        assert [c.token_ids for c in await collect(sub) if isinstance(c, TokenChunk)] == [[3], [3]]
+        assert fetched_frozen and fetched_frozen[0] > 0
+    finally:
+        gc.unfreeze()  # the rest of the test session collects as before

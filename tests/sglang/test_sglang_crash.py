@@ -40,9 +40,12 @@ async def test_killed_sglang_worker_request_completes_on_the_other_exactly_once(
     try:
         nats_url = await start_nats(procs, str(tmp_path / "data"))
         # A short ack wait: the dead worker's message goes to the other one in
-        # seconds; a short drain: nothing is in flight at the end.
+        # seconds (not so short that a live worker starved of the CPU for a
+        # few seconds, on a busy 2-core machine, loses its message while it
+        # runs it: its heartbeats come a third of the wait apart); a short
+        # drain: nothing is in flight at the end.
         common = ["--mode", mode, "--nats-url", nats_url, "--model", MODEL, "--transport", "nats"]
-        common += ["--ack-wait", "6", "--drain-grace", "2"]
+        common += ["--ack-wait", "10", "--drain-grace", "2"]
         workers = [procs.start("worker", other, *common) for other in ("processor", "encode")]
         if role == "decode":
             workers.append(procs.start("worker", "prefill", *common, "--engine", "sglang"))

@@ -39,8 +39,11 @@ async def test_killed_vllm_decode_worker_request_completes_on_the_other(
         nats_url = await start_nats(procs, str(tmp_path / "data"))
         common = ["--mode", MODE, "--nats-url", nats_url, "--model", str(vllm_model_dir)]
         # A short ack wait: the dead worker's message goes to the other one in
-        # seconds; a short drain: nothing is in flight at the end.
-        common += ["--served-model-name", MODEL, "--transport", "nats", "--ack-wait", "6", "--drain-grace", "2"]
+        # seconds (not so short that a live worker starved of the CPU for a
+        # few seconds, on a busy 2-core machine, loses its message while it
+        # runs it: its heartbeats come a third of the wait apart); a short
+        # drain: nothing is in flight at the end.
+        common += ["--served-model-name", MODEL, "--transport", "nats", "--ack-wait", "10", "--drain-grace", "2"]
         vllm = ["--engine", "vllm", "--vllm-args-file", str(args_file), "--vllm-arg", "max_model_len=2048"]
         vllm += ["--vllm-kv-connector", "example", "--vllm-kv-path", str(tmp_path / "kv")]
         workers = [procs.start("worker", role, *common) for role in ("processor", "encode")]
