@@ -99,23 +99,24 @@ def first_token_path(spans: Iterable[SpanRecord]) -> tuple[float, list[Step]] | 
         # first token; a hop that ends at prefill streams its token before it
         # forwards): until its first reply was stored. Any other: until the
         # next hop's message was stored, or the first token.
-        replied = [c.end_ns for c in children[hop.span_id] if c.name == "first_reply" and c.end_ns <= end]
-        nxt = hops[i + 1] if i + 1 < len(hops) and hops[i + 1].start_ns < end and not replied else None
-        until = min(replied) if replied else min(end, queued(nxt)) if nxt is not None else end
+        replies = [c for c in children[hop.span_id] if c.name == "first_reply" and c.end_ns <= end]
+        reply = min(replies, key=lambda c: c.end_ns) if replies else None
+        nxt = hops[i + 1] if i + 1 < len(hops) and hops[i + 1].start_ns < end and reply is None else None
+        until = reply.end_ns if reply is not None else min(end, queued(nxt)) if nxt is not None else end
         inside = 0.0
         timed = [
-            c
+            (c, _path_end(c, reply, until))
             for c in sorted(children[hop.span_id], key=lambda s: s.start_ns)
             if c.name != "queue_wait" and c.start_ns < until
         ]
-        for step in timed:
-            ms = _ms(min(step.end_ns, until) - step.start_ns)
+        for step, step_end in timed:
+            ms = _ms(step_end - step.start_ns)
             inside += ms
             steps.append(Step(f"{role}: {step.name}", ms))
             for sub in sorted(children[step.span_id], key=lambda s: s.start_ns):
-                if sub.start_ns < until:
+                if sub.start_ns < step_end:
                     steps.append(
-                        Step(f"{role}: {step.name} › {sub.name}", _ms(min(sub.end_ns, until) - sub.start_ns), True)
+                        Step(f"{role}: {step.name} › {sub.name}", _ms(min(sub.end_ns, step_end) - sub.start_ns), True)
                     )
         steps.append(Step(f"{role}: other", max(0.0, _ms(until - hop.start_ns) - inside)))
         steps += [Step(f"{role}: other › {where}", ms, True) for where, ms in _gaps(hop.start_ns, timed, until)]
@@ -126,21 +127,32 @@ def first_token_path(spans: Iterable[SpanRecord]) -> tuple[float, list[Step]] | 
     return _ms(end - bridge.start_ns), steps
 
 
+def _path_end(step: SpanRecord, reply: SpanRecord | None, until_ns: int) -> int:
+    """Where a hop's step stops counting on the first token's path: at the
+    path's end in the hop, or, for a step that began before the first reply
+    and runs on beside it (the first decode step, which the batch takes
+    before the first token goes out), where the reply began."""
+    end = min(step.end_ns, until_ns)
+    if reply is not None and step is not reply and step.start_ns <= reply.start_ns < end:
+        return reply.start_ns
+    return end
+
+
 # Gaps shorter than this between a hop's steps are not listed on their own.
 _GAP_MS = 0.05
 
 
-def _gaps(start_ns: int, steps: list[SpanRecord], until_ns: int) -> list[tuple[str, float]]:
+def _gaps(start_ns: int, steps: list[tuple[SpanRecord, int]], until_ns: int) -> list[tuple[str, float]]:
     """Where a hop's "other" time lies: the stretches inside it that none of
-    its steps cover, each named by the steps on either side (free to find:
-    the spans are already there)."""
+    its steps cover (each step to where it stops counting), each named by
+    the steps on either side (free to find: the spans are already there)."""
     out: list[tuple[str, float]] = []
     cursor, before = start_ns, ""
-    for step in steps:
+    for step, step_end in steps:
         if step.start_ns > cursor and _ms(step.start_ns - cursor) >= _GAP_MS:
             where = f"{before} to {step.name}" if before else f"before {step.name}"
             out.append((where, _ms(step.start_ns - cursor)))
-        cursor, before = max(cursor, min(step.end_ns, until_ns)), step.name
+        cursor, before = max(cursor, min(step_end, until_ns)), step.name
     if until_ns > cursor and _ms(until_ns - cursor) >= _GAP_MS:
         out.append((f"after {before}" if before else "no step", _ms(until_ns - cursor)))
     return out

@@ -78,6 +78,23 @@ def test_the_first_token_path_adds_up_to_the_bridges_ttft() -> None:
         ("encode+prefill+decode: other", 0.0, False),
         ("reply: to the bridge", 1.0, False),
     ]
+
+
+def test_a_first_step_beside_the_first_reply_counts_only_until_the_reply_began() -> None:
+    """The batch takes the sequence before its first token goes out: the
+    first decode step's span begins before the first reply and runs on
+    beside it. On the path it counts until the reply began; the reply
+    counts whole, and the steps add up to the TTFT."""
+    trace = [s for s in _trace() if s.name not in ("first_step", "first_reply")]
+    trace += [_span("first_step", "ws", "w", 10, 13), _span("first_reply", "wf", "w", 10.2, 11)]
+    path = first_token_path(trace)
+    assert path is not None
+    ttft, steps = path
+    got = {s.label: round(s.ms, 3) for s in steps if s.label.startswith("encode+prefill+decode")}
+    assert got["encode+prefill+decode: first_step"] == 0.2
+    assert got["encode+prefill+decode: first_reply"] == 0.8
+    assert got["encode+prefill+decode: other"] == 0.0
+    assert round(sum(s.ms for s in steps if not s.nested), 3) == ttft
     assert sum(s.ms for s in steps if not s.nested) == pytest.approx(ttft)
 
 
