@@ -1598,8 +1598,10 @@ class TorchEngine:
     def _select(self, seq: Sequence, logits: torch.Tensor, defer: bool = False, masked: bool = False) -> int:
         if not seq.output_ids and seq.prompt_logits is None:
             # The prefill's: what a choice of the same prompt forks from
-            # (``fork``). A copy: a graphed prefill's output is overwritten by the next.
-            seq.prompt_logits = logits.detach().clone()
+            # (``fork``). A copy on a GPU: a graphed prefill's output is
+            # overwritten by the next. A CPU's are the forward's own (0.3 ms a
+            # prefill to copy a 151,936-token row on two cores).
+            seq.prompt_logits = logits.detach() if logits.device.type == "cpu" else logits.detach().clone()
         if defer and logits.is_cuda and seq.sampling.on_device and not seq.output_ids:
             chosen = greedy_choice(logits.float(), seq.sampling, seq.num_generated, self._eos_tensor)
             seq.pending = Launched(chosen.reshape(1), 1, blocking=True)

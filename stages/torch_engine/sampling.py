@@ -273,6 +273,14 @@ def greedy_choice(
     device, not read back: a caller can queue its copy and read it later."""
     stops = stopping_ids(eos_token_ids, config)
     if stops is not None and index < config.min_tokens:
+        if logits.device.type == "cpu":
+            # Masking only lowers the stops' scores: a first choice that is no
+            # stop is the masked row's first choice too, found without the
+            # row's copy (a NaN counts as the max both ways). Where reading
+            # the choice back is free.
+            chosen = best_index(logits.reshape(-1), 0)
+            if not bool((stops == chosen).any()):
+                return chosen
         logits = _without(logits, stops)
     return best_index(logits.reshape(-1), 0)
 

@@ -10,7 +10,8 @@ import math
 import pytest
 import torch
 
-from stages.torch_engine.sampling import best_index, draw_key, gumbel, sample_rows, uniform, weyl
+from stages.sampling import SamplingConfig
+from stages.torch_engine.sampling import best_index, draw_key, greedy_choice, gumbel, sample_rows, uniform, weyl
 
 
 def _params(*rows: tuple[float, float, float, float]) -> torch.Tensor:
@@ -170,3 +171,29 @@ def test_best_index_over_a_vocabulary_is_max_s_index_wherever_the_maximum_lies(v
     assert int(expected[0]) == 0 and int(expected[2]) == 300 and int(expected[4]) == 127 and int(expected[7]) == 4000
     for row in range(12):
         assert int(best_index(scores[row], 0)) == int(expected[row])
+
+
+def test_the_greedy_choice_below_min_tokens_is_the_best_token_that_is_no_stop() -> None:
+    """Below ``min_tokens`` the EOS ids and the stop ids are masked (as
+    transformers' MinNewTokensLogitsProcessor, as vLLM): on CPU the row is
+    copied only where its first choice is a stop. Each case against the
+    masked row's own first maximum."""
+    vocab, eos = 151936, torch.tensor([151643, 151645])
+    config = SamplingConfig(max_tokens=8, min_tokens=4, stop_token_ids=[7])
+    rows = _logits(9, vocab, 1.0, seed=6)
+    rows[0, 151645] = 50.0  # an EOS is the best: the next best is chosen
+    rows[1, 151643], rows[1, 9] = 50.0, 50.0  # tied with an EOS before it: the later one
+    rows[2, 9], rows[2, 151643] = 50.0, 50.0  # tied, the EOS after it: the first
+    rows[3, 7] = 50.0  # a request's stop id is masked too
+    rows[4, 151645] = float("nan")  # a NaN at a stop is masked away
+    rows[5, 11] = float("nan")  # a NaN elsewhere wins, as max says
+    rows[6, 151643], rows[6, 151645], rows[6, 7] = 50.0, 49.0, 48.0  # every stop above the rest
+    rows[7] = -2.0  # all tied: the first
+    for i, row in enumerate(rows):
+        masked = row.index_fill(0, torch.tensor([151643, 151645, 7]), float("-inf"))
+        expected = int(masked.max(0).indices)
+        assert int(greedy_choice(row, config, 0, eos)) == expected, i
+        # From min_tokens on nothing is masked.
+        assert int(greedy_choice(row, config, 4, eos)) == int(row.max(0).indices), i
+    assert int(greedy_choice(rows[1], config, 0, eos)) == 9
+    assert int(greedy_choice(rows[5], config, 0, eos)) == 11
