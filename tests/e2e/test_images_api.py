@@ -176,7 +176,7 @@ async def test_a_killed_image_worker_s_request_is_drawn_once_by_another(tmp_path
         await asyncio.to_thread(first.wait_for, "worker_started")
         nc, js = await connect(url, "test-client")
         try:
-            params = ImageParams(prompt="a slow drawing", n=2, width=128, height=128, steps=100, guidance=5.0)
+            params = ImageParams(prompt="a slow drawing", n=2, width=128, height=128, steps=30, guidance=5.0)
             asked = GenerateRequest("killed-draw", TINY_TEXT_TO_IMAGE, [], image=params)
             hop = ProcessedRequest(asked, [], [], [GENERATE_IMAGE], max_tokens=0, seed=13)
             headers = {CONTENT_TYPE: MSGPACK, "Nats-Msg-Id": "killed-draw:0:0"}
