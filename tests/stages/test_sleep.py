@@ -120,13 +120,7 @@ async def test_sleep_waits_for_a_prefill_whose_caller_left_to_release_its_sequen
         assert await asyncio.to_thread(busy.wait, 5)
         run = asyncio.ensure_future(anext(aiter(stage.run(request, HopContext()))))
         await eventually(lambda: engine.thread.unsettled == 1, within=5.0)  # its prefill queued behind the blocker
-        run.cancel()
-        with pytest.raises(asyncio.CancelledError):
-            await run
-        assert engine.torch.holding == 0  # nothing held yet: the prefill has not run
-        asleep = asyncio.ensure_future(engine.sleep(1))
-        await asyncio.sleep(0.05)
-        assert not asleep.done()  # waiting for the prefill and its release
+        asleep = await _sleep_once_cancelled(engine, run)  # waiting for the prefill and its release
         gate.set()
         await blocker
         held = await asyncio.wait_for(asleep, 10)
@@ -171,13 +165,7 @@ async def test_sleep_waits_for_a_sequence_joining_the_decode_loop(
 
         run = asyncio.ensure_future(consume())
         assert await asyncio.to_thread(stepping.wait, 10)
-        run.cancel()
-        with pytest.raises(asyncio.CancelledError):
-            await run
-        assert engine.torch.holding == 0  # no row yet: the step has not run
-        asleep = asyncio.ensure_future(engine.sleep(1))
-        await asyncio.sleep(0.05)
-        assert not asleep.done()
+        asleep = await _sleep_once_cancelled(engine, run)  # waiting for the step and the release
         gate.set()
         held = await asyncio.wait_for(asleep, 10)
         assert held["kv_cache"] > 0 and engine.torch.sleeping == 1
@@ -186,3 +174,16 @@ async def test_sleep_waits_for_a_sequence_joining_the_decode_loop(
         assert tokens == reference_generate(tiny_model_dir, request.prompt_token_ids, [], 6)
     finally:
         await stage.close()
+
+
+async def _sleep_once_cancelled(engine: TorchHopEngine, run: asyncio.Future[Any]) -> asyncio.Future[dict[str, int]]:
+    """The hop's caller gone before its sequence holds a row of the pool,
+    then sleep asked for: still waiting a moment later."""
+    run.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await run
+    assert engine.torch.holding == 0
+    asleep = asyncio.ensure_future(engine.sleep(1))
+    await asyncio.sleep(0.05)
+    assert not asleep.done()
+    return asleep
