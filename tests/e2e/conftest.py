@@ -330,11 +330,13 @@ async def finished_reply(js: Any, subjects: Subjects, request_id: str, within: f
         await asyncio.sleep(0.05)
 
 
-async def reply_tokens(nats_url: str, request_id: str) -> list[int]:
-    """The token ids of a request as its reply stream holds them (a stack's namespace: default)."""
+async def reply_tokens(nats_url: str, request_id: str, within: float = 10.0) -> list[int]:
+    """The token ids of a request as its reply stream holds them (a stack's
+    namespace: default), once its finishing chunk is stored or ``within``
+    seconds have passed (0: as the stream holds them now)."""
     nc, js = await connect(nats_url, name="test-reader")
     try:
-        chunks = await finished_reply(js, Subjects("default"), request_id)
+        chunks = await finished_reply(js, Subjects("default"), request_id, within)
     finally:
         await nc.close()
     return [t for c in chunks for t in getattr(c, "token_ids", [])]
