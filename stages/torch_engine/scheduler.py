@@ -88,8 +88,8 @@ class EngineThread:
         self._submitted = 0
         self._urgent: collections.deque[_Call] = collections.deque()
         self._normal: collections.deque[_Call] = collections.deque()
-        # RLock: ``call_or_release`` submits and counts under one hold.
-        self._ready = threading.Condition(threading.RLock())
+        self._ready = threading.Condition()
+        # Counted up on the caller's loop, down on the engine thread too: under ``_ready``.
         self._unsettled = 0
         # Whether a call is running on the thread now (read without the lock: a hint).
         self._calling = False
@@ -117,8 +117,9 @@ class EngineThread:
     async def call_or_release(self, release: Callable[[T], Any], fn: Callable[[], T]) -> T:
         """``call`` for work that allocates: if the caller is cancelled while
         the thread runs it, the result is released once it exists."""
+        future = self._submit(fn, (), False)
+        # Before any settling: that comes only once the caller has awaited the result or left.
         with self._ready:
-            future = self._submit(fn, (), False)
             self._unsettled += 1
         try:
             result = await asyncio.shield(asyncio.wrap_future(future))
