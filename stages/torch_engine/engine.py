@@ -31,6 +31,7 @@ import torch
 
 from schemas.errors import ContextLengthExceeded, InvalidMedia, InvalidRequest
 from schemas.processed import MediaKind
+from stages import compute_threads
 from stages.device_copy import tensor_on, to_device
 from stages.families import Grid, Media, MediaEmbedding, family_for_architecture
 from stages.families.tower_graphs import TowerGraphs
@@ -89,6 +90,9 @@ class TorchEngine:
             if decode.torch_compile and decode.encodes:
                 self.family.compile_tower(self.model)
         self.tokenizer = AutoTokenizer.from_pretrained(str(self.model_dir))
+        # A call's size (``_sized``): a new token through the layers, a row
+        # through the LM head, a token and a place it attends to.
+        self._flops_token, self._flops_row, self._flops_pair = _call_flops(self.model, config)
         limit = self.family.max_position_embeddings
         self.max_model_len = min(max_model_len or limit, limit)
         self.eos_token_ids: frozenset[int] = frozenset(_eos_ids(self.model, config))
@@ -613,7 +617,7 @@ class TorchEngine:
             if seq.length >= self.max_model_len:
                 raise ContextLengthExceeded(f"sequence reached the model's context of {self.max_model_len} tokens")
         _drop_prompt_logits(seqs)
-        with self._lock, torch.inference_mode():
+        with self._lock, torch.inference_mode(), self._sized_step(seqs, chunk):
             with self._settle_lock:
                 batched = self._grown([seq for seq in seqs if self._admit(seq)])
                 inputs = self._slots.step_inputs({q.slot for q in batched}) if batched and self._slots else None
@@ -708,7 +712,7 @@ class TorchEngine:
             if wanted and seq.ahead + 1 >= self.max_model_len:
                 raise ContextLengthExceeded(f"sequence reached the model's context of {self.max_model_len} tokens")
         _drop_prompt_logits(seqs)
-        with self._lock, torch.inference_mode():
+        with self._lock, torch.inference_mode(), self._sized_step(seqs, chunk):
             if any(not self._admit(seq) and not self._ever_fits(seq) for seq in seqs):
                 return None
             with self._settle_lock:
@@ -1194,6 +1198,22 @@ class TorchEngine:
         positions, delta = fam.prompt_positions(ids, media)
         return ids, positions, delta
 
+    def _sized(self, tokens: int, rows: int, pairs: int) -> contextlib.AbstractContextManager[None]:
+        """On a CPU, a call of ``tokens`` through the layers, ``rows``
+        through the LM head and ``pairs`` attended: on one thread where it
+        is small (``compute_threads.sized``)."""
+        if self.device.type != "cpu":
+            return contextlib.nullcontext()
+        flops = tokens * self._flops_token + rows * self._flops_row + pairs * self._flops_pair
+        return compute_threads.sized(flops)
+
+    def _sized_step(self, seqs: list[Sequence], chunk: Prefilling | None) -> contextlib.AbstractContextManager[None]:
+        """A decode step of ``seqs`` as ``_sized`` sizes it (with a prompt's
+        chunk riding it: as large)."""
+        if chunk is not None:
+            return contextlib.nullcontext()
+        return self._sized(len(seqs), len(seqs), sum(seq.length for seq in seqs))
+
     def _prefill_one(
         self,
         prompt: list[int],
@@ -1212,7 +1232,7 @@ class TorchEngine:
         # Embeddings given have no ids to key a cached prefix by.
         keys = self._keys(prompt, media, self._loras.salt(lora)) if not emitted and given is None else []
         needed = self._not_encoded_end(prompt, media)
-        with self._lock, torch.inference_mode():
+        with self._lock, torch.inference_mode(), contextlib.ExitStack() as sized:
             embeds = (
                 fam.embed_prompt(self.model, ids, media)
                 if given is None
@@ -1223,6 +1243,9 @@ class TorchEngine:
                 if hit and self.decoder is not None:
                     self.decoder.pool.free(hit)
                 raise MediaNotEncoded(f"the cached prefix no longer holds the first {needed} tokens")
+            cached = len(hit) * self.block_size
+            # From here to its token: on one thread where the part not cached is small.
+            sized.enter_context(self._sized(len(ids) - cached, 1, (len(ids) - cached) * len(ids)))
             if not emitted:
                 slotted = self._prefill_into_slot(
                     embeds, positions, len(ids), sampling, delta, defer, keys, ids, hit, slot
@@ -1234,7 +1257,6 @@ class TorchEngine:
             # model's modules, attending over the prefix's keys and values read
             # from the pool: the same computation over fewer rows, whose last
             # bits may differ from one whole pass's.
-            cached = len(hit) * self.block_size
             try:
                 with self._loras.for_rows([slot], self.device):
                     logits, cache = fam.forward(
@@ -1757,3 +1779,22 @@ def _eos_ids(model: Any, config: Any) -> set[int]:
         if isinstance(value, (list, tuple)) and value:
             return {int(v) for v in value}
     return set()
+
+
+def _call_flops(model: Any, config: Any) -> tuple[float, float, float]:
+    """Floating-point operations of a new token through the language model's
+    layers, of a row through its LM head, and of a token attending to one
+    place (every layer's scores and values). A model whose decoder is not
+    found counts all its weights a token: every call large."""
+    head = model.get_output_embeddings()
+    row = float(head.weight.numel()) if head is not None else 0.0
+    text = getattr(config, "text_config", None) or config
+    hidden = getattr(text, "hidden_size", None) or (head.weight.shape[1] if head is not None else 0)
+    layers = getattr(text, "num_hidden_layers", None) or 0
+    try:
+        decoder = model.get_decoder()
+        lookup = decoder.get_input_embeddings()
+        token = float(sum(p.numel() for p in decoder.parameters()) - (lookup.weight.numel() if lookup else 0))
+    except (AttributeError, NotImplementedError):
+        token = float(sum(p.numel() for p in model.parameters()))
+    return 2.0 * token, 2.0 * row, 4.0 * layers * hidden

@@ -95,3 +95,93 @@ def test_a_workers_openmp_teams_spin_briefly_unless_its_environment_says_otherwi
     assert _spin({"OMP_WAIT_POLICY": "passive"}) == ["True", "None"]
     # libgomp has read its environment once torch is loaded: too late to set it.
     assert _spin({}, first="import torch") == ["False", "None"]
+
+
+# On a reserved engine thread: the intra-op count inside a small call, inside
+# a large one, after each, and after a small call that raised.
+_SIZED = """
+import asyncio, json
+import torch
+from stages import compute_threads
+from stages.torch_engine.scheduler import EngineThread
+
+def counts():
+    seen = {}
+    with compute_threads.sized(compute_threads.SMALL_CALL_FLOPS / 10):
+        seen["small"] = torch.get_num_threads()
+    seen["after_small"] = torch.get_num_threads()
+    with compute_threads.sized(compute_threads.SMALL_CALL_FLOPS):
+        seen["large"] = torch.get_num_threads()
+    try:
+        with compute_threads.sized(0):
+            raise ValueError
+    except ValueError:
+        pass
+    seen["after_raised"] = torch.get_num_threads()
+    return seen
+
+async def main():
+    compute_threads.reserve_on_loop(3)
+    engine = EngineThread()
+    print(json.dumps(await engine.call(counts)))
+    engine.close()
+
+asyncio.run(main())
+"""
+
+
+def test_a_small_call_runs_on_one_thread_and_the_engines_count_comes_back() -> None:
+    out = subprocess.run(
+        [sys.executable, "-c", _SIZED], cwd=ROOT, capture_output=True, text=True, timeout=120, check=True
+    )
+    counts = json.loads(out.stdout.strip().splitlines()[-1])
+    assert counts == {"small": 1, "after_small": 3, "large": 3, "after_raised": 3}
+
+
+# A CPU engine on a reserved engine thread: the intra-op count its forward
+# ran with, for a short prompt and a long one.
+_ENGINE = """
+import asyncio, json, sys
+import torch
+from stages import compute_threads
+from stages.sampling import SamplingConfig
+from stages.torch_engine.engine import TorchEngine
+from stages.torch_engine.scheduler import EngineThread
+
+async def main(model_dir):
+    compute_threads.reserve_on_loop(2)
+    engine = TorchEngine(model_dir, device="cpu", dtype=torch.float32)
+    seen = []
+    forward = engine.model.forward
+
+    def counted(*args, **kwargs):
+        seen.append(torch.get_num_threads())
+        return forward(*args, **kwargs)
+
+    engine.model.forward = counted
+    thread = EngineThread()
+    greedy = SamplingConfig(temperature=0.0, max_tokens=4)
+    ids = engine.tokenizer("hello there", add_special_tokens=False)["input_ids"]
+    [(short, _)] = await thread.call(engine.prefill, [ids * 4], [[]], [greedy])
+    out = {"short_prefill": seen[-1]}
+    [(long, _)] = await thread.call(engine.prefill, [ids * 400], [[]], [greedy])
+    out["long_prefill"] = seen[-1]
+    out["threads_after"] = await thread.call(torch.get_num_threads)
+    thread.close()
+    print(json.dumps(out))
+
+asyncio.run(main(sys.argv[1]))
+"""
+
+
+def test_a_cpu_engine_prefills_a_short_prompt_on_one_thread_and_a_long_one_on_its_own(tiny_model_dir: Path) -> None:
+    out = subprocess.run(
+        [sys.executable, "-c", _ENGINE, str(tiny_model_dir)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=True,
+    )
+    counts = json.loads(out.stdout.strip().splitlines()[-1])
+    assert counts == {"short_prefill": 1, "long_prefill": 2, "threads_after": 2}
