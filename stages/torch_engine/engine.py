@@ -1198,11 +1198,12 @@ class TorchEngine:
         positions, delta = fam.prompt_positions(ids, media)
         return ids, positions, delta
 
-    def _sized(self, tokens: int, rows: int, pairs: int) -> contextlib.AbstractContextManager[None]:
+    def _sized(self, tokens: int, rows: int, pairs: int, places: int) -> contextlib.AbstractContextManager[None]:
         """On a CPU, a call of ``tokens`` through the layers, ``rows``
-        through the LM head and ``pairs`` attended: on one thread where it
-        is small (``compute_threads.sized``)."""
-        if self.device.type != "cpu":
+        through the LM head and ``pairs`` attended over a context of
+        ``places`` (the longest): on one thread where it is small
+        (``compute_threads.sized``)."""
+        if self.device.type != "cpu" or places > compute_threads.SMALL_CALL_PLACES:
             return contextlib.nullcontext()
         flops = tokens * self._flops_token + rows * self._flops_row + pairs * self._flops_pair
         return compute_threads.sized(flops)
@@ -1212,7 +1213,8 @@ class TorchEngine:
         chunk riding it: as large)."""
         if chunk is not None:
             return contextlib.nullcontext()
-        return self._sized(len(seqs), len(seqs), sum(seq.length for seq in seqs))
+        lengths = [seq.length for seq in seqs]
+        return self._sized(len(seqs), len(seqs), sum(lengths), max(lengths, default=0))
 
     def _prefill_one(
         self,
@@ -1245,7 +1247,7 @@ class TorchEngine:
                 raise MediaNotEncoded(f"the cached prefix no longer holds the first {needed} tokens")
             cached = len(hit) * self.block_size
             # From here to its token: on one thread where the part not cached is small.
-            sized.enter_context(self._sized(len(ids) - cached, 1, (len(ids) - cached) * len(ids)))
+            sized.enter_context(self._sized(len(ids) - cached, 1, (len(ids) - cached) * len(ids), len(ids)))
             if not emitted:
                 slotted = self._prefill_into_slot(
                     embeds, positions, len(ids), sampling, delta, defer, keys, ids, hit, slot
