@@ -158,7 +158,7 @@ class MediaEncoder:
     def _decoding_early(self, items: list[MediaItem], datas: list[bytes]) -> list[asyncio.Future[Decoded]] | None:
         """One request at a time, its images are decoded on threads while
         their digests are taken, rather than after: the digest of a 448×448
-        PNG is 2 ms of the first token's way on an H100 host's cores. Only
+        PNG was 1 to 2 ms of the first token's way on H100 hosts. Only
         images this worker has not seen (by their size and their ends): one
         seen before likely finds a cache (the prefix's, the embeddings', the
         decoded media's), where the decode would be wasted. Under load the

@@ -3,37 +3,17 @@ embedding cache misses) are not decoded again, and it stays in its bytes."""
 
 from __future__ import annotations
 
-import io
 from pathlib import Path
 
-import numpy as np
 from PIL import Image
 
-from schemas.processed import MediaItem, MediaKind, ProcessedRequest
-from schemas.request import ChatMessage, GenerateRequest
 from stages.contract import HopContext
 from stages.encoder import MediaEncoder
 from stages.media import MediaFetcher, MediaPolicy
 from stages.media.decoded import LOOKUPS, DecodedMediaCache, decoded_nbytes
 from stages.torch_engine.engine import TorchEngine
 from stages.torch_engine.scheduler import EngineThread
-
-
-def _png(seed: int, size: tuple[int, int] = (40, 30)) -> bytes:
-    buf = io.BytesIO()
-    Image.fromarray(np.random.default_rng(seed).integers(0, 256, (size[1], size[0], 3), dtype=np.uint8)).save(
-        buf, format="PNG"
-    )
-    return buf.getvalue()
-
-
-def _request(*pngs: bytes) -> ProcessedRequest:
-    import base64
-
-    urls = [f"data:image/png;base64,{base64.b64encode(p).decode()}" for p in pngs]
-    media = [MediaItem(MediaKind.IMAGE, url, i) for i, url in enumerate(urls)]
-    request = GenerateRequest(request_id="r", model="m", messages=[ChatMessage("user", "x")])
-    return ProcessedRequest(request, [0] * len(pngs), media, ["encode"], max_tokens=1, seed=0)
+from tests.stages.inline_images import image_request, png
 
 
 def test_lru_in_bytes() -> None:
@@ -54,16 +34,16 @@ async def test_an_image_seen_again_in_another_set_is_not_decoded_again(tiny_mode
     encoder = MediaEncoder(TorchEngine(tiny_model_dir), thread, fetcher, policy)
     hits = LOOKUPS.labels("hit")
     try:
-        a, b = _png(1), _png(2)
-        first = await encoder.encode(_request(a), HopContext())
+        a, b = png(1), png(2)
+        first = await encoder.encode(image_request(a), HopContext())
         before = hits._value.get()
-        again = await encoder.encode(_request(a, b), HopContext())  # a new set: the embedding cache misses
+        again = await encoder.encode(image_request(a, b), HopContext())  # a new set: the embedding cache misses
         assert hits._value.get() == before + 1  # a came from the decoded cache, b was decoded
         assert encoder.decoded_cache is not None and len(encoder.decoded_cache) == 2
         assert [e.grid_thw for e in again][:1] == [first[0].grid_thw]
         off = MediaEncoder(encoder.engine, thread, fetcher, MediaPolicy(decoded_cache_bytes=0))
         assert off.decoded_cache is None
-        assert [e.grid_thw for e in await off.encode(_request(a, b), HopContext())] == [e.grid_thw for e in again]
+        assert [e.grid_thw for e in await off.encode(image_request(a, b), HopContext())] == [e.grid_thw for e in again]
     finally:
         await fetcher.close()
         thread.close()

@@ -5,37 +5,18 @@ a decode no cache left a use for ends off the request's way."""
 from __future__ import annotations
 
 import asyncio
-import base64
-import io
 from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
-from PIL import Image
 
 from schemas.errors import InvalidMedia
-from schemas.processed import MediaItem, MediaKind, ProcessedRequest
-from schemas.request import ChatMessage, GenerateRequest
 from stages.contract import HopContext
 from stages.encoder import EARLY_DECODES, MediaEncoder
 from stages.media import EmbeddingCache, MediaFetcher, MediaPolicy
 from stages.torch_engine.engine import TorchEngine
 from stages.torch_engine.scheduler import EngineThread
-
-
-def _png(seed: int, size: tuple[int, int] = (40, 30)) -> bytes:
-    buf = io.BytesIO()
-    pixels = np.random.default_rng(seed).integers(0, 256, (size[1], size[0], 3), dtype=np.uint8)
-    Image.fromarray(pixels).save(buf, format="PNG")
-    return buf.getvalue()
-
-
-def _request(*images: bytes) -> ProcessedRequest:
-    urls = [f"data:image/png;base64,{base64.b64encode(p).decode()}" for p in images]
-    media = [MediaItem(MediaKind.IMAGE, url, i) for i, url in enumerate(urls)]
-    request = GenerateRequest(request_id="r", model="m", messages=[ChatMessage("user", "x")])
-    return ProcessedRequest(request, [0] * len(images), media, ["encode"], max_tokens=1, seed=0)
+from tests.stages.inline_images import image_request, png
 
 
 def _early() -> float:
@@ -63,12 +44,12 @@ async def parts(tiny_model_dir: Path):  # type: ignore[no-untyped-def]
 async def test_a_new_image_decoded_beside_its_digest_encodes_as_one_decoded_after_it(parts) -> None:  # type: ignore[no-untyped-def]
     engine, thread, fetcher, policy = parts
     encoder = MediaEncoder(engine, thread, fetcher, policy)  # no embedding cache, no decoded cache
-    image = _png(1)
+    image = png(1)
     before = _early()
-    [early] = await encoder.encode(_request(image), HopContext())
+    [early] = await encoder.encode(image_request(image), HopContext())
     assert _early() == before + 1
     # Seen now: the same bytes again are digested first and decoded after.
-    [after] = await encoder.encode(_request(image), HopContext())
+    [after] = await encoder.encode(image_request(image), HopContext())
     assert _early() == before + 1
     assert early.grid_thw == after.grid_thw
     assert torch.equal(early.embeddings, after.embeddings)
@@ -86,7 +67,7 @@ async def test_images_are_not_decoded_early_while_the_engine_has_work(parts) -> 
         await asyncio.sleep(0.05)
         assert not thread.quiet
         before = _early()
-        assert encoder._decoding_early(_request(_png(2)).media, [_png(2)]) is None
+        assert encoder._decoding_early(image_request(png(2)).media, [png(2)]) is None
         assert _early() == before
     finally:
         release.set()
@@ -97,14 +78,14 @@ async def test_an_early_decode_a_cache_left_unused_ends_off_the_requests_way(par
     engine, thread, fetcher, policy = parts
     cache = EmbeddingCache(64 << 20, "early-decode-test")
     first = MediaEncoder(engine, thread, fetcher, policy, cache=cache)
-    image = _png(3)
-    [encoded] = await first.encode(_request(image), HopContext())
+    image = png(3)
+    [encoded] = await first.encode(image_request(image), HopContext())
     # Another worker's encoder (its own fingerprints) on the same cache: the
     # image is new to it, so decoded early, and then found in the cache.
     second = MediaEncoder(engine, thread, fetcher, policy, cache=cache)
     before = _early()
     ctx = HopContext()
-    [hit] = await second.encode(_request(image), ctx)
+    [hit] = await second.encode(image_request(image), ctx)
     assert _early() == before + 1 and ctx.trace["cache_hit"] == 1.0
     assert torch.equal(hit.embeddings, encoded.embeddings)
     await _until_settled(second)
@@ -113,9 +94,9 @@ async def test_an_early_decode_a_cache_left_unused_ends_off_the_requests_way(par
 async def test_bytes_that_are_no_image_fail_as_invalid_media_when_decoded_early(parts) -> None:  # type: ignore[no-untyped-def]
     engine, thread, fetcher, policy = parts
     encoder = MediaEncoder(engine, thread, fetcher, policy)
-    broken = _png(4)[:200]  # a PNG's header, its data cut short
+    broken = png(4)[:200]  # a PNG's header, its data cut short
     before = _early()
     with pytest.raises(InvalidMedia):
-        await encoder.encode(_request(broken), HopContext())
+        await encoder.encode(image_request(broken), HopContext())
     assert _early() == before + 1
     await _until_settled(encoder)
