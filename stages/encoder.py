@@ -163,13 +163,14 @@ class MediaEncoder:
         seen before likely finds a cache (the prefix's, the embeddings', the
         decoded media's), where the decode would be wasted. Under load the
         decode pool keeps its order: digest, caches, then decode."""
-        if not self.thread.quiet or any(m.kind is not MediaKind.IMAGE or m.embeds for m in items):
+        if any(m.kind is not MediaKind.IMAGE or m.embeds for m in items):
             return None
+        # Remembered under load too: sent again once the worker is quiet, it likely hits.
         prints = [_fingerprint(d) for d in datas]
         seen = [self._seen.get(p) is not None for p in prints]
         for p in prints:
             self._seen.put(p, True)
-        if any(seen):
+        if any(seen) or not self.thread.quiet:
             return None
         EARLY_DECODES.inc(len(items))
         return [asyncio.ensure_future(asyncio.to_thread(self._decode, m, d)) for m, d in zip(items, datas, strict=True)]

@@ -56,7 +56,7 @@ async def test_a_new_image_decoded_beside_its_digest_encodes_as_one_decoded_afte
     await _until_settled(encoder)
 
 
-async def test_images_are_not_decoded_early_while_the_engine_has_work(parts) -> None:  # type: ignore[no-untyped-def]
+async def test_images_are_not_decoded_early_while_the_engine_has_work_but_are_remembered(parts) -> None:  # type: ignore[no-untyped-def]
     engine, thread, fetcher, policy = parts
     encoder = MediaEncoder(engine, thread, fetcher, policy)
     release = asyncio.Event()
@@ -72,6 +72,12 @@ async def test_images_are_not_decoded_early_while_the_engine_has_work(parts) -> 
     finally:
         release.set()
         await busy
+    assert thread.quiet
+    # Seen while the engine was busy: sent again, it waits for its digest.
+    assert encoder._decoding_early(image_request(png(2)).media, [png(2)]) is None
+    decodes = encoder._decoding_early(image_request(png(5)).media, [png(5)])  # new, and quiet
+    assert decodes is not None
+    await asyncio.gather(*decodes)
 
 
 async def test_an_early_decode_a_cache_left_unused_ends_off_the_requests_way(parts) -> None:  # type: ignore[no-untyped-def]
