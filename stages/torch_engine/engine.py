@@ -1211,8 +1211,8 @@ class TorchEngine:
     def _sized_step(self, seqs: list[Sequence], chunk: Prefilling | None) -> contextlib.AbstractContextManager[None]:
         """A decode step of ``seqs`` as ``_sized`` sizes it (with a prompt's
         chunk riding it: as large)."""
-        if chunk is not None:
-            return contextlib.nullcontext()
+        if chunk is not None or self.device.type != "cpu":
+            return contextlib.nullcontext()  # off a CPU, no per-step work for it
         lengths = [seq.length for seq in seqs]
         return self._sized(len(seqs), len(seqs), sum(lengths), max(lengths, default=0))
 
