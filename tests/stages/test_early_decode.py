@@ -16,6 +16,7 @@ from stages.encoder import EARLY_DECODES, MediaEncoder
 from stages.media import EmbeddingCache, MediaFetcher, MediaPolicy
 from stages.torch_engine.engine import TorchEngine
 from stages.torch_engine.scheduler import EngineThread
+from tests.polling import eventually
 from tests.stages.inline_images import image_request, png
 
 
@@ -24,10 +25,7 @@ def _early() -> float:
 
 
 async def _until_settled(encoder: MediaEncoder) -> None:
-    deadline = asyncio.get_running_loop().time() + 10.0
-    while encoder._early:
-        assert asyncio.get_running_loop().time() < deadline, "an early decode never ended"
-        await asyncio.sleep(0.01)
+    await eventually(lambda: not encoder._early, within=10.0)
 
 
 @pytest.fixture
