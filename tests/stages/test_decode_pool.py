@@ -25,7 +25,7 @@ from stages.media import MediaFetcher, MediaPolicy, decode_image
 from stages.media.decode_pool import DecodePool
 from stages.torch_engine.engine import TorchEngine
 from stages.torch_engine.scheduler import EngineThread
-from tests.stages.test_decoded_cache import _png, _request
+from tests.stages.inline_images import image_request, png
 
 POLICY = MediaPolicy()
 
@@ -38,7 +38,7 @@ def pool() -> Iterator[DecodePool]:
 
 
 async def test_an_image_decoded_in_the_pool_is_the_image_decoded_here(pool: DecodePool) -> None:
-    data = _png(3, (64, 48))
+    data = png(3, (64, 48))
     there = await pool.decode(MediaKind.IMAGE, data, POLICY, None, None)
     here = decode_image(data, POLICY)
     assert there.size == here.size == (64, 48) and there.mode == here.mode
@@ -48,12 +48,12 @@ async def test_an_image_decoded_in_the_pool_is_the_image_decoded_here(pool: Deco
 async def test_bad_bytes_fail_as_invalid_media_and_the_pool_goes_on(pool: DecodePool) -> None:
     with pytest.raises(InvalidMedia):
         await pool.decode(MediaKind.IMAGE, b"\x89PNG\r\n\x1a\n not a png at all", POLICY, None, None)
-    assert (await pool.decode(MediaKind.IMAGE, _png(4), POLICY, None, None)).size == (40, 30)
+    assert (await pool.decode(MediaKind.IMAGE, png(4), POLICY, None, None)).size == (40, 30)
     assert pool.restarts == 0
 
 
 async def test_a_dead_child_is_replaced_and_the_input_decoded_on_the_next_pool(pool: DecodePool) -> None:
-    await pool.decode(MediaKind.IMAGE, _png(5), POLICY, None, None)  # the pool's processes are up
+    await pool.decode(MediaKind.IMAGE, png(5), POLICY, None, None)  # the pool's processes are up
     children = multiprocessing.active_children()
     assert children
     for child in children:
@@ -61,7 +61,7 @@ async def test_a_dead_child_is_replaced_and_the_input_decoded_on_the_next_pool(p
         os.kill(child.pid, signal.SIGKILL)
     for child in children:
         child.join(10)
-    decoded = await pool.decode(MediaKind.IMAGE, _png(6), POLICY, None, None)
+    decoded = await pool.decode(MediaKind.IMAGE, png(6), POLICY, None, None)
     assert decoded.size == (40, 30)
     assert pool.restarts == 1
 
@@ -86,7 +86,7 @@ async def test_embeddings_do_not_depend_on_where_the_media_were_decoded(tiny_mod
             policy = MediaPolicy(decode_processes=processes, decoded_cache_bytes=0)
             encoders.append(MediaEncoder(engine, thread, MediaFetcher(policy), policy))
         assert encoders[0].decode_pool is None and encoders[1].decode_pool is not None
-        request = _request(_png(7), _png(8, (50, 70)))
+        request = image_request(png(7), png(8, (50, 70)))
         here, there = [await e.encode(request, HopContext()) for e in encoders]
         assert [e.grid_thw for e in there] == [e.grid_thw for e in here]
         for a, b in zip(here, there, strict=True):
@@ -109,7 +109,7 @@ async def test_the_pool_decodes_only_while_the_engine_has_work(tiny_model_dir: P
     encoder = MediaEncoder(TorchEngine(tiny_model_dir), thread, MediaFetcher(policy), policy)
     try:
         assert thread.quiet is not busy
-        await encoder.encode(_request(_png(9)), HopContext())
+        await encoder.encode(image_request(png(9)), HopContext())
         assert encoder.decode_pool is not None and (encoder.decode_pool._pool is not None) is busy
     finally:
         encoder.close()
