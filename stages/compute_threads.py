@@ -99,13 +99,21 @@ def sized(flops: float) -> Iterator[None]:
     """On an engine thread: a call of fewer than ``SMALL_CALL_FLOPS`` on one
     thread. Its team's other threads, asleep after an idle, would be woken
     at each of its small ops to split work that one core does sooner, and
-    their core is the one the bridge, NATS and the worker's loop share."""
-    threads = _engine_threads
-    if threads is None or threads <= 1 or flops >= SMALL_CALL_FLOPS:
+    their core is the one the bridge, NATS and the worker's loop share.
+
+    In every process alike, reserved or not (a test's or a bench's engine
+    beside a worker's): the count is the calling thread's own where nothing
+    was reserved, so one call gives the same float32 bits wherever its
+    engine runs."""
+    if flops >= SMALL_CALL_FLOPS:
         yield
         return
     import torch
 
+    threads = _engine_threads if _engine_threads is not None else torch.get_num_threads()
+    if threads <= 1:
+        yield
+        return
     torch.set_num_threads(1)
     try:
         yield

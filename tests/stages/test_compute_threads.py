@@ -138,6 +138,38 @@ def test_a_small_call_runs_on_one_thread_and_the_engines_count_comes_back() -> N
     assert counts == {"small": 1, "after_small": 3, "large": 3, "after_raised": 3}
 
 
+# Where nothing was reserved (a test's or a bench's process): a small call on
+# one thread all the same, and the calling thread's own count back after it.
+_UNRESERVED = """
+import json, threading
+import torch
+from stages import compute_threads
+
+def counts(seen):
+    torch.set_num_threads(3)
+    with compute_threads.sized(compute_threads.SMALL_CALL_FLOPS / 10):
+        seen["small"] = torch.get_num_threads()
+    seen["after_small"] = torch.get_num_threads()
+    with compute_threads.sized(compute_threads.SMALL_CALL_FLOPS):
+        seen["large"] = torch.get_num_threads()
+
+seen = {}
+thread = threading.Thread(target=counts, args=(seen,))
+thread.start()
+thread.join()
+seen["reserved"] = compute_threads.engine_threads()
+print(json.dumps(seen))
+"""
+
+
+def test_where_nothing_is_reserved_a_small_call_runs_on_one_thread_and_the_threads_count_comes_back() -> None:
+    out = subprocess.run(
+        [sys.executable, "-c", _UNRESERVED], cwd=ROOT, capture_output=True, text=True, timeout=120, check=True
+    )
+    counts = json.loads(out.stdout.strip().splitlines()[-1])
+    assert counts == {"small": 1, "after_small": 3, "large": 3, "reserved": None}
+
+
 # A CPU engine on a reserved engine thread: the intra-op count its forward
 # ran with, for a short prompt and a long one.
 _ENGINE = """
