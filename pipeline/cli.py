@@ -141,6 +141,14 @@ def _bench(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     )
     bench.add_argument("--namespace", default="default", help="with --breakdown: the stack's namespace")
     bench.add_argument(
+        "--compare-url",
+        default="",
+        metavar="URL",
+        help="a second running stack's OpenAI base URL: every other request goes there, the rest to --url, and "
+        "the report gives each side and the difference of each pair sent one after the other (two trees or two "
+        "settings compared under one load, the host's drift shared)",
+    )
+    bench.add_argument(
         "--engine-metrics",
         action="append",
         default=[],

@@ -49,6 +49,10 @@ def median_seconds(fn: Callable[[], Any], repeats: int, sync: Callable[[], Any])
 
 
 def main(args: argparse.Namespace) -> int:
+    if getattr(args, "compare_url", "") and (
+        args.bench_command or args.workload != "single" or args.compare_deployments or args.compare_modes
+    ):
+        raise SystemExit("mmpipe bench: --compare-url splits one load over two running stacks; it runs alone")
     if args.bench_command == "scale":
         from pipeline.bench.scale import main as scale_main
 

@@ -95,6 +95,10 @@ class LoadSpec:
     client: str = "openai"
     # Instead of ``requests``, at every concurrency: this many per client.
     requests_per_client: int = 0
+    # A second stack's base URL: every other request goes there, the rest to
+    # ``url``, each side measured apart under one load (two trees or two
+    # settings compared with the host's drift shared between them).
+    compare_url: str = ""
 
     def __post_init__(self) -> None:
         if self.client not in CLIENTS:
@@ -108,6 +112,10 @@ class LoadSpec:
             raise ValueError("images_per_request must not be negative")
         if min(self.image_size) < 1:
             raise ValueError("image_size must be at least 1x1")
+        if self.compare_url and self.trace_alternate:
+            raise ValueError("compare_url and trace_alternate both take every other request: one at a time")
+        if self.compare_url and self.compare_url.rstrip("/") == self.url.rstrip("/"):
+            raise ValueError("compare_url is url itself: name another stack's")
 
 
 @dataclass
@@ -125,6 +133,8 @@ class RequestResult:
     traced: bool | None = None
     # When it ended, time.monotonic(): one clock for every process of the host.
     ended: float = 0.0
+    # With compare_url: whether this request went there (else to url).
+    compared: bool | None = None
 
 
 def steady_rate(results: Sequence[RequestResult], concurrency: int) -> float | None:
@@ -346,10 +356,12 @@ class LoadReport:
         spec = asdict(self.spec)
         spec.pop("api_key")
         spec["image_size"] = "{}x{}".format(*self.spec.image_size)
-        split_by_trace = {}
+        apart = {}
         if self.spec.trace_alternate:
             for label, traced in (("ttft_traced_ms", True), ("ttft_untraced_ms", False)):
-                split_by_trace[label] = _stats([r.ttft_s for r in done if r.traced is traced and r.ttft_s is not None])
+                apart[label] = _stats([r.ttft_s for r in done if r.traced is traced and r.ttft_s is not None])
+        if self.spec.compare_url:
+            apart["compared"] = compared(self.results)
         return {
             "config": spec,
             "completed": len(done),
@@ -364,7 +376,7 @@ class LoadReport:
             # A prefix cache that already held these prompts (a run before with
             # the same --seed) measures a lighter load: said, not hidden.
             "cached_tokens_mean": sum(r.cached_tokens for r in done) / len(done) if done else 0.0,
-            **split_by_trace,
+            **apart,
             "ttft_ms": _stats([r.ttft_s for r in done if r.ttft_s is not None]),
             "itl_ms": _stats([gap for r in done for gap in r.itl_s]),
             # The ITL apart: each request's first gap (its first token came from
@@ -376,6 +388,39 @@ class LoadReport:
             "warmup_error": self.warmup_error,
             "client_cpu": self.client_cpu,
         }
+
+
+def compared(results: Sequence[RequestResult]) -> dict[str, Any]:
+    """A load over two stacks (``compare_url``): each side's figures, and
+    the difference (compare_url's minus url's) of each pair of requests sent
+    one after the other, the first to url, the second to compare_url: what
+    the host's drift, shared by both of a pair, leaves of the gap."""
+    sides = {}
+    for side, there in (("url", False), ("compare_url", True)):
+        mine = [r for r in results if r.compared is there]
+        done = [r for r in mine if r.ok]
+        sides[side] = {
+            "completed": len(done),
+            "failed": len(mine) - len(done),
+            "ttft_ms": _stats([r.ttft_s for r in done if r.ttft_s is not None]),
+            "itl_ms": _stats([gap for r in done for gap in r.itl_s]),
+            "e2e_ms": _stats([r.e2e_s for r in done]),
+        }
+    ttft: list[float] = []
+    e2e: list[float] = []
+    # Pairs in the order sent; a client process's last request, alone when it
+    # sent an odd number, has none.
+    k = 0
+    while k + 1 < len(results):
+        first, second = results[k], results[k + 1]
+        if first.compared is False and second.compared is True:
+            if first.ok and second.ok and first.ttft_s is not None and second.ttft_s is not None:
+                ttft.append(second.ttft_s - first.ttft_s)
+                e2e.append(second.e2e_s - first.e2e_s)
+            k += 2
+        else:
+            k += 1
+    return {**sides, "ttft_diff_ms": _stats(ttft), "e2e_diff_ms": _stats(e2e)}
 
 
 def percentile(values: Sequence[float], q: float) -> float:
@@ -463,12 +508,15 @@ async def _run_client(
     """One process's closed loop; ``ready`` (a barrier) is passed once the
     warm-up is done, by every process at once."""
     warmup_urls, image_sets = images
-    client = open_client(spec)
+    clients = [open_client(spec)]
     try:
+        if spec.compare_url:
+            clients.append(open_client(replace(spec, url=spec.compare_url, compare_url="")))
         warmup_error = None
         if warmup:
-            warm = await one_request(client, spec, warmup_urls)
-            warmup_error = warm.error
+            # Each stack warmed up alike (the second's failure said with the first's).
+            warm = [await one_request(client, spec, warmup_urls) for client in clients]
+            warmup_error = "; ".join(w.error for w in warm if w.error) or None
         if ready is not None:
             ready.wait()
         results: list[RequestResult] = [RequestResult(ok=False, e2e_s=0.0, error="not run")] * spec.requests
@@ -477,14 +525,19 @@ async def _run_client(
         async def sender() -> None:
             for i in indices:  # shared by every sender: each index is taken once
                 traced = (i % 2 == 0) if spec.trace_alternate else None
-                results[i] = await one_request(client, spec, image_sets[i], traced)
+                there = bool(spec.compare_url) and i % 2 == 1
+                result = await one_request(clients[there], spec, image_sets[i], traced)
+                if spec.compare_url:
+                    result.compared = there
+                results[i] = result
 
         started_ns = time.time_ns()
         cpu0, t0 = time.process_time(), time.monotonic()
         await asyncio.gather(*(sender() for _ in range(min(spec.concurrency, spec.requests))))
         t1, cpu1 = time.monotonic(), time.process_time()
     finally:
-        await client.close()
+        for client in clients:
+            await client.close()
     return _ClientRun(results, t0, t1, started_ns, cpu1 - cpu0, warmup_error)
 
 
@@ -571,6 +624,8 @@ def format_report(summary: dict[str, Any]) -> str:
     for label, key in rows:
         s = summary[key]
         lines.append(f"{label:<{w}}{_ms(s['p50']):>10}{_ms(s['p90']):>10}{_ms(s['p99']):>10}{_ms(s['mean']):>10}")
+    if "compared" in summary:
+        lines += ["", *_format_compared(summary["compared"], c["url"], c["compare_url"], w)]
     cpu = summary.get("client_cpu") or []
     if cpu:
         shares = ", ".join(f"{c:.0%}" for c in cpu)
@@ -584,10 +639,33 @@ def format_report(summary: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def _format_compared(split: dict[str, Any], url: str, compare_url: str, width: int) -> list[str]:
+    """Each side's rows, then the pairs' differences."""
+    rows: list[tuple[str, dict[str, Any]]] = []
+    for side, name in (("url", "A"), ("compare_url", "B")):
+        rows += [(f"TTFT ms, {name}", split[side]["ttft_ms"]), (f"ITL ms, {name}", split[side]["itl_ms"])]
+    rows += [("TTFT ms, B − A", split["ttft_diff_ms"]), ("E2E ms, B − A", split["e2e_diff_ms"])]
+    w = max(width, *(len(label) for label, _ in rows))
+    lines = [
+        f"A: {url} ({split['url']['completed']} completed, {split['url']['failed']} failed)",
+        f"B: {compare_url} ({split['compare_url']['completed']} completed, {split['compare_url']['failed']} failed)",
+        f"every other request to each; B − A over the {split['ttft_diff_ms']['n']} pairs sent one after the other",
+        f"{'':<{w}}{'p50':>10}{'p90':>10}{'p99':>10}{'mean':>10}",
+    ]
+    for label, s in rows:
+        lines.append(f"{label:<{w}}{_ms(s['p50']):>10}{_ms(s['p90']):>10}{_ms(s['p99']):>10}{_ms(s['mean']):>10}")
+    return lines
+
+
 def main(args: argparse.Namespace) -> int:
     from pipeline.bench import run_async
 
     spec = spec_from_args(args)
+    if args.compare_url:
+        try:
+            spec = replace(spec, compare_url=args.compare_url)
+        except ValueError as exc:
+            raise SystemExit(f"mmpipe bench: {exc}") from None
     if args.breakdown:
         return _with_breakdown(args, spec)
     before = scrape_engines(args)

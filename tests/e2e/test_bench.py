@@ -19,6 +19,7 @@ from pipeline.bench.load import (
     RequestResult,
     at_concurrency,
     client_processes,
+    compared,
     format_report,
     percentile,
     report_engine_calls,
@@ -31,7 +32,8 @@ from pipeline.bench.load import (
 )
 from pipeline.bench.transport import format_rows, parse_size
 from pipeline.cli import parser
-from tests.e2e.conftest import Stack
+from pipeline.nats_server import NatsServer, NatsServerConfig
+from tests.e2e.conftest import Stack, start_stack
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -93,6 +95,71 @@ def test_a_load_shared_out_over_client_processes() -> None:
     assert client_processes(LoadSpec(concurrency=64, processes=3)) == 3
     assert client_processes(LoadSpec(concurrency=2, requests=1, processes=3)) == 1
     assert client_processes(LoadSpec(concurrency=1)) == 1
+
+
+def test_two_stacks_compared_pair_by_pair() -> None:
+    def sent(*sides: tuple[bool, float | None]) -> list[RequestResult]:
+        return [
+            RequestResult(ok=ttft is not None, e2e_s=2 * (ttft or 1.0), ttft_s=ttft, compared=there)
+            for there, ttft in sides
+        ]
+
+    a, b = False, True
+    # Two client processes' results one after the other, the first's odd in
+    # number: its last request has no pair, and the second's pairs stay whole.
+    # A pair with a failed request gives no difference but counts on its side.
+    results = sent((a, 0.010), (b, 0.013), (a, 0.020), (b, None), (a, 0.030), (a, 0.040), (b, 0.041))
+    split = compared(results)
+    assert (split["url"]["completed"], split["url"]["failed"]) == (4, 0)
+    assert (split["compare_url"]["completed"], split["compare_url"]["failed"]) == (2, 1)
+    assert split["ttft_diff_ms"]["n"] == 2
+    assert split["ttft_diff_ms"]["mean"] == pytest.approx((3.0 + 1.0) / 2)
+    assert split["e2e_diff_ms"]["mean"] == pytest.approx((6.0 + 2.0) / 2)
+    assert split["url"]["ttft_ms"]["p50"] == pytest.approx(25.0)
+    with pytest.raises(ValueError, match="one at a time"):
+        LoadSpec(url="http://a/v1", compare_url="http://b/v1", trace_alternate=True)
+    with pytest.raises(ValueError, match="url itself"):
+        LoadSpec(url="http://a/v1", compare_url="http://a/v1/")
+    with pytest.raises(SystemExit, match="runs alone"):
+        from pipeline.bench import main
+
+        main(parser().parse_args(["bench", "--compare-url", "http://b/v1", "--compare-modes"]))
+
+
+@pytest.mark.e2e
+async def test_one_load_over_two_stacks_sends_every_other_request_to_each(stack: Stack, tmp_path: Path) -> None:
+    """--compare-url: a second stack (a NATS of its own, as two `mmpipe up`
+    would have), half the requests and a warm-up each, each side's figures apart."""
+    server = NatsServer(NatsServerConfig(data_dir=tmp_path / "nats-b", port=0))
+    server.start()
+    try:
+        other, stop = await start_stack(replace(stack.config, nats_url=server.url), stack.spec)
+    except BaseException:
+        server.stop()
+        raise
+    try:
+        before = [w.handled for w in stack.workers], [w.handled for w in other.workers]
+        spec = LoadSpec(
+            url=f"{stack.base_url}/v1",
+            compare_url=f"{other.base_url}/v1",
+            concurrency=2,
+            requests=6,
+            max_tokens=4,
+            image_size=(64, 48),
+        )
+        summary = (await run_load(spec)).summary()
+        handled = [w.handled for w in stack.workers], [w.handled for w in other.workers]
+    finally:
+        await stop()
+        server.stop()
+    assert summary["errors"] == {} and summary["warmup_error"] is None and summary["completed"] == 6
+    # Each stack's one EPD worker (after the processor) ran its warm-up and three.
+    assert [after[-1] - was[-1] for after, was in zip(handled, before, strict=True)] == [4, 4]
+    split = summary["compared"]
+    assert split["url"]["completed"] == split["compare_url"]["completed"] == 3
+    assert split["ttft_diff_ms"]["n"] == 3 and split["url"]["ttft_ms"]["p50"] > 0
+    text = format_report(summary)
+    assert f"B: {other.base_url}/v1 (3 completed, 0 failed)" in text and "TTFT ms, B − A" in text
 
 
 @pytest.mark.e2e
