@@ -236,7 +236,14 @@ def up(settings: UpProcess, external_nats: bool) -> int:
                 log.info(
                     "worker_health_port", role=planned.role, ready=f"{base}/health/ready", metrics=f"{base}/metrics"
                 )
-            children.append(subprocess.Popen([sys.executable, "-m", "pipeline.cli", *planned.argv], env=planned.env))
+            # A process group each: what a worker started (an engine core, its
+            # media processes) is stopped with it (_stop_all), even where the
+            # worker itself could not stop it (killed, or past its grace).
+            children.append(
+                subprocess.Popen(
+                    [sys.executable, "-m", "pipeline.cli", *planned.argv], env=planned.env, process_group=0
+                )
+            )
         base = f"http://{bridge.host}:{bridge.port}"
         if not _wait_ready(f"{base}/health", children, stop, timeout_s=300):
             if stop.requested:
@@ -424,6 +431,11 @@ def _kv_folder(data_dir: Path) -> Path:
 
 
 def _stop_all(children: list[subprocess.Popen[bytes]], grace_s: float = 40.0) -> None:
+    """SIGTERM to each child (a worker drains, closes its engine and its
+    media processes), SIGKILL past ``grace_s``; then whatever is left of a
+    child's process group. A process a worker started outlives it when the
+    worker is killed: vLLM's and SGLang's engine cores, a pool's media
+    processes, each holding its memory (a GPU's too) until killed."""
     for child in children:
         if child.poll() is None:
             child.send_signal(signal.SIGTERM)
@@ -434,3 +446,12 @@ def _stop_all(children: list[subprocess.Popen[bytes]], grace_s: float = 40.0) ->
         except subprocess.TimeoutExpired:
             child.kill()
             child.wait()
+    for child in children:
+        _kill_group(child.pid)
+
+
+def _kill_group(pgid: int) -> None:
+    try:
+        os.killpg(pgid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass  # nothing left in it

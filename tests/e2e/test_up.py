@@ -26,6 +26,7 @@ from schemas.control import WorkerInfo
 from schemas.routes import MODES
 from tests.e2e.conftest import gradient, png_data_url
 from tests.e2e.processes import Processes
+from tests.polling import eventually
 
 N = 10
 
@@ -127,6 +128,49 @@ def test_up_serves_every_mode_as_processes_and_stops_cleanly(
     assert not (tmp_path / "data" / "nats.url").exists()  # its server is gone: no record of it left
 
 
+def _gone(process: psutil.Process) -> bool:
+    try:
+        return not process.is_running() or process.status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
+
+
+@pytest.mark.e2e
+async def test_what_a_killed_worker_started_is_stopped_with_it(
+    tmp_path: Path, mmpipe_home: Path, tiny_model_dir: Path
+) -> None:
+    """A worker SIGKILLed stops nothing it started: here its media
+    processes, elsewhere vLLM's or SGLang's engine core, each holding its
+    memory. `mmpipe up` stops (1, as whenever a worker exits) and kills
+    what is left of that worker's process group."""
+    port = _free_port()
+    procs = Processes(tmp_path, mmpipe_home)
+    up = procs.start("up", "--port", str(port), "--data-dir", str(tmp_path / "data"), "--media-processes", "1")
+    try:
+        up.wait_for("mmpipe ready")
+        worker = next(
+            c
+            for c in psutil.Process(up.popen.pid).children()
+            if "pipeline.cli" in c.cmdline() and "encode+prefill+decode" in c.cmdline()
+        )
+        image = [{"type": "image_url", "image_url": {"url": png_data_url(gradient(64, 48, 1))}}]
+        with openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0) as client:
+            _ask(client, [*image, {"type": "text", "text": "What?"}], stream=False)  # the pool starts its process
+        started = worker.children(recursive=True)
+        assert any(any("spawn_main" in part for part in c.cmdline()) for c in started), started
+        worker.kill()
+        code = up.popen.wait(120)
+    finally:
+        up.stop(signal.SIGINT)
+        procs.stop_all()
+    assert code == 1, up.text()[-3000:]
+    try:
+        await eventually(lambda: all(_gone(c) for c in started), within=30)
+    finally:
+        for left in (c for c in started if not _gone(c)):
+            left.kill()  # this test's failure leaves nothing running
+
+
 def test_send_with_no_server_fails_in_seconds_saying_where_it_looked(tmp_path: Path) -> None:
     dead = f"nats://127.0.0.1:{_free_port()}"
     sent = subprocess.run(
@@ -208,7 +252,7 @@ def test_up_with_the_engine_in_its_own_process_serves_and_stops_cleanly(
             assert _ask(client, single, stream=True) == reference(single, [image], N)[1]
             assert _ask(client, "Say something.", stream=False) == reference("Say something.", [], N)[1]
     finally:
-        # Ctrl-C reaches the whole group: the core waits for its worker to close it.
+        # Ctrl-C: `mmpipe up` stops each worker, which closes its core.
         code = up.stop(signal.SIGINT)
         procs.stop_all()
     assert code == 0, up.text()[-3000:]
