@@ -44,7 +44,6 @@ from pipeline.lora import LoraRegistry
 from pipeline.replies import CHUNK_DECODER, ExactlyOnceRelay, is_final, stored_chunks
 from pipeline.router.router import KvRouter
 from pipeline.streams import ensure_streams, is_stream_full
-from pipeline.subject_queue import SubjectQueue
 from schemas.chunk import (
     ErrorChunk,
     ImageChunk,
@@ -561,7 +560,7 @@ class Bridge:
             seed = params.seed if params.seed is not None else secrets.randbits(63)
             hop = ProcessedRequest(asked, [], [], [GENERATE_IMAGE], max_tokens=0, seed=seed)
             structlog.contextvars.bind_contextvars(request_id=rid, **({"user": body.user} if body.user else {}))
-            sub = await SubjectQueue.open(self.nc, self.subjects.reply(rid))
+            sub = await self.nc.subscribe(self.subjects.reply(rid))
             try:
                 await self._submit(self.subjects.work(GENERATE_IMAGE), f"{rid}:0:0", self._encode_request(hop))
                 images = []
@@ -611,7 +610,7 @@ class Bridge:
         now = gens[0].created
         # OpenAI's end-user id: on every log line of the request, for an operator to follow abuse.
         structlog.contextvars.bind_contextvars(request_id=rid, **({"user": user} if user else {}))
-        subs: list[Subscription | SubjectQueue] = []
+        subs: list[Subscription] = []
         try:
             # Each choice processed before any is queued: a bad request queues nothing.
             queued = [await self._queueable(gen, body_bytes) for gen in gens]
@@ -625,7 +624,7 @@ class Bridge:
             streams = []
             try:
                 for gen, (submit, _, processed) in zip(gens, queued, strict=True):
-                    sub = await SubjectQueue.open(self.nc, self.subjects.reply(gen.request_id))
+                    sub = await self.nc.subscribe(self.subjects.reply(gen.request_id))
                     subs.append(sub)
                     if processed is not None:
                         subs.append(
@@ -660,8 +659,8 @@ class Bridge:
                     await self._cancel_all(gens)
                 raise
         finally:
-            for subscribed in subs:
-                await subscribed.unsubscribe()
+            for sub in subs:
+                await sub.unsubscribe()
             if self.tensors is not None:
                 # Decoded media no encoder read (the request failed or was
                 # cancelled first) are freed now, not at their TTL.
@@ -753,7 +752,7 @@ class Bridge:
             log.error("cancel_publish_failed", error=repr(exc))
 
     async def _chunks(
-        self, sub: SubjectQueue, rid: str, deadline: float, images: bool = False
+        self, sub: Subscription, rid: str, deadline: float, images: bool = False
     ) -> AsyncIterator[ReplyChunk]:
         """The request's chunks, each once (``images``: its text, then images drawn after it)."""
         # From the request queued to its first chunk here: the time to first token the bridge adds nothing to.
@@ -777,7 +776,7 @@ class Bridge:
         return msgspec.structs.replace(chunk, data=data.numpy().tobytes(), ref=None)
 
     async def _relayed(
-        self, sub: SubjectQueue, rid: str, deadline: float, images: bool = False
+        self, sub: Subscription, rid: str, deadline: float, images: bool = False
     ) -> AsyncIterator[ReplyChunk]:
         relay = ExactlyOnceRelay(text_then_images=images)
         reconnects = self.nc.stats["reconnects"]
@@ -786,9 +785,8 @@ class Bridge:
             if remaining <= 0:
                 raise DeadlineExceeded("the request's deadline passed")
             try:
-                async with asyncio.timeout(min(remaining, 1.0)):
-                    msg = await sub.get()
-            except TimeoutError:
+                msg = await sub.next_msg(timeout=min(remaining, 1.0))
+            except (NatsTimeoutError, TimeoutError):
                 if self.nc.stats["reconnects"] != reconnects and self.nc.is_connected:
                     # Chunks published while this bridge was reconnecting never
                     # reached its subscription (the last one among them, maybe).
