@@ -607,7 +607,7 @@ def format_report(summary: dict[str, Any]) -> str:
         f" ({summary.get('cached_tokens_mean', 0.0):.0f} of them cached)",
     ]
     rows = [
-        (label, key)
+        (label, summary[key])
         for label, key in (
             ("TTFT ms", "ttft_ms"),
             ("ITL ms", "itl_ms"),
@@ -620,10 +620,7 @@ def format_report(summary: dict[str, Any]) -> str:
         if key in summary
     ]
     w = max(len(label) for label, _ in rows)
-    lines += ["", f"{'':<{w}}{'p50':>10}{'p90':>10}{'p99':>10}{'mean':>10}"]
-    for label, key in rows:
-        s = summary[key]
-        lines.append(f"{label:<{w}}{_ms(s['p50']):>10}{_ms(s['p90']):>10}{_ms(s['p99']):>10}{_ms(s['mean']):>10}")
+    lines += ["", *_table(rows, w)]
     if "compared" in summary:
         lines += ["", *_format_compared(summary["compared"], c["url"], c["compare_url"], w)]
     cpu = summary.get("client_cpu") or []
@@ -645,15 +642,19 @@ def _format_compared(split: dict[str, Any], url: str, compare_url: str, width: i
     for side, name in (("url", "A"), ("compare_url", "B")):
         rows += [(f"TTFT ms, {name}", split[side]["ttft_ms"]), (f"ITL ms, {name}", split[side]["itl_ms"])]
     rows += [("TTFT ms, B − A", split["ttft_diff_ms"]), ("E2E ms, B − A", split["e2e_diff_ms"])]
-    w = max(width, *(len(label) for label, _ in rows))
-    lines = [
+    return [
         f"A: {url} ({split['url']['completed']} completed, {split['url']['failed']} failed)",
         f"B: {compare_url} ({split['compare_url']['completed']} completed, {split['compare_url']['failed']} failed)",
         f"every other request to each; B − A over the {split['ttft_diff_ms']['n']} pairs sent one after the other",
-        f"{'':<{w}}{'p50':>10}{'p90':>10}{'p99':>10}{'mean':>10}",
+        *_table(rows, max(width, *(len(label) for label, _ in rows))),
     ]
+
+
+def _table(rows: list[tuple[str, dict[str, Any]]], width: int) -> list[str]:
+    """The percentiles' header, then a row of each figure's p50, p90, p99 and mean."""
+    lines = [f"{'':<{width}}{'p50':>10}{'p90':>10}{'p99':>10}{'mean':>10}"]
     for label, s in rows:
-        lines.append(f"{label:<{w}}{_ms(s['p50']):>10}{_ms(s['p90']):>10}{_ms(s['p99']):>10}{_ms(s['mean']):>10}")
+        lines.append(f"{label:<{width}}{_ms(s['p50']):>10}{_ms(s['p90']):>10}{_ms(s['p99']):>10}{_ms(s['mean']):>10}")
     return lines
 
 
