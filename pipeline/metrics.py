@@ -36,6 +36,11 @@ CANARY_FAILURES = Counter(
 )
 HTTP_REQUESTS = Counter("mmpipe_http_requests_total", "Bridge HTTP requests by status", ["path", "status"])
 DEAD = Counter("mmpipe_dead_letters_total", "Messages recorded on the dead subject", ["role", "code"])
+REPLY_CHUNKS_RECOVERED = Counter(
+    "mmpipe_reply_chunks_recovered_total",
+    "Reply chunks the bridge read back from the reply stream, not from its subscription, by what made it look",
+    ["why"],
+)
 RESTARTS = Counter("mmpipe_restarts_total", "Requests restarted from their first hop (a tensor was gone)", ["role"])
 BACKPRESSURE = Counter(
     "mmpipe_backpressure_waits_total",

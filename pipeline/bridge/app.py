@@ -93,6 +93,12 @@ _LORA_NAME = re.compile(r"[A-Za-z0-9_.=-]+")
 # POST /v1/cache/reset: how long to wait for the workers' answers, and for more after one.
 _CACHE_RESET_WAIT_S = 5.0
 _CACHE_RESET_QUIET_S = 0.5
+# A reply silent this long is read back from the reply stream, then again at
+# twice the wait each time up to _REPLY_CHECK_MAX_S: a chunk the bridge's
+# subscription never saw, the last one above all, leaves no gap to catch it,
+# and the client would wait out its whole deadline.
+_REPLY_CHECK_S = 2.0
+_REPLY_CHECK_MAX_S = 30.0
 _RESTART: Decoder[Restart] = Decoder(Restart)
 
 # Every chat completion's answer names its request id (the one on the NATS
@@ -780,20 +786,29 @@ class Bridge:
     ) -> AsyncIterator[ReplyChunk]:
         relay = ExactlyOnceRelay(text_then_images=images)
         reconnects = self.nc.stats["reconnects"]
+        quiet_s = _REPLY_CHECK_S
+        check_at = time.monotonic() + quiet_s
         while not relay.done:
             remaining = deadline - time.time()
             if remaining <= 0:
                 raise DeadlineExceeded("the request's deadline passed")
             try:
-                msg = await sub.next_msg(timeout=min(remaining, 1.0))
+                msg = await sub.next_msg(timeout=min(remaining, 1.0, max(check_at - time.monotonic(), 0.01)))
             except (NatsTimeoutError, TimeoutError):
                 if self.nc.stats["reconnects"] != reconnects and self.nc.is_connected:
                     # Chunks published while this bridge was reconnecting never
                     # reached its subscription (the last one among them, maybe).
                     reconnects = self.nc.stats["reconnects"]
-                    async for missed in self._backfill(rid, relay):
+                    async for missed in self._backfill(rid, relay, "reconnect"):
                         yield missed
+                elif time.monotonic() >= check_at and self.nc.is_connected:
+                    async for missed in self._backfill(rid, relay, "silence"):
+                        yield missed
+                    quiet_s = min(quiet_s * 2, _REPLY_CHECK_MAX_S)
+                    check_at = time.monotonic() + quiet_s
                 continue
+            quiet_s = _REPLY_CHECK_S
+            check_at = time.monotonic() + quiet_s
             try:
                 chunk = CHUNK_DECODER.decode(msg.data, (msg.headers or {}).get(CONTENT_TYPE))
             except (msgspec.ValidationError, msgspec.DecodeError) as exc:
@@ -801,25 +816,30 @@ class Bridge:
                 log.error("bad_reply_chunk", error=str(exc))
                 continue
             if relay.is_gap(chunk):
-                async for missed in self._backfill(rid, relay):
+                async for missed in self._backfill(rid, relay, "gap"):
                     yield missed
             accepted = relay.accept(chunk)
             if accepted is not None:
                 yield accepted
 
-    async def _backfill(self, rid: str, relay: ExactlyOnceRelay) -> AsyncIterator[ReplyChunk]:
+    async def _backfill(self, rid: str, relay: ExactlyOnceRelay, why: str) -> AsyncIterator[ReplyChunk]:
         """What the reply stream holds that this relay has not passed on yet."""
         try:
             stored = await stored_chunks(self.js, self.subjects, rid)
         except Exception as exc:  # the stream is not reachable right now: the next gap or timeout tries again
             metrics.ERRORS.labels("bridge", "backfill_failed").inc()
-            log.warning("reply_backfill_failed", error=repr(exc))
+            log.warning("reply_backfill_failed", request_id=rid, why=why, error=repr(exc))
             return
-        log.warning("reply_backfilled", stored=len(stored), next_seq=relay.next_seq)
+        recovered = 0
         for chunk in stored:
             accepted = relay.accept(chunk)
             if accepted is not None:
+                # A chunk published that the bridge's subscription did not see.
+                metrics.REPLY_CHUNKS_RECOVERED.labels(why).inc()
+                recovered += 1
                 yield accepted
+        if recovered:
+            log.warning("reply_backfilled", request_id=rid, why=why, recovered=recovered, next_seq=relay.next_seq)
 
     async def _complete(
         self,
