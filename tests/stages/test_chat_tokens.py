@@ -65,10 +65,16 @@ def _texts(seed: int, count: int) -> list[str]:
     return ["".join(rng.choice(FRAGMENTS) for _ in range(rng.randint(0, 40))) for _ in range(count)]
 
 
+# The new pieces encoded in one batch (the pool's threads), one by one on the caller's thread, or as their size says.
+@pytest.mark.parametrize("serial_chars", [0, 1 << 30, None], ids=["batched", "one-by-one", "by-size"])
 @pytest.mark.parametrize("model", ["tiny-qwen2-vl", "tiny-llava", "tiny-qwen2-audio"])
-def test_the_ids_are_the_tokenizers_own_for_any_text_and_again_from_what_it_kept(model: str) -> None:
+def test_the_ids_are_the_tokenizers_own_for_any_text_and_again_from_what_it_kept(
+    model: str, serial_chars: int | None
+) -> None:
     tokenizer = _tokenizer(model)
-    pieces = SegmentTokenizer(tokenizer)
+    pieces = (
+        SegmentTokenizer(tokenizer) if serial_chars is None else SegmentTokenizer(tokenizer, serial_chars=serial_chars)
+    )
     texts = _texts(seed=len(model), count=400)
     for text in texts + texts:  # the second time through, the long pieces come from what it kept
         assert pieces(text) == _whole(tokenizer, text), text
