@@ -136,8 +136,15 @@ def _bench(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     )
     bench.add_argument(
         "--nats-url",
-        default=os.environ.get("MMPIPE_NATS_URL", DEFAULT_NATS_URL),
-        help="with --breakdown: the stack's NATS, where its spans are published ($MMPIPE_NATS_URL)",
+        default=os.environ.get("MMPIPE_NATS_URL"),
+        help="with --breakdown: the stack's NATS, where its spans are published ($MMPIPE_NATS_URL; default: the "
+        f"one the `mmpipe up` of --data-dir recorded, else {DEFAULT_NATS_URL})",
+    )
+    bench.add_argument(
+        "--data-dir",
+        default=os.environ.get("MMPIPE_DATA_DIR", ".mmpipe"),
+        help="with --breakdown and no --nats-url: the NATS server the `mmpipe up` of this data dir recorded "
+        "($MMPIPE_DATA_DIR)",
     )
     bench.add_argument("--namespace", default="default", help="with --breakdown: the stack's namespace")
     bench.add_argument(

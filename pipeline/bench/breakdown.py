@@ -14,10 +14,11 @@ from __future__ import annotations
 import asyncio
 import statistics
 from collections import defaultdict
-from collections.abc import AsyncIterator, Iterable, Sequence
+from collections.abc import AsyncIterator, Callable, Coroutine, Iterable, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
-from typing import Any
+from pathlib import Path
+from typing import Any, TypeVar
 
 from pipeline.tracing import SPAN_RECORDS, SpanRecord
 
@@ -33,6 +34,44 @@ class SpanSink:
             self.traces[record.trace_id].append(record)
 
 
+CONNECT_TIMEOUT_S = 5.0
+
+T = TypeVar("T")
+
+
+class NatsUnreachable(Exception):
+    """No NATS server answered at the URL within ``CONNECT_TIMEOUT_S``."""
+
+
+def stack_nats_url(args: Any) -> tuple[str, str]:
+    """Where the stack publishes its spans (``--nats-url``, else the URL the
+    ``mmpipe up`` of ``--data-dir`` recorded, else the default), and what said so."""
+    from pipeline.config import DEFAULT_NATS_URL
+    from pipeline.discovery import RECORD, recorded_nats_url
+
+    if args.nats_url:
+        return args.nats_url, "--nats-url"
+    recorded = recorded_nats_url(Path(args.data_dir))
+    if recorded is not None:
+        return recorded, f"recorded in {Path(args.data_dir) / RECORD} by mmpipe up"
+    return DEFAULT_NATS_URL, f"the default; no mmpipe up recorded one in {args.data_dir}"
+
+
+def with_stack_spans(args: Any, run: Callable[[str], Coroutine[Any, Any, T]]) -> T:
+    """``run(nats_url)`` on the bench's loop with the stack's NATS URL; a
+    clear exit, not a hang, where no server answers there."""
+    from pipeline.bench import run_async
+
+    url, source = stack_nats_url(args)
+    try:
+        return run_async(run(url))
+    except NatsUnreachable:
+        raise SystemExit(
+            f"mmpipe bench --breakdown: no NATS server answered at {url} ({source}) within "
+            f"{CONNECT_TIMEOUT_S:g} s: pass the stack's --nats-url (`mmpipe up` prints it) or its --data-dir"
+        ) from None
+
+
 @asynccontextmanager
 async def spans_collected(nats_url: str, namespace: str) -> AsyncIterator[SpanSink]:
     """Every span the stack publishes while the block runs (the stack must
@@ -42,7 +81,12 @@ async def spans_collected(nats_url: str, namespace: str) -> AsyncIterator[SpanSi
     from pipeline.subjects import Subjects
 
     sink = SpanSink()
-    nc, _ = await connect(nats_url, name="mmpipe-bench")
+    try:
+        nc, _ = await asyncio.wait_for(connect(nats_url, name="mmpipe-bench"), CONNECT_TIMEOUT_S)
+    except TimeoutError:
+        # connect() waits for a server for ever (a worker's wait): a bench
+        # pointed at the wrong one would hang saying nothing.
+        raise NatsUnreachable(nats_url) from None
 
     async def take(msg: Any) -> None:
         sink.take(msg.data)

@@ -696,16 +696,15 @@ def report_engine_calls(args: argparse.Namespace, before: dict[str, Any], summar
 def _with_breakdown(args: argparse.Namespace, spec: LoadSpec) -> int:
     """The load, with the stack's spans collected while it runs (the stack
     must run with --trace-nats on this NATS and namespace)."""
-    from pipeline.bench import run_async
-    from pipeline.bench.breakdown import SpanSink, format_summary, spans_collected, summarize
+    from pipeline.bench.breakdown import SpanSink, format_summary, spans_collected, summarize, with_stack_spans
 
-    async def run() -> tuple[LoadReport, SpanSink]:
-        async with spans_collected(args.nats_url, args.namespace) as sink:
+    async def run(nats_url: str) -> tuple[LoadReport, SpanSink]:
+        async with spans_collected(nats_url, args.namespace) as sink:
             report = await run_load(spec)
         return report, sink
 
     before = scrape_engines(args)
-    report, sink = run_async(run())
+    report, sink = with_stack_spans(args, run)
     summary = report.summary()
     summary["breakdown"] = summarize(sink, since_ns=report.started_ns)
     engines = report_engine_calls(args, before, summary)

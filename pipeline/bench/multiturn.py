@@ -38,7 +38,7 @@ from typing import Any
 from prometheus_client.parser import text_string_to_metric_families
 
 from pipeline.bench.breakdown import format_summary as format_breakdown
-from pipeline.bench.breakdown import spans_collected
+from pipeline.bench.breakdown import spans_collected, with_stack_spans
 from pipeline.bench.breakdown import summarize as summarize_spans
 from pipeline.bench.load import (
     PROMPT,
@@ -314,7 +314,9 @@ def main(args: argparse.Namespace) -> int:
         return 1 if any(r["failed"] for r in rows) else 0
     spec = spec_from_args(args)
     if args.breakdown:
-        summary = run_async(run_traced(spec, args.users, args.turns, args.conversations, args.nats_url, args.namespace))
+        summary = with_stack_spans(
+            args, lambda url: run_traced(spec, args.users, args.turns, args.conversations, url, args.namespace)
+        )
     else:
         summary = run_async(run(spec, args.users, args.turns, args.conversations))
     print(json.dumps(summary, indent=2) if args.json else format_summary(summary), flush=True)
