@@ -20,7 +20,7 @@ from pipeline.bench.images import add_arguments as add_images_arguments
 from pipeline.bench.kernels import add_arguments as add_kernels_arguments
 from pipeline.bench.scale import add_arguments as add_scale_arguments
 from pipeline.config import DEFAULT_NATS_URL, PipelineConfig
-from pipeline.discovery import RECORD, recorded_nats_url
+from pipeline.discovery import nats_url_beside_up
 from pipeline.settings import (
     BridgeProcess,
     CommonSettings,
@@ -390,15 +390,9 @@ def _main(args: argparse.Namespace) -> int:
         loaded_common = load(CommonSettings, "send", args)
         common: CommonSettings = loaded_common.settings
         _set_up(common.auth, common.log.level)
-        pipeline_config, source = common.pipeline, "--nats-url"
-        if "pipeline__nats_url" not in loaded_common.given:
-            recorded = recorded_nats_url(Path(args.data_dir))
-            if recorded is not None:
-                pipeline_config = dataclasses.replace(pipeline_config, nats_url=recorded)
-                source = f"recorded in {Path(args.data_dir) / RECORD} by mmpipe up"
-            else:
-                source = f"the default; no mmpipe up recorded one in {args.data_dir}"
-        return _run_send(send, args, pipeline_config, source)
+        given = common.pipeline.nats_url if "pipeline__nats_url" in loaded_common.given else None
+        url, source = nats_url_beside_up(given, Path(args.data_dir), default=common.pipeline.nats_url)
+        return _run_send(send, args, dataclasses.replace(common.pipeline, nats_url=url), source)
     elif args.command == "model":
         from stages.models import build_builtin, builtin_path
 

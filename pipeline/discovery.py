@@ -30,6 +30,18 @@ def recorded_nats_url(data_dir: Path) -> str | None:
     return url or None
 
 
+def nats_url_beside_up(given: str | None, data_dir: Path, default: str) -> tuple[str, str]:
+    """The NATS URL a command run beside ``mmpipe up`` uses, and what said
+    so: ``given`` (its ``--nats-url``), else what the ``mmpipe up`` of
+    ``data_dir`` recorded, else ``default``."""
+    if given:
+        return given, "--nats-url"
+    recorded = recorded_nats_url(data_dir)
+    if recorded is not None:
+        return recorded, f"recorded in {data_dir / RECORD} by mmpipe up"
+    return default, f"the default; no mmpipe up recorded one in {data_dir}"
+
+
 def forget_nats_url(data_dir: Path, url: str) -> None:
     """Remove the record if it is still ``url`` (another ``up`` on the same
     data dir may have written its own since)."""

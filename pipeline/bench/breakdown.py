@@ -43,26 +43,16 @@ class NatsUnreachable(Exception):
     """No NATS server answered at the URL within ``CONNECT_TIMEOUT_S``."""
 
 
-def stack_nats_url(args: Any) -> tuple[str, str]:
-    """Where the stack publishes its spans (``--nats-url``, else the URL the
-    ``mmpipe up`` of ``--data-dir`` recorded, else the default), and what said so."""
-    from pipeline.config import DEFAULT_NATS_URL
-    from pipeline.discovery import RECORD, recorded_nats_url
-
-    if args.nats_url:
-        return args.nats_url, "--nats-url"
-    recorded = recorded_nats_url(Path(args.data_dir))
-    if recorded is not None:
-        return recorded, f"recorded in {Path(args.data_dir) / RECORD} by mmpipe up"
-    return DEFAULT_NATS_URL, f"the default; no mmpipe up recorded one in {args.data_dir}"
-
-
 def with_stack_spans(args: Any, run: Callable[[str], Coroutine[Any, Any, T]]) -> T:
-    """``run(nats_url)`` on the bench's loop with the stack's NATS URL; a
-    clear exit, not a hang, where no server answers there."""
+    """``run(nats_url)`` on the bench's loop with the stack's NATS URL
+    (``--nats-url``, else the one the ``mmpipe up`` of ``--data-dir``
+    recorded, else the default); a clear exit, not a hang, where no server
+    answers there."""
     from pipeline.bench import run_async
+    from pipeline.config import DEFAULT_NATS_URL
+    from pipeline.discovery import nats_url_beside_up
 
-    url, source = stack_nats_url(args)
+    url, source = nats_url_beside_up(args.nats_url, Path(args.data_dir), default=DEFAULT_NATS_URL)
     try:
         return run_async(run(url))
     except NatsUnreachable:

@@ -1,29 +1,27 @@
 """``mmpipe bench --breakdown`` finds the stack's NATS as ``mmpipe send``
-does (``--nats-url``, else what the ``mmpipe up`` of ``--data-dir``
-recorded) and says so when no server answers there, rather than waiting
-for one for ever."""
+does, through the same ``nats_url_beside_up`` (``--nats-url``, else what
+the ``mmpipe up`` of ``--data-dir`` recorded), and says so when no server
+answers there, rather than waiting for one for ever."""
 
 from __future__ import annotations
 
-import argparse
 import subprocess
 import sys
 from pathlib import Path
 
-from pipeline.bench.breakdown import stack_nats_url
 from pipeline.chaos.stack import free_port
 from pipeline.config import DEFAULT_NATS_URL
-from pipeline.discovery import record_nats_url
+from pipeline.discovery import nats_url_beside_up, record_nats_url
 
 
 def test_the_url_given_wins_then_the_one_mmpipe_up_recorded_then_the_default(tmp_path: Path) -> None:
     data = tmp_path / "data"
-    assert stack_nats_url(argparse.Namespace(nats_url=None, data_dir=str(data)))[0] == DEFAULT_NATS_URL
+    assert nats_url_beside_up(None, data, default=DEFAULT_NATS_URL)[0] == DEFAULT_NATS_URL
     record_nats_url(data, "nats://127.0.0.1:40001")
-    url, source = stack_nats_url(argparse.Namespace(nats_url=None, data_dir=str(data)))
+    url, source = nats_url_beside_up(None, data, default=DEFAULT_NATS_URL)
     assert url == "nats://127.0.0.1:40001" and str(data) in source
-    given = argparse.Namespace(nats_url="nats://127.0.0.1:40002", data_dir=str(data))
-    assert stack_nats_url(given) == ("nats://127.0.0.1:40002", "--nats-url")
+    given = nats_url_beside_up("nats://127.0.0.1:40002", data, default=DEFAULT_NATS_URL)
+    assert given == ("nats://127.0.0.1:40002", "--nats-url")
 
 
 def test_no_server_at_the_url_ends_the_bench_with_a_message(tmp_path: Path) -> None:
