@@ -32,10 +32,13 @@ import asyncio
 import contextlib
 import os
 import sys
+import threading
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 
 _engine_threads: int | None = None
+# Whether the calling thread entered the engine's count (``enter_engine_thread``).
+_thread = threading.local()
 
 # libgomp's busy-wait iterations before a team's thread sleeps (its default:
 # 300,000). Enough for the gap between two ops of one forward, not for the
@@ -74,6 +77,7 @@ def enter_engine_thread() -> None:
     keeps torch's setting)."""
     if _engine_threads is not None:
         _this_thread(_engine_threads)
+        _thread.engine = True
 
 
 def engine_threads() -> int | None:
@@ -110,6 +114,12 @@ def sized(flops: float) -> Iterator[None]:
         return
     import torch
 
+    # Where threads were reserved, a thread other than the engine's (a
+    # small call run on its caller's thread, ``EngineThread._inline``)
+    # computes on one already.
+    if _engine_threads is not None and not getattr(_thread, "engine", False):
+        yield
+        return
     threads = _engine_threads if _engine_threads is not None else torch.get_num_threads()
     if threads <= 1:
         yield

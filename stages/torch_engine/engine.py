@@ -1205,8 +1205,21 @@ class TorchEngine:
         (``compute_threads.sized``)."""
         if self.device.type != "cpu" or places > compute_threads.SMALL_CALL_PLACES:
             return contextlib.nullcontext()
-        flops = tokens * self._flops_token + rows * self._flops_row + pairs * self._flops_pair
-        return compute_threads.sized(flops)
+        return compute_threads.sized(self._flops(tokens, rows, pairs))
+
+    def _flops(self, tokens: int, rows: int, pairs: int) -> float:
+        return tokens * self._flops_token + rows * self._flops_row + pairs * self._flops_pair
+
+    def small_prefill(self, places: int) -> bool:
+        """Whether the prefill of a prompt of ``places`` (media expanded),
+        none of them cached, is a small call (``_sized``): on a CPU, one
+        core's work, brief enough to run on its caller's thread
+        (``EngineThread.call_or_release``'s ``small``)."""
+        return (
+            self.device.type == "cpu"
+            and places <= compute_threads.SMALL_CALL_PLACES
+            and self._flops(places, 1, places * places) < compute_threads.SMALL_CALL_FLOPS
+        )
 
     def _sized_step(self, seqs: list[Sequence], chunk: Prefilling | None) -> contextlib.AbstractContextManager[None]:
         """A decode step of ``seqs`` as ``_sized`` sizes it (with a prompt's

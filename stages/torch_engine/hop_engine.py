@@ -503,7 +503,9 @@ class TorchHopEngine:
             job = [req.prompt_token_ids], [media], [sampling(req)], [ctx.emitted]
             return engine.prefill(*job, defer=True, embeds=[embeds], loras=[req.lora or None])[0]
 
-        seq, _ = await self.thread.call_or_release(lambda out: engine.release(out[0]), prefill_one)
+        # Text alone, not resumed: its places are its ids, and it is one forward.
+        small = not media and embeds is None and not ctx.emitted and engine.small_prefill(len(req.prompt_token_ids))
+        seq, _ = await self.thread.call_or_release(lambda out: engine.release(out[0]), prefill_one, small=small)
         return seq
 
     async def _prefill_in_chunks(self, req: ProcessedRequest, media: list[MediaEmbedding], ctx: HopContext) -> Sequence:

@@ -40,6 +40,10 @@ ENGINE_CALL_WAIT = Histogram(
 ENGINE_CALL_RUN = Histogram(
     "mmpipe_engine_call_seconds", "Time an engine call held the engine's thread, by call", ["call"], buckets=_CALL
 )
+# Of the calls, those the caller ran on its own thread, the engine's being idle (EngineThread._inline).
+ENGINE_CALL_INLINE = Counter(
+    "mmpipe_engine_call_inline_total", "Engine calls run on their caller's thread, the engine's idle, by call", ["call"]
+)
 # Of a call's run, the time the thread was on a CPU: the rest it waited,
 # for the GPU (a blocking sync) or for the GIL, which the process's other
 # threads held.

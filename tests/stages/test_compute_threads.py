@@ -217,3 +217,79 @@ def test_a_cpu_engine_prefills_a_short_prompt_on_one_thread_and_a_long_one_on_it
     )
     counts = json.loads(out.stdout.strip().splitlines()[-1])
     assert counts == {"short_prefill": 1, "long_prefill": 2, "threads_after": 2}
+
+
+# A small prefill run on its caller's thread (the engine's idle), against the
+# same prompt on the engine's thread: where each ran, on how many threads,
+# and the last place's logits.
+_INLINE = """
+import asyncio, json, sys, threading
+import torch
+from stages import compute_threads
+from stages.sampling import SamplingConfig
+from stages.torch_engine.engine import TorchEngine
+from stages.torch_engine.scheduler import EngineThread
+
+async def main(model_dir):
+    compute_threads.reserve_on_loop(2)
+    engine = TorchEngine(model_dir, device="cpu", dtype=torch.float32)
+    seen = []
+    forward = engine.model.forward
+
+    def recorded(*args, **kwargs):
+        out = forward(*args, **kwargs)
+        seen.append((threading.get_ident(), torch.get_num_threads(), out.logits[0, -1].clone()))
+        return out
+
+    engine.model.forward = recorded
+    thread = EngineThread()
+    greedy = SamplingConfig(temperature=0.0, max_tokens=4)
+    ids = engine.tokenizer("hello there", add_special_tokens=False)["input_ids"] * 4
+
+    def prefill():
+        return engine.prefill([ids], [[]], [greedy])[0]
+
+    tokens = []
+    for small in (False, True):
+        seq, token = await thread.call_or_release(lambda out: engine.release(out[0]), prefill, small=small)
+        tokens.append(token)
+        await thread.call(engine.release, seq)
+        await thread.call(engine.reset_prefix_cache)  # the second prompt runs whole too
+    (on_engine, engine_count, engine_logits), (inline, inline_count, inline_logits) = seen[-2:]
+    main = threading.get_ident()
+    print(json.dumps({
+        "small": engine.small_prefill(len(ids)),
+        "long_small": engine.small_prefill(len(ids) * 100),
+        "engine_thread": on_engine != main,
+        "inline_on_caller": inline == main,
+        "counts": [engine_count, inline_count],
+        "caller_after": torch.get_num_threads(),
+        "same_logits": bool(torch.equal(engine_logits, inline_logits)),
+        "same_token": tokens[0] == tokens[1],
+    }))
+    thread.close()
+
+asyncio.run(main(sys.argv[1]))
+"""
+
+
+def test_a_small_prefill_on_its_callers_thread_computes_as_the_engines_thread_does(tiny_model_dir: Path) -> None:
+    out = subprocess.run(
+        [sys.executable, "-c", _INLINE, str(tiny_model_dir)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=True,
+    )
+    seen = json.loads(out.stdout.strip().splitlines()[-1])
+    assert seen == {
+        "small": True,
+        "long_small": False,
+        "engine_thread": True,
+        "inline_on_caller": True,
+        "counts": [1, 1],
+        "caller_after": 1,
+        "same_logits": True,
+        "same_token": True,
+    }

@@ -142,6 +142,69 @@ async def test_a_result_whose_caller_left_is_released() -> None:
     thread.close()
 
 
+async def test_a_small_call_runs_on_its_callers_thread_while_the_engine_thread_is_idle() -> None:
+    thread = EngineThread()
+    here = threading.get_ident()
+    engine_thread = await thread.call(threading.get_ident)
+    before = _inline_count("get_ident")
+    assert await thread.call_or_release(lambda _: None, threading.get_ident, small=True) == here
+    assert _inline_count("get_ident") == before + 1
+    # Not said to be small: the engine's thread, as ever.
+    assert await thread.call_or_release(lambda _: None, threading.get_ident) == engine_thread
+    assert thread.quiet
+    thread.close()
+
+
+async def test_a_small_call_waits_its_turn_behind_a_running_call_and_a_decoding_batch() -> None:
+    thread = EngineThread()
+    engine_thread = await thread.call(threading.get_ident)
+    order: list[str] = []
+    running, gate = blocker(thread)
+    assert await asyncio.to_thread(running.wait, 5)
+    queued = asyncio.ensure_future(thread.call(order.append, "queued"))
+    await asyncio.sleep(0)
+
+    def small() -> int:
+        order.append("small")
+        return threading.get_ident()
+
+    after = asyncio.ensure_future(thread.call_or_release(lambda _: None, small, small=True))
+    await asyncio.sleep(0.05)
+    assert order == []  # neither ran beside the held call
+    gate.set()
+    assert await after == engine_thread
+    await queued
+    assert order == ["queued", "small"]
+    # Sequences decoding: their next step must not wait for the caller's call.
+    thread.decoding = lambda: True
+    assert await thread.call_or_release(lambda _: None, threading.get_ident, small=True) == engine_thread
+    thread.close()
+
+
+async def test_a_call_submitted_from_another_thread_during_a_small_call_runs_after_it() -> None:
+    thread = EngineThread()
+    await thread.call(lambda: None)  # started, idle
+    order: list[str] = []
+
+    def small() -> bool:
+        # Another thread (a NIXL callback, a release from a done future) submits meanwhile.
+        other = threading.Thread(target=thread.submit, args=(order.append, "submitted"))
+        other.start()
+        other.join(0.2)
+        time.sleep(0.05)  # time for the engine's thread to run it, were it in
+        order.append("small")
+        return other.is_alive()
+
+    # Its submission waited for the small call's end.
+    assert await thread.call_or_release(lambda _: None, small, small=True)
+    await eventually(lambda: order == ["small", "submitted"], within=5.0)
+    thread.close()
+
+
+def _inline_count(call: str) -> float:
+    return REGISTRY.get_sample_value("mmpipe_engine_call_inline_total", {"call": call}) or 0.0
+
+
 @pytest.mark.parametrize("others_s", [None, 0.0])
 async def test_with_steps_first_a_decode_loop_steps_between_the_other_calls_queued(
     mmpipe_home: Path, monkeypatch: pytest.MonkeyPatch, others_s: float | None
