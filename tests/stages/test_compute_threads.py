@@ -170,59 +170,13 @@ def test_where_nothing_is_reserved_a_small_call_runs_on_one_thread_and_the_threa
     assert counts == {"small": 1, "after_small": 3, "large": 3, "reserved": None}
 
 
-# A CPU engine on a reserved engine thread: the intra-op count its forward
-# ran with, for a short prompt and a long one.
-_ENGINE = """
-import asyncio, json, sys
-import torch
-from stages import compute_threads
-from stages.sampling import SamplingConfig
-from stages.torch_engine.engine import TorchEngine
-from stages.torch_engine.scheduler import EngineThread
-
-async def main(model_dir):
-    compute_threads.reserve_on_loop(2)
-    engine = TorchEngine(model_dir, device="cpu", dtype=torch.float32)
-    seen = []
-    forward = engine.model.forward
-
-    def counted(*args, **kwargs):
-        seen.append(torch.get_num_threads())
-        return forward(*args, **kwargs)
-
-    engine.model.forward = counted
-    thread = EngineThread()
-    greedy = SamplingConfig(temperature=0.0, max_tokens=4)
-    ids = engine.tokenizer("hello there", add_special_tokens=False)["input_ids"]
-    [(short, _)] = await thread.call(engine.prefill, [ids * 4], [[]], [greedy])
-    out = {"short_prefill": seen[-1]}
-    [(long, _)] = await thread.call(engine.prefill, [ids * 400], [[]], [greedy])
-    out["long_prefill"] = seen[-1]
-    out["threads_after"] = await thread.call(torch.get_num_threads)
-    thread.close()
-    print(json.dumps(out))
-
-asyncio.run(main(sys.argv[1]))
-"""
-
-
-def test_a_cpu_engine_prefills_a_short_prompt_on_one_thread_and_a_long_one_on_its_own(tiny_model_dir: Path) -> None:
-    out = subprocess.run(
-        [sys.executable, "-c", _ENGINE, str(tiny_model_dir)],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=300,
-        check=True,
-    )
-    counts = json.loads(out.stdout.strip().splitlines()[-1])
-    assert counts == {"short_prefill": 1, "long_prefill": 2, "threads_after": 2}
-
-
-# A small prefill run on its caller's thread (the engine's idle), against the
-# same prompt on the engine's thread: where each ran, on how many threads,
-# and the last place's logits.
-_INLINE = """
+# A CPU engine in a process that reserved two threads for its engines, each
+# forward recorded (the thread it ran on, that thread's intra-op count, the
+# last place's logits), and an engine thread: a case's ``main`` gets them and
+# returns what it saw.
+def _with_recorded_engine(case: str) -> str:
+    return (
+        """
 import asyncio, json, sys, threading
 import torch
 from stages import compute_threads
@@ -230,7 +184,9 @@ from stages.sampling import SamplingConfig
 from stages.torch_engine.engine import TorchEngine
 from stages.torch_engine.scheduler import EngineThread
 
-async def main(model_dir):
+greedy = SamplingConfig(temperature=0.0, max_tokens=4)
+
+async def run(model_dir):
     compute_threads.reserve_on_loop(2)
     engine = TorchEngine(model_dir, device="cpu", dtype=torch.float32)
     seen = []
@@ -242,9 +198,47 @@ async def main(model_dir):
         return out
 
     engine.model.forward = recorded
+    ids = engine.tokenizer("hello there", add_special_tokens=False)["input_ids"]
     thread = EngineThread()
-    greedy = SamplingConfig(temperature=0.0, max_tokens=4)
-    ids = engine.tokenizer("hello there", add_special_tokens=False)["input_ids"] * 4
+    print(json.dumps(await main(engine, thread, seen, ids)))
+    thread.close()
+"""
+        + case
+        + """
+asyncio.run(run(sys.argv[1]))
+"""
+    )
+
+
+# Its forward's intra-op count on the engine's thread, for a short prompt and a long one.
+_ENGINE = _with_recorded_engine("""
+async def main(engine, thread, seen, ids):
+    await thread.call(engine.prefill, [ids * 4], [[]], [greedy])
+    out = {"short_prefill": seen[-1][1]}
+    await thread.call(engine.prefill, [ids * 400], [[]], [greedy])
+    out["long_prefill"] = seen[-1][1]
+    out["threads_after"] = await thread.call(torch.get_num_threads)
+    return out
+""")
+
+
+def _run(script: str, *args: str) -> dict[str, object]:
+    out = subprocess.run(
+        [sys.executable, "-c", script, *args], cwd=ROOT, capture_output=True, text=True, timeout=300, check=True
+    )
+    return dict(json.loads(out.stdout.strip().splitlines()[-1]))
+
+
+def test_a_cpu_engine_prefills_a_short_prompt_on_one_thread_and_a_long_one_on_its_own(tiny_model_dir: Path) -> None:
+    counts = _run(_ENGINE, str(tiny_model_dir))
+    assert counts == {"short_prefill": 1, "long_prefill": 2, "threads_after": 2}
+
+
+# A small prefill run on its caller's thread (the engine's idle), against the
+# same prompt on the engine's thread.
+_INLINE = _with_recorded_engine("""
+async def main(engine, thread, seen, ids):
+    ids = ids * 4
 
     def prefill():
         return engine.prefill([ids], [[]], [greedy])[0]
@@ -256,33 +250,22 @@ async def main(model_dir):
         await thread.call(engine.release, seq)
         await thread.call(engine.reset_prefix_cache)  # the second prompt runs whole too
     (on_engine, engine_count, engine_logits), (inline, inline_count, inline_logits) = seen[-2:]
-    main = threading.get_ident()
-    print(json.dumps({
+    caller = threading.get_ident()
+    return {
         "small": engine.small_prefill(len(ids)),
         "long_small": engine.small_prefill(len(ids) * 100),
-        "engine_thread": on_engine != main,
-        "inline_on_caller": inline == main,
+        "engine_thread": on_engine != caller,
+        "inline_on_caller": inline == caller,
         "counts": [engine_count, inline_count],
         "caller_after": torch.get_num_threads(),
         "same_logits": bool(torch.equal(engine_logits, inline_logits)),
         "same_token": tokens[0] == tokens[1],
-    }))
-    thread.close()
-
-asyncio.run(main(sys.argv[1]))
-"""
+    }
+""")
 
 
 def test_a_small_prefill_on_its_callers_thread_computes_as_the_engines_thread_does(tiny_model_dir: Path) -> None:
-    out = subprocess.run(
-        [sys.executable, "-c", _INLINE, str(tiny_model_dir)],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=300,
-        check=True,
-    )
-    seen = json.loads(out.stdout.strip().splitlines()[-1])
+    seen = _run(_INLINE, str(tiny_model_dir))
     assert seen == {
         "small": True,
         "long_small": False,
