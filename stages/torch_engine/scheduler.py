@@ -160,7 +160,11 @@ class EngineThread:
         so no call another thread submits meanwhile starts before it ends:
         the order stays the submission order. Only for a small call: the
         caller's loop does nothing else while it runs, and a small call runs
-        on one core on either thread, so its float32 bits are the same."""
+        on one core on either thread, so its float32 bits are the same. Never
+        on a thread that times or fences its calls on a GPU: its device
+        stream and the order of launches are the thread's."""
+        if self._gpu is not None or self._others_ahead > 0:
+            return None
         with self._ready:
             if self._calling or self._urgent or self._normal or self.closed or self.decoding():
                 return None

@@ -179,6 +179,13 @@ async def test_a_small_call_waits_its_turn_behind_a_running_call_and_a_decoding_
     thread.decoding = lambda: True
     assert await thread.call_or_release(lambda _: None, threading.get_ident, small=True) == engine_thread
     thread.close()
+    # A thread that keeps its calls in order on a device's stream takes them all.
+    done = threading.Event()
+    done.set()
+    fenced = EngineThread(others_ahead=1, fence=lambda: HeldFence(done))
+    fenced_thread = await fenced.call(threading.get_ident)
+    assert await fenced.call_or_release(lambda _: None, threading.get_ident, small=True) == fenced_thread
+    fenced.close()
 
 
 async def test_a_call_submitted_from_another_thread_during_a_small_call_runs_after_it() -> None:
