@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 from transformers import AutoTokenizer
 
-from stages.chat_tokens import SegmentTokenizer
+from stages.chat_tokens import MIN_ENTRY_CHARS, SegmentTokenizer
 from stages.models import builtin_path
 
 FRAGMENTS = [
@@ -116,3 +116,25 @@ def test_what_it_keeps_stays_within_its_bound_the_oldest_going_first() -> None:
     assert pieces.hit_chars == hits + 100
     pieces(texts[0])  # long gone
     assert pieces.hit_chars == hits + 100
+
+
+def test_short_pieces_are_kept_too_each_holding_at_least_its_minimum_of_the_bound() -> None:
+    tokenizer = _tokenizer("tiny-qwen2-vl")
+    pieces = SegmentTokenizer(tokenizer, max_chars=4 * MIN_ENTRY_CHARS)
+    # A chat template's own short pieces ("\n", "assistant\n") come in every request.
+    chat = tokenizer.apply_chat_template(
+        [{"role": "user", "content": "hi"}], add_generation_prompt=True, tokenize=False
+    )
+    assert pieces(chat) == _whole(tokenizer, chat)
+    before = pieces.miss_chars
+    assert pieces(chat) == _whole(tokenizer, chat)
+    assert pieces.miss_chars == before  # nothing encoded again
+    texts = [f"<|im_start|>p{i}<|im_end|>" for i in range(10)]
+    for text in texts:
+        assert pieces(text) == _whole(tokenizer, text)
+        assert pieces.kept_chars <= 4 * MIN_ENTRY_CHARS  # ten 2-character pieces would fit four times over
+    hits = pieces.hit_chars
+    pieces(texts[-1])
+    assert pieces.hit_chars == hits + 2
+    pieces(texts[0])  # pushed out by the later ones
+    assert pieces.hit_chars == hits + 2
