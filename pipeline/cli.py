@@ -75,11 +75,7 @@ def parser() -> argparse.ArgumentParser:
     send.add_argument("--max-tokens", type=int, default=32, help="tokens to generate at most")
     send.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
     send.add_argument("--json", action="store_true", help="send JSON instead of msgpack")
-    send.add_argument(
-        "--data-dir",
-        default=os.environ.get("MMPIPE_DATA_DIR", ".mmpipe"),
-        help="without --nats-url: the NATS server the `mmpipe up` of this data dir recorded ($MMPIPE_DATA_DIR)",
-    )
+    _data_dir_flag(send, "without --nats-url")
     send.add_argument("--connect-timeout", type=float, default=5.0, help="seconds to wait for a NATS server to answer")
     send.add_argument("prompt")
 
@@ -140,12 +136,7 @@ def _bench(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         help="with --breakdown: the stack's NATS, where its spans are published ($MMPIPE_NATS_URL; default: the "
         f"one the `mmpipe up` of --data-dir recorded, else {DEFAULT_NATS_URL})",
     )
-    bench.add_argument(
-        "--data-dir",
-        default=os.environ.get("MMPIPE_DATA_DIR", ".mmpipe"),
-        help="with --breakdown and no --nats-url: the NATS server the `mmpipe up` of this data dir recorded "
-        "($MMPIPE_DATA_DIR)",
-    )
+    _data_dir_flag(bench, "with --breakdown and no --nats-url")
     bench.add_argument("--namespace", default="default", help="with --breakdown: the stack's namespace")
     bench.add_argument(
         "--compare-url",
@@ -288,6 +279,15 @@ def _bench(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     # The load's flags go before or after `scale` alike.
     _load_flags(scale, after=True)
     add_scale_arguments(scale)
+
+
+def _data_dir_flag(p: argparse.ArgumentParser, when: str) -> None:
+    """``--data-dir`` of a command run beside ``mmpipe up``: where to find the NATS URL it recorded."""
+    p.add_argument(
+        "--data-dir",
+        default=os.environ.get("MMPIPE_DATA_DIR", ".mmpipe"),
+        help=f"{when}: the NATS server the `mmpipe up` of this data dir recorded ($MMPIPE_DATA_DIR)",
+    )
 
 
 def _load_flags(p: argparse.ArgumentParser, after: bool = False) -> None:

@@ -176,12 +176,8 @@ class EngineThread:
                 result = fn()
             finally:
                 self._calling = False
-                ran, cpu = time.perf_counter() - started, time.thread_time() - cpu
-                self._others_ran_s += ran
                 ENGINE_CALL_INLINE.labels(name).inc()
-                ENGINE_CALL_WAIT.labels(name).observe(0.0)
-                ENGINE_CALL_RUN.labels(name).observe(ran)
-                ENGINE_CALL_CPU.labels(name).inc(cpu)
+                self._ran(name, 0.0, started, cpu, urgent=False)
         return (result,)
 
     def _release_then_settle(self, release: Callable[[T], Any], result: T) -> None:
@@ -249,14 +245,20 @@ class EngineThread:
                 self._gpu.end(name, marker)
             if not urgent and self._others_ahead > 0 and self._fence is not None:
                 self._fenced()
-            ran, cpu = time.perf_counter() - started, time.thread_time() - cpu
-            ENGINE_CALL_WAIT.labels(name).observe(started - call.submitted)
-            ENGINE_CALL_RUN.labels(name).observe(ran)
-            ENGINE_CALL_CPU.labels(name).inc(cpu)
-            if urgent:
-                self._others_ran_s = 0.0
-            else:
-                self._others_ran_s += ran
+            self._ran(name, started - call.submitted, started, cpu, urgent)
+
+    def _ran(self, name: str, waited_s: float, started: float, cpu_at_start: float, urgent: bool) -> None:
+        """A call just ended (begun at ``perf_counter`` ``started``, the
+        thread's CPU time then ``cpu_at_start``): its wait, run and CPU in
+        the metrics, its run in the other calls' share of the thread."""
+        ran, cpu = time.perf_counter() - started, time.thread_time() - cpu_at_start
+        ENGINE_CALL_WAIT.labels(name).observe(waited_s)
+        ENGINE_CALL_RUN.labels(name).observe(ran)
+        ENGINE_CALL_CPU.labels(name).inc(cpu)
+        if urgent:
+            self._others_ran_s = 0.0
+        else:
+            self._others_ran_s += ran
 
     def _held_back(self) -> bool:
         """Whether the next other call waits: sequences decode and

@@ -13,6 +13,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -56,11 +57,16 @@ asyncio.run(main(sys.argv[1] == "reserve"))
 """
 
 
-def _threads(mode: str) -> dict[str, int]:
+def _run(script: str, *args: str, timeout_s: float = 120) -> dict[str, Any]:
+    """What ``script`` (a case in a process of its own) printed last, as JSON."""
     out = subprocess.run(
-        [sys.executable, "-c", _SCRIPT, mode], cwd=ROOT, capture_output=True, text=True, timeout=120, check=True
+        [sys.executable, "-c", script, *args], cwd=ROOT, capture_output=True, text=True, timeout=timeout_s, check=True
     )
     return dict(json.loads(out.stdout.strip().splitlines()[-1]))
+
+
+def _threads(mode: str) -> dict[str, int]:
+    return _run(_SCRIPT, mode)
 
 
 def test_a_worker_that_reserves_its_threads_computes_on_several_only_on_its_engine_thread() -> None:
@@ -131,10 +137,7 @@ asyncio.run(main())
 
 
 def test_a_small_call_runs_on_one_thread_and_the_engines_count_comes_back() -> None:
-    out = subprocess.run(
-        [sys.executable, "-c", _SIZED], cwd=ROOT, capture_output=True, text=True, timeout=120, check=True
-    )
-    counts = json.loads(out.stdout.strip().splitlines()[-1])
+    counts = _run(_SIZED)
     assert counts == {"small": 1, "after_small": 3, "large": 3, "after_raised": 3}
 
 
@@ -163,10 +166,7 @@ print(json.dumps(seen))
 
 
 def test_where_nothing_is_reserved_a_small_call_runs_on_one_thread_and_the_threads_count_comes_back() -> None:
-    out = subprocess.run(
-        [sys.executable, "-c", _UNRESERVED], cwd=ROOT, capture_output=True, text=True, timeout=120, check=True
-    )
-    counts = json.loads(out.stdout.strip().splitlines()[-1])
+    counts = _run(_UNRESERVED)
     assert counts == {"small": 1, "after_small": 3, "large": 3, "reserved": None}
 
 
@@ -222,15 +222,8 @@ async def main(engine, thread, seen, ids):
 """)
 
 
-def _run(script: str, *args: str) -> dict[str, object]:
-    out = subprocess.run(
-        [sys.executable, "-c", script, *args], cwd=ROOT, capture_output=True, text=True, timeout=300, check=True
-    )
-    return dict(json.loads(out.stdout.strip().splitlines()[-1]))
-
-
 def test_a_cpu_engine_prefills_a_short_prompt_on_one_thread_and_a_long_one_on_its_own(tiny_model_dir: Path) -> None:
-    counts = _run(_ENGINE, str(tiny_model_dir))
+    counts = _run(_ENGINE, str(tiny_model_dir), timeout_s=300)
     assert counts == {"short_prefill": 1, "long_prefill": 2, "threads_after": 2}
 
 
@@ -265,7 +258,7 @@ async def main(engine, thread, seen, ids):
 
 
 def test_a_small_prefill_on_its_callers_thread_computes_as_the_engines_thread_does(tiny_model_dir: Path) -> None:
-    seen = _run(_INLINE, str(tiny_model_dir))
+    seen = _run(_INLINE, str(tiny_model_dir), timeout_s=300)
     assert seen == {
         "small": True,
         "long_small": False,

@@ -146,9 +146,10 @@ async def test_a_small_call_runs_on_its_callers_thread_while_the_engine_thread_i
     thread = EngineThread()
     here = threading.get_ident()
     engine_thread = await thread.call(threading.get_ident)
-    before = _inline_count("get_ident")
+    inline = "mmpipe_engine_call_inline_total"
+    before = _sample(inline, "get_ident", "")
     assert await thread.call_or_release(lambda _: None, threading.get_ident, small=True) == here
-    assert _inline_count("get_ident") == before + 1
+    assert _sample(inline, "get_ident", "") == before + 1
     # Not said to be small: the engine's thread, as ever.
     assert await thread.call_or_release(lambda _: None, threading.get_ident) == engine_thread
     assert thread.quiet
@@ -206,10 +207,6 @@ async def test_a_call_submitted_from_another_thread_during_a_small_call_runs_aft
     assert await thread.call_or_release(lambda _: None, small, small=True)
     await eventually(lambda: order == ["small", "submitted"], within=5.0)
     thread.close()
-
-
-def _inline_count(call: str) -> float:
-    return REGISTRY.get_sample_value("mmpipe_engine_call_inline_total", {"call": call}) or 0.0
 
 
 @pytest.mark.parametrize("others_s", [None, 0.0])
